@@ -1,0 +1,29 @@
+"""SetGRPO mathematics (SETGRPO.md sections 1-4, 6-8): no verl import, float64, batched over groups.
+
+Public API::
+
+    grpo_coefficients(scores [G,K], norm_by_std=True, eps=1e-6) -> [G,K]
+    grpo_jacobian(scores [G,K], norm_by_std=True, eps=1e-6)     -> [G,K,K]
+    calibrate(point, reference, gram, *, alpha, beta, delta, ...) -> CalibrationRecord
+    setgrpo_coefficients(point, gram, record, *, ablation=None) -> SetGRPOResult
+    OnlineRiskMonitor(record).update(result, reference, gram)   -> metrics dict
+
+Building blocks (for diagnostics and tests): ``degenerate_groups``, ``set_shape``,
+``nonconformity_scores``, ``conformal_radius``, ``CoefficientSets``, ``safe_anchor``,
+``projections``, ``recovery_ratios``, ``clopper_pearson_upper``, ``select_threshold``.
+"""
+
+from ._api import STATUSES, OnlineRiskMonitor, SetGRPOResult, calibrate, setgrpo_coefficients
+from ._ggsr import path_point, projections, recovery_ratios, safe_anchor
+from ._grpo import degenerate_groups, grpo_coefficients, grpo_jacobian
+from ._jrsc import CoefficientSets, conformal_radius, min_calibration_groups, nonconformity_scores, set_shape
+from ._record import ABLATIONS, SCHEMA_VERSION, CalibrationRecord
+from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, select_threshold
+
+__all__ = [
+    "ABLATIONS", "DEFAULT_TAU_GRID", "SCHEMA_VERSION", "STATUSES",
+    "CalibrationRecord", "CoefficientSets", "OnlineRiskMonitor", "SetGRPOResult",
+    "calibrate", "clopper_pearson_upper", "conformal_radius", "degenerate_groups", "grpo_coefficients",
+    "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "path_point", "projections",
+    "recovery_ratios", "safe_anchor", "select_threshold", "set_shape", "setgrpo_coefficients",
+]

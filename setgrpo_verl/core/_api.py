@@ -1,0 +1,444 @@
+"""Public entry points: ``calibrate`` (JRSC + SRGO -> frozen record) and ``setgrpo_coefficients`` (GGSR)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+
+from ._checks import check_gram, check_pair, check_scores, check_unit_interval
+from ._ggsr import NULL_TOL, path_point, projections, recovery_ratios, safe_anchor
+from ._grpo import degenerate_groups, grpo_coefficients
+from ._jrsc import (
+    CoefficientSets,
+    conformal_radius,
+    mahalanobis,
+    min_calibration_groups,
+    nonconformity_scores,
+    set_shape,
+)
+from ._record import ABLATIONS, CalibrationRecord
+from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, select_threshold
+
+logger = logging.getLogger(__name__)
+
+STATUSES = ("accepted", "infeasible", "null_anchor", "degenerate", "discarded")
+_METADATA_KEYS = ("loss_agg_mode", "sketch", "grader", "policy")
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Per-group quantities shared by calibration and application (non-degenerate groups only)."""
+
+    sets: CoefficientSets
+    gram: torch.Tensor  # geometry used for recovery (identity under identity_geometry)
+    anchor: torch.Tensor
+    kkt: torch.Tensor
+    null: torch.Tensor
+
+
+def _geometry(point: torch.Tensor, gram: torch.Tensor, *, q: float, rho: float, norm_by_std: bool, eps: float,
+              ablation: str | None) -> _Geometry:
+    shape = "spherical" if ablation == "spherical_set" else "jacobian"
+    center = grpo_coefficients(point, norm_by_std, eps)
+    root, pinv = set_shape(point, rho=rho, norm_by_std=norm_by_std, eps=eps, shape=shape)
+    sets = CoefficientSets(center=center, root=root, pinv=pinv, radius=q)
+    if ablation == "identity_geometry":
+        gram = torch.eye(point.shape[1], dtype=torch.float64).expand_as(gram)
+    anchor, kkt = safe_anchor(sets, gram)
+    ama = torch.einsum("gi,gij,gj->g", center, gram, center)
+    b0mb0 = torch.einsum("gi,gij,gj->g", anchor, gram, anchor)
+    null = (ama <= 0) | (b0mb0 <= NULL_TOL * ama)
+    return _Geometry(sets=sets, gram=gram, anchor=anchor, kkt=kkt, null=null)
+
+
+def _check_ablation(ablation: str | None) -> None:
+    if ablation is not None and ablation not in ABLATIONS:
+        raise ValueError(f"ablation must be None or one of {ABLATIONS}, got {ablation!r}")
+
+
+def _package_versions() -> dict[str, str]:
+    out = {}
+    for name in ("setgrpo-verl", "torch", "scipy", "verl"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def calibrate(
+    point: torch.Tensor,
+    reference: torch.Tensor,
+    gram: torch.Tensor,
+    *,
+    alpha: float = 0.05,
+    beta: float = 0.08,
+    delta: float = 0.05,
+    tau_grid=None,
+    rho: float = 0.1,
+    split_seed: int = 0,
+    risk_fraction: float = 0.5,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+    grid_size: int = 100,
+    ablation: str | None = None,
+    fixed_tau: float | None = None,
+    on_infeasible: str = "error",
+    metadata: dict | None = None,
+) -> CalibrationRecord:
+    """Calibrate SetGRPO on paired scorings: JRSC radius on coverage groups, SRGO threshold on risk groups.
+
+    Implements SETGRPO.md sections 2 and 4. Degenerate groups (zero spread of the point scores)
+    are dropped first; the rest are split at random (``split_seed``) into coverage groups
+    (``1 - risk_fraction``) and disjoint risk groups. On coverage groups the nonconformity scores
+    give the conformal radius ``Q_alpha``. On risk groups, for every threshold tau_j the GGSR
+    recovery gives accepted groups (N_j), their reversals ``F = 1[b*^T M a' < 0]`` measured in the
+    true geometry (F_j), the Clopper-Pearson bound at ``1 - delta/m`` and the utility
+    ``U_j = sum_accepted eta* / n_risk``; ``tau_sel`` maximises U among thresholds with
+    ``N_j > 0`` and ``UCB_j <= beta`` (ties: larger tau).
+
+    Guarantees (exchangeability): coverage ``P(T(r'_new) in C_new) >= 1 - alpha``; with probability
+    ``>= 1 - delta`` the conditional reversal risk of accepted groups at ``tau_sel`` is ``<= beta``.
+
+    Args:
+        point, reference: ``[G, K]`` float tensors, two independent scorings (reward units).
+        gram: ``[G, K, K]`` float tensor, Gram matrices of per-response gradients at the
+            calibration policy (symmetric PSD).
+        alpha, beta, delta: miscoverage, risk level and failure probability, each in (0, 1).
+        tau_grid: increasing thresholds in (-1, 1); default 0.00, 0.05, ..., 0.95.
+        rho: scale-free ridge of the set shape (> 0 for GRPO).
+        split_seed: seed of the coverage/risk split (recorded).
+        risk_fraction: share of non-degenerate groups used for risk calibration, in (0, 1).
+        norm_by_std, eps: the coefficient map (GRPO / Dr.GRPO, verl's eps).
+        grid_size: recovery grid intervals N.
+        ablation: None or one of ``spherical_set``, ``identity_geometry``, ``safe_anchor_only``,
+            ``fixed_threshold`` (needs ``fixed_tau``; SRGO selection skipped), ``random_discard``
+            (calibrated like the full method; the discard happens at application).
+        fixed_tau: the threshold of the ``fixed_threshold`` ablation (added to the grid if absent).
+        on_infeasible: ``"error"`` (default) or ``"reject_all"`` when no threshold is risk-feasible.
+        metadata: optional dict with keys ``loss_agg_mode`` (str), ``sketch``, ``grader``, ``policy``
+            (dicts) stored in the record for later compatibility checks.
+
+    Returns:
+        A frozen, validated :class:`CalibrationRecord`.
+
+    Raises:
+        ValueError: bad shapes/values (see checks), alpha/beta/delta outside (0, 1), too few
+            non-degenerate groups for alpha, unknown ablation or metadata keys, or no risk-feasible
+            threshold with ``on_infeasible="error"`` (the message gives the smallest UCB reached).
+    """
+    check_pair(point, reference)
+    for name, value in (("alpha", alpha), ("beta", beta), ("delta", delta), ("risk_fraction", risk_fraction)):
+        check_unit_interval(name, value)
+    _check_ablation(ablation)
+    if on_infeasible not in ("error", "reject_all"):
+        raise ValueError(f"on_infeasible must be 'error' or 'reject_all', got {on_infeasible!r}")
+    if (ablation == "fixed_threshold") != (fixed_tau is not None):
+        raise ValueError("fixed_tau must be given exactly when ablation='fixed_threshold'")
+    metadata = dict(metadata or {})
+    unknown = set(metadata) - set(_METADATA_KEYS)
+    if unknown:
+        raise ValueError(f"unknown metadata keys {sorted(unknown)}; allowed: {_METADATA_KEYS}")
+    g, k = point.shape
+    m_true = check_gram(gram, g, k)
+    grid = [float(t) for t in (DEFAULT_TAU_GRID if tau_grid is None else tau_grid)]
+    if fixed_tau is not None and float(fixed_tau) not in grid:
+        grid = sorted(grid + [float(fixed_tau)])
+    if not grid or any(b <= a for a, b in zip(grid, grid[1:])) or not all(-1 < t < 1 for t in grid):
+        raise ValueError(f"tau_grid must be non-empty, strictly increasing and inside (-1, 1), got {grid}")
+
+    p64, r64 = point.to(torch.float64), reference.to(torch.float64)
+    keep = (~degenerate_groups(point)).nonzero().flatten()
+    n = int(keep.numel())
+    perm = keep[torch.randperm(n, generator=torch.Generator().manual_seed(split_seed))]
+    n_risk = int(round(n * risk_fraction))
+    cov, risk = perm[n_risk:], perm[:n_risk]
+    need = min_calibration_groups(alpha)
+    if cov.numel() < need or n_risk < 1:
+        raise ValueError(
+            f"too few calibration groups: {n} of {g} are non-degenerate, giving {cov.numel()} coverage and {n_risk} "
+            f"risk groups; alpha={alpha} needs at least {need} coverage groups, i.e. about "
+            f"{math.ceil(need / (1 - risk_fraction))} non-degenerate groups (add calibration prompts or raise alpha)"
+        )
+    shape = "spherical" if ablation == "spherical_set" else "jacobian"
+    scores = nonconformity_scores(p64[cov], r64[cov], rho=rho, norm_by_std=norm_by_std, eps=eps, shape=shape)
+    q_alpha = conformal_radius(scores, alpha)
+
+    geo = _geometry(p64[risk], m_true[risk], q=q_alpha, rho=rho, norm_by_std=norm_by_std, eps=eps, ablation=ablation)
+    taus = torch.tensor(grid, dtype=torch.float64)
+    eta, feasible = recovery_ratios(geo.sets, geo.gram, geo.anchor, taus, grid_size=grid_size,
+                                    anchor_only=ablation == "safe_anchor_only")
+    accepted = feasible & ~geo.null[None]
+    b_star = path_point(geo.anchor[None], geo.sets.center[None], eta)  # [m, G, K]
+    a_ref = grpo_coefficients(r64[risk], norm_by_std, eps)
+    reversal = accepted & (torch.einsum("mgi,gij,gj->mg", b_star, m_true[risk], a_ref) < 0)
+    n_acc = accepted.sum(1).tolist()
+    n_rev = reversal.sum(1).tolist()
+    utility = (torch.where(accepted, eta, 0.0).sum(1) / n_risk).tolist()
+    ucb, index = select_threshold(n_acc, n_rev, utility, beta=beta, delta=delta)
+    if ablation == "fixed_threshold":
+        tau_sel = float(fixed_tau)
+    elif index is None:
+        if on_infeasible == "error":
+            best = int(np.argmin(ucb))
+            raise ValueError(
+                f"SRGO found no risk-feasible threshold: the smallest Clopper-Pearson bound is {ucb[best]:.4f} at "
+                f"tau={grid[best]} (N={n_acc[best]}, F={n_rev[best]}), above beta={beta}. Use more calibration "
+                "groups (tighter bounds), a larger beta, or on_infeasible='reject_all' to train no group"
+            )
+        tau_sel = None
+    else:
+        tau_sel = grid[index]
+    coverage = float((mahalanobis(a_ref - geo.sets.center, geo.sets.pinv) <= q_alpha).double().mean())
+    return CalibrationRecord(
+        alpha=float(alpha), beta=float(beta), delta=float(delta), rho=float(rho), q_alpha=q_alpha,
+        n_cov=int(cov.numel()), n_risk=n_risk, n_degenerate=g - n, tau_grid=tuple(grid),
+        n_accepted=tuple(int(x) for x in n_acc), n_reversals=tuple(int(x) for x in n_rev),
+        ucb=tuple(float(x) for x in ucb), utility=tuple(float(x) for x in utility), tau_sel=tau_sel,
+        K=k, norm_by_std=bool(norm_by_std), eps=float(eps), coverage_risk_set=coverage,
+        split_seed=int(split_seed), grid_size=int(grid_size), ablation=ablation, on_infeasible=on_infeasible,
+        loss_agg_mode=str(metadata.get("loss_agg_mode", "token-mean")), sketch=dict(metadata.get("sketch", {})),
+        grader=dict(metadata.get("grader", {})), policy=dict(metadata.get("policy", {})),
+        package_versions=_package_versions(), created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+@dataclass(frozen=True)
+class SetGRPOResult:
+    """Per-group output of :func:`setgrpo_coefficients` (all tensors on CPU).
+
+    Attributes:
+        coefficients: ``[G, K]`` float64 training coefficients (verl's response-level advantages);
+            zero rows for rejected and degenerate groups; not renormalised.
+        accepted: ``[G]`` bool.
+        status: length-G list, each one of ``accepted``, ``infeasible``, ``null_anchor``,
+            ``degenerate`` (and ``discarded`` under the ``random_discard`` ablation).
+        recovery_ratio: ``[G]`` float64 eta* in [0, 1] (0 unless accepted).
+        m_full, m_reward: ``[G]`` float64 minimum projections at b(eta*) for accepted groups and at
+            the anchor b0 for rejected ones; NaN for degenerate and null-anchor groups.
+        anchor: ``[G, K]`` float64 safe anchors b0 (zeros for degenerate groups).
+        grpo: ``[G, K]`` float64 plain GRPO coefficients T(r) (zeros for degenerate groups).
+        point: ``[G, K]`` float64 the point scores the coefficients were computed from.
+        kkt_residual: ``[G]`` float64 anchor-solve KKT residual (0 for degenerate groups).
+        timings: seconds spent in ``geometry`` (sets + anchors) and ``recovery``.
+    """
+
+    coefficients: torch.Tensor
+    accepted: torch.Tensor
+    status: list
+    recovery_ratio: torch.Tensor
+    m_full: torch.Tensor
+    m_reward: torch.Tensor
+    anchor: torch.Tensor
+    grpo: torch.Tensor
+    kkt_residual: torch.Tensor
+    point: torch.Tensor
+    timings: dict = field(default_factory=dict)
+
+    def metrics(self, prefix: str = "setgrpo/") -> dict[str, float]:
+        """Step diagnostics of SETGRPO.md section 6 as ``{name: float}`` for verl's tracker.
+
+        Ratios are over all G groups; means ``*_accepted`` over accepted groups (NaN if none),
+        ``*_all`` over groups with a defined projection.
+        """
+        g = len(self.status)
+        acc = self.accepted
+
+        def ratio(s: str) -> float:
+            return sum(1 for x in self.status if x == s) / g
+
+        def mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+            return float(x[mask].mean()) if bool(mask.any()) else math.nan
+
+        defined = ~torch.isnan(self.m_full)
+        norms = self.coefficients.norm(dim=-1)
+        out = {
+            "accepted_ratio": float(acc.double().mean()),
+            "rejected_ratio/infeasible": ratio("infeasible"),
+            "rejected_ratio/null_anchor": ratio("null_anchor"),
+            "rejected_ratio/discarded": ratio("discarded"),
+            "degenerate_ratio": ratio("degenerate"),
+            "recovery_ratio/mean": mean(self.recovery_ratio, acc),
+            "m_full/mean_accepted": mean(self.m_full, acc),
+            "m_full/mean_all": mean(self.m_full, defined),
+            "m_reward/mean_accepted": mean(self.m_reward, acc),
+            "m_reward/mean_all": mean(self.m_reward, defined),
+            "coefficient_norm/mean": float(norms.mean()),
+            "coefficient_norm/max": float(norms.max()),
+            "anchor_kkt_residual/max": float(self.kkt_residual.max()) if g else 0.0,
+        }
+        out.update({f"timing_s/{k}": float(v) for k, v in self.timings.items()})
+        return {prefix + k: v for k, v in out.items()}
+
+
+def setgrpo_coefficients(
+    point: torch.Tensor,
+    gram: torch.Tensor,
+    record: CalibrationRecord,
+    *,
+    ablation: str | None = None,
+    seed: int = 0,
+) -> SetGRPOResult:
+    """SetGRPO training coefficients of G groups under a frozen calibration record.
+
+    Implements SETGRPO.md section 3 at the record's threshold ``tau_sel``: coefficient sets with
+    radius ``q_alpha`` around ``a_hat = T(r)``, safe anchor b0, largest safe recovery ratio eta* on
+    ``b(eta) = b0 + eta (a_hat - b0)``; accepted groups train with ``b* = b(eta*)``, rejected
+    (``infeasible``, ``null_anchor``) and ``degenerate`` groups get zero coefficients. With
+    ``q_alpha = 0`` every non-degenerate group with ``a_hat^T M a_hat > 0`` gets exactly the GRPO
+    coefficients. A record with ``tau_sel = None`` (``reject_all``) rejects every group.
+
+    Args:
+        point: ``[G, K]`` float point scores (reward units).
+        gram: ``[G, K, K]`` float Gram matrices of per-response gradients (symmetric PSD).
+        record: the frozen :class:`CalibrationRecord`.
+        ablation: must be None or equal the record's ablation (a record certifies one variant).
+        seed: RNG seed of the ``random_discard`` ablation.
+
+    Returns:
+        :class:`SetGRPOResult`.
+
+    Raises:
+        ValueError: bad shapes/values, K different from the record's, or an ablation that differs
+            from the one the record was calibrated for.
+    """
+    check_scores(point, "point")
+    g, k = point.shape
+    record.check_compatible(K=k)
+    if ablation is not None and ablation != record.ablation:
+        _check_ablation(ablation)
+        raise ValueError(
+            f"ablation {ablation!r} differs from the record's ({record.ablation!r}); the record certifies the variant "
+            "it was calibrated with - recalibrate with calibrate(..., ablation=...)"
+        )
+    ablation = record.ablation
+    m_all = check_gram(gram, g, k)
+    t0 = time.perf_counter()
+    p64 = point.to(torch.float64)
+    degenerate = degenerate_groups(point)
+    keep = (~degenerate).nonzero().flatten()
+    nan = torch.full((g,), math.nan, dtype=torch.float64)
+    coefficients, anchor, grpo = (torch.zeros(g, k, dtype=torch.float64) for _ in range(3))
+    eta_all, kkt, m_full, m_reward = torch.zeros(g, dtype=torch.float64), torch.zeros(g, dtype=torch.float64), nan, nan.clone()
+    status = ["degenerate"] * g
+    accepted = torch.zeros(g, dtype=torch.bool)
+    t1 = t0
+    if keep.numel():
+        geo = _geometry(p64[keep], m_all[keep], q=record.q_alpha, rho=record.rho, norm_by_std=record.norm_by_std,
+                        eps=record.eps, ablation=ablation)
+        t1 = time.perf_counter()
+        if record.tau_sel is None:
+            eta = torch.zeros(keep.numel(), dtype=torch.float64)
+            feasible = torch.zeros(keep.numel(), dtype=torch.bool)
+        else:
+            eta, feasible = recovery_ratios(geo.sets, geo.gram, geo.anchor, torch.tensor([record.tau_sel]),
+                                            grid_size=record.grid_size, anchor_only=ablation == "safe_anchor_only")
+            eta, feasible = eta[0], feasible[0]
+        acc = feasible & ~geo.null
+        b = path_point(geo.anchor, geo.sets.center, eta)
+        mf_b, mr_b = projections(b, geo.sets, geo.gram)
+        mf_0, mr_0 = projections(geo.anchor, geo.sets, geo.gram)
+        anchor[keep], grpo[keep], kkt[keep] = geo.anchor, geo.sets.center, geo.kkt
+        m_full[keep] = torch.where(geo.null, math.nan, torch.where(acc, mf_b, mf_0))
+        m_reward[keep] = torch.where(geo.null, math.nan, torch.where(acc, mr_b, mr_0))
+        coefficients[keep] = torch.where(acc[:, None], b, 0.0)
+        eta_all[keep] = torch.where(acc, eta, 0.0)
+        accepted[keep] = acc
+        for j, i in enumerate(keep.tolist()):
+            status[i] = "accepted" if bool(acc[j]) else ("null_anchor" if bool(geo.null[j]) else "infeasible")
+        if ablation == "random_discard":
+            n_acc = int(acc.sum())
+            chosen = keep[torch.randperm(keep.numel(), generator=torch.Generator().manual_seed(seed))[:n_acc]]
+            accepted = torch.zeros(g, dtype=torch.bool)
+            accepted[chosen] = True
+            coefficients = torch.where(accepted[:, None], grpo, 0.0)
+            eta_all = accepted.to(torch.float64)
+            status = ["accepted" if bool(accepted[i]) else ("degenerate" if bool(degenerate[i]) else "discarded")
+                      for i in range(g)]
+    t2 = time.perf_counter()
+    return SetGRPOResult(coefficients=coefficients, accepted=accepted, status=status, recovery_ratio=eta_all,
+                         m_full=m_full, m_reward=m_reward, anchor=anchor, grpo=grpo, kkt_residual=kkt, point=p64,
+                         timings={"geometry": t1 - t0, "recovery": t2 - t1})
+
+
+class OnlineRiskMonitor:
+    """Running coverage and accepted-reversal monitor for training steps (SETGRPO.md section 6).
+
+    When reference scores are available during training, each :meth:`update` counts, over the
+    step's non-degenerate groups, whether ``a' = T(r')`` lies in the group's coefficient set
+    (online coverage) and, over accepted groups, whether ``b*^T M a' < 0`` (reversal). The
+    cumulative reversal rate gets a one-sided Clopper-Pearson bound at ``1 - record.delta``.
+    Policy drift is signalled by a warning (``warnings.warn`` and the ``setgrpo`` logger) when
+    that bound rises above ``record.beta`` after having been at or below it; before the bound
+    first certifies beta there is too little evidence either way (metric ``online_risk_certified``
+    is 0).
+    """
+
+    def __init__(self, record: CalibrationRecord):
+        self.record = record
+        self.covered = 0
+        self.seen = 0
+        self.accepted = 0
+        self.reversals = 0
+        self.certified = False
+
+    def update(self, result: SetGRPOResult, reference: torch.Tensor, gram: torch.Tensor,
+               prefix: str = "setgrpo/") -> dict[str, float]:
+        """Add one step's groups; return ``{name: float}`` metrics.
+
+        Args:
+            result: the step's :class:`SetGRPOResult`.
+            reference: ``[G, K]`` reference scores of the same responses.
+            gram: ``[G, K, K]`` the step's Gram matrices.
+
+        Raises:
+            ValueError: shapes that do not match the result.
+        """
+        check_scores(reference, "reference")
+        g, k = reference.shape
+        if tuple(result.coefficients.shape) != (g, k):
+            raise ValueError(f"reference scores {tuple(reference.shape)} do not match the result's groups "
+                             f"{tuple(result.coefficients.shape)}")
+        m = check_gram(gram, g, k)
+        rec = self.record
+        a_ref = grpo_coefficients(reference.to(torch.float64), rec.norm_by_std, rec.eps)
+        live = torch.tensor([s != "degenerate" for s in result.status])
+        covered = torch.zeros(g, dtype=torch.bool)
+        if live.any():
+            shape = "spherical" if rec.ablation == "spherical_set" else "jacobian"
+            _, pinv = set_shape(result.point[live], rho=rec.rho, norm_by_std=rec.norm_by_std, eps=rec.eps,
+                                shape=shape)
+            covered[live] = mahalanobis(a_ref[live] - result.grpo[live], pinv) <= rec.q_alpha
+        rev = result.accepted & (torch.einsum("gi,gij,gj->g", result.coefficients, m, a_ref) < 0)
+        n_live, n_acc = int(live.sum()), int(result.accepted.sum())
+        self.seen += n_live
+        self.covered += int(covered.sum())
+        self.accepted += n_acc
+        self.reversals += int(rev.sum())
+        ucb = float(clopper_pearson_upper([self.reversals], [self.accepted], 1 - rec.delta)[0])
+        if ucb <= rec.beta:
+            self.certified = True
+        elif self.certified:
+            self.certified = False
+            msg = (f"SetGRPO online monitor: accepted-reversal UCB {ucb:.4f} rose above beta={rec.beta} "
+                   f"({self.reversals}/{self.accepted} accepted groups reversed); the policy may have drifted from "
+                   "the calibration policy - consider recalibrating")
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        out = {
+            "online_coverage": float(covered[live].double().mean()) if n_live else math.nan,
+            "online_coverage_cum": self.covered / self.seen if self.seen else math.nan,
+            "online_reversal_rate": float(rev.sum()) / n_acc if n_acc else math.nan,
+            "online_reversal_rate_cum": self.reversals / self.accepted if self.accepted else math.nan,
+            "online_reversal_ucb": ucb,
+            "online_risk_certified": float(self.certified),
+        }
+        return {prefix + k: v for k, v in out.items()}

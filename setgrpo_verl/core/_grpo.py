@@ -1,0 +1,103 @@
+"""The GRPO coefficient map T and its Jacobian J (SETGRPO.md section 1)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_scores
+
+__all__ = ["grpo_coefficients", "grpo_jacobian", "degenerate_groups", "centering_projector"]
+
+
+def degenerate_groups(scores: torch.Tensor) -> torch.Tensor:
+    """Groups whose point scores have zero spread (SETGRPO.md section 1).
+
+    Args:
+        scores: ``[G, K]`` float tensor of rewards (reward units), finite.
+
+    Returns:
+        ``[G]`` bool tensor, True where ``max(r) == min(r)`` exactly. For such a group GRPO's
+        centred scores are zero up to the rounding of the group mean, so GRPO makes no
+        update; SetGRPO writes zeros and marks the group ``degenerate``. Exact equality is
+        used (not a tolerance) so that any group with a real score difference is kept.
+
+    Raises:
+        ValueError: wrong shape, K < 2, or non-finite scores.
+    """
+    check_scores(scores, "scores")
+    return scores.amax(dim=-1) == scores.amin(dim=-1)
+
+
+def grpo_coefficients(scores: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO (or Dr.GRPO) response-level advantages of each group: a = T(r).
+
+    Implements SETGRPO.md section 1 with exactly the operations of verl's
+    ``compute_grpo_outcome_advantage``: ``(r - mean(r)) / (std(r) + eps)`` with the unbiased
+    ``torch.std`` when ``norm_by_std`` (GRPO), ``r - mean(r)`` otherwise (Dr.GRPO). The
+    arithmetic runs in the input's dtype, so a float32 input reproduces verl's float32 result.
+
+    Args:
+        scores: ``[G, K]`` float tensor, rewards of the K responses of each of G groups.
+        norm_by_std: divide by the group's unbiased standard deviation (GRPO) or not (Dr.GRPO).
+        eps: the ``epsilon`` of verl's estimator (default 1e-6, verl's default).
+
+    Returns:
+        ``[G, K]`` tensor, same dtype as ``scores``: the training coefficients (dimensionless
+        for GRPO; reward units for Dr.GRPO). Degenerate groups (all scores equal) come out as
+        (near-)zero, exactly as in verl.
+
+    Raises:
+        ValueError: wrong shape, K < 2, non-finite scores, or ``eps < 0``.
+    """
+    check_scores(scores, "scores")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    mean = scores.mean(dim=-1, keepdim=True)
+    if not norm_by_std:
+        return scores - mean
+    std = scores.std(dim=-1, keepdim=True)
+    return (scores - mean) / (std + eps)
+
+
+def centering_projector(k: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The centring projector P = I - 11^T / K, ``[K, K]`` (SETGRPO.md section 1)."""
+    return torch.eye(k, dtype=dtype) - torch.full((k, k), 1.0 / k, dtype=dtype)
+
+
+def grpo_jacobian(scores: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Closed-form Jacobian J = dT/dr of the GRPO map, batched (SETGRPO.md section 1).
+
+    With P = I - 11^T/K, c = P r and s = ||c|| / sqrt(K-1) (the unbiased std):
+
+    * GRPO:    ``J = (1/(s+eps)) * [P - c c^T / ((K-1) s (s+eps))]`` (symmetric; null space
+      contains 1 and, up to eps, the coefficient vector a itself);
+    * Dr.GRPO: ``J = P``.
+
+    Args:
+        scores: ``[G, K]`` float tensor of rewards.
+        norm_by_std: GRPO (True) or Dr.GRPO (False).
+        eps: verl's epsilon.
+
+    Returns:
+        ``[G, K, K]`` float64 tensor, units 1/reward for GRPO, dimensionless for Dr.GRPO.
+        For degenerate groups (zero spread) T is not differentiable in the GRPO mode; their
+        Jacobian is returned as zeros (they are excluded from calibration and training).
+
+    Raises:
+        ValueError: wrong shape, K < 2, non-finite scores, or ``eps < 0``.
+    """
+    check_scores(scores, "scores")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    r = scores.to(torch.float64)
+    g, k = r.shape
+    proj = centering_projector(k).expand(g, k, k)
+    if not norm_by_std:
+        return proj.clone()
+    c = r - r.mean(dim=-1, keepdim=True)
+    s = c.norm(dim=-1) / (k - 1) ** 0.5
+    degenerate = degenerate_groups(scores)
+    s_safe = torch.where(degenerate, torch.ones_like(s), s)
+    outer = c.unsqueeze(-1) * c.unsqueeze(-2) / ((k - 1) * s_safe * (s_safe + eps))[:, None, None]
+    jac = (proj - outer) / (s_safe + eps)[:, None, None]
+    return torch.where(degenerate[:, None, None], torch.zeros_like(jac), jac)
