@@ -1,0 +1,690 @@
+"""Per-response gradient sketches: the worker-side geometry of SetGRPO (SETGRPO.md section 5).
+
+For every response i of a micro-batch we estimate its response-level gradient
+
+    g_i = d/dtheta  sum_t w_it log pi(o_it | x_i, o_i,<t)
+
+(SETGRPO.md section 0; w follows verl's ``loss_agg_mode``) through a Kronecker-projected sketch.
+For an ``nn.Linear`` block W (out x in) the per-response gradient is sum_t delta_t x_t^T over all
+positions t of the response's sequence (prompt positions included), with delta_t the gradient of
+the objective w.r.t. the layer output and x_t its input.  The sketch of that block is
+
+    S_i[block] = sum_t (P_out delta_t)(P_in x_t)^T          (r_out x r_in, flattened row-major)
+
+with P_out (r_out x out), P_in (r_in x in) of i.i.d. N(0, 1/r) entries, so that
+E<S_i, S_j> = <g_i, g_j> exactly (unbiased Gram matrix, SETGRPO.md section 5).  A bias is handled
+as an extra input column equal to 1 (P_in then has in + 1 columns).
+
+Mechanics: ONE forward of the whole micro-batch with forward hooks that store P_in x per Linear
+call and register a tensor hook on the call's output, then ONE ``torch.autograd.grad`` of the
+objective w.r.t. the input-embedding output.  Autograd only runs the nodes on the path to that
+tensor, so no parameter gradient is computed (``.grad`` stays None, FSDP/FSDP2 gradient state is
+not touched); the tensor hooks receive delta and accumulate the sketch per response.  Memory is
+bounded by the micro-batch: per hooked call we keep one [tokens, r_in] float32 matrix.
+
+Public API: :class:`SketchConfig`, :class:`GradientSketcher` (context manager over any module),
+:func:`compute_sketches` (one call in verl's batch layout, padded or remove-padding/packed),
+:class:`SketchOutput`.  No verl import: the layouts follow verl 0.9.1 conventions (left-padded
+prompt + right-padded response, ``position_ids = clip(cumsum(attention_mask) - 1, 0)`` as in
+``verl.utils.model.compute_position_id_with_mask``, packed tokens with ``attention_mask=None`` and
+per-sequence restarting ``position_ids`` as in ``FSDPEngineWithLMHead.prepare_model_inputs``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["SketchConfig", "SketchOutput", "GradientSketcher", "compute_sketches", "LOSS_AGG_MODES"]
+
+#: verl 0.9.1 ``core_algos.agg_loss`` modes and whether each response's tokens are weighted
+#: 1/|o_i| (True) or 1 (False); the global constant of each mode does not change the geometry.
+LOSS_AGG_MODES = {
+    "token-mean": False,
+    "token-sum": False,
+    "seq-mean-token-sum": False,
+    "seq-mean-token-sum-norm": False,
+    "seq-mean-token-mean": True,
+}
+
+# Wrapper prefixes that FSDP1 / activation checkpointing / torch.compile insert into module names;
+# stripped so that projection seeds depend on the model's own module names only.
+_WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+@dataclass(frozen=True)
+class SketchConfig:
+    """Settings of the per-response gradient sketch (SETGRPO.md section 5).
+
+    Args:
+        rank_out: r_out, rows of each block's output projection P_out (int >= 1).
+        rank_in: r_in, rows of each block's input projection P_in (int >= 1).  Each hooked block
+            contributes r_out * r_in floats to the sketch.
+        seed: global seed; the projections of a block derive from (seed, block name) only, so they
+            are identical on every rank and across runs and are never checkpointed.
+        include_embeddings: also sketch the input-embedding weight's gradient (sum_t e_{id_t}
+            g_t^T, rows of ``padding_idx`` excluded as torch does).  When the embedding is tied to
+            the LM head (SmolLM2, Qwen-small, Llama-3.2-1B) both uses share one block and one pair of
+            projections, so the sketch estimates the gradient of the tied parameter itself.
+        include_norms: also sketch the 1-D parameters (weight, bias) of normalisation modules
+            (class name containing "Norm": LayerNorm, RMSNorm variants), whose outputs must depend
+            elementwise on them.  They use one dense N(0, 1/r) projection of
+            r = rank_out * rank_in rows per module.
+        identity: debug option: every projection is the identity, so a block's sketch IS the exact
+            flattened per-response gradient (Linear: [out, in (+1 bias column)] row-major; norms:
+            concatenated 1-D parameters).  Only for small models.
+
+    Defaults: ``rank_out = rank_in = 8`` (64 floats per block; 211 blocks = 13,504 floats for
+    SmolLM2-135M with the LM head).  Kronecker sketches of rank-one token terms have per-block
+    relative error ~ sqrt(2 / r) only through the product of two small projections, but the
+    errors of the independently projected blocks average out over the ~200 blocks of a transformer;
+    on SmolLM2-135M-Instruct this default keeps the 4 x 4 response cosine matrix within 0.05 (max
+    abs entry) of the exact one (tests/sketch/test_smollm2.py) while the sketch stays a few tens of
+    thousands of floats (M_g = S S^T is formed by the driver in float64).
+    ``include_embeddings = include_norms = False``: nn.Linear blocks (LM head included) hold the
+    dense-gradient parameters of a decoder-only LM; embedding gradients are sparse in the rows and
+    norm weights are < 0.1% of the parameters.  Turn them on to sketch the full parameter gradient.
+
+    Raises:
+        ValueError: a rank below 1 or a non-integer rank/seed.
+    """
+
+    rank_out: int = 8
+    rank_in: int = 8
+    seed: int = 0
+    include_embeddings: bool = False
+    include_norms: bool = False
+    identity: bool = False
+
+    def __post_init__(self):
+        for field in ("rank_out", "rank_in", "seed"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"SketchConfig.{field} must be an int, got {value!r}")
+        if self.rank_out < 1 or self.rank_in < 1:
+            raise ValueError(
+                f"SketchConfig ranks must be >= 1, got rank_out={self.rank_out}, rank_in={self.rank_in}"
+            )
+
+
+@dataclass
+class SketchOutput:
+    """Result of :func:`compute_sketches`.
+
+    Attributes:
+        sketches: float32 [B, m], row i is the sketch S_i of response i (same order as the input
+            batch); the driver forms each group's Gram matrix M_g = S_g S_g^T in float64.
+        log_probs: float32 [B, T_resp], log pi(o_it) of the response tokens from the same forward
+            (after temperature scaling), 0 where the response position is padding
+            (``attention_mask`` 0); usable as verl's ``old_log_probs``.
+        block_names: names of the sketched blocks, in the order their slices appear in a row.
+    """
+
+    sketches: torch.Tensor
+    log_probs: torch.Tensor
+    block_names: list[str]
+
+
+@dataclass
+class _Block:
+    name: str
+    kind: str  # "linear" | "embedding" | "norm"
+    rows: int  # output rows of the parameter matrix (norm: 1)
+    cols: int  # input columns (+1 for a Linear bias; norm: total 1-D parameter size)
+    offset: int = 0
+    size: int = 0
+    p_out: torch.Tensor | None = None  # [r_out, rows] (linear/embedding) or [r, cols] (norm)
+    p_in: torch.Tensor | None = None  # [r_in, cols]
+
+
+def _normalise_name(name: str) -> str:
+    return _WRAPPER_PREFIXES.sub("", name)
+
+
+def _projection(seed: int, key: str, rows: int, cols: int) -> torch.Tensor:
+    """i.i.d. N(0, 1/rows) matrix [rows, cols] float32 from (seed, key); identical on every machine."""
+    digest = hashlib.sha256(f"setgrpo-sketch/{seed}/{key}".encode()).digest()
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.randn(rows, cols, generator=gen, dtype=torch.float32) / math.sqrt(rows)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        "Norm" in type(module).__name__
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and next(module.children(), None) is None
+    )
+
+
+class GradientSketcher:
+    """Context manager that sketches per-response gradients of ``model`` (SETGRPO.md section 5).
+
+    Usage (one micro-batch; any Hugging Face causal LM, plain, FSDP or FSDP2)::
+
+        with GradientSketcher(model, SketchConfig()) as sk:
+            sk.begin(segment_ids)                 # [*token_shape] int64, response index or -1
+            logits = model(input_ids=..., ...).logits
+            objective = (weights * token_log_probs).sum()   # sum_i sum_t w_it log pi(o_it)
+            sketches = sk.backward(objective)     # float32 [num_segments, m]
+
+    ``segment_ids`` has the token shape of the model input ([B, T] padded or [1, nnz] packed) and
+    gives, for every position, the response it belongs to (prompt positions too) or -1 for padding.
+    Every hooked module's input must flatten to that many token rows (true for HF decoder LMs;
+    not under sequence parallelism, where each rank would sketch its slice and the partial sketches
+    of a response must be summed over the SP group by the caller).
+
+    On enter, forward hooks are registered on every ``nn.Linear`` (plus embeddings/norms by config)
+    and on ``model.get_input_embeddings()``; on exit they are removed, also when an exception is
+    raised.  Projections are built once per enter from (config.seed, module name) on CPU and moved
+    to the activations' device; none is larger than r x max(out, in).
+
+    Args:
+        model: an ``nn.Module`` with ``get_input_embeddings()`` (HF convention) or exactly one
+            ``nn.Embedding``.
+        config: :class:`SketchConfig` (default settings if None).
+
+    Raises (on enter):
+        ValueError: no ``nn.Linear`` layer to hook; no unique input embedding;
+            ``include_embeddings`` with an embedding that uses ``scale_grad_by_freq``/``max_norm``.
+    """
+
+    def __init__(self, model: nn.Module, config: SketchConfig | None = None):
+        self.model = model
+        self.config = config if config is not None else SketchConfig()
+        self.blocks: list[_Block] = []
+        self._handles: list = []
+        self._phase = "idle"
+        self._segments: torch.Tensor | None = None
+        self._num_segments = 0
+        self._onehot: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._emb_calls: list = []
+        self._pending: dict[int, str] = {}
+        self._in_jvp = False
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def dim(self) -> int:
+        """m, the number of float32 entries of one response's sketch."""
+        return sum(b.size for b in self.blocks)
+
+    def _input_embedding(self) -> nn.Module:
+        getter = getattr(self.model, "get_input_embeddings", None)
+        emb = getter() if callable(getter) else None
+        if emb is None:
+            embs = [m for m in self.model.modules() if isinstance(m, nn.Embedding)]
+            if len(embs) != 1:
+                raise ValueError(
+                    f"GradientSketcher needs the model's input embedding: the model has no "
+                    f"get_input_embeddings() and {len(embs)} nn.Embedding modules (need exactly 1)"
+                )
+            emb = embs[0]
+        return emb
+
+    def __enter__(self) -> "GradientSketcher":
+        cfg = self.config
+        try:
+            self._emb_module = self._input_embedding()
+            by_param: dict[int, _Block] = {}
+            hooked: list[tuple[nn.Module, _Block, str]] = []
+            for raw_name, module in self.model.named_modules():
+                name = _normalise_name(raw_name)
+                if isinstance(module, nn.Linear):
+                    block = by_param.get(id(module.weight))
+                    if block is None:
+                        cols = module.in_features + (1 if module.bias is not None else 0)
+                        block = _Block(name or "<root>", "linear", module.out_features, cols)
+                        by_param[id(module.weight)] = block
+                        self.blocks.append(block)
+                    hooked.append((module, block, "linear"))
+                elif isinstance(module, nn.Embedding) and cfg.include_embeddings and module is self._emb_module:
+                    if module.scale_grad_by_freq or module.max_norm is not None:
+                        raise ValueError(
+                            f"include_embeddings: embedding {name!r} uses scale_grad_by_freq/max_norm, whose "
+                            "gradient is not a sum of per-token terms; set include_embeddings=False"
+                        )
+                    hooked.append((module, None, "embedding"))
+                elif cfg.include_norms and _is_norm(module):
+                    params = [p for p in module.parameters(recurse=False) if p.dim() == 1]
+                    block = _Block(name, "norm", 1, sum(p.numel() for p in params))
+                    self.blocks.append(block)
+                    hooked.append((module, block, "norm"))
+            if not any(kind == "linear" for _, _, kind in hooked):
+                raise ValueError(
+                    f"GradientSketcher found no nn.Linear layer in {type(self.model).__name__}: nothing to "
+                    "sketch (the sketch covers nn.Linear blocks, LM head included)"
+                )
+            # The embedding block: shares the LM head's block when tied, else its own block.
+            for module, block, kind in hooked:
+                if kind == "embedding":
+                    emb_block = by_param.get(id(module.weight))
+                    if emb_block is None:
+                        emb_block = _Block(
+                            _normalise_name(self._module_name(module)), "embedding",
+                            module.num_embeddings, module.embedding_dim,
+                        )
+                        self.blocks.append(emb_block)
+                    self._emb_block = emb_block
+            if not cfg.include_embeddings:
+                self._emb_block = None
+            self._layout_blocks()
+            for module, block, kind in hooked:
+                if kind == "linear":
+                    self._handles.append(module.register_forward_hook(partial(self._linear_forward, block)))
+                elif kind == "norm":
+                    self._handles.append(module.register_forward_hook(partial(self._norm_forward, block)))
+            self._handles.append(self._emb_module.register_forward_hook(self._embedding_forward))
+        except BaseException:
+            self._remove_hooks()
+            raise
+        return self
+
+    def _module_name(self, target: nn.Module) -> str:
+        for name, module in self.model.named_modules():
+            if module is target:
+                return name
+        return "embedding"
+
+    def _layout_blocks(self):
+        cfg = self.config
+        offset = 0
+        for b in self.blocks:
+            if cfg.identity:
+                b.size = b.rows * b.cols
+            elif b.kind == "norm":
+                b.size = cfg.rank_out * cfg.rank_in
+                b.p_out = _projection(cfg.seed, b.name + ":norm", b.size, b.cols)
+            else:
+                b.size = cfg.rank_out * cfg.rank_in
+                b.p_out = _projection(cfg.seed, b.name + ":out", cfg.rank_out, b.rows)
+                b.p_in = _projection(cfg.seed, b.name + ":in", cfg.rank_in, b.cols)
+            b.offset = offset
+            offset += b.size
+
+    def _remove_hooks(self):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __exit__(self, exc_type, exc, tb):
+        self._remove_hooks()
+        self._reset()
+        for b in self.blocks:
+            b.p_out = b.p_in = None
+        self.blocks.clear()
+        return False
+
+    def _reset(self):
+        self._phase = "idle"
+        self._segments = self._onehot = self._out = None
+        self._emb_calls = []
+        self._pending = {}
+
+    # ------------------------------------------------------------------ per micro-batch
+    def begin(self, segment_ids: torch.Tensor, num_segments: int | None = None) -> None:
+        """Start a micro-batch: call before the model forward.
+
+        Args:
+            segment_ids: int64 tensor with the model input's token shape ([B, T] or [1, nnz]);
+                entry = index (0..num_segments-1) of the response the position belongs to, -1 for
+                padding.
+            num_segments: number of responses (default: max(segment_ids) + 1).
+
+        Raises:
+            RuntimeError: called outside the ``with`` block.
+            ValueError: non-integer ids, ids below -1 or >= num_segments.
+        """
+        if not self._handles:
+            raise RuntimeError("GradientSketcher.begin() must be called inside `with GradientSketcher(...)`")
+        if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+            raise ValueError(f"segment_ids must be an integer tensor, got dtype {segment_ids.dtype}")
+        seg = segment_ids.reshape(-1).long()
+        n = int(seg.max().item()) + 1 if num_segments is None else int(num_segments)
+        if seg.numel() and (int(seg.min().item()) < -1 or int(seg.max().item()) >= n):
+            raise ValueError(f"segment_ids must lie in [-1, {n - 1}] (num_segments={n})")
+        self._reset()
+        self._segments = seg
+        self._num_segments = n
+        valid = seg >= 0
+        onehot = torch.zeros(seg.numel(), n, dtype=torch.float32, device=seg.device)
+        onehot[valid.nonzero().squeeze(1), seg[valid]] = 1.0
+        self._onehot = onehot
+        self._out = torch.zeros(n, self.dim, dtype=torch.float32, device=seg.device)
+        self._phase = "forward"
+
+    def backward(self, objective: torch.Tensor) -> torch.Tensor:
+        """Run the single activation-only backward and return the micro-batch's sketches.
+
+        Args:
+            objective: scalar tensor sum_i sum_t w_it log pi(o_it) built from this micro-batch's
+                forward (SETGRPO.md section 0; response i's terms only from segment i's positions).
+
+        Returns:
+            float32 [num_segments, m] sketches, on the device of ``segment_ids``.
+
+        Raises:
+            RuntimeError: no forward since ``begin()``; the objective does not depend on the input
+                embeddings; a hooked layer ran forward but got no output gradient (its output does
+                not reach the objective through the embeddings).
+            ValueError: objective is not a scalar.
+        """
+        if self._phase != "forward":
+            raise RuntimeError("GradientSketcher.backward() needs begin() and one model forward first")
+        if objective.dim() != 0:
+            raise ValueError(f"objective must be a scalar, got shape {tuple(objective.shape)}")
+        if not self._emb_calls:
+            raise RuntimeError(
+                "the input embedding did not run in the forward since begin(); pass input_ids, not inputs_embeds"
+            )
+        if not objective.requires_grad:
+            raise RuntimeError("objective does not require grad: run the forward under torch.enable_grad()")
+        self._phase = "backward"
+        try:
+            outputs = [out for _, out in self._emb_calls]
+            grads = torch.autograd.grad(objective, outputs, allow_unused=True)
+            if all(g is None for g in grads):
+                raise RuntimeError("the objective does not depend on the input-embedding output")
+            if self._pending:
+                names = sorted(set(self._pending.values()))
+                raise RuntimeError(
+                    f"{len(names)} hooked layer(s) ran forward but received no output gradient, e.g. "
+                    f"{names[:3]}: their outputs do not reach the objective through the input embeddings"
+                )
+            if self._emb_block is not None:
+                for (ids, _), g in zip(self._emb_calls, grads):
+                    if g is not None:
+                        self._embedding_accumulate(ids, g)
+            return self._out
+        finally:
+            out = self._out
+            self._reset()
+            self._out = out
+
+    # ------------------------------------------------------------------ hooks
+    def _rows(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        flat = t.reshape(-1, t.shape[-1])
+        if flat.shape[0] != self._segments.numel():
+            raise ValueError(
+                f"layer {name!r} sees {flat.shape[0]} token rows but segment_ids has {self._segments.numel()} "
+                "entries: segment_ids must have the model input's token shape ([B, T] or [1, nnz])"
+            )
+        return flat
+
+    def _accumulate(self, block: _Block, a: torch.Tensor, b: torch.Tensor) -> None:
+        """out[s, block] += sum_{t in s} a_t b_t^T  for a [N, p], b [N, q]."""
+        n, p = a.shape
+        weighted = (self._onehot[:, :, None] * a[:, None, :]).reshape(n, -1)  # [N, S*p]
+        contrib = weighted.transpose(0, 1) @ b  # [S*p, q]
+        self._out[:, block.offset : block.offset + block.size] += contrib.reshape(self._num_segments, -1)
+
+    def _project_in(self, block: _Block, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+        x = x.float()
+        if block.p_in is None:  # identity
+            return torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if with_bias else x
+        p_in = block.p_in.to(x.device)
+        y = x @ p_in[:, : x.shape[1]].T
+        if with_bias:
+            y = y + p_in[:, x.shape[1]]
+        return y
+
+    def _linear_forward(self, block: _Block, module: nn.Linear, args, output):
+        if self._phase != "forward" or self._in_jvp:
+            return None  # idle, or activation-checkpoint recomputation during backward
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            raise RuntimeError(
+                f"layer {block.name!r}: output does not require grad during the sketch forward (forward under "
+                "torch.no_grad(), or reentrant activation checkpointing: use use_reentrant=False as verl does)"
+            )
+        x = self._rows(args[0].detach(), block.name)
+        b = self._project_in(block, x, module.bias is not None)
+        key = id(b)
+        self._pending[key] = block.name
+        output.register_hook(partial(self._linear_backward, block, b, key))
+        return None
+
+    def _linear_backward(self, block: _Block, b: torch.Tensor, key: int, grad: torch.Tensor):
+        if self._phase != "backward" or key not in self._pending:
+            return None
+        del self._pending[key]
+        d = self._rows(grad.detach(), block.name).float()
+        a = d if block.p_out is None else d @ block.p_out.to(d.device).T
+        self._accumulate(block, a, b)
+        return None
+
+    def _embedding_forward(self, module, args, output):
+        if self._phase != "forward" or self._in_jvp:
+            return None
+        if not output.requires_grad:
+            output.requires_grad_(True)  # frozen embedding: make its output the backward's input
+        self._emb_calls.append((args[0].detach(), output))
+        return None
+
+    def _embedding_accumulate(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        block = self._emb_block
+        ids = ids.reshape(-1)
+        g = self._rows(grad.detach(), "input embedding").float()
+        if self._emb_module.padding_idx is not None:
+            g = g * (ids != self._emb_module.padding_idx).unsqueeze(1).to(g.dtype)
+        if block.p_out is None:
+            a = torch.nn.functional.one_hot(ids, block.rows).float()
+            b = torch.cat([g, g.new_zeros(g.shape[0], block.cols - g.shape[1])], 1)
+        else:
+            a = block.p_out.to(g.device)[:, ids].T
+            b = g @ block.p_in.to(g.device)[:, : g.shape[1]].T
+        self._accumulate(block, a, b)
+
+    def _norm_forward(self, block: _Block, module: nn.Module, args, output):
+        if self._phase != "forward" or self._in_jvp:
+            return None
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            raise RuntimeError(f"norm {block.name!r}: output does not require grad during the sketch forward")
+        params = dict(module.named_parameters(recurse=False))
+        frozen = {k: v.detach() for k, v in params.items()}
+        x = args[0].detach()
+        parts = []
+        self._in_jvp = True
+        try:
+            with torch.no_grad():
+                for pname, p in params.items():
+                    if p.dim() != 1:
+                        continue
+
+                    def f(v, pname=pname):
+                        return torch.func.functional_call(module, {**frozen, pname: v}, (x,))
+
+                    _, h = torch.func.jvp(f, (frozen[pname],), (torch.ones_like(frozen[pname]),))
+                    if h.shape[-1] != p.numel():
+                        raise ValueError(
+                            f"include_norms: {block.name!r} output width {h.shape[-1]} != parameter {pname!r} "
+                            f"size {p.numel()}; only elementwise-affine norms are supported"
+                        )
+                    parts.append(self._rows(h, block.name).float())
+        finally:
+            self._in_jvp = False
+        key = id(parts[0])
+        self._pending[key] = block.name
+        output.register_hook(partial(self._norm_backward, block, parts, key))
+        return None
+
+    def _norm_backward(self, block: _Block, parts: list, key: int, grad: torch.Tensor):
+        if self._phase != "backward" or key not in self._pending:
+            return None
+        del self._pending[key]
+        d = self._rows(grad.detach(), block.name).float()
+        per_token = torch.cat([d * h for h in parts], 1)  # [N, cols]: per-token parameter gradient
+        if block.p_out is not None:
+            per_token = per_token @ block.p_out.to(d.device).T
+        ones = per_token.new_ones(per_token.shape[0], 1)
+        self._accumulate(block, per_token, ones)
+        return None
+
+
+# ---------------------------------------------------------------------- one-call API
+def _token_weights(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; verl 0.9.1 modes: {sorted(LOSS_AGG_MODES)}")
+    w = response_mask.float()
+    if LOSS_AGG_MODES[loss_agg_mode]:
+        w = w / w.sum(-1, keepdim=True).clamp(min=1.0)
+    return w
+
+
+def _validate(input_ids, attention_mask, response_mask, position_ids, temperature):
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T_prompt + T_resp], got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
+    bsz, seqlen = input_ids.shape
+    if response_mask.dim() != 2 or response_mask.shape[0] != bsz or not 1 <= response_mask.shape[1] < seqlen:
+        raise ValueError(
+            f"response_mask must be [B={bsz}, T_resp] with 1 <= T_resp < T={seqlen} (it covers the LAST T_resp "
+            f"positions of input_ids), got shape {tuple(response_mask.shape)}"
+        )
+    if not ((response_mask == 0) | (response_mask == 1)).all():
+        raise ValueError("response_mask must contain only 0/1 values")
+    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask must contain only 0/1 values")
+    t_resp = response_mask.shape[1]
+    if (response_mask.bool() & ~attention_mask[:, -t_resp:].bool()).any():
+        raise ValueError(
+            "response_mask marks positions whose attention_mask is 0: the response mask does not match the inputs "
+            "(response_mask must cover the last T_resp positions of input_ids, right-padded)"
+        )
+    if (attention_mask[:, : seqlen - t_resp].sum(-1) == 0).any():
+        raise ValueError("every sequence needs at least one prompt token (attention_mask over the prompt part)")
+    if position_ids is not None and position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {tuple(input_ids.shape)} "
+            "(mrope 3-D position ids are not supported)"
+        )
+    if isinstance(temperature, torch.Tensor):
+        if temperature.shape not in ((), (bsz,)):
+            raise ValueError(f"temperature must be a float or a [B={bsz}] tensor, got shape {tuple(temperature.shape)}")
+        if not (temperature > 0).all():
+            raise ValueError("temperature must be > 0")
+    elif not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remove_padding):
+    bsz, seqlen = ids.shape
+    rows = torch.arange(bsz, device=ids.device)
+    resp_cols = torch.arange(seqlen - t_resp, seqlen, device=ids.device)
+    valid_resp = am[:, -t_resp:].bool()
+    if use_remove_padding:
+        flat_valid = am.reshape(-1).bool()
+        index = flat_valid.nonzero().squeeze(1)  # == verl unpad_input indices
+        nnz = index.numel()
+        inverse = torch.full((bsz * seqlen,), -1, dtype=torch.long, device=ids.device)
+        inverse[index] = torch.arange(nnz, device=ids.device)
+        model_ids, model_pos = ids.reshape(-1)[index][None], pos.reshape(-1)[index][None]
+        segments = (rows[:, None].expand(bsz, seqlen)).reshape(-1)[index][None]
+        # logits row predicting response token (b, t): the packed row of (b, t - 1)
+        k = inverse[(rows[:, None] * seqlen + resp_cols[None, :]).reshape(-1)].reshape(bsz, t_resp)
+        logit_rows = (k - 1).clamp(min=0)
+        targets = model_ids[0][k.clamp(min=0)]
+        model_kwargs = dict(input_ids=model_ids, position_ids=model_pos, attention_mask=None)
+    else:
+        segments = torch.where(am.bool(), rows[:, None], torch.full_like(ids, -1))
+        logit_rows = rows[:, None] * seqlen + resp_cols[None, :] - 1
+        targets = ids[:, -t_resp:]
+        model_kwargs = dict(input_ids=ids, position_ids=pos, attention_mask=am)
+    sk.begin(segments, bsz)
+    with torch.enable_grad():
+        logits = model(**model_kwargs, use_cache=False).logits
+        logits = logits.reshape(-1, logits.shape[-1])[logit_rows.reshape(-1)].float()
+        temp = temperature if not isinstance(temperature, torch.Tensor) else temperature.float().reshape(-1, 1, 1)
+        logits = logits.reshape(bsz, t_resp, -1) / temp
+        log_probs = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        log_probs = torch.where(valid_resp, log_probs, torch.zeros_like(log_probs))
+        if not torch.isfinite(log_probs).all():
+            bad = (~torch.isfinite(log_probs)).any(-1).nonzero().squeeze(1).tolist()
+            raise FloatingPointError(
+                f"non-finite log-probabilities for responses {bad} of the micro-batch (check the model weights, "
+                "dtype and temperature)"
+            )
+        objective = (log_probs * weights).sum()
+        sketches = sk.backward(objective)
+    return sketches, log_probs.detach()
+
+
+def compute_sketches(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: SketchConfig | None = None,
+    *,
+    position_ids: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    temperature: float | torch.Tensor = 1.0,
+    micro_batch_size: int | None = None,
+    use_remove_padding: bool = False,
+) -> SketchOutput:
+    """Per-response gradient sketches and response log-probs in verl's batch layout (SETGRPO.md section 5).
+
+    The objective of response i is sum_t w_it log pi(o_it) with w from ``loss_agg_mode``
+    (SETGRPO.md section 0: w = response_mask for token-mean / token-sum / seq-mean-token-sum /
+    seq-mean-token-sum-norm, response_mask / |o_i| for seq-mean-token-mean); its gradient includes
+    the prompt positions.  One forward and one activation-only backward per micro-batch; no
+    parameter ``.grad`` is created.  The model's train/eval mode is left as it is.
+
+    Args:
+        model: HF causal LM (``model(input_ids=, attention_mask=, position_ids=, use_cache=False).logits``),
+            plain or wrapped by FSDP/FSDP2.
+        input_ids: int64 [B, T_prompt + T_resp], prompt left-padded, response right-padded.
+        attention_mask: 0/1 [B, T] (any int/bool dtype), contiguous ones per row.
+        response_mask: 0/1 [B, T_resp] over the LAST T_resp positions; 1 = token in the loss.
+        config: :class:`SketchConfig` (defaults if None).
+        position_ids: int64 [B, T]; default ``clip(cumsum(attention_mask) - 1, 0)`` (verl).
+        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
+        temperature: float > 0 or float [B]; logits are divided by it before log_softmax (verl).
+        micro_batch_size: responses per forward/backward (default: all B at once); sketches do not
+            depend on it; peak memory does.
+        use_remove_padding: run the forward on the packed layout (valid tokens of all rows
+            concatenated into [1, nnz], ``attention_mask=None``, per-sequence position ids: verl's
+            remove-padding path).  Same sketches as the padded layout to float tolerance.
+
+    Returns:
+        :class:`SketchOutput` with ``sketches`` float32 [B, m] and ``log_probs`` float32 [B, T_resp].
+
+    Raises:
+        ValueError: shapes/values of the masks do not match the inputs (response mask marking padded
+            positions, wrong T_resp, non 0/1), unknown ``loss_agg_mode``, bad temperature or
+            micro_batch_size, or a model without nn.Linear layers (from :class:`GradientSketcher`).
+        FloatingPointError: non-finite log-probabilities of valid response tokens.
+    """
+    _validate(input_ids, attention_mask, response_mask, position_ids, temperature)
+    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
+        raise ValueError(f"micro_batch_size must be a positive int or None, got {micro_batch_size!r}")
+    weights = _token_weights(response_mask, loss_agg_mode)
+    attention_mask = attention_mask.long()
+    if position_ids is None:
+        position_ids = torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+    bsz, t_resp = response_mask.shape
+    step = micro_batch_size or bsz
+    sketches, log_probs = [], []
+    with GradientSketcher(model, config) as sk:
+        for start in range(0, bsz, step):
+            sl = slice(start, start + step)
+            temp = temperature[sl] if isinstance(temperature, torch.Tensor) and temperature.dim() else temperature
+            s, lp = _micro_batch(
+                sk, model, input_ids[sl], attention_mask[sl], position_ids[sl], weights[sl], temp, t_resp,
+                use_remove_padding,
+            )
+            sketches.append(s)
+            log_probs.append(lp)
+        names = [b.name for b in sk.blocks]
+    return SketchOutput(sketches=torch.cat(sketches), log_probs=torch.cat(log_probs).float(), block_names=names)
