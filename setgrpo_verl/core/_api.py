@@ -352,8 +352,8 @@ def setgrpo_coefficients(
         coefficients[keep] = torch.where(acc[:, None], b, 0.0)
         eta_all[keep] = torch.where(acc, eta, 0.0)
         accepted[keep] = acc
-        for j, i in enumerate(keep.tolist()):
-            status[i] = "accepted" if bool(acc[j]) else ("null_anchor" if bool(geo.null[j]) else "infeasible")
+        for i, a_j, n_j in zip(keep.tolist(), acc.tolist(), geo.null.tolist()):
+            status[i] = "accepted" if a_j else ("null_anchor" if n_j else "infeasible")
         if ablation == "random_discard":
             n_acc = int(acc.sum())
             chosen = keep[torch.randperm(keep.numel(), generator=torch.Generator().manual_seed(seed))[:n_acc]]

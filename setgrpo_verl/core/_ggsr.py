@@ -11,7 +11,7 @@ from ._jrsc import CoefficientSets
 
 # u(b0) counts as the null update when ||u(b0)||^2 <= NULL_TOL * ||u(a_hat)||^2.
 NULL_TOL = 1e-10
-_SECULAR_ITERS = 80
+_SECULAR_ITERS = 200
 
 
 def safe_anchor(sets: CoefficientSets, gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +63,8 @@ def safe_anchor(sets: CoefficientSets, gram: torch.Tensor) -> tuple[torch.Tensor
             newton = lam - phi / dphi.clamp_min(torch.finfo(torch.float64).tiny)
             inside = (newton > lo) & (newton < hi)
             lam = torch.where(inside, newton, 0.5 * (lo + hi))
+            if bool((phi.abs() * q <= 1e-13).all()):
+                break
         z_bnd = -ht / (mu + lam[:, None]).clamp_min(torch.finfo(torch.float64).tiny)
         zt = torch.where(interior[:, None], z_int, z_bnd)
         lam = torch.where(interior, torch.zeros_like(lam), lam)

@@ -56,6 +56,10 @@ def grpo_coefficients(scores: torch.Tensor, norm_by_std: bool = True, eps: float
     if not norm_by_std:
         return scores - mean
     std = scores.std(dim=-1, keepdim=True)
+    # torch's batched std is exactly 0 on a constant row, while verl's per-group 1-D torch.std sees
+    # the rounding of the mean; redo those rows the 1-D way so the result stays bit-identical.
+    for i in (scores.amax(dim=-1) == scores.amin(dim=-1)).nonzero().flatten().tolist():
+        std[i, 0] = torch.std(scores[i])
     return (scores - mean) / (std + eps)
 
 
