@@ -1,0 +1,298 @@
+"""The ``setgrpo`` advantage estimator for verl and the trainer's pure per-step glue.
+
+verl calls registered estimators as ``fn(token_level_rewards, response_mask, config, index=uid, ...)``
+(``verl.trainer.ppo.ray_trainer.compute_advantage``): no other batch field reaches them. The geometry
+(per-response gradient sketches) therefore travels in ``config``: the SetGRPO trainer mode passes a
+:class:`SetGRPOStepContext` (which also behaves like verl's algorithm config) instead of the bare
+``config.algorithm``. Any other caller -- e.g. verl's stock ``sync`` trainer with
+``algorithm.adv_estimator=setgrpo`` -- gets an error naming the missing override; SetGRPO never falls
+back to a geometry-free variant.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from verl.trainer.ppo.core_algos import register_adv_est
+
+from setgrpo_verl.core import CalibrationRecord, setgrpo_coefficients
+
+from .config import SETGRPO_NAME
+
+logger = logging.getLogger(__name__)
+
+TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
+_MISSING_CONTEXT = (
+    f"algorithm.adv_estimator={SETGRPO_NAME} needs the per-response gradient sketches that only the SetGRPO "
+    f"trainer mode computes. Add the override `{TRAINER_MODE_OVERRIDE}` (and compose the run on "
+    "setgrpo_verl's Hydra config: --config-path <setgrpo_verl>/hydra_configs --config-name setgrpo_trainer), "
+    "or use algorithm.adv_estimator=grpo for plain GRPO."
+)
+
+
+@dataclass
+class SetGRPOStep:
+    """Everything one SetGRPO advantage computation produced (SETGRPO.md sections 3 and 6).
+
+    Attributes:
+        advantages: float32 [B, T] response-level coefficient times ``response_mask`` (verl's ``advantages``
+            and ``returns``).
+        coefficients: float64 [B] the coefficient of every row (0 for rejected, degenerate and padding rows).
+        groups: int64 [G, K] batch row of response k of group g (groups in first-appearance order of uid).
+        point_scores: float64 [G, K] point scores r (``token_level_rewards.sum(-1)``).
+        gram: float64 [G, K, K] ``S_g S_g^T`` of the sketches.
+        result: the core library's ``SetGRPOResult`` for the G groups.
+        metrics: ``setgrpo/*`` diagnostics (floats) for verl's tracker.
+    """
+
+    advantages: torch.Tensor
+    coefficients: torch.Tensor
+    groups: torch.Tensor
+    point_scores: torch.Tensor
+    gram: torch.Tensor
+    result: Any
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def group_rows(index: Any, response_mask: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+    """Group batch rows by ``uid`` into a dense ``[G, K]`` index (SETGRPO.md section 0).
+
+    Args:
+        index: sequence of B group ids (verl's ``non_tensor_batch["uid"]``), any hashable values.
+        response_mask: [B, T] mask of response tokens (any dtype); groups whose rows all have empty
+            masks are verl's synthetic padding groups (``trainer/ppo/padding_utils.py``) and are skipped.
+
+    Returns:
+        ``(groups int64 [G, K], uids list[G])``: rows of each real group in batch order, groups in order of
+        first appearance.
+
+    Raises:
+        ValueError: lengths disagree, a real group has fewer than 2 responses, or groups differ in size
+            (SetGRPO needs complete groups of ``actor_rollout_ref.rollout.n`` responses).
+    """
+    index = list(index)
+    if len(index) != response_mask.shape[0]:
+        raise ValueError(f"index has {len(index)} entries but response_mask has {response_mask.shape[0]} rows")
+    rows: dict[Any, list[int]] = {}
+    for i, uid in enumerate(index):
+        rows.setdefault(uid, []).append(i)
+    nonempty = (response_mask != 0).any(dim=-1).tolist()
+    real = {uid: r for uid, r in rows.items() if any(nonempty[i] for i in r)}
+    if not real:
+        raise ValueError("the batch holds no group with a non-empty response (all rows are padding)")
+    sizes = {len(r) for r in real.values()}
+    if len(sizes) != 1 or min(sizes) < 2:
+        by_size = {s: [u for u, r in real.items() if len(r) == s][:3] for s in sorted(sizes)}
+        raise ValueError(
+            f"SetGRPO needs every group (uid) to hold the same number K >= 2 of responses; found group sizes "
+            f"{sorted(sizes)} (examples per size: {by_size}). Set actor_rollout_ref.rollout.n >= 2 and do not "
+            "drop individual responses of a group."
+        )
+    uids = list(real)
+    return torch.tensor([real[u] for u in uids], dtype=torch.int64), uids
+
+
+def group_gram(sketches: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Per-group Gram matrices ``M_g = S_g S_g^T`` in float64 (SETGRPO.md section 5, last bullet).
+
+    Args:
+        sketches: float32/float64 [B, m] sketches of the batch rows.
+        groups: int64 [G, K] row indices.
+
+    Returns:
+        float64 [G, K, K], symmetric positive semi-definite.
+
+    Raises:
+        ValueError: ``sketches`` is not 2-D, has the wrong row count or non-finite entries.
+    """
+    if sketches.dim() != 2:
+        raise ValueError(f"sketches must be [B, m], got shape {tuple(sketches.shape)}")
+    if int(groups.max()) >= sketches.shape[0]:
+        raise ValueError(f"sketches has {sketches.shape[0]} rows but the groups index row {int(groups.max())}")
+    if not torch.isfinite(sketches).all():
+        raise ValueError("sketches contain NaN/inf: the actor's sketch pass diverged (check the model's dtype)")
+    s = sketches.detach().to(dtype=torch.float64, device="cpu")[groups]  # [G, K, m]
+    return s @ s.transpose(-1, -2)
+
+
+def setgrpo_step(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    sketches: torch.Tensor,
+    record: CalibrationRecord,
+    *,
+    reference_scores: Optional[torch.Tensor] = None,
+    monitor: Any = None,
+    ablation: Optional[str] = None,
+    seed: int = 0,
+) -> SetGRPOStep:
+    """SetGRPO advantages of one batch: sketches + scores + uids + response mask -> advantages + metrics.
+
+    Implements the per-step path of SETGRPO.md sections 3 and 6: group rows by uid, point scores
+    ``r = token_level_rewards.sum(-1)`` (as verl's GRPO), ``M_g = S_g S_g^T``, ``setgrpo_coefficients`` with the
+    frozen record, then ``advantages = coefficient * response_mask`` (verl's PPO loss is untouched).
+
+    Args:
+        token_level_rewards: float [B, T] verl's token-level rewards (the outcome score sits on one token).
+        response_mask: [B, T] response-token mask.
+        index: B uids (``non_tensor_batch["uid"]``).
+        sketches: float32 [B, m] per-response gradient sketches from the actor workers, row-aligned with the batch.
+        record: the frozen calibration record (``CalibrationRecord``).
+        reference_scores: optional float [B] reference scores r'; with ``monitor`` it feeds the online
+            coverage / reversal monitor.
+        monitor: optional ``OnlineRiskMonitor`` for ``record``.
+        ablation: None or one ablation name of SETGRPO.md section 6 (overrides the record's, if any).
+        seed: seed of the ``random_discard`` ablation.
+
+    Returns:
+        :class:`SetGRPOStep`. Metrics: ``SetGRPOResult.metrics`` (incl. ``setgrpo/timing_s/geometry`` and
+        ``setgrpo/timing_s/recovery``, seconds), ``setgrpo/timing_s/gram`` (grouping + Gram, seconds) and, with a
+        monitor, the ``setgrpo/online_*`` metrics.
+
+    Raises:
+        ValueError: bad shapes, incomplete groups (see :func:`group_rows`), non-finite sketches, or a group
+            size that disagrees with the record's K.
+    """
+    if token_level_rewards.shape != response_mask.shape or token_level_rewards.dim() != 2:
+        raise ValueError(
+            f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must both be [B, T]"
+        )
+    if sketches.shape[0] != token_level_rewards.shape[0]:
+        raise ValueError(f"sketches have {sketches.shape[0]} rows but the batch has {token_level_rewards.shape[0]}")
+    groups, _ = group_rows(index, response_mask)
+    if groups.shape[1] != record.K:
+        raise ValueError(
+            f"groups hold K={groups.shape[1]} responses but the calibration record was made with K={record.K}; "
+            f"set actor_rollout_ref.rollout.n={record.K} or recalibrate"
+        )
+
+    t0 = time.perf_counter()
+    scores = token_level_rewards.detach().to(dtype=torch.float64, device="cpu").sum(dim=-1)
+    point = scores[groups]
+    gram = group_gram(sketches, groups)
+    t1 = time.perf_counter()
+    result = setgrpo_coefficients(point, gram, record, ablation=ablation, seed=seed)
+
+    coefficients = torch.zeros(token_level_rewards.shape[0], dtype=torch.float64)
+    coefficients[groups.reshape(-1)] = torch.as_tensor(result.coefficients, dtype=torch.float64).reshape(-1)
+    mask = response_mask.to(dtype=torch.float32)
+    advantages = coefficients.to(device=mask.device, dtype=torch.float32).unsqueeze(-1) * mask
+
+    metrics = dict(result.metrics(prefix="setgrpo/"))
+    metrics["setgrpo/timing_s/gram"] = t1 - t0
+    if monitor is not None and reference_scores is not None:
+        ref = torch.as_tensor(reference_scores).detach().to(dtype=torch.float64, device="cpu").reshape(-1)
+        if ref.shape[0] != token_level_rewards.shape[0]:
+            raise ValueError(f"reference_scores have {ref.shape[0]} entries but the batch has {token_level_rewards.shape[0]} rows")
+        metrics.update(monitor.update(result, ref[groups], gram, prefix="setgrpo/"))
+    return SetGRPOStep(
+        advantages=advantages,
+        coefficients=coefficients,
+        groups=groups,
+        point_scores=point,
+        gram=gram,
+        result=result,
+        metrics=metrics,
+    )
+
+
+class SetGRPOStepContext:
+    """The ``config`` the SetGRPO trainer hands verl's ``compute_advantage`` for one step.
+
+    Behaves like the algorithm config it wraps (``.get``/attribute/item access are delegated), and carries
+    the step's sketches, the frozen record and the optional reference scores / monitor to
+    :func:`compute_setgrpo_outcome_advantage`, which stores its :class:`SetGRPOStep` in ``.output``.
+
+    Args:
+        algorithm: verl's ``config.algorithm`` (DictConfig or AlgoConfig).
+        sketches: float32 [B, m] sketches, row-aligned with the DataProto passed to ``compute_advantage``.
+        record: frozen ``CalibrationRecord``.
+        reference_scores: optional float [B] reference scores r'.
+        monitor: optional ``OnlineRiskMonitor``.
+        ablation, seed: see :func:`setgrpo_step`.
+    """
+
+    def __init__(
+        self,
+        algorithm: Any,
+        sketches: torch.Tensor,
+        record: CalibrationRecord,
+        *,
+        reference_scores: Optional[torch.Tensor] = None,
+        monitor: Any = None,
+        ablation: Optional[str] = None,
+        seed: int = 0,
+    ):
+        self.algorithm = algorithm
+        self.sketches = sketches
+        self.record = record
+        self.reference_scores = reference_scores
+        self.monitor = monitor
+        self.ablation = ablation
+        self.seed = seed
+        self.output: Optional[SetGRPOStep] = None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.algorithm.get(key, default)
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("__"):
+            raise AttributeError(key)
+        return getattr(self.__dict__["algorithm"], key)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.algorithm[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.algorithm
+
+
+@register_adv_est(SETGRPO_NAME)
+def compute_setgrpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Optional[np.ndarray] = None,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl advantage estimator ``setgrpo`` (SETGRPO.md sections 3-6); registered with ``register_adv_est``.
+
+    Args:
+        token_level_rewards: float [B, T].
+        response_mask: [B, T].
+        index: B uids (verl passes ``non_tensor_batch["uid"]``).
+        config: a :class:`SetGRPOStepContext` built by the SetGRPO trainer mode.
+
+    Returns:
+        ``(advantages, returns)``, both float32 [B, T] and equal (outcome-level estimator, like GRPO).
+
+    Raises:
+        RuntimeError: ``config`` is not a :class:`SetGRPOStepContext` -- the run lacks
+            ``trainer.v1.trainer_mode=setgrpo`` (the message names the override).
+        ValueError: see :func:`setgrpo_step`.
+    """
+    if not isinstance(config, SetGRPOStepContext):
+        raise RuntimeError(_MISSING_CONTEXT)
+    if index is None:
+        raise ValueError("the setgrpo estimator needs the uid of every response (non_tensor_batch['uid'])")
+    step = setgrpo_step(
+        token_level_rewards,
+        response_mask,
+        index,
+        config.sketches,
+        config.record,
+        reference_scores=config.reference_scores,
+        monitor=config.monitor,
+        ablation=config.ablation,
+        seed=config.seed,
+    )
+    config.output = step
+    return step.advantages, step.advantages

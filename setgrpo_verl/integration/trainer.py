@@ -1,0 +1,411 @@
+"""The SetGRPO trainer mode for verl 0.9.1's v1 trainer (``trainer.v1.trainer_mode=setgrpo``).
+
+:class:`SetGRPOTrainer` subclasses verl's ``PPOTrainerSync`` (registered with ``register_trainer``) and
+changes exactly three things:
+
+1. the actor worker is :class:`~setgrpo_verl.integration.worker.SetGRPOActorRolloutRefWorker` (sketch RPC);
+2. after verl's old-log-prob pass every step fetches per-response gradient sketches, and the advantage step
+   hands verl's ``compute_advantage`` a :class:`~setgrpo_verl.integration.estimator.SetGRPOStepContext`
+   (sketches + frozen record), so the registered ``setgrpo`` estimator writes
+   ``advantages = coefficient * response_mask`` and verl's PPO loss runs unchanged;
+3. before the first step it loads and validates ``algorithm.setgrpo.record_path`` or, when that is null,
+   runs the calibration phase (SETGRPO.md sections 2, 4, 7): roll out the calibration prompts with the initial
+   policy (the same sampling as training), read the point (``rm_scores``) and reference scores from the
+   dual-reward manager, sketch, call ``calibrate`` and write the record; ``calibration.only=true`` stops there.
+
+Every diagnostic of SETGRPO.md section 6 goes to verl's tracker under ``setgrpo/``; with reference scores
+present during training the online coverage / reversal monitor runs and warns on drift.
+
+Internally the trainer reports ``trainer_mode == "sync"`` to verl's base class so that the replay buffer,
+dataloader and checkpoint logic behave exactly as in the stock sync trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from typing import Any, Optional
+
+import numpy as np
+import ray
+import torch
+import transfer_queue as tq
+from tensordict import TensorDict
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from verl.protocol import DataProto
+from verl.trainer.ppo.ray_trainer import apply_kl_penalty
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+from verl.trainer.ppo.utils import Role, create_rl_dataset
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+from verl.utils import tensordict_utils as tu
+from verl.utils.dataset.rl_dataset import collate_fn
+from verl.utils.debug import marked_timer
+from verl.workers.utils.padding import response_to_nested
+
+from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor, calibrate
+from setgrpo_verl.sketch import SketchConfig
+
+from .config import SETGRPO_NAME, SetGRPOConfig, setgrpo_config_from
+from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
+from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
+
+logger = logging.getLogger(__name__)
+
+_ACTOR_ROLES = (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef)
+_ADV_FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
+
+
+def reference_scores_from(data: TensorDict | dict, key: str) -> Optional[torch.Tensor]:
+    """Reference scores r' of a batch as float64 [B], or None when the reward manager did not return them.
+
+    Looks for a top-level field ``key`` (colocated reward path) and else for ``extra_fields[i]
+    ["reward_extra_info"][key]`` (verl's streaming reward loop).
+
+    Raises:
+        ValueError: some rows carry the score and others do not, or a value is not a finite number.
+    """
+    values: Optional[list] = None
+    if key in data.keys():
+        values = list(data[key].tolist() if hasattr(data[key], "tolist") else data[key])
+    elif "extra_fields" in data.keys():
+        extra = data["extra_fields"]
+        extra = extra.tolist() if hasattr(extra, "tolist") else list(extra)
+        values = [(e or {}).get("reward_extra_info", {}).get(key) if isinstance(e, dict) else None for e in extra]
+        if all(v is None for v in values):
+            return None
+    if values is None:
+        return None
+    if any(v is None for v in values):
+        raise ValueError(
+            f"reference score {key!r} is missing for {sum(v is None for v in values)} of {len(values)} responses"
+        )
+    out = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if not torch.isfinite(out).all():
+        raise ValueError(f"reference score {key!r} contains NaN/inf")
+    return out
+
+
+def compute_setgrpo_advantage(
+    data: DataProto,
+    batch_keys: list[str],
+    context: SetGRPOStepContext,
+    *,
+    num_repeat: int,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[DataProto, SetGRPOStep]:
+    """Advantages of one training batch through verl's own advantage entry point (SETGRPO.md sections 3, 6).
+
+    Calls ``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories`` with
+    ``adv_estimator="setgrpo"`` and ``config=context``, exactly as verl's v1 trainer does for its estimators.
+
+    Args:
+        data: DataProto with ``token_level_rewards`` [B, T], ``response_mask`` [B, T] and ``uid`` [B].
+        batch_keys: the B TransferQueue keys ``{uid}_{session}_{index}`` (only used by verl for GRPO).
+        context: the step's :class:`SetGRPOStepContext`.
+        num_repeat: ``actor_rollout_ref.rollout.n``.
+
+    Returns:
+        ``(data with advantages/returns, SetGRPOStep)``.
+
+    Raises:
+        ValueError / RuntimeError: see :func:`setgrpo_verl.integration.estimator.setgrpo_step`.
+    """
+    data = compute_advantage_for_multi_trajectories(
+        data,
+        batch_keys=batch_keys,
+        adv_estimator=SETGRPO_NAME,
+        gamma=gamma,
+        lam=lam,
+        num_repeat=num_repeat,
+        norm_adv_by_std_in_grpo=context.get("norm_adv_by_std_in_grpo", True),
+        config=context,
+    )
+    if context.output is None:
+        raise RuntimeError("the setgrpo estimator did not run (is the setgrpo_verl verl plugin loaded?)")
+    return data, context.output
+
+
+def _sketch_config(cfg: SetGRPOConfig) -> SketchConfig:
+    s = cfg.sketch
+    return SketchConfig(rank_out=s.rank_out, rank_in=s.rank_in, seed=s.seed, include_embeddings=s.include_embeddings)
+
+
+@register_trainer(SETGRPO_NAME)
+class SetGRPOTrainer(PPOTrainerSync):
+    """verl sync PPO trainer with SetGRPO calibration, sketches and gated advantages (see module docstring).
+
+    Raises (at construction):
+        ValueError: ``algorithm.adv_estimator`` is not ``setgrpo``, ``rollout.n < 2``, a critic is configured,
+            or the ``algorithm.setgrpo`` block is missing / invalid.
+    """
+
+    # verl's base class branches on ``trainer_mode == "sync"`` (replay buffer, refill, checkpoint restore):
+    # SetGRPO is a sync trainer, so that is what the base class sees.
+    @property
+    def trainer_mode(self) -> str:
+        return "sync"
+
+    @trainer_mode.setter
+    def trainer_mode(self, value: str) -> None:
+        if value != SETGRPO_NAME:
+            raise ValueError(f"SetGRPOTrainer needs trainer.v1.trainer_mode={SETGRPO_NAME}, got {value!r}")
+
+    def __init__(self, config):
+        if config.algorithm.adv_estimator != SETGRPO_NAME:
+            raise ValueError(
+                f"trainer.v1.trainer_mode={SETGRPO_NAME} computes SetGRPO advantages: set "
+                f"algorithm.adv_estimator={SETGRPO_NAME} (got {config.algorithm.adv_estimator!r})"
+            )
+        if config.actor_rollout_ref.rollout.n < 2:
+            raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
+        self.setgrpo: SetGRPOConfig = setgrpo_config_from(config.algorithm)
+        self.sketch_config = _sketch_config(self.setgrpo)
+        self.record: Optional[CalibrationRecord] = None
+        self.monitor: Optional[OnlineRiskMonitor] = None
+        super().__init__(config)
+        if self.use_critic:
+            raise ValueError("SetGRPO is critic-free (outcome-level estimator): remove the critic configuration")
+
+    # ------------------------------------------------------------------ workers
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        for role in _ACTOR_ROLES:
+            if role in self.role_worker_mapping:
+                self.role_worker_mapping[role] = ray.remote(SetGRPOActorRolloutRefWorker)
+
+    # ------------------------------------------------------------------ record
+    def _run_identity(self) -> dict[str, Any]:
+        reward_manager = self.config.reward.reward_manager
+        custom = self.config.reward.get("custom_reward_function", {}) or {}
+        return {
+            "loss_agg_mode": str(self.config.actor_rollout_ref.actor.loss_agg_mode),
+            "sketch": dataclasses.asdict(self.sketch_config),
+            "grader": {
+                "reward_manager": str(reward_manager.name),
+                "custom_reward_function": f"{custom.get('path')}:{custom.get('name')}",
+            },
+            "policy": {"model_path": str(self.config.actor_rollout_ref.model.path)},
+        }
+
+    def _check_record(self, record: CalibrationRecord) -> None:
+        identity = self._run_identity()
+        cfg = self.setgrpo
+        record.check_compatible(
+            K=int(self.config.actor_rollout_ref.rollout.n),
+            norm_by_std=bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True)),
+            loss_agg_mode=identity["loss_agg_mode"],
+            grader=identity["grader"],
+            alpha=cfg.alpha,
+            beta=cfg.beta,
+            delta=cfg.delta,
+            rho=cfg.rho,
+            ablation=cfg.ablation,
+        )
+
+    def _record_out(self) -> str:
+        if self.setgrpo.record_out:
+            return os.path.expanduser(self.setgrpo.record_out)
+        return os.path.join(self.config.trainer.default_local_dir, "setgrpo_calibration.json")
+
+    def on_train_begin(self):
+        super().on_train_begin()
+        if self.setgrpo.record_path:
+            self.record = CalibrationRecord.from_json(os.path.expanduser(self.setgrpo.record_path))
+            self._check_record(self.record)
+            logger.warning("SetGRPO: loaded calibration record %s: %s", self.setgrpo.record_path, self.record.table4_row())
+        else:
+            self.record = self._calibrate()
+        if self.setgrpo.monitor.enable:
+            self.monitor = OnlineRiskMonitor(self.record)
+        if self.setgrpo.calibration.only and not self.setgrpo.record_path:
+            raise _CalibrationDone(self._record_out())
+
+    def fit(self, agent_loop_manager):
+        try:
+            return super().fit(agent_loop_manager)
+        except _CalibrationDone as done:
+            logger.warning("SetGRPO: calibration.only=true - record written to %s, stopping before training", done)
+            self._shutdown_dump_executor()
+
+    # ------------------------------------------------------------------ calibration phase
+    def _calibration_batches(self):
+        cal = self.setgrpo.calibration
+        files = cal.files if cal.files is not None else self.config.data.train_files
+        dataset = create_rl_dataset(
+            files, self.config.data, self.tokenizer, self.processor, is_train=True, max_samples=cal.num_prompts
+        )
+        loader = StatefulDataLoader(
+            dataset=dataset,
+            batch_size=self.config.data.train_batch_size,
+            num_workers=self.config.data["dataloader_num_workers"],
+            shuffle=False,
+            drop_last=False,
+            collate_fn=collate_fn,
+        )
+        for batch_dict in loader:
+            batch_dict["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch_dict["raw_prompt"]))], dtype=object)
+            batch = tu.get_tensordict(batch_dict)
+            tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
+            yield batch
+
+    def _calibrate(self) -> CalibrationRecord:
+        """Calibration phase (SETGRPO.md sections 2, 4, 7): rollouts of the initial policy, two scorings, sketches."""
+        cfg, key = self.setgrpo, self.setgrpo.reference_score_key
+        points, refs, grams = [], [], []
+        t0 = time.perf_counter()
+        for i, prompts in enumerate(self._calibration_batches()):
+            if i > 0:  # wake the rollout replicas again (weights unchanged: no update happens during calibration)
+                self.checkpoint_manager.update_weights(self.global_steps)
+            self._submit_batch_to_rollout(prompts)
+            batch, _ = self.replay_buffer.sample(global_steps=self.global_steps, partition_id="train", batch_size=len(prompts))
+            self.on_sample_end()
+            metrics: dict = {}
+            if self.reward_loop_manager.reward_loop_worker_handles is None:
+                batch = self._compute_reward_colocate(batch, metrics=metrics)
+            batch = self._balance_batch(batch, metrics=metrics)
+            self._compute_sketches(batch)
+            fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
+            if batch.fields and key in batch.fields:
+                fields.append(key)
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+            reference = reference_scores_from(data, key)
+            if reference is None:
+                raise ValueError(
+                    f"calibration needs a reference score per response under reward_extra_info[{key!r}]: use the "
+                    "setgrpo dual-reward manager (reward.reward_manager.name) or set algorithm.setgrpo.reference_score_key"
+                )
+            response_mask = data["response_mask"].to_padded_tensor(0)
+            scores = data["rm_scores"].to_padded_tensor(0.0).to(torch.float64).sum(-1)
+            groups, _ = group_rows(np.array(data["uid"].tolist(), dtype=object), response_mask)
+            points.append(scores[groups])
+            refs.append(reference[groups])
+            grams.append(group_gram(data[SKETCH_KEY], groups))
+            tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+            logger.warning("SetGRPO calibration: %d groups so far", sum(p.shape[0] for p in points))
+        if not points:
+            raise ValueError("the calibration prompt set is empty (algorithm.setgrpo.calibration.files / num_prompts)")
+        record = calibrate(
+            torch.cat(points),
+            torch.cat(refs),
+            torch.cat(grams),
+            alpha=cfg.alpha,
+            beta=cfg.beta,
+            delta=cfg.delta,
+            tau_grid=cfg.tau_grid,
+            rho=cfg.rho,
+            split_seed=cfg.calibration.split_seed,
+            norm_by_std=bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True)),
+            grid_size=cfg.recovery_grid,
+            ablation=cfg.ablation,
+            fixed_tau=cfg.fixed_tau,
+            on_infeasible=cfg.calibration.on_infeasible,
+            metadata=self._run_identity(),
+        )
+        out = self._record_out()
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        record.to_json(out)
+        summary = {f"setgrpo/calibration/{k}": v for k, v in record.table4_row().items() if v is not None}
+        summary["setgrpo/calibration/timing_s"] = time.perf_counter() - t0
+        self.logger.log(data=summary, step=self.global_steps)
+        logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
+        # the first training step wakes the replicas through the regular path
+        self.checkpoint_manager.update_weights(self.global_steps)
+        return record
+
+    # ------------------------------------------------------------------ per step
+    def _compute_sketches(self, batch) -> None:
+        """Sketch RPC on the actor workers; the sketches land in TransferQueue under ``setgrpo_sketch``."""
+        extra = {SKETCH_CONFIG_KEY: dataclasses.asdict(self.sketch_config)}
+        extra["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        saved = {k: batch.extra_info[k] for k in extra if k in batch.extra_info}
+        batch.extra_info.update(extra)
+        try:
+            output = self.actor_rollout_wg.compute_sketches(batch)
+        finally:
+            for k in extra:
+                batch.extra_info.pop(k, None)
+            batch.extra_info.update(saved)
+        assert len(output) == len(batch)
+
+    def _compute_old_log_prob(self, batch, metrics: dict):
+        batch = super()._compute_old_log_prob(batch, metrics)
+        t0 = time.perf_counter()
+        with marked_timer("setgrpo_sketch", self.timing_raw, color="purple"):
+            self._compute_sketches(batch)
+        metrics["setgrpo/timing_s/sketch"] = time.perf_counter() - t0
+        return batch
+
+    def _compute_advantage(self, batch, metrics: dict):
+        """verl's v1 ``_compute_advantage`` with the SetGRPO context (sketches, record, reference scores)."""
+        key = self.setgrpo.reference_score_key
+        fields = list(_ADV_FIELDS) + [SKETCH_KEY, "extra_fields"]
+        if batch.fields and key in batch.fields:
+            fields.append(key)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        sketches = data.pop(SKETCH_KEY)
+        reference = reference_scores_from(data, key) if self.monitor is not None else None
+        for k in ("extra_fields", key):
+            if k in data.keys():
+                data.pop(k)
+
+        response_mask = data["response_mask"]
+        data = DataProto(batch=data.to_padded_tensor())
+        data.batch["token_level_scores"] = data.batch["rm_scores"]
+        data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
+
+        if self.config.algorithm.use_kl_in_reward:
+            data, kl_metrics = apply_kl_penalty(
+                data, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty
+            )
+            metrics.update(kl_metrics)
+        else:
+            data.batch["token_level_rewards"] = data.batch["token_level_scores"]
+
+        rollout_corr_config = self.config.algorithm.get("rollout_correction", None)
+        bypass = rollout_corr_config and rollout_corr_config.get("bypass_mode", False)
+        rollout_correction = rollout_corr_config is not None and "rollout_log_probs" in data.batch and not bypass
+        if rollout_correction:
+            data, is_metrics = compute_rollout_correction_and_add_to_batch(data, rollout_corr_config)
+            metrics.update(is_metrics)
+
+        context = SetGRPOStepContext(
+            self.config.algorithm,
+            sketches,
+            self.record,
+            reference_scores=reference,
+            monitor=self.monitor,
+            ablation=self.setgrpo.ablation,
+            seed=self.setgrpo.seed + self.global_steps,
+        )
+        data, step = compute_setgrpo_advantage(
+            data,
+            batch.keys,
+            context,
+            num_repeat=self.config.actor_rollout_ref.rollout.n,
+            gamma=self.config.algorithm.gamma,
+            lam=self.config.algorithm.lam,
+        )
+        metrics.update(step.metrics)
+
+        out_fields = ["advantages", "returns"]
+        if self.config.algorithm.use_kl_in_reward:
+            out_fields.append("token_level_rewards")
+        if rollout_correction:
+            out_fields.append("response_mask")
+            if "rollout_is_weights" in data.batch:
+                out_fields.append("rollout_is_weights")
+        output = TensorDict(
+            {f: response_to_nested(data.batch[f], response_mask) for f in out_fields}, batch_size=len(batch)
+        )
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
+
+
+class _CalibrationDone(Exception):
+    """Raised inside ``fit`` to stop after the calibration phase (``calibration.only=true``)."""
