@@ -1,0 +1,121 @@
+# Shared settings of the SetGRPO recipes (sourced by recipes/<model>.sh; not run directly).
+#
+# The paper's training/rollout configuration (Table 3 of the SetGRPO paper): rollout group size K=8,
+# max prompt length 2048, max response length 4096, batch size 64 prompts, mini-batch size 32 prompts,
+# AdamW. The GRPO baseline uses exactly the same arguments with verl's stock `ppo_trainer` config and
+# algorithm.adv_estimator=grpo.
+#
+# Environment (all optional):
+#   PYTHON            python interpreter with verl[verl-core]==0.9.1 and setgrpo-verl installed (python3)
+#   DATA_DIR          RubricHub parquet files from recipes/prepare_rubrichub.sh ($HOME/data/rubrichub)
+#   RUN_ROOT          checkpoints and calibration records ($HOME/setgrpo_runs)
+#   NNODES            nodes (1);  N_GPUS_PER_NODE  GPUs per node (8)
+#   REWARD_MANAGER    verl reward-manager name of the dual (point + reference) rubric grader (setgrpo_dual)
+#   LOGGER            verl trainer.logger list ('["console","wandb"]')
+#   RECORD            calibration record path (default: $RUN_ROOT/<experiment>/setgrpo_calibration.json)
+# Extra arguments to the recipe after the mode are appended as Hydra overrides.
+
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+DATA_DIR=${DATA_DIR:-$HOME/data/rubrichub}
+RUN_ROOT=${RUN_ROOT:-$HOME/setgrpo_runs}
+NNODES=${NNODES:-1}
+N_GPUS_PER_NODE=${N_GPUS_PER_NODE:-8}
+REWARD_MANAGER=${REWARD_MANAGER:-setgrpo_dual}
+LOGGER=${LOGGER:-'["console","wandb"]'}
+
+# Table 3 settings shared by SetGRPO and the GRPO baseline.
+_table3_args() {
+    echo "data.train_files=$DATA_DIR/train.parquet"
+    echo "data.val_files=$DATA_DIR/test.parquet"
+    echo "data.max_prompt_length=2048"
+    echo "data.max_response_length=4096"
+    echo "data.train_batch_size=64"
+    echo "data.filter_overlong_prompts=true"
+    echo "data.truncation=error"
+    echo "actor_rollout_ref.rollout.n=8"
+    echo "actor_rollout_ref.rollout.name=vllm"
+    echo "actor_rollout_ref.rollout.tensor_model_parallel_size=$ROLLOUT_TP"
+    echo "actor_rollout_ref.rollout.gpu_memory_utilization=0.6"
+    echo "actor_rollout_ref.rollout.temperature=1.0"
+    echo "actor_rollout_ref.actor.ppo_mini_batch_size=32"
+    echo "actor_rollout_ref.actor.optim.optimizer=AdamW"
+    echo "actor_rollout_ref.actor.optim.lr=$LR"
+    echo "actor_rollout_ref.actor.use_dynamic_bsz=true"
+    echo "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$MAX_TOKENS_PER_GPU"
+    echo "actor_rollout_ref.actor.use_kl_loss=false"
+    echo "actor_rollout_ref.actor.entropy_coeff=0"
+    echo "actor_rollout_ref.actor.loss_agg_mode=token-mean"
+    echo "actor_rollout_ref.actor.fsdp_config.param_offload=$PARAM_OFFLOAD"
+    echo "actor_rollout_ref.actor.fsdp_config.optimizer_offload=$PARAM_OFFLOAD"
+    echo "actor_rollout_ref.model.path=$MODEL_PATH"
+    echo "actor_rollout_ref.model.use_remove_padding=true"
+    echo "actor_rollout_ref.model.enable_gradient_checkpointing=true"
+    echo "algorithm.use_kl_in_reward=false"
+    echo "algorithm.norm_adv_by_std_in_grpo=true"
+    echo "reward.reward_manager.name=$REWARD_MANAGER"
+    echo "trainer.logger=$LOGGER"
+    echo "trainer.project_name=setgrpo"
+    echo "trainer.nnodes=$NNODES"
+    echo "trainer.n_gpus_per_node=$N_GPUS_PER_NODE"
+    echo "trainer.total_training_steps=500"
+    echo "trainer.save_freq=50"
+    echo "trainer.test_freq=25"
+    echo "trainer.val_before_train=true"
+}
+
+# run_recipe MODE [hydra overrides...]
+#   MODE = calibrate | train | grpo
+# Needs MODEL_TAG, MODEL_PATH, ROLLOUT_TP, LR, MAX_TOKENS_PER_GPU, PARAM_OFFLOAD from the model recipe.
+run_recipe() {
+    local mode=${1:-}
+    if [ $# -gt 0 ]; then shift; fi
+    local experiment="${MODEL_TAG}-${mode/calibrate/setgrpo}"
+    local record=${RECORD:-$RUN_ROOT/${MODEL_TAG}-setgrpo/setgrpo_calibration.json}
+    local config_dir
+    config_dir=$("$PYTHON" -c 'import os, setgrpo_verl; print(os.path.join(os.path.dirname(setgrpo_verl.__file__), "hydra_configs"))')
+    local -a args
+    mapfile -t args < <(_table3_args)
+    case "$mode" in
+        calibrate)
+            # roll out the calibration prompts with the initial policy, score twice, sketch, write the record, stop
+            exec "$PYTHON" -m verl.trainer.main_ppo --config-path "$config_dir" --config-name setgrpo_trainer \
+                "${args[@]}" \
+                algorithm.adv_estimator=setgrpo \
+                trainer.v1.trainer_mode=setgrpo \
+                algorithm.setgrpo.alpha=0.05 algorithm.setgrpo.beta=0.08 algorithm.setgrpo.delta=0.05 \
+                algorithm.setgrpo.calibration.num_prompts=4096 \
+                algorithm.setgrpo.calibration.only=true \
+                algorithm.setgrpo.record_out="$record" \
+                trainer.experiment_name="$experiment" \
+                trainer.default_local_dir="$RUN_ROOT/$experiment" \
+                "$@"
+            ;;
+        train)
+            # SetGRPO training with the frozen record written by the calibrate run
+            exec "$PYTHON" -m verl.trainer.main_ppo --config-path "$config_dir" --config-name setgrpo_trainer \
+                "${args[@]}" \
+                algorithm.adv_estimator=setgrpo \
+                trainer.v1.trainer_mode=setgrpo \
+                algorithm.setgrpo.alpha=0.05 algorithm.setgrpo.beta=0.08 algorithm.setgrpo.delta=0.05 \
+                algorithm.setgrpo.record_path="$record" \
+                trainer.experiment_name="$experiment" \
+                trainer.default_local_dir="$RUN_ROOT/$experiment" \
+                "$@"
+            ;;
+        grpo)
+            # the GRPO baseline: verl's stock config and estimator, identical Table 3 settings
+            exec "$PYTHON" -m verl.trainer.main_ppo \
+                "${args[@]}" \
+                algorithm.adv_estimator=grpo \
+                trainer.experiment_name="$experiment" \
+                trainer.default_local_dir="$RUN_ROOT/$experiment" \
+                "$@"
+            ;;
+        *)
+            echo "usage: $0 {calibrate|train|grpo} [hydra overrides...]" >&2
+            exit 2
+            ;;
+    esac
+}

@@ -1,0 +1,177 @@
+"""Hydra composition of setgrpo_trainer.yaml and of every recipe, through verl's own `main_ppo --cfg job`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import verl.trainer.main_ppo as main_ppo
+from verl.utils.config import omega_conf_to_dataclass
+
+import setgrpo_verl
+from setgrpo_verl.integration.config import SetGRPOAlgoConfig, SetGRPOConfig, setgrpo_config_from
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith(("_", "prepare")))
+MODES = ("calibrate", "train", "grpo")
+CONFIG_DIR = os.path.join(os.path.dirname(setgrpo_verl.__file__), "hydra_configs")
+TABLE3 = {  # the paper's Table 3, as verl keys
+    "actor_rollout_ref.rollout.n": 8,
+    "data.max_prompt_length": 2048,
+    "data.max_response_length": 4096,
+    "data.train_batch_size": 64,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 32,
+    "actor_rollout_ref.actor.optim.optimizer": "AdamW",
+}
+
+
+def _compose(argv: list[str]) -> tuple[int, str, str]:
+    """Run verl's Hydra entry point `main_ppo.main` with `argv + --cfg job` in this process."""
+    old = sys.argv
+    sys.argv = ["main_ppo", *argv, "--cfg", "job"]
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main_ppo.main()
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    finally:
+        sys.argv = old
+    return code, out.getvalue(), err.getvalue()
+
+
+def _recipe_argv(recipe: Path, mode: str, tmp: Path) -> list[str]:
+    """The exact arguments a recipe passes to `python -m verl.trainer.main_ppo` (captured by a python shim)."""
+    shim, captured = tmp / "python", tmp / f"{recipe.stem}-{mode}.args"
+    shim.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = "-m" ] && [ "$2" = "verl.trainer.main_ppo" ]; then shift 2; printf "%s\\0" "$@" > "$SHIM_OUT"; '
+        "exit 0; fi\n"
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    shim.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(shim), "SHIM_OUT": str(captured), "HOME": str(tmp)}
+    subprocess.run(["bash", str(recipe), mode], env=env, check=True, capture_output=True, timeout=120)
+    return captured.read_text().split("\0")[:-1]
+
+
+@pytest.fixture(scope="module")
+def compositions(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("recipes")
+    out = {}
+    for recipe in RECIPES:
+        for mode in MODES:
+            argv = _recipe_argv(recipe, mode, tmp)
+            code, stdout, stderr = _compose(argv)
+            assert code == 0, f"{recipe.name} {mode}: Hydra composition failed:\n{stderr[-3000:]}"
+            out[recipe.stem, mode] = (argv, OmegaConf.create(stdout))
+    return out
+
+
+def test_every_model_of_the_issue_has_a_recipe():
+    assert {p.stem for p in RECIPES} == {"qwen3_4b", "qwen3_14b", "qwen3_5_4b", "qwen3_5_9b", "llama3_2_3b"}
+    assert (REPO / "recipes" / "prepare_rubrichub.sh").exists()
+
+
+@pytest.mark.slow
+def test_every_recipe_composes(compositions):
+    assert len(compositions) == len(RECIPES) * len(MODES)
+    for (name, mode), (argv, cfg) in compositions.items():
+        for key, value in TABLE3.items():
+            assert OmegaConf.select(cfg, key) == value, (name, mode, key)
+        if mode == "grpo":
+            assert cfg.algorithm.adv_estimator == "grpo" and cfg.trainer.v1.trainer_mode == "sync"
+            assert "setgrpo" not in cfg.algorithm and "--config-path" not in argv  # verl's stock config
+            continue
+        assert cfg.algorithm.adv_estimator == "setgrpo" and cfg.trainer.v1.trainer_mode == "setgrpo"
+        setgrpo = setgrpo_config_from(cfg.algorithm)
+        assert (setgrpo.alpha, setgrpo.beta, setgrpo.delta) == (0.05, 0.08, 0.05)
+        assert isinstance(omega_conf_to_dataclass(cfg.algorithm), SetGRPOAlgoConfig)  # verl's own conversion
+        if mode == "calibrate":
+            assert setgrpo.calibration.only and setgrpo.record_path is None and setgrpo.record_out
+        else:
+            assert not setgrpo.calibration.only and setgrpo.record_path.endswith("setgrpo_calibration.json")
+
+
+@pytest.mark.slow
+def test_grpo_baseline_settings_identical_to_setgrpo(compositions):
+    """Apart from the estimator, trainer mode and run names, the baseline composes to the same config."""
+
+    def plain(cfg):
+        d = OmegaConf.to_container(cfg, resolve=False)
+        d["algorithm"] = {k: v for k, v in d["algorithm"].items() if k not in ("setgrpo", "_target_", "adv_estimator")}
+        for k in ("experiment_name", "default_local_dir"):
+            d["trainer"].pop(k)
+        d["trainer"]["v1"].pop("trainer_mode")
+        d["trainer"]["v1"].pop("setgrpo", None)
+        return d
+
+    for recipe in RECIPES:
+        assert plain(compositions[recipe.stem, "grpo"][1]) == plain(compositions[recipe.stem, "train"][1]), recipe.name
+
+
+def test_misspelled_setgrpo_key_fails():
+    code, _, err = _compose(["--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer", "algorithm.setgrpo.alpah=0.1"])
+    assert code != 0 and "alpah" in err
+    code, _, err = _compose(["--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer",
+                             "algorithm.setgrpo.calibration.num_prompt=10"])
+    assert code != 0 and "num_prompt" in err
+    code, out, _ = _compose(["--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer", "algorithm.setgrpo.alpha=0.1"])
+    assert code == 0 and OmegaConf.create(out).algorithm.setgrpo.alpha == 0.1
+
+
+def test_dataclass_conversion_rejects_unknown_and_bad_values():
+    code, out, _ = _compose(["--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer"])
+    algorithm = OmegaConf.create(out).algorithm
+    assert setgrpo_config_from(algorithm) == SetGRPOConfig()
+    algorithm.setgrpo.betta = 0.1  # e.g. a typo written into a copied YAML file
+    with pytest.raises(ValueError, match="betta"):
+        setgrpo_config_from(algorithm)
+    with pytest.raises(ValueError, match=r"algorithm\.setgrpo\.alpha=1\.5"):
+        setgrpo_config_from({"setgrpo": {"alpha": 1.5}})
+    with pytest.raises(ValueError, match="fixed_tau"):
+        setgrpo_config_from({"setgrpo": {"ablation": "fixed_threshold"}})
+    with pytest.raises(ValueError, match="setgrpo_trainer"):
+        setgrpo_config_from(OmegaConf.create({"adv_estimator": "setgrpo"}))
+
+
+def test_every_setgrpo_key_is_documented_and_matches_the_dataclass():
+    lines = (Path(CONFIG_DIR) / "setgrpo_trainer.yaml").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line == "  setgrpo:")
+    keys, prev = {}, lines[start - 1]
+    for line in lines[start + 1 :]:
+        if line.strip() and not line.startswith("    "):
+            break  # end of the block
+        m = re.match(r"^( +)([a-z_]+):", line)
+        if m:
+            assert prev.strip().startswith("#"), f"key {m.group(2)!r} has no comment line above it"
+            keys.setdefault(len(m.group(1)), set()).add(m.group(2))
+        if line.strip():
+            prev = line
+    fields = {f.name for f in dataclasses.fields(SetGRPOConfig)}
+    assert keys[4] == fields  # _target_ is a BaseConfig field too
+    for name in ("calibration", "sketch", "monitor"):
+        sub = {f.name for f in dataclasses.fields(type(getattr(SetGRPOConfig(), name)))} - {"_target_"}
+        assert sub <= keys[6], name
+
+
+@pytest.mark.slow
+def test_recipe_runs_main_ppo_cfg_job_in_a_fresh_process(tmp_path):
+    """One recipe end to end: bash -> python -m verl.trainer.main_ppo ... --cfg job (plugin loaded at import verl)."""
+    env = {**os.environ, "PYTHON": sys.executable, "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(REPO / "recipes" / "qwen3_4b.sh"), "train", "--cfg", "job"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.trainer.v1.trainer_mode == "setgrpo" and cfg.actor_rollout_ref.model.path == "Qwen/Qwen3-4B"
+    assert "FAILED" not in proc.stderr
