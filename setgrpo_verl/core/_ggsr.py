@@ -79,6 +79,8 @@ def safe_anchor(sets: CoefficientSets, gram: torch.Tensor) -> tuple[torch.Tensor
     infeasibility = (znorm - q).clamp_min(0.0)
     scale = h.norm(dim=-1) + mu[:, -1] * max(q, 1e-300) + torch.finfo(torch.float64).tiny
     kkt = torch.stack([stationarity / scale, complementarity / scale, infeasibility / max(q, 1.0)]).amax(0)
+    if q == 0:  # the set is the single point a_hat: optimal by definition, no multiplier to certify
+        kkt = torch.zeros_like(kkt)
     return anchor, kkt
 
 
