@@ -11,7 +11,7 @@ from ._jrsc import CoefficientSets
 
 # u(b0) counts as the null update when ||u(b0)||^2 <= NULL_TOL * ||u(a_hat)||^2.
 NULL_TOL = 1e-10
-_SECULAR_ITERS = 200
+_SECULAR_ITERS = 100
 
 
 def safe_anchor(sets: CoefficientSets, gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,8 +22,9 @@ def safe_anchor(sets: CoefficientSets, gram: torch.Tensor) -> tuple[torch.Tensor
     ``min z^T A z + 2 h^T z  s.t. ||z|| <= Q``. ``h`` lies in ``range(A)``, so the unconstrained
     minimiser ``-A^+ h`` exists; if it is inside the ball it is the answer, otherwise the
     solution is ``z = -(A + lam I)^{-1} h`` with ``lam > 0`` the root of the secular equation
-    ``1/||z(lam)|| = 1/Q``, found by safeguarded Newton steps (More-Sorensen) inside the
-    bracket ``[0, ||h||/Q]`` on the eigendecomposition of A. Because b0 is the M-minimum-norm
+    ``1/||z(lam)|| = 1/Q``, found by Newton steps from ``lam = 0`` (More-Sorensen; monotone for
+    this concave, increasing function), safeguarded by bisection inside ``[0, ||h||/Q]``, on the
+    eigendecomposition of A. Because b0 is the M-minimum-norm
     point of a convex set, ``<u(b0), u(c)> >= ||u(b0)||^2`` for every c in C.
 
     Args:
@@ -49,23 +50,29 @@ def safe_anchor(sets: CoefficientSets, gram: torch.Tensor) -> tuple[torch.Tensor
 
     lam = torch.zeros_like(mu[:, 0])
     if q > 0:
-        h_norm = ht.norm(dim=-1)
+        # h is orthogonal to null(A): drop its rounding-level components there, so that
+        # phi(lam) = 1/||z(lam)|| - 1/Q is finite at lam = 0. phi is increasing and concave, so
+        # Newton steps from lam = 0 (phi < 0 for every boundary group) increase monotonically
+        # to the root (More & Sorensen 1983); the bracket [lo, hi] only guards rounding.
+        ht = torch.where(positive, ht, torch.zeros_like(ht))
         lo = torch.zeros_like(lam)
-        hi = h_norm / q
-        lam = 0.5 * hi
+        hi = ht.norm(dim=-1) / q
         for _ in range(_SECULAR_ITERS):
             denom = mu + lam[:, None]
-            zn = (ht / denom).norm(dim=-1).clamp_min(torch.finfo(torch.float64).tiny)
-            phi = 1.0 / zn - 1.0 / q
+            denom = torch.where(denom > 0, denom, torch.ones_like(denom))  # only where ht == 0
+            zn = (ht / denom).norm(dim=-1)
+            phi = 1.0 / zn.clamp_min(torch.finfo(torch.float64).tiny) - 1.0 / q
+            done = interior | (phi.abs() * q <= 1e-14)
+            if bool(done.all()):
+                break
             lo = torch.where(phi < 0, lam, lo)
             hi = torch.where(phi > 0, lam, hi)
             dphi = (ht**2 / denom**3).sum(-1) / zn**3
             newton = lam - phi / dphi.clamp_min(torch.finfo(torch.float64).tiny)
-            inside = (newton > lo) & (newton < hi)
-            lam = torch.where(inside, newton, 0.5 * (lo + hi))
-            if bool((phi.abs() * q <= 1e-13).all()):
-                break
-        z_bnd = -ht / (mu + lam[:, None]).clamp_min(torch.finfo(torch.float64).tiny)
+            inside = (newton >= lo) & (newton <= hi)
+            lam = torch.where(done, lam, torch.where(inside, newton, 0.5 * (lo + hi)))
+        denom = mu + lam[:, None]
+        z_bnd = -ht / torch.where(denom > 0, denom, torch.ones_like(denom))
         zt = torch.where(interior[:, None], z_int, z_bnd)
         lam = torch.where(interior, torch.zeros_like(lam), lam)
     else:
