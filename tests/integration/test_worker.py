@@ -94,19 +94,18 @@ def ray_cluster():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("use_dynamic_bsz", [True, False])
-def test_sketch_rpc_on_ray_cpu_worker_group(ray_cluster, use_dynamic_bsz):
+def test_sketch_rpc_on_ray_cpu_worker_group(ray_cluster):
     pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(cls=ray.remote(TinySketchWorker), use_dynamic_bsz=use_dynamic_bsz),
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(cls=ray.remote(TinySketchWorker), use_dynamic_bsz=True),
                         device_name="cpu")
     wg.init_model()
-    data = _batch()
-    out = wg.compute_sketches(data)
     # the driver's reference: the same hook on the whole batch, in batch order
-    ids, am, rm = _padded_layout(data)
+    ids, am, rm = _padded_layout(_batch())
     expected = compute_sketches(_tiny_model(), ids, am, rm, SKETCH).sketches
-    sketches = out[SKETCH_KEY]
-    assert sketches.dtype == torch.float32 and sketches.shape == expected.shape
-    torch.testing.assert_close(sketches, expected, rtol=1e-4, atol=1e-5)
-    # rows are distinct responses, so a permutation would have been caught
-    assert torch.cdist(expected, expected).fill_diagonal_(1.0).min() > 1e-3
+    assert torch.cdist(expected, expected).fill_diagonal_(1.0).min() > 1e-3  # distinct rows: a permutation shows
+    fixed = _batch()  # the engine's fixed micro-batch path, chosen per call like verl's infer_batch keys
+    tu.assign_non_tensor(fixed, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+    for data in (_batch(), fixed):  # dynamic (token-budget, reordered) micro-batches, then fixed ones
+        sketches = wg.compute_sketches(data)[SKETCH_KEY]
+        assert sketches.dtype == torch.float32 and sketches.shape == expected.shape
+        torch.testing.assert_close(sketches, expected, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,87 @@
+"""verl's plugin discovery: a fresh `import verl` registers everything; a broken plugin says so loudly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import ray
+from omegaconf import OmegaConf
+
+from verl.trainer.ppo.utils import Role
+
+from setgrpo_verl.integration.trainer import SetGRPOTrainer
+from setgrpo_verl.integration.worker import SetGRPOActorRolloutRefWorker
+
+_PROBE = """
+import json, verl
+from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
+print(json.dumps({
+    "estimator": ADV_ESTIMATOR_REGISTRY.get("setgrpo").__module__ if "setgrpo" in ADV_ESTIMATOR_REGISTRY else None,
+    "trainer": TRAINER_REGISTRY["setgrpo"].__module__ if "setgrpo" in TRAINER_REGISTRY else None,
+    "reward_managers": {k: v.__module__ for k, v in REWARD_MANAGER.items()},
+}))
+"""
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_fresh_import_verl_registers_estimator_trainer_and_reward_manager():
+    proc = _run(_PROBE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["estimator"] == "setgrpo_verl.integration.estimator"
+    assert found["trainer"] == "setgrpo_verl.integration.trainer"
+    assert "setgrpo_verl.integration.reward_manager" in found["reward_managers"].values(), found["reward_managers"]
+    assert "FAILED" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_broken_plugin_is_reported_loudly():
+    # make the core library unimportable: verl swallows the plugin's exception, our plugin must still shout
+    proc = _run("import sys; sys.modules['setgrpo_verl.core'] = None\n" + _PROBE)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # verl itself keeps going
+    assert "setgrpo_verl verl plugin FAILED to load setgrpo_verl.integration.estimator" in proc.stderr
+    assert "Traceback" in proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["estimator"] is None
+
+
+def _trainer_config(**algorithm):
+    return OmegaConf.create({
+        "algorithm": {"adv_estimator": "setgrpo", "setgrpo": {}, **algorithm},
+        "actor_rollout_ref": {"rollout": {"n": 8}, "actor": {"use_kl_loss": False}, "model": {}},
+        "critic": {"enable": False},
+        "reward": {"reward_model": {"enable_resource_pool": False, "nnodes": 0, "n_gpus_per_node": 0}},
+        "trainer": {"n_gpus_per_node": 2, "nnodes": 1, "v1": {"trainer_mode": "setgrpo"}},
+    })
+
+
+def test_trainer_mode_requires_the_setgrpo_estimator():
+    with pytest.raises(ValueError, match="algorithm.adv_estimator=setgrpo"):
+        SetGRPOTrainer(_trainer_config(adv_estimator="grpo"))
+    cfg = _trainer_config()
+    cfg.actor_rollout_ref.rollout.n = 1
+    with pytest.raises(ValueError, match="rollout.n >= 2"):
+        SetGRPOTrainer(cfg)
+
+
+def test_trainer_mode_looks_like_sync_to_verl_and_uses_the_sketch_worker():
+    trainer = SetGRPOTrainer.__new__(SetGRPOTrainer)
+    trainer.trainer_mode = "setgrpo"
+    assert trainer.trainer_mode == "sync"  # verl's replay buffer / refill / checkpoint logic: the sync path
+    with pytest.raises(ValueError, match="trainer_mode=setgrpo"):
+        trainer.trainer_mode = "colocate_async"
+    trainer.config = _trainer_config()
+    trainer._init_resource_pool_mgr()
+    actor = trainer.role_worker_mapping[Role.ActorRollout]
+    assert isinstance(actor, ray.actor.ActorClass)
+    assert actor.__ray_metadata__.modified_class.__mro__[1] is SetGRPOActorRolloutRefWorker
+    assert SimpleNamespace  # keep import list honest
