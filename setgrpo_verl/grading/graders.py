@@ -1,0 +1,290 @@
+"""Graders: one small interface turning (prompt, response, rubric) items into a score + per-criterion verdicts.
+
+Interface (duck-typed)::
+
+    grader.identity -> {"name", "model", "temperature", "template_hash"}      # for the calibration record
+    await grader.agrade(items: Sequence[GradingItem], *, scoring_index: int) -> list[GradeResult]
+    await grader.aclose()
+
+* :class:`RubricGrader` -- rule criteria checked by code (:mod:`.rules`), the others by a judge
+  (:class:`~.judges.OpenAIJudge` or :class:`~.judges.LocalHFJudge`); score = :func:`~.rubric.rubric_score`.
+* :class:`FunctionGrader` -- a user Python function, verl style (``path`` + ``name``), called once per item and
+  scoring with ``scoring_index`` and ``seed``.
+
+Seeding: the verdict seed of criterion j of a response in scoring i is
+``sha256(grader seed, i, question, response, j, criterion)`` (31 bits), so scoring i of a response is
+reproducible regardless of batch composition or order, and scorings 0 and 1 are independent draws.
+:func:`build_grader` builds a grader from a plain config mapping (what the verl reward manager reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+from typing import Any, Mapping, Sequence
+
+from .judges import JudgeRequest, LocalHFJudge, OpenAIJudge, template_hash
+from .rubric import GradeResult, GradingError, GradingItem, Rubric, Verdict, rubric_score
+from .rules import check_rule
+
+__all__ = ["FunctionGrader", "RubricGrader", "as_rubric", "build_grader", "grader_identity", "verdict_seed"]
+
+
+def verdict_seed(seed: int, scoring_index: int, question: str, response: str, j: int, criterion: str) -> int:
+    """The 31-bit seed of one verdict (criterion ``j``) in scoring ``scoring_index`` (see module docstring)."""
+    payload = json.dumps([int(seed), int(scoring_index), question, response, int(j), criterion])
+    return int.from_bytes(hashlib.sha256(payload.encode()).digest()[:8], "big") % 2**31
+
+
+class RubricGrader:
+    """Rubric grading: rule criteria by code, the rest by ``judge``; the score mixes both (SETGRPO.md section 0).
+
+    Args:
+        judge: an :class:`OpenAIJudge` / :class:`LocalHFJudge` (anything with ``identity`` and ``ajudge``), or
+            ``None`` when every criterion carries a rule (a judged criterion then raises :class:`GradingError`).
+        seed: grader seed (enters every verdict seed).
+    """
+
+    def __init__(self, judge=None, *, seed: int = 0):
+        self.judge = judge
+        self.seed = int(seed)
+
+    @property
+    def identity(self) -> dict:
+        """``{name, model, temperature, template_hash}``: the judge's identity, name prefixed with ``rubric+``."""
+        if self.judge is None:
+            return {"name": "rubric+rules", "model": None, "temperature": 0.0, "template_hash": template_hash(rules_only=True)}
+        ident = dict(self.judge.identity)
+        ident["name"] = f"rubric+{ident['name']}"
+        return ident
+
+    async def agrade(self, items: Sequence[GradingItem], *, scoring_index: int) -> list[GradeResult]:
+        """Grade every item once (scoring ``scoring_index``).
+
+        Returns:
+            One :class:`GradeResult` per item (score float, verdicts in criterion order).
+
+        Raises:
+            GradingError: a judged criterion without a judge, a rule that cannot run, a judge failure, or a
+                response whose every criterion is unparsed.
+        """
+        verdicts: list[list[Verdict | None]] = []
+        requests: list[JudgeRequest] = []
+        seeds: list[int] = []
+        slots: list[tuple[int, int]] = []
+        for n, item in enumerate(items):
+            if item.rubric is None:
+                raise GradingError(f"item {n} has no rubric: a RubricGrader needs one per response")
+            question = item.question
+            row: list[Verdict | None] = []
+            for j, crit in enumerate(item.rubric.criteria):
+                if crit.rule is not None:
+                    met = check_rule(crit.rule, question, item.response)
+                    row.append(Verdict("met" if met else "unmet", "rule"))
+                    continue
+                if self.judge is None:
+                    raise GradingError(
+                        f"rubric {item.rubric.id!r} criterion {j} ({crit.criterion!r}) has no rule and this grader "
+                        "has no judge: configure a judge (local_hf or openai)"
+                    )
+                row.append(None)
+                requests.append(JudgeRequest(question, item.response, crit.criterion))
+                seeds.append(verdict_seed(self.seed, scoring_index, question, item.response, j, crit.criterion))
+                slots.append((n, j))
+            verdicts.append(row)
+        if requests:
+            judged = await self.judge.ajudge(requests, seeds)
+            for (n, j), v in zip(slots, judged):
+                verdicts[n][j] = v
+        results = []
+        for item, row in zip(items, verdicts):
+            results.append(
+                GradeResult(
+                    score=rubric_score(item.rubric, row),
+                    verdicts=tuple(row),
+                    scoring_index=int(scoring_index),
+                    seed=self.seed,
+                )
+            )
+        return results
+
+    async def aclose(self) -> None:
+        if self.judge is not None:
+            await self.judge.aclose()
+
+
+class FunctionGrader:
+    """A user scoring function, verl style: ``fn(data_source, solution_str, ground_truth, extra_info, *,
+    scoring_index, seed, **kwargs)`` (sync or async), called once per item and scoring.
+
+    It returns a float score, or a dict with ``"score"`` and optionally ``"verdicts"`` (a list of ``True`` /
+    ``False`` / ``None`` or of ``"met"``/``"unmet"``/``"unparsed"`` strings). ``ground_truth`` is the item's
+    ``ground_truth`` if set, else its rubric as a RubricHub dict. The seed passed is
+    ``verdict_seed(seed, scoring_index, question, response, -1, "")``.
+
+    Args:
+        path: Python file defining the function (loaded with verl's ``load_extern_object``), or ``None`` with
+            ``fn`` given directly.
+        name: function name in that file.
+        fn: the callable itself (instead of path/name).
+        seed: grader seed.
+        kwargs: extra keyword arguments passed on every call.
+    """
+
+    def __init__(self, path: str | None = None, name: str = "compute_score", *, fn=None, seed: int = 0,
+                 kwargs: Mapping[str, Any] | None = None):
+        if fn is None:
+            if not path:
+                raise ValueError("FunctionGrader needs path (+ name) of a Python file, or fn")
+            from verl.utils.import_utils import load_extern_object
+
+            fn = load_extern_object(module_path=path, object_name=name)
+        if not callable(fn):
+            raise TypeError(f"{path}:{name} is not callable")
+        self.fn = fn
+        self.path, self.fn_name = path, name if path else getattr(fn, "__qualname__", repr(fn))
+        self.seed = int(seed)
+        self.kwargs = dict(kwargs or {})
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            source = repr(fn)
+        self._source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
+
+    @property
+    def identity(self) -> dict:
+        """``{name: "function:<path>:<name>", model: None, temperature: None, template_hash: sha of the source}``."""
+        return {"name": f"function:{self.path}:{self.fn_name}", "model": None, "temperature": None,
+                "template_hash": self._source_hash}
+
+    async def _one(self, item: GradingItem, scoring_index: int) -> GradeResult:
+        seed = verdict_seed(self.seed, scoring_index, item.question, item.response, -1, "")
+        ground_truth = item.ground_truth if item.ground_truth is not None else (
+            item.rubric.to_row() if item.rubric is not None else None)
+        kwargs = dict(data_source=item.data_source, solution_str=item.response, ground_truth=ground_truth,
+                      extra_info=dict(item.extra_info or {}), scoring_index=int(scoring_index), seed=seed, **self.kwargs)
+        if inspect.iscoroutinefunction(self.fn):
+            out = await self.fn(**kwargs)
+        else:
+            out = await asyncio.get_running_loop().run_in_executor(None, lambda: self.fn(**kwargs))
+        verdicts: tuple[Verdict, ...] = ()
+        if isinstance(out, Mapping):
+            if "score" not in out:
+                raise GradingError(f"{self.identity['name']} returned a dict without 'score': {sorted(out)}")
+            raw = out.get("verdicts") or ()
+            verdicts = tuple(_as_verdict(v) for v in raw)
+            out = out["score"]
+        try:
+            score = float(out)
+        except (TypeError, ValueError) as exc:
+            raise GradingError(f"{self.identity['name']} returned {out!r}, expected a number or {{'score': ...}}") from exc
+        if score != score:
+            raise GradingError(f"{self.identity['name']} returned NaN for scoring {scoring_index}")
+        return GradeResult(score=score, verdicts=verdicts, scoring_index=int(scoring_index), seed=self.seed)
+
+    async def agrade(self, items: Sequence[GradingItem], *, scoring_index: int) -> list[GradeResult]:
+        """Call the function once per item (concurrently); see the class docstring."""
+        from .judges import _gather_or_cancel
+
+        return list(await _gather_or_cancel([self._one(item, scoring_index) for item in items]))
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _as_verdict(v) -> Verdict:
+    if isinstance(v, Verdict):
+        return v
+    if isinstance(v, Mapping):
+        return Verdict(str(v["outcome"]), str(v.get("source", "function")), v.get("p_yes"), v.get("raw"))
+    if v is None or v == "unparsed":
+        return Verdict("unparsed", "function")
+    if isinstance(v, str):
+        if v not in ("met", "unmet"):
+            raise GradingError(f"unknown verdict {v!r}: use met / unmet / unparsed or True / False / None")
+        return Verdict(v, "function")
+    return Verdict("met" if bool(v) else "unmet", "function")
+
+
+_JUDGE_KEYS = {
+    "local_hf": {"model_path", "temperature", "batch_size", "max_question_tokens", "max_response_tokens"},
+    "openai": {"base_url", "model", "api_key", "temperature", "max_tokens", "max_concurrency", "timeout",
+               "max_retries", "parse_retries", "on_unparsed"},
+}
+
+
+def build_grader(config: Mapping[str, Any] | None):
+    """Build a grader from a plain mapping (e.g. verl's ``reward.reward_kwargs.grader``).
+
+    Keys: ``type`` (``local_hf`` | ``openai`` | ``function`` | ``rules``) and ``seed`` (default 0), plus
+      * ``local_hf``: ``model_path`` (null = embedded SmolLM2-135M-Instruct), ``temperature`` (1.0),
+        ``batch_size``, ``max_question_tokens``, ``max_response_tokens`` (see :class:`LocalHFJudge`);
+      * ``openai``: ``base_url``, ``model`` (required), ``api_key``, ``temperature``, ``max_tokens``,
+        ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries``, ``on_unparsed``
+        (see :class:`OpenAIJudge`);
+      * ``function``: ``path``, ``name`` (default ``compute_score``), ``kwargs``;
+      * ``rules``: no judge (every criterion must carry a rule).
+
+    Raises:
+        ValueError: missing ``type``, unknown type or unknown / missing key (named).
+    """
+    if not config or "type" not in config:
+        raise ValueError(
+            "grader config needs a 'type': local_hf (embedded SmolLM2 judge), openai (OpenAI-compatible server), "
+            "function (path + name) or rules (rule criteria only)"
+        )
+    cfg = {k: v for k, v in dict(config).items()}
+    kind = cfg.pop("type")
+    seed = int(cfg.pop("seed", 0))
+    if kind == "function":
+        unknown = set(cfg) - {"path", "name", "kwargs"}
+        if unknown:
+            raise ValueError(f"unknown keys for a function grader: {sorted(unknown)} (allowed: path, name, kwargs)")
+        return FunctionGrader(cfg.get("path"), cfg.get("name") or "compute_score", seed=seed,
+                              kwargs=dict(cfg.get("kwargs") or {}))
+    if kind == "rules":
+        if cfg:
+            raise ValueError(f"a rules grader takes only 'seed', got {sorted(cfg)}")
+        return RubricGrader(None, seed=seed)
+    if kind not in _JUDGE_KEYS:
+        raise ValueError(f"unknown grader type {kind!r}: use local_hf, openai, function or rules")
+    unknown = set(cfg) - _JUDGE_KEYS[kind]
+    if unknown:
+        raise ValueError(f"unknown keys for a {kind} grader: {sorted(unknown)} (allowed: {sorted(_JUDGE_KEYS[kind])})")
+    if kind == "openai":
+        missing = [k for k in ("base_url", "model") if not cfg.get(k)]
+        if missing:
+            raise ValueError(f"an openai grader needs {missing} (e.g. base_url=http://127.0.0.1:8000/v1)")
+        return RubricGrader(OpenAIJudge(**cfg), seed=seed)
+    return RubricGrader(LocalHFJudge(**cfg), seed=seed)
+
+
+def grader_identity(config: Mapping[str, Any] | None) -> dict:
+    """The identity ``{name, model, temperature, template_hash}`` that :func:`build_grader` ``(config)`` would
+    report, computed WITHOUT building it (no model load, no connection): for the trainer's calibration record.
+
+    Raises:
+        ValueError: as :func:`build_grader` for a bad config.
+    """
+    if not config or "type" not in config:
+        build_grader(config)  # raises the explanatory error
+    cfg = dict(config)
+    kind = cfg.pop("type")
+    cfg.pop("seed", None)
+    if kind in ("function", "rules"):
+        return build_grader(config).identity
+    if kind not in _JUDGE_KEYS or set(cfg) - _JUDGE_KEYS[kind]:
+        build_grader(config)  # raises the explanatory error
+    judge_cls = OpenAIJudge if kind == "openai" else LocalHFJudge
+    defaults = {k: p.default for k, p in inspect.signature(judge_cls.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    ident = judge_cls.identity_for(**{**defaults, **cfg})
+    ident["name"] = f"rubric+{ident['name']}"
+    return ident
+
+
+def as_rubric(rubric: Rubric | Mapping | str) -> Rubric:
+    """A :class:`Rubric` from a Rubric, a RubricHub dict or its JSON string."""
+    return rubric if isinstance(rubric, Rubric) else Rubric.from_row(rubric)

@@ -1,0 +1,179 @@
+"""The dual-reward manager ``setgrpo_dual`` for verl 0.9.1's reward loop.
+
+verl's reward loop (``verl.experimental.reward_loop``) resolves ``reward.reward_manager.name`` through the registry
+``verl.experimental.reward_loop.reward_manager.get_reward_manager_cls`` (``source: register``) and calls
+``await manager.run_single(data_item)`` once per response. This manager scores each response twice with the same
+grading protocol (:class:`setgrpo_verl.grading.DualScorer`, SETGRPO.md section 0):
+
+* ``reward_score`` = the point score r (verl puts it on the last response token of ``rm_scores``);
+* ``reward_extra_info`` (one value per response, every key always present) carries
+  ``reference_score`` (r', the key the SetGRPO trainer reads, see ``algorithm.setgrpo.reference_score_key``),
+  ``score`` (= r), ``point_verdicts`` / ``reference_verdicts`` (JSON lists of per-criterion verdicts),
+  ``unparsed`` (number of unparsed judge verdicts in both scorings) and ``judged_disagreement`` (fraction of
+  judged criteria whose verdicts differ between the two scorings).
+
+Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
+
+    reward:
+      reward_manager: {source: register, name: setgrpo_dual}
+      num_workers: 1                 # each reward worker builds its own grader (a local judge loads a model)
+      reward_kwargs:
+        grader: {type: local_hf, temperature: 1.0, seed: 0}      # see setgrpo_verl.grading.build_grader
+        # or {type: openai, base_url: http://127.0.0.1:8000/v1, model: Qwen/Qwen3-8B, max_concurrency: 64}
+        # or {type: function, path: my_reward.py, name: compute_score}
+        # type function without path uses verl's reward.custom_reward_function (path, name)
+
+``ground_truth`` of each row is its rubric (RubricHub row as JSON, see :mod:`setgrpo_verl.grading.convert`).
+The module registers the manager on import (verl's plugin loader imports it via
+:mod:`setgrpo_verl.integration.plugin`); :func:`register` is idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from verl import DataProto
+from verl.experimental.reward_loop.reward_manager import register as _verl_register
+from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
+
+from ..grading import DualScorer, GradingItem, as_rubric, build_grader, grader_identity as _grader_identity
+
+__all__ = [
+    "REFERENCE_SCORE_KEY",
+    "REWARD_MANAGER_NAME",
+    "SetGRPODualRewardManager",
+    "grader_config",
+    "grader_identity",
+    "register",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Name under which the manager is registered (``reward.reward_manager.name``).
+REWARD_MANAGER_NAME = "setgrpo_dual"
+#: ``reward_extra_info`` key of the reference score r' (default of ``algorithm.setgrpo.reference_score_key``).
+REFERENCE_SCORE_KEY = "reference_score"
+
+
+def grader_config(config: DictConfig) -> dict:
+    """The grader mapping from a verl config (``reward.reward_kwargs.grader``), as a plain dict.
+
+    ``type: function`` without ``path`` takes ``reward.custom_reward_function.{path,name}``.
+
+    Raises:
+        ValueError: no ``reward.reward_kwargs.grader`` block (the message shows one to add).
+    """
+    reward = config.get("reward") or {}
+    kwargs = reward.get("reward_kwargs") or {}
+    cfg = kwargs.get("grader")
+    if not cfg:
+        raise ValueError(
+            f"reward manager {REWARD_MANAGER_NAME!r} needs a grader: add e.g. "
+            "+reward.reward_kwargs.grader.type=local_hf (embedded SmolLM2 judge) or "
+            "+reward.reward_kwargs.grader={type:openai,base_url:http://127.0.0.1:8000/v1,model:<name>}"
+        )
+    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    if cfg.get("type") == "function" and not cfg.get("path"):
+        custom = reward.get("custom_reward_function") or {}
+        if not custom.get("path"):
+            raise ValueError("grader type 'function' needs grader.path or reward.custom_reward_function.path")
+        cfg["path"] = custom.get("path")
+        cfg.setdefault("name", custom.get("name") or "compute_score")
+    return cfg
+
+
+def grader_identity(config: DictConfig) -> dict:
+    """Grader identity ``{name, model, temperature, template_hash}`` of a verl config, without building the grader
+    (for the calibration record, SETGRPO.md section 7)."""
+    return _grader_identity(grader_config(config))
+
+
+class SetGRPODualRewardManager(RewardManagerBase):
+    """verl reward manager that scores every response twice (point + reference) with one rubric grader.
+
+    Constructed by verl (``load_reward_manager``) as ``cls(config, tokenizer, compute_score, **kwargs)``; the
+    grader comes from :func:`grader_config`. One scorer is shared by all instances in a process with the same
+    grader config (a local judge model is loaded once per reward worker).
+    """
+
+    _scorers: dict[str, DualScorer] = {}
+
+    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
+        super().__init__(config, tokenizer, compute_score)
+        self.grader_cfg = grader_config(config)
+        reward_kwargs = (config.get("reward") or {}).get("reward_kwargs") or {}
+        self.reference_key = str(reward_kwargs.get("reference_score_key", REFERENCE_SCORE_KEY))
+        key = json.dumps(self.grader_cfg, sort_keys=True, default=str)
+        scorer = self._scorers.get(key)
+        if scorer is None:
+            scorer = DualScorer(build_grader(self.grader_cfg))
+            self._scorers[key] = scorer
+        self.scorer = scorer
+
+    @property
+    def identity(self) -> dict:
+        return self.scorer.identity
+
+    async def run_single(self, data: DataProto) -> dict:
+        """Score one response twice. Returns ``{"reward_score": r, "reward_extra_info": {...}}`` (module docstring).
+
+        Raises:
+            ValueError: the row's ``reward_model.ground_truth`` is not a rubric (for rubric graders).
+            setgrpo_verl.grading.GradingError: grading failed (judge unreachable, unparsed with on_unparsed=error).
+        """
+        data = data[-1:]
+        item = data[0]
+        response_ids = item.batch["responses"]
+        response_length = response_ids.shape[-1]
+        valid = int(item.batch["attention_mask"][-response_length:].sum())
+        valid_ids = response_ids[:valid]
+        response = await self.loop.run_in_executor(
+            None, lambda: self.tokenizer.decode(valid_ids, skip_special_tokens=True)
+        )
+        ntb = item.non_tensor_batch
+        ground_truth = ntb["reward_model"]["ground_truth"]
+        extra_info = dict(ntb.get("extra_info") or {})
+        is_function = self.grader_cfg.get("type") == "function"
+        try:
+            rubric = as_rubric(ground_truth)
+        except (ValueError, TypeError, json.JSONDecodeError) as exc:
+            if not is_function:
+                raise ValueError(
+                    f"row {extra_info.get('id', extra_info.get('index'))!r}: reward_model.ground_truth is not a "
+                    f"RubricHub rubric ({exc}); convert the data with setgrpo_verl.grading.convert"
+                ) from exc
+            rubric = None
+        grading_item = GradingItem(
+            response=response,
+            rubric=rubric,
+            data_source=str(ntb.get("data_source", "rubric")),
+            extra_info=extra_info,
+            ground_truth=ground_truth if is_function else None,
+        )
+        scores = await self.scorer.ascore([grading_item])
+        point, reference = float(scores.point[0]), float(scores.reference[0])
+        metrics = scores.metrics(prefix="")
+        extra: dict[str, Any] = {
+            "score": point,
+            self.reference_key: reference,
+            "point_verdicts": scores.point_results[0].verdicts_json(),
+            "reference_verdicts": scores.reference_results[0].verdicts_json(),
+            "unparsed": int(metrics["unparsed"]),
+            "judged_disagreement": float(metrics["judged_disagreement_rate"]),
+        }
+        return {"reward_score": point, "reward_extra_info": extra}
+
+
+def register() -> type[SetGRPODualRewardManager]:
+    """Register :class:`SetGRPODualRewardManager` as ``setgrpo_dual`` in verl's reward-loop registry (idempotent)."""
+    if REWARD_MANAGER.get(REWARD_MANAGER_NAME) is not SetGRPODualRewardManager:
+        _verl_register(REWARD_MANAGER_NAME)(SetGRPODualRewardManager)
+    return SetGRPODualRewardManager
+
+
+register()
