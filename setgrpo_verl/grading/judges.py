@@ -303,8 +303,8 @@ class LocalHFJudge:
         self._lock = threading.Lock()  # one forward at a time (the model is shared; torch uses all cores anyway)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="setgrpo-judge")
         self._max_wait_s = float(max_wait_s)
-        self._pending: list[tuple[list[JudgeRequest], asyncio.Future]] = []
-        self._drainer: asyncio.Task | None = None
+        # id(loop) -> (loop, pending [(requests, future)], [drainer task]): one batcher per event loop
+        self._batchers: dict[int, tuple[asyncio.AbstractEventLoop, list, list]] = {}
 
     def _single_token_ids(self, words) -> list[int]:
         ids = set()
@@ -455,11 +455,12 @@ class LocalHFJudge:
         return out
 
     # ---------------------------------------------------------------- async interface
-    async def _drain(self) -> None:
+    async def _drain(self, pending: list) -> None:
         loop = asyncio.get_running_loop()
-        while self._pending:
+        while pending:
             await asyncio.sleep(self._max_wait_s)
-            batch, self._pending = self._pending, []
+            batch = pending[:]
+            del pending[:]
             flat = [r for reqs, _ in batch for r in reqs]
             try:
                 probs = await loop.run_in_executor(self._executor, self.p_yes, flat)
@@ -477,12 +478,18 @@ class LocalHFJudge:
                 offset += len(reqs)
 
     async def ap_yes(self, requests: Sequence[JudgeRequest]) -> np.ndarray:
-        """Async :meth:`p_yes`: requests from concurrent callers are merged into shared batches."""
+        """Async :meth:`p_yes`: requests from concurrent callers on one event loop are merged into shared batches
+        (collected for ``max_wait_s``, or while the previous batch runs)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._pending.append((list(requests), fut))
-        if self._drainer is None or self._drainer.done() or self._drainer.get_loop() is not loop:
-            self._drainer = loop.create_task(self._drain())
+        state = self._batchers.get(id(loop))
+        if state is None or state[0] is not loop:
+            state = (loop, [], [None])
+            self._batchers[id(loop)] = state
+        _, pending, drainer = state
+        pending.append((list(requests), fut))
+        if drainer[0] is None or drainer[0].done():
+            drainer[0] = loop.create_task(self._drain(pending))
         return await fut
 
     async def ajudge(self, requests: Sequence[JudgeRequest], seeds: Sequence[int]) -> list[Verdict]:
@@ -499,5 +506,5 @@ class LocalHFJudge:
         return verdicts
 
     async def aclose(self) -> None:
-        """Nothing to release per loop (the model stays loaded); kept for the common judge interface."""
-        return None
+        """Forget this event loop's batcher (the model stays loaded)."""
+        self._batchers.pop(id(asyncio.get_running_loop()), None)

@@ -1,0 +1,175 @@
+"""OpenAIJudge against a real local OpenAI-compatible server (FastAPI + uvicorn) backed by the SmolLM2 judge."""
+
+import asyncio
+import time
+
+import pytest
+
+from setgrpo_verl.grading import (
+    DualScorer,
+    GradingError,
+    GradingItem,
+    JudgeRequest,
+    OpenAIJudge,
+    Rubric,
+    RubricGrader,
+    rubric_score,
+)
+
+from .judge_server import JudgeServer
+
+Q = "Name a primary colour."
+R = "Red is a primary colour."
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_judge):
+    with JudgeServer(smollm2_judge) as srv:
+        yield srv
+
+
+def _judge(server, **kw):
+    kw.setdefault("timeout", 20.0)
+    return OpenAIJudge(server.base_url, "smollm2-135m-judge", **kw)
+
+
+def _run(coro_fn):
+    """Run an async test body that gets a fresh judge-closing context."""
+    return asyncio.run(coro_fn())
+
+
+def test_happy_path_seeded_and_reproducible(server):
+    crits = ["The response names a colour.", "The response is written in French.", "The response is polite."]
+    reqs = [JudgeRequest(Q, R, c) for c in crits]
+
+    async def body():
+        judge = _judge(server, temperature=1.0)
+        try:
+            seeds = list(range(100, 100 + 3 * 8))
+            many = [JudgeRequest(Q, R, crits[i % 3]) for i in range(24)]
+            first = await judge.ajudge(many, seeds)
+            again = await judge.ajudge(many, seeds)
+            return first, again
+        finally:
+            await judge.aclose()
+
+    first, again = _run(body)
+    assert [v.outcome for v in first] == [v.outcome for v in again]  # the server honours the seed
+    assert {v.outcome for v in first} <= {"met", "unmet"} and all(v.raw in ("yes", "no") for v in first)
+    assert all(v.source == "judge" and v.p_yes is None for v in first)
+    # the verdicts follow the judge's P(yes): seeds -> Bernoulli(p) exactly as the server computed it
+    import numpy as np
+
+    p = server.judge.p_yes(reqs)
+    for i, v in enumerate(first):
+        u = np.random.default_rng(100 + i).random()
+        assert v.outcome == ("met" if u < p[i % 3] else "unmet")
+    assert server.wait_idle()
+
+
+def test_dual_scorer_over_http(server):
+    rubric = Rubric.from_row({"question": Q, "id": "colour", "rubrics": [
+        {"criterion": "The response names a colour.", "points": 3},
+        {"criterion": "The response is written in French.", "points": 1},
+        {"criterion": "The response insults the reader.", "points": -2}]})
+    scorer = DualScorer(RubricGrader(_judge(server), seed=7))
+    out = scorer.score([None, None], [R, "Bleu."], [rubric, rubric.to_row()])
+    assert scorer.identity["name"] == "rubric+openai_chat" and len(scorer.identity["template_hash"]) == 16
+    for res, s in zip(out.point_results + out.reference_results, list(out.point) + list(out.reference)):
+        assert s == pytest.approx(rubric_score(rubric, res.verdicts))
+    assert out.metrics()["grading/unparsed"] == 0
+
+
+def test_slow_request_hits_timeout_and_nothing_hangs(server):
+    async def body():
+        judge = _judge(server, timeout=0.5, max_retries=1)
+        t0 = time.perf_counter()
+        try:
+            with pytest.raises(GradingError, match="failed after 1 retries"):
+                await judge.ajudge([JudgeRequest(Q, R, "[[slow]] criterion")], [1])
+        finally:
+            await judge.aclose()
+        return time.perf_counter() - t0
+
+    elapsed = _run(body)
+    assert elapsed < 15  # two attempts of 0.5 s plus backoff: bounded, not the server's 30 s
+    assert server.attempts["[[slow]] criterion"] == 2  # first try + 1 retry
+    assert server.wait_idle()  # the server saw both connections closed by the client
+
+
+@pytest.mark.parametrize("code", [429, 500])
+def test_injected_errors_are_retried(server, code):
+    crit = f"[[{code}x2]] The response names a colour."
+
+    async def body():
+        judge = _judge(server, max_retries=3)
+        try:
+            return await judge.ajudge([JudgeRequest(Q, R, crit)], [5])
+        finally:
+            await judge.aclose()
+
+    (verdict,) = _run(body)
+    assert verdict.outcome in ("met", "unmet")
+    assert server.attempts[crit] == 3  # two injected failures, then the answer
+
+
+def test_errors_beyond_retries_raise(server):
+    crit = "[[500x9]] The response names a colour."
+
+    async def body():
+        judge = _judge(server, max_retries=1)
+        try:
+            await judge.ajudge([JudgeRequest(Q, R, crit)], [5])
+        finally:
+            await judge.aclose()
+
+    with pytest.raises(GradingError, match="InternalServerError"):
+        _run(body)
+    assert server.attempts[crit] == 2
+
+
+def test_unparseable_answer_is_explicit(server):
+    rubric = Rubric.from_row({"question": Q, "id": "u", "rubrics": [
+        {"criterion": "[[garbage]] The response names a colour.", "points": 2},
+        {"criterion": "[[garbage-once]] The response is short.", "points": 1}]})
+
+    async def body(on_unparsed):
+        judge = _judge(server, parse_retries=1, on_unparsed=on_unparsed)
+        grader = RubricGrader(judge, seed=3)
+        try:
+            return await DualScorer(grader).ascore([GradingItem(R, rubric)])
+        finally:
+            await judge.aclose()
+
+    out = asyncio.run(body("unparsed"))
+    for res in (out.point_results[0], out.reference_results[0]):
+        garbage, once = res.verdicts
+        assert garbage.outcome == "unparsed" and garbage.raw.startswith("Well")
+        assert once.outcome in ("met", "unmet")  # re-asked once, then parsed
+        # the unparsed criterion is left out of numerator AND normaliser: score over the judged criterion only
+        assert res.score == (1.0 if once.outcome == "met" else 0.0)
+    metrics = out.metrics()
+    assert metrics["grading/unparsed"] == 2 and metrics["grading/unparsed_rate"] == pytest.approx(0.5)
+    assert server.attempts["[[garbage]] The response names a colour."] == 2 * 2  # 2 scorings x (1 + 1 re-ask)
+    with pytest.raises(GradingError, match="unparseable verdict"):
+        asyncio.run(body("error"))
+
+
+def test_failure_cancels_siblings_and_leaves_nothing_in_flight(server):
+    async def body():
+        judge = _judge(server, max_retries=0, timeout=20.0)
+        requests = [JudgeRequest(Q, R, f"[[slow]] sibling {i}") for i in range(4)]
+        requests.append(JudgeRequest(Q, R, "[[500x99]] fails fast"))
+        try:
+            with pytest.raises(GradingError):
+                await judge.ajudge(requests, list(range(5)))
+        finally:
+            await judge.aclose()
+        await asyncio.sleep(0)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    t0 = time.perf_counter()
+    leftover = _run(body)
+    assert leftover == []
+    assert time.perf_counter() - t0 < 10  # did not wait for the slow siblings
+    assert server.wait_idle(timeout=5)  # every slow request was disconnected, none left running on the server
