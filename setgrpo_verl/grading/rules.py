@@ -47,10 +47,9 @@ def _split(rule_id: str) -> tuple[str, str]:
 
 
 def validate_rule(rule: Rule) -> None:
-    """Raise ``ValueError`` if ``rule.id`` is not a known if-verifiable instruction (names the valid form)."""
-    benchmark, instruction = _split(rule.id)
-    if instruction not in _registry(benchmark):
-        raise ValueError(f"rule {rule.id!r}: {instruction!r} is not an if-verifiable {benchmark} instruction id")
+    """Raise ``ValueError`` if ``rule.id`` is not a known if-verifiable instruction, or its kwargs are incomplete
+    (if-verifiable would otherwise draw random values for the missing ones)."""
+    _checker(rule, "")
 
 
 def _checker(rule: Rule, prompt: str):
@@ -59,9 +58,16 @@ def _checker(rule: Rule, prompt: str):
     if instruction not in registry:
         raise ValueError(f"rule {rule.id!r}: {instruction!r} is not an if-verifiable {benchmark} instruction id")
     checker = registry[instruction](instruction)
-    description = checker.build_description(**{k: v for k, v in rule.kwargs.items() if v is not None})
-    args = checker.get_instruction_args()
-    if args and "prompt" in args:
+    given = {k: v for k, v in rule.kwargs.items() if v is not None}
+    try:
+        description = checker.build_description(**given)
+    except TypeError as exc:
+        raise ValueError(f"rule {rule.id!r}: bad kwargs {sorted(given)}: {exc}") from exc
+    args = checker.get_instruction_args() or {}
+    missing = sorted(k for k in args if k != "prompt" and k not in given)
+    if missing:  # if-verifiable would silently draw random values for them
+        raise ValueError(f"rule {rule.id!r} lacks kwargs {missing} (the checker would pick random values); give them")
+    if "prompt" in args:
         description = checker.build_description(prompt=prompt)
     return checker, description
 
@@ -83,16 +89,15 @@ def check_rule(rule: Rule, prompt: str, response: str) -> bool:
         ``True`` if the response follows the instruction.
 
     Raises:
-        ValueError: unknown rule id.
+        ValueError: unknown rule id or missing kwargs.
         GradingError: the checker needs NLTK data that is not installed (see :data:`NLTK_DATA_RULES`) or failed
             on this input; the message names the rule.
     """
     from if_verifiable.common import evaluate_instructions
 
+    _checker(rule, prompt)  # validates id and kwargs
     benchmark, instruction = _split(rule.id)
     registry = _registry(benchmark)
-    if instruction not in registry:
-        raise ValueError(f"rule {rule.id!r}: {instruction!r} is not an if-verifiable {benchmark} instruction id")
     kwargs: Mapping[str, Any] = dict(rule.kwargs)
     try:
         results, _ = evaluate_instructions(response, [instruction], [kwargs], prompt, registry)
