@@ -79,7 +79,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, training: bool, calibration:
 
 def _overrides(args: argparse.Namespace) -> dict:
     names = {f.name for f in dataclasses.fields(runner.RunConfig)}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return {k: v for k, v in vars(args).items() if k in names and k != "profile" and v is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:

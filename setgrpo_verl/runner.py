@@ -351,7 +351,10 @@ def _forward_log_probs(model, batch, *, with_entropy: bool, temperature: float =
     responses = batch.batch["responses"]
     r = responses.shape[1]
     logits = model(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
-                   position_ids=batch.batch["position_ids"], use_cache=False).logits[:, -r - 1:-1].float() / temperature
+                   position_ids=batch.batch["position_ids"], use_cache=False).logits[:, -r - 1:-1]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logits = logits / temperature
     log_prob = logprobs_from_logits(logits, responses)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return log_prob, entropy
@@ -636,15 +639,20 @@ def run_calibration(cfg: RunConfig, run_dir: str | os.PathLike, *, overwrite: bo
         calib = rows[: cfg.calib_groups]
         n = cfg.rollout_n
         points, refs, grams, lines = [], [], [], []
+        timing: dict[str, float] = {}
         bar = _progress(total=len(calib), desc="calibration groups", unit="group")
         for start in range(0, len(calib), cfg.gen_batch_groups):
             chunk = calib[start:start + cfg.gen_batch_groups]
-            batch = generate_rollouts(model, tokenizer, [r["question"] for r in chunk], n=n,
-                                      max_response_length=cfg.max_response_length, temperature=cfg.temperature,
-                                      top_p=cfg.top_p, batch_groups=len(chunk), seed=cfg.seed * 100003 + start,
-                                      progress=False)
-            point, reference, _ = score_batch(scorer, batch, chunk, n)
-            sketches, _ = sketch_batch(model, batch, cfg)
+            with _timer("gen", timing):
+                batch = generate_rollouts(model, tokenizer, [r["question"] for r in chunk], n=n,
+                                          max_response_length=cfg.max_response_length,
+                                          temperature=cfg.temperature,
+                                          top_p=cfg.top_p, batch_groups=len(chunk),
+                                          seed=cfg.seed * 100003 + start, progress=False)
+            with _timer("reward", timing):
+                point, reference, _ = score_batch(scorer, batch, chunk, n)
+            with _timer("sketch", timing):
+                sketches, _ = sketch_batch(model, batch, cfg)
             groups, _ = group_rows(batch.non_tensor_batch["uid"], batch.batch["response_mask"])
             points.append(point[groups])
             refs.append(reference[groups])
@@ -667,6 +675,8 @@ def run_calibration(cfg: RunConfig, run_dir: str | os.PathLike, *, overwrite: bo
             raise UserInputError(f"calibration failed: {exc} (the paired scores are kept in {stage}/"
                                  "paired_scores.npz)") from None
         record.to_json(stage / "record.json")
+        _write_json(stage / "timing.json", {f"timing_s/{k}": v for k, v in timing.items()})
+    print(f"calibration timing (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items()))
     print(f"calibration record: {stage / 'record.json'}\n{format_table4(record)}")
     return record
 

@@ -1,0 +1,306 @@
+"""Report of a run directory: the paper's calibration and training figures as PNG files plus a text summary.
+
+``make_report(run_dir)`` reads what :mod:`setgrpo_verl.runner` wrote (``calibration/record.json``,
+``calibration/paired_scores.npz``, ``train_<estimator>/metrics.jsonl`` and ``groups.jsonl``) and writes
+``<run_dir>/report/``:
+
+* ``risk_vs_threshold.png`` (paper Figure 4): empirical conditional risk F_j/N_j and its Clopper-Pearson UCB per
+  threshold, beta and tau_sel marked; accepted risk groups N_j and normalised cumulative recovery U_j.
+* ``coverage.png``: empirical coverage of the coefficient set on held-out groups versus the nominal 1 - alpha
+  (re-calibrating the stored paired scores over alphas and split seeds), and the online coverage per step.
+* ``training_dynamics.png`` (paper Figure 3): reward (point score), policy entropy, accepted-group ratio and mean
+  recovery ratio per step, SetGRPO next to the GRPO baseline when present.
+* ``projections.png`` (paper Figure 6): full-geometry vs reward-space minimum projections of accepted and
+  rejected groups, distributions and the joint plane with the acceptance region shaded.
+* ``table4.txt`` (paper Table 4 row) and ``summary.txt`` (everything above as text). ``COMPLETE`` is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["load_metrics", "make_report"]
+
+_COLORS = {"setgrpo": "tab:blue", "grpo": "tab:gray"}
+
+
+def load_metrics(path: str | os.PathLike) -> list[dict]:
+    """Read a ``metrics.jsonl`` / ``groups.jsonl`` file (one JSON object per line; null = not defined)."""
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _series(rows: list[dict], key: str) -> np.ndarray:
+    return np.array([np.nan if r.get(key) is None else float(r[key]) for r in rows], dtype=float)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# ------------------------------------------------------------------------------------------------------ figures
+def plot_risk_vs_threshold(record, path: Path) -> None:
+    """Paper Figure 4: per-threshold risk F_j/N_j, UCB_j (Bonferroni Clopper-Pearson), beta, tau_sel; N_j, U_j."""
+    plt = _plt()
+    tau = np.array(record.tau_grid)
+    n = np.array(record.n_accepted, dtype=float)
+    f = np.array(record.n_reversals, dtype=float)
+    risk = np.divide(f, n, out=np.full_like(f, np.nan), where=n > 0)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax.plot(tau, record.ucb, "o-", color="tab:red", label=f"UCB$_j$ (Clopper-Pearson, 1-δ/m, δ={record.delta})")
+    ax.plot(tau, risk, "s--", color="tab:blue", label="empirical risk F$_j$/N$_j$")
+    ax.axhline(record.beta, color="k", ls=":", label=f"β = {record.beta}")
+    if record.tau_sel is not None:
+        ax.axvline(record.tau_sel, color="tab:green", lw=2, alpha=0.7, label=f"τ_sel = {record.tau_sel:.2f}")
+    ax.set_xlabel("full-geometry threshold τ")
+    ax.set_ylabel("conditional reversal risk of accepted groups")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"Risk calibration ({record.n_risk} risk groups)")
+    ax.legend(fontsize=8, loc="upper right")
+    ax2.bar(tau, n, width=0.8 * (tau[1] - tau[0]) if len(tau) > 1 else 0.04, color="tab:cyan", alpha=0.6,
+            label="accepted risk groups N$_j$")
+    ax2.set_xlabel("full-geometry threshold τ")
+    ax2.set_ylabel("N$_j$")
+    ax3 = ax2.twinx()
+    ax3.plot(tau, record.utility, "o-", color="tab:purple", label="cumulative recovery U$_j$")
+    ax3.set_ylabel("U$_j$ (normalised cumulative recovery)")
+    ax3.set_ylim(0, 1.02)
+    if record.tau_sel is not None:
+        ax2.axvline(record.tau_sel, color="tab:green", lw=2, alpha=0.7)
+    feasible = [t for t, u, nj in zip(tau, record.ucb, n) if u <= record.beta and nj > 0]
+    if feasible:
+        ax2.axvspan(min(feasible) - 0.02, max(feasible) + 0.02, color="tab:green", alpha=0.08,
+                    label="risk-feasible (UCB ≤ β)")
+    h1, l1 = ax2.get_legend_handles_labels()
+    h2, l2 = ax3.get_legend_handles_labels()
+    ax2.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
+    ax2.set_title(f"Retained updates (Table 4: N={record.N}, F={record.F}, U={record.U:.3f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def coverage_curve(point, reference, gram, record, *, alphas=None, seeds: int = 10) -> list[tuple[float, float, float]]:
+    """Empirical coverage of the coefficient set on held-out groups vs nominal level (SETGRPO.md section 2).
+
+    For each alpha (and ``seeds`` coverage/risk splits) the stored paired scores are re-calibrated with the
+    record's settings; the record's ``coverage_risk_set`` is the share of held-out (risk) groups whose reference
+    coefficients T(r') fall in their set. Alphas that the coverage split cannot support are skipped.
+
+    Returns:
+        ``[(1 - alpha, mean coverage, std over splits)]``.
+    """
+    import torch
+
+    from .core import calibrate, degenerate_groups, min_calibration_groups
+
+    n_live = int((~degenerate_groups(torch.as_tensor(point))).sum())
+    alphas = alphas or [0.05, 0.1, 0.2, 0.3, 0.4, 0.5]
+    out = []
+    for alpha in alphas:
+        if min_calibration_groups(alpha) > n_live - round(n_live * 0.5):
+            continue
+        cov = [calibrate(torch.as_tensor(point), torch.as_tensor(reference), torch.as_tensor(gram), alpha=alpha,
+                         beta=record.beta, delta=record.delta, tau_grid=record.tau_grid, rho=record.rho,
+                         split_seed=s, norm_by_std=record.norm_by_std, eps=record.eps,
+                         on_infeasible="reject_all").coverage_risk_set for s in range(seeds)]
+        out.append((1 - alpha, float(np.mean(cov)), float(np.std(cov))))
+    return out
+
+
+def plot_coverage(curve, record, setgrpo_rows: list[dict], path: Path) -> None:
+    """Empirical vs nominal coverage (held-out calibration groups) and online coverage per training step."""
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax.plot([0.4, 1], [0.4, 1], "k:", label="nominal = empirical")
+    if curve:
+        nom, mean, std = map(np.array, zip(*curve))
+        ax.errorbar(nom, mean, yerr=std, fmt="o-", color="tab:blue", capsize=3,
+                    label="held-out coverage (10 random splits)")
+    ax.plot([1 - record.alpha], [record.coverage_risk_set], "*", ms=14, color="tab:red",
+            label=f"frozen record: α={record.alpha}, coverage {record.coverage_risk_set:.2f}")
+    ax.set_xlabel("nominal coverage 1 - α")
+    ax.set_ylabel("empirical coverage  P(T(r') ∈ C)")
+    ax.set_xlim(0.4, 1.0)
+    ax.set_ylim(0.0, 1.05)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("Coefficient-set coverage on held-out calibration groups")
+    steps = _series(setgrpo_rows, "training/global_step")
+    cov = _series(setgrpo_rows, "setgrpo/online_coverage")
+    cum = _series(setgrpo_rows, "setgrpo/online_coverage_cum")
+    if len(steps) and not np.all(np.isnan(cov)):
+        ax2.plot(steps, cov, "o-", color="tab:blue", label="online coverage (step)")
+        ax2.plot(steps, cum, "-", color="tab:purple", label="online coverage (cumulative)")
+    else:
+        ax2.text(0.5, 0.5, "no online coverage recorded\n(run train without --no-online-monitor)",
+                 ha="center", va="center", transform=ax2.transAxes)
+    ax2.axhline(1 - record.alpha, color="k", ls=":", label=f"1 - α = {1 - record.alpha:.2f}")
+    ax2.set_xlabel("training step")
+    ax2.set_ylabel("share of groups with T(r') ∈ C")
+    ax2.set_ylim(0.0, 1.05)
+    ax2.legend(fontsize=8, loc="lower right")
+    ax2.set_title("Coverage during SetGRPO training (reference scores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_training_dynamics(runs: dict[str, list[dict]], path: Path) -> None:
+    """Paper Figure 3: reward, entropy, accepted-group ratio and mean recovery ratio per step (per estimator)."""
+    plt = _plt()
+    panels = [("critic/score/mean", "reward (point score, mean)"), ("actor/entropy", "policy entropy (nats/token)"),
+              ("setgrpo/accepted_ratio", "accepted-group ratio"), ("setgrpo/recovery_ratio/mean",
+                                                                   "mean recovery ratio η* (accepted)")]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    for ax, (key, title) in zip(axes, panels):
+        for name, rows in runs.items():
+            if not rows:
+                continue
+            steps = _series(rows, "training/global_step")
+            y = _series(rows, key)
+            if np.all(np.isnan(y)):
+                continue
+            ax.plot(steps, y, "o-", color=_COLORS.get(name), label="SetGRPO" if name == "setgrpo" else "GRPO")
+        if key.startswith("setgrpo/"):
+            ax.set_ylim(-0.02, 1.02)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle("Training dynamics (paper Figure 3)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_projections(groups: list[dict], tau_sel: float | None, path: Path) -> None:
+    """Paper Figure 6: distributions of M_full and M_reward for accepted / rejected groups and their joint plane
+    with the acceptance region (M_full >= tau_sel and M_reward > 0) shaded."""
+    plt = _plt()
+    live = [g for g in groups if g.get("m_full") is not None and g.get("m_reward") is not None]
+    acc = [g for g in live if g["status"] == "accepted"]
+    rej = [g for g in live if g["status"] != "accepted"]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
+    bins = np.linspace(-1, 1, 21)
+    for ax, key, name in ((ax1, "m_full", "full-geometry projection M_full"),
+                          (ax2, "m_reward", "reward-space projection M_reward")):
+        ax.hist([g[key] for g in acc], bins=bins, alpha=0.6, color="tab:green", label=f"accepted ({len(acc)})")
+        ax.hist([g[key] for g in rej], bins=bins, alpha=0.6, color="tab:red", label=f"rejected ({len(rej)})")
+        if key == "m_full" and tau_sel is not None:
+            ax.axvline(tau_sel, color="k", ls="--", label=f"τ_sel = {tau_sel:.2f}")
+        if key == "m_reward":
+            ax.axvline(0, color="k", ls="--", label="0")
+        ax.set_xlabel(name)
+        ax.set_ylabel("groups")
+        ax.legend(fontsize=8)
+    if tau_sel is not None:
+        ax3.fill_between([tau_sel, 1.0], 0, 1.0, color="tab:green", alpha=0.1,
+                         label="M_full ≥ τ_sel and M_reward > 0")
+    ax3.scatter([g["m_full"] for g in acc], [g["m_reward"] for g in acc], s=18, color="tab:green", label="accepted")
+    ax3.scatter([g["m_full"] for g in rej], [g["m_reward"] for g in rej], s=18, color="tab:red", marker="x",
+                label="rejected")
+    ax3.axhline(0, color="k", lw=0.8)
+    ax3.set_xlim(-1.02, 1.02)
+    ax3.set_ylim(-1.02, 1.02)
+    ax3.set_xlabel("M_full (min over the set, at b(η*) or the anchor)")
+    ax3.set_ylabel("M_reward")
+    ax3.legend(fontsize=8, loc="lower left")
+    fig.suptitle(f"Projection diagnostics (paper Figure 6): {len(live)} non-degenerate groups", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------------- report
+def _calibration_groups(point, gram, record) -> list[dict]:
+    """GGSR status and projections of the calibration groups under the frozen record (for Figure 6)."""
+    import torch
+
+    from .core import setgrpo_coefficients
+
+    res = setgrpo_coefficients(torch.as_tensor(point), torch.as_tensor(gram), record)
+    return [{"status": s, "m_full": None if math.isnan(mf) else mf, "m_reward": None if math.isnan(mr) else mr,
+             "source": "calibration"} for s, mf, mr in zip(res.status, res.m_full.tolist(), res.m_reward.tolist())]
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "  n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def make_report(run_dir: str | os.PathLike) -> str:
+    """Write ``<run_dir>/report/`` (PNG figures, ``table4.txt``, ``summary.txt``, ``COMPLETE``) and return the
+    summary text.
+
+    Raises:
+        setgrpo_verl.runner.UserInputError: ``run_dir`` has no finished calibration stage.
+    """
+    from .core import CalibrationRecord
+    from .runner import COMPLETE, UserInputError, format_table4
+
+    run_dir = Path(run_dir)
+    calib = run_dir / "calibration"
+    if not (calib / COMPLETE).exists():
+        raise UserInputError(f"{run_dir}: no finished calibration stage ({calib}/{COMPLETE} missing); run "
+                             "`setgrpo-verl calibrate --run-dir ...` (or quickstart) first")
+    record = CalibrationRecord.from_json(calib / "record.json")
+    paired = np.load(calib / "paired_scores.npz")
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    (out / COMPLETE).unlink(missing_ok=True)
+    runs = {}
+    for name in ("setgrpo", "grpo"):
+        stage = run_dir / f"train_{name}"
+        runs[name] = load_metrics(stage / "metrics.jsonl") if (stage / COMPLETE).exists() else []
+    train_groups = load_metrics(run_dir / "train_setgrpo" / "groups.jsonl") if runs["setgrpo"] else []
+    groups = _calibration_groups(paired["point"], paired["gram"], record) + train_groups
+
+    files = {"risk_vs_threshold.png": lambda p: plot_risk_vs_threshold(record, p),
+             "coverage.png": lambda p: plot_coverage(coverage_curve(paired["point"], paired["reference"],
+                                                                    paired["gram"], record), record,
+                                                     runs["setgrpo"], p),
+             "training_dynamics.png": lambda p: plot_training_dynamics(runs, p),
+             "projections.png": lambda p: plot_projections(groups, record.tau_sel, p)}
+    for fname, fn in files.items():
+        fn(out / fname)
+    label = str(record.policy.get("model", "policy")).split(" (")[0]
+    table = format_table4(record, label)
+    (out / "table4.txt").write_text(table + "\n")
+
+    lines = ["Table 4 row (frozen calibration record):", table, "",
+             f"alpha={record.alpha} beta={record.beta} delta={record.delta}; UCB at tau_sel = {record.ucb_sel:.4f}; "
+             f"held-out coverage {record.coverage_risk_set:.3f} (target >= {1 - record.alpha:.2f})", ""]
+    if runs["setgrpo"]:
+        lines.append("SetGRPO per step: accepted-group ratio, mean recovery ratio, reward (point), entropy")
+        lines.append(f"{'step':>4} {'accepted':>9} {'recovery':>9} {'reward':>8} {'entropy':>8} {'online cov':>10}")
+        for r in runs["setgrpo"]:
+            lines.append(f"{r['training/global_step']:>4} {_fmt(r.get('setgrpo/accepted_ratio')):>9} "
+                         f"{_fmt(r.get('setgrpo/recovery_ratio/mean')):>9} {_fmt(r.get('critic/score/mean')):>8} "
+                         f"{_fmt(r.get('actor/entropy')):>8} {_fmt(r.get('setgrpo/online_coverage')):>10}")
+        skipped = sum(int(r.get("actor/update_skipped") or 0) for r in runs["setgrpo"])
+        lines.append(f"steps without an optimizer step (every group rejected or degenerate): {skipped}")
+    if runs["grpo"]:
+        lines += ["", "GRPO baseline (same seeds) per step: reward (point), entropy"]
+        for r in runs["grpo"]:
+            lines.append(f"{r['training/global_step']:>4} {_fmt(r.get('critic/score/mean')):>8} "
+                         f"{_fmt(r.get('actor/entropy')):>8}")
+    for name, rows in runs.items():
+        if rows:
+            lines.append(f"{name}: mean reward over steps {np.nanmean(_series(rows, 'critic/score/mean')):.4f}, "
+                         f"mean step time {np.nanmean(_series(rows, 'timing_s/step')):.1f} s")
+    lines += ["", f"plots: {', '.join(str(out / f) for f in files)}"]
+    text = "\n".join(lines)
+    (out / "summary.txt").write_text(text + "\n")
+    (out / COMPLETE).write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) + "\n")
+    return text
