@@ -91,6 +91,45 @@ def reference_scores_from(data: TensorDict | dict, key: str) -> Optional[torch.T
     return out
 
 
+def _dense(sketches: torch.Tensor) -> torch.Tensor:
+    """TransferQueue returns per-sample tensors as a jagged nested tensor: stack them to float32 [B, m]."""
+    if sketches.is_nested:
+        rows = sketches.unbind()
+        if len({int(r.numel()) for r in rows}) != 1:
+            raise ValueError("sketch rows differ in length: actor ranks used different sketch settings")
+        sketches = torch.stack(rows)
+    return sketches.float()
+
+
+def calibration_groups(data: TensorDict, reference_key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Calibration inputs of one rolled-out, scored and sketched batch (SETGRPO.md sections 2, 4).
+
+    Args:
+        data: TransferQueue fields ``uid``, ``response_mask`` and ``rm_scores`` (nested [B, j]), ``setgrpo_sketch``
+            ([B, m], dense or nested) and the reference scores (see :func:`reference_scores_from`).
+        reference_key: ``algorithm.setgrpo.reference_score_key``.
+
+    Returns:
+        ``(point [G, K], reference [G, K], gram [G, K, K])`` float64, groups by uid (padding groups skipped).
+
+    Raises:
+        ValueError: no reference scores (the run does not use the dual-reward manager), incomplete groups,
+            non-finite sketches.
+    """
+    reference = reference_scores_from(data, reference_key)
+    if reference is None:
+        raise ValueError(
+            f"calibration needs a reference score per response under reward_extra_info[{reference_key!r}]: use "
+            "the setgrpo dual-reward manager (reward.reward_manager.name) or set algorithm.setgrpo.reference_score_key"
+        )
+    response_mask, scores = data["response_mask"], data["rm_scores"]
+    if response_mask.is_nested:
+        response_mask, scores = response_mask.to_padded_tensor(0), scores.to_padded_tensor(0.0)
+    groups, _ = group_rows(list(data["uid"]), response_mask)
+    point = scores.to(torch.float64).sum(-1)[groups]
+    return point, reference[groups], group_gram(_dense(data[SKETCH_KEY]), groups)
+
+
 def compute_setgrpo_advantage(
     data: DataProto,
     batch_keys: list[str],
@@ -275,18 +314,10 @@ class SetGRPOTrainer(PPOTrainerSync):
             if batch.fields and key in batch.fields:
                 fields.append(key)
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-            reference = reference_scores_from(data, key)
-            if reference is None:
-                raise ValueError(
-                    f"calibration needs a reference score per response under reward_extra_info[{key!r}]: use the "
-                    "setgrpo dual-reward manager (reward.reward_manager.name) or set algorithm.setgrpo.reference_score_key"
-                )
-            response_mask = data["response_mask"].to_padded_tensor(0)
-            scores = data["rm_scores"].to_padded_tensor(0.0).to(torch.float64).sum(-1)
-            groups, _ = group_rows(np.array(data["uid"].tolist(), dtype=object), response_mask)
-            points.append(scores[groups])
-            refs.append(reference[groups])
-            grams.append(group_gram(data[SKETCH_KEY], groups))
+            point, reference, gram = calibration_groups(data, key)
+            points.append(point)
+            refs.append(reference)
+            grams.append(gram)
             tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
             logger.warning("SetGRPO calibration: %d groups so far", sum(p.shape[0] for p in points))
         if not points:
@@ -349,7 +380,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         if batch.fields and key in batch.fields:
             fields.append(key)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        sketches = data.pop(SKETCH_KEY)
+        sketches = _dense(data.pop(SKETCH_KEY))
         reference = reference_scores_from(data, key) if self.monitor is not None else None
         for k in ("extra_fields", key):
             if k in data.keys():

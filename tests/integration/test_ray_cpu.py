@@ -1,4 +1,4 @@
-"""The sketch RPC on a Ray CPU worker group built with verl's single-controller classes."""
+"""On a local Ray CPU cluster: the sketch RPC on a verl worker group, and the trainer's TransferQueue glue."""
 
 from __future__ import annotations
 
@@ -19,8 +19,14 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.utils import tensordict_utils as tu
 
+from setgrpo_verl.core import OnlineRiskMonitor
+from setgrpo_verl.integration.config import setgrpo_config_from
+from setgrpo_verl.integration.estimator import setgrpo_step
+from setgrpo_verl.integration.trainer import SetGRPOTrainer, calibration_groups
 from setgrpo_verl.integration.worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker, _padded_layout
 from setgrpo_verl.sketch import SketchConfig, compute_sketches
+
+from .test_estimator import K, _record
 
 SKETCH = SketchConfig(rank_out=3, rank_in=2, seed=7)
 
@@ -88,12 +94,14 @@ def _batch(b: int = 8) -> TensorDict:
 @pytest.fixture(scope="module")
 def ray_cluster():
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the tests package
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # logical CPUs: the worker group's placement group and TransferQueue's actors each reserve some
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_sketch_rpc_on_ray_cpu_worker_group(ray_cluster):
     pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(cls=ray.remote(TinySketchWorker), use_dynamic_bsz=True),
@@ -109,3 +117,66 @@ def test_sketch_rpc_on_ray_cpu_worker_group(ray_cluster):
         sketches = wg.compute_sketches(data)[SKETCH_KEY]
         assert sketches.dtype == torch.float32 and sketches.shape == expected.shape
         torch.testing.assert_close(sketches, expected, rtol=1e-4, atol=1e-5)
+
+
+def _put_rollouts(tq, n_groups: int = 6):
+    """Rollouts as verl's agent loop and reward loop leave them in TransferQueue (v1 trainer), plus sketches."""
+    from transfer_queue import KVBatchMeta
+
+    g = torch.Generator().manual_seed(11)
+    fields, keys = [], []
+    for grp in range(n_groups):
+        uid = f"uid{grp}"
+        for k in range(K):
+            length = int(torch.randint(1, 7, (1,), generator=g))
+            score = 0.5 if grp == 0 else float(torch.rand(1, generator=g))  # group 0 degenerate
+            rm_scores = torch.zeros(length)
+            rm_scores[-1] = score
+            fields.append({"uid": uid, "response_mask": torch.ones(length, dtype=torch.int64), "rm_scores": rm_scores,
+                           "extra_fields": {"reward_extra_info": {"reference_score": score + 0.05 * (k - 1.5)}},
+                           SKETCH_KEY: torch.randn(5, generator=g)})
+            keys.append(f"{uid}_{k}_0")
+    perm = torch.randperm(len(keys), generator=g).tolist()  # _balance_batch order
+    keys, fields = [keys[i] for i in perm], [fields[i] for i in perm]
+    tags = [{"status": "success"} for _ in keys]
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=tu.list_of_dict_to_tensordict(fields), tags=tags)
+    return KVBatchMeta(partition_id="train", keys=keys, tags=tags), fields
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_advantage_and_calibration_reads_on_transfer_queue(ray_cluster):
+    import transfer_queue as tq
+
+    tq.init()
+    batch, fields = _put_rollouts(tq)
+    record = _record()
+    trainer = SetGRPOTrainer.__new__(SetGRPOTrainer)  # only the per-step glue: no GPUs, no rollout servers
+    trainer.config = OmegaConf.create({
+        "algorithm": {"adv_estimator": "setgrpo", "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False,
+                      "gamma": 1.0, "lam": 1.0, "setgrpo": {}},
+        "actor_rollout_ref": {"rollout": {"n": K}},
+    })
+    trainer.setgrpo = setgrpo_config_from(trainer.config.algorithm)
+    trainer.record, trainer.monitor, trainer.global_steps = record, OnlineRiskMonitor(record), 1
+    metrics = {}
+    trainer._compute_advantage(batch, metrics)
+
+    out = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["advantages", "returns"])
+    rewards = torch.nested.as_nested_tensor([f["rm_scores"] for f in fields], layout=torch.jagged).to_padded_tensor(0.0)
+    mask = torch.nested.as_nested_tensor([f["response_mask"] for f in fields], layout=torch.jagged).to_padded_tensor(0)
+    expected = setgrpo_step(rewards, mask, [f["uid"] for f in fields], torch.stack([f[SKETCH_KEY] for f in fields]),
+                            record)
+    for i, adv in enumerate(out["advantages"].unbind()):  # nested: one row per response, its own length
+        assert adv.shape == fields[i]["response_mask"].shape
+        torch.testing.assert_close(adv, expected.advantages[i, : adv.numel()], rtol=0, atol=1e-6)
+    assert metrics["setgrpo/degenerate_ratio"] == pytest.approx(1 / 6)
+    assert metrics["setgrpo/accepted_ratio"] == expected.metrics["setgrpo/accepted_ratio"]
+    assert 0.0 <= metrics["setgrpo/online_coverage"] <= 1.0 and trainer.monitor.seen == 5
+
+    data = tq.kv_batch_get(keys=batch.keys, partition_id="train",
+                           select_fields=["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY])
+    point, reference, gram = calibration_groups(data, "reference_score")
+    torch.testing.assert_close(point, expected.point_scores)
+    torch.testing.assert_close(gram, expected.gram)
+    assert reference.shape == point.shape and not torch.equal(reference, point)
