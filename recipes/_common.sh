@@ -11,6 +11,9 @@
 #   RUN_ROOT          checkpoints and calibration records ($HOME/setgrpo_runs)
 #   NNODES            nodes (1);  N_GPUS_PER_NODE  GPUs per node (8)
 #   REWARD_MANAGER    verl reward-manager name of the dual (point + reference) rubric grader (setgrpo_dual)
+#   JUDGE_BASE_URL    OpenAI-compatible endpoint of the rubric judge, e.g. a vLLM server (http://127.0.0.1:8000/v1)
+#   JUDGE_MODEL       judge model name served there (Qwen/Qwen3-8B); the key is read from OPENAI_API_KEY
+#   JUDGE_TEMPERATURE judge sampling temperature (1.0: the stochastic grader SetGRPO calibrates)
 #   LOGGER            verl trainer.logger list ('["console","wandb"]')
 #   RECORD            calibration record path (default: $RUN_ROOT/<experiment>/setgrpo_calibration.json)
 # Extra arguments to the recipe after the mode are appended as Hydra overrides.
@@ -24,6 +27,9 @@ NNODES=${NNODES:-1}
 N_GPUS_PER_NODE=${N_GPUS_PER_NODE:-8}
 REWARD_MANAGER=${REWARD_MANAGER:-setgrpo_dual}
 LOGGER=${LOGGER:-'["console","wandb"]'}
+JUDGE_BASE_URL=${JUDGE_BASE_URL:-http://127.0.0.1:8000/v1}
+JUDGE_MODEL=${JUDGE_MODEL:-Qwen/Qwen3-8B}
+JUDGE_TEMPERATURE=${JUDGE_TEMPERATURE:-1.0}
 
 # Table 3 settings shared by SetGRPO and the GRPO baseline.
 _table3_args() {
@@ -55,6 +61,12 @@ _table3_args() {
     echo "algorithm.use_kl_in_reward=false"
     echo "algorithm.norm_adv_by_std_in_grpo=true"
     echo "reward.reward_manager.name=$REWARD_MANAGER"
+    echo "reward.num_workers=8"
+    echo "+reward.reward_kwargs.grader.type=openai"
+    echo "+reward.reward_kwargs.grader.base_url=$JUDGE_BASE_URL"
+    echo "+reward.reward_kwargs.grader.model=$JUDGE_MODEL"
+    echo "+reward.reward_kwargs.grader.temperature=$JUDGE_TEMPERATURE"
+    echo "+reward.reward_kwargs.grader.max_concurrency=64"
     echo "trainer.logger=$LOGGER"
     echo "trainer.project_name=setgrpo"
     echo "trainer.nnodes=$NNODES"
@@ -85,6 +97,7 @@ run_recipe() {
                 algorithm.adv_estimator=setgrpo \
                 trainer.v1.trainer_mode=setgrpo \
                 algorithm.setgrpo.alpha=0.05 algorithm.setgrpo.beta=0.08 algorithm.setgrpo.delta=0.05 \
+                algorithm.setgrpo.calibration.files="$DATA_DIR/calib.parquet" \
                 algorithm.setgrpo.calibration.num_prompts=4096 \
                 algorithm.setgrpo.calibration.only=true \
                 algorithm.setgrpo.record_out="$record" \

@@ -53,6 +53,7 @@ from setgrpo_verl.sketch import SketchConfig
 
 from .config import SETGRPO_NAME, SetGRPOConfig, setgrpo_config_from
 from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
+from .reward_manager import REWARD_MANAGER_NAME, grader_identity
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
 
 logger = logging.getLogger(__name__)
@@ -221,15 +222,15 @@ class SetGRPOTrainer(PPOTrainerSync):
 
     # ------------------------------------------------------------------ record
     def _run_identity(self) -> dict[str, Any]:
-        reward_manager = self.config.reward.reward_manager
-        custom = self.config.reward.get("custom_reward_function", {}) or {}
+        """Record metadata of this run (SETGRPO.md section 7): loss mode, sketch, grader and policy identity."""
+        name = str(self.config.reward.reward_manager.name)
+        grader = {"reward_manager": name}
+        if name == REWARD_MANAGER_NAME:
+            grader.update(grader_identity(self.config))
         return {
             "loss_agg_mode": str(self.config.actor_rollout_ref.actor.loss_agg_mode),
             "sketch": dataclasses.asdict(self.sketch_config),
-            "grader": {
-                "reward_manager": str(reward_manager.name),
-                "custom_reward_function": f"{custom.get('path')}:{custom.get('name')}",
-            },
+            "grader": grader,
             "policy": {"model_path": str(self.config.actor_rollout_ref.model.path)},
         }
 

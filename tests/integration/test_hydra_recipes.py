@@ -89,6 +89,7 @@ def test_every_recipe_composes(compositions):
     for (name, mode), (argv, cfg) in compositions.items():
         for key, value in TABLE3.items():
             assert OmegaConf.select(cfg, key) == value, (name, mode, key)
+        assert cfg.reward.reward_manager.name == "setgrpo_dual" and cfg.reward.reward_kwargs.grader.type == "openai"
         if mode == "grpo":
             assert cfg.algorithm.adv_estimator == "grpo" and cfg.trainer.v1.trainer_mode == "sync"
             assert "setgrpo" not in cfg.algorithm and "--config-path" not in argv  # verl's stock config
@@ -99,6 +100,7 @@ def test_every_recipe_composes(compositions):
         assert isinstance(omega_conf_to_dataclass(cfg.algorithm), SetGRPOAlgoConfig)  # verl's own conversion
         if mode == "calibrate":
             assert setgrpo.calibration.only and setgrpo.record_path is None and setgrpo.record_out
+            assert setgrpo.calibration.files.endswith("calib.parquet")
         else:
             assert not setgrpo.calibration.only and setgrpo.record_path.endswith("setgrpo_calibration.json")
 
@@ -175,3 +177,29 @@ def test_recipe_runs_main_ppo_cfg_job_in_a_fresh_process(tmp_path):
     cfg = OmegaConf.create(proc.stdout)
     assert cfg.trainer.v1.trainer_mode == "setgrpo" and cfg.actor_rollout_ref.model.path == "Qwen/Qwen3-4B"
     assert "FAILED" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_prepare_rubrichub_writes_disjoint_verl_splits(tmp_path):
+    import json
+
+    import pandas as pd
+
+    from setgrpo_verl.grading.convert import load_ifbench_rubrics
+
+    src = tmp_path / "rubrichub.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in load_ifbench_rubrics(limit=30)))
+    env = {**os.environ, "RUBRICHUB_TRAIN": str(src), "DATA_DIR": str(tmp_path / "out"), "CALIB_SIZE": "10",
+           "VAL_SIZE": "5", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(REPO / "recipes" / "prepare_rubrichub.sh")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parts = {n: pd.read_parquet(tmp_path / "out" / f"{n}.parquet") for n in ("train", "calib", "test")}
+    assert {n: len(df) for n, df in parts.items()} == {"train": 15, "calib": 10, "test": 5}
+    ids = [set(df.extra_info.map(lambda e: e["id"])) for df in parts.values()]
+    assert not (ids[0] & ids[1]) and not (ids[0] & ids[2]) and not (ids[1] & ids[2])
+    assert set(parts["train"].columns) >= {"prompt", "data_source", "reward_model", "extra_info"}
+    env["CALIB_SIZE"] = "40"
+    proc = subprocess.run(["bash", str(REPO / "recipes" / "prepare_rubrichub.sh")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "lower CALIB_SIZE" in proc.stderr
