@@ -1,0 +1,132 @@
+"""The setgrpo_dual reward manager through verl's own registry, reward-loop worker and DataProto."""
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import verl  # noqa: F401  (loads the setgrpo plugin, which registers the manager)
+from setgrpo_verl.grading import DualScorer, GradingItem, Rubric, RubricGrader, check_rule, load_ifbench_rubrics, rubric_score
+
+GRADER = {"type": "local_hf", "temperature": 1.0, "max_question_tokens": 96, "max_response_tokens": 96, "seed": 0}
+
+
+def _config(grader=GRADER):
+    import importlib.resources
+
+    from setgrpo_verl.models import embedded_model_dir
+
+    # verl's own reward config group (reward/reward.yaml), as main_ppo composes it
+    reward = OmegaConf.load(str(importlib.resources.files("verl") / "trainer" / "config" / "reward" / "reward.yaml"))
+    reward.num_workers = 1
+    reward.reward_manager.name = "setgrpo_dual"
+    OmegaConf.set_struct(reward, False)
+    if grader is not None:
+        reward.reward_kwargs = {"grader": grader}
+    return OmegaConf.create({
+        "actor_rollout_ref": {"model": {"path": str(embedded_model_dir()), "tokenizer_path": None}},
+        "reward": reward,
+    })
+
+
+def _batch(tokenizer, rows, responses, max_prompt=64, max_response=48):
+    from verl import DataProto
+
+    b = len(rows)
+    prompts = torch.full((b, max_prompt), tokenizer.pad_token_id)
+    resp = torch.full((b, max_response), tokenizer.pad_token_id)
+    mask = torch.zeros((b, max_prompt + max_response), dtype=torch.long)
+    for i, (row, text) in enumerate(zip(rows, responses)):
+        p = tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)[-max_prompt:]
+        r = tokenizer.encode(text, add_special_tokens=False)[: max_response - 1] + [tokenizer.eos_token_id]
+        prompts[i, max_prompt - len(p):] = torch.tensor(p)
+        resp[i, : len(r)] = torch.tensor(r)
+        mask[i, max_prompt - len(p): max_prompt + len(r)] = 1
+    non_tensors = {
+        "data_source": np.array(["ifbench"] * b, dtype=object),
+        "reward_model": np.array([{"style": "rubric", "ground_truth": json.dumps(row)} for row in rows], dtype=object),
+        "extra_info": np.array([{"index": i, "id": row["id"]} for i, row in enumerate(rows)], dtype=object),
+        "uid": np.array(["g0"] * b, dtype=object),
+    }
+    return DataProto.from_dict(tensors={"prompts": prompts, "responses": resp, "attention_mask": mask},
+                               non_tensors=non_tensors)
+
+
+def test_registered_in_verls_reward_loop_registry():
+    from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
+    from verl.trainer.ppo.reward import resolve_reward_manager_cls
+
+    from setgrpo_verl.integration.reward_manager import SetGRPODualRewardManager, register
+
+    assert get_reward_manager_cls("setgrpo_dual") is SetGRPODualRewardManager
+    assert resolve_reward_manager_cls(_config()) is SetGRPODualRewardManager  # what RewardLoopManager calls
+    assert register() is SetGRPODualRewardManager  # idempotent
+
+
+def test_missing_grader_block_is_a_clear_error():
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    with pytest.raises(ValueError, match=r"\+reward.reward_kwargs.grader.type=local_hf"):
+        load_reward_manager(_config(grader=None), tokenizer=None)
+
+
+@pytest.mark.slow
+def test_reward_loop_worker_on_real_responses(ifbench_samples, smollm2_judge):
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+    from verl.trainer.ppo.reward import extract_reward
+
+    from setgrpo_verl.integration.reward_manager import SetGRPODualRewardManager, grader_identity
+
+    config = _config()
+    worker = RewardLoopWorker(config)  # verl's reward-loop worker class (what Ray runs), built in-process
+    manager = worker.reward_manager
+    assert isinstance(manager, SetGRPODualRewardManager)
+    assert manager.identity == grader_identity(config) == smollm2_judge.identity | {"name": "rubric+local_hf"}
+
+    rows = load_ifbench_rubrics(limit=4)
+    responses = [ifbench_samples[r["question"]] for r in rows]
+    data = _batch(worker.input_tokenizer, rows, responses)
+    outputs = worker.loop.run_until_complete(worker.compute_score_batch(data))
+
+    # what RewardLoopManager.compute_rm_score does with the outputs
+    scores = [o["reward_score"] for o in outputs]
+    rm_scores = type(manager).assemble_rm_scores(data, scores)
+    infos = [o["reward_extra_info"] for o in outputs]
+    keys = list(infos[0])
+    from verl import DataProto
+
+    out = DataProto.from_dict(tensors={"rm_scores": rm_scores},
+                              non_tensors={k: np.array([info[k] for info in infos]) for k in keys},
+                              meta_info={"reward_extra_keys": keys})
+    reward_tensor, extra = extract_reward(out)
+    assert set(keys) == {"score", "reference_score", "point_verdicts", "reference_verdicts", "unparsed",
+                         "judged_disagreement"}
+    valid = data.batch["attention_mask"][:, 64:].sum(-1)
+    for i in range(4):
+        assert reward_tensor[i, valid[i] - 1].item() == pytest.approx(scores[i])
+        assert reward_tensor[i].abs().sum().item() == pytest.approx(abs(scores[i]))
+    assert extra["reference_score"].dtype == np.float64 and extra["unparsed"].tolist() == [0] * 4
+
+    # the verdicts explain the scores; rule verdicts are the if-verifiable checks of the decoded response
+    texts = [worker.input_tokenizer.decode(data.batch["responses"][i][: valid[i]], skip_special_tokens=True)
+             for i in range(4)]
+    items = []
+    for i, row in enumerate(rows):
+        rubric = Rubric.from_row(row)
+        items.append(GradingItem(texts[i], rubric))
+        for key, score in (("point_verdicts", scores[i]), ("reference_verdicts", extra["reference_score"][i])):
+            verdicts = json.loads(extra[key][i])
+            met = [None if v["outcome"] == "unparsed" else v["outcome"] == "met" for v in verdicts]
+            assert rubric_score(rubric, met) == pytest.approx(score)
+            for crit, v in zip(rubric.criteria, verdicts):
+                if crit.rule is not None:
+                    assert v["source"] == "rule"
+                    assert (v["outcome"] == "met") == check_rule(crit.rule, rubric.question, texts[i])
+    # same grader protocol and seed outside verl gives the same point and reference scores
+    direct = asyncio.run(DualScorer(RubricGrader(smollm2_judge, seed=0)).ascore(items))
+    np.testing.assert_allclose(direct.point, scores)
+    np.testing.assert_allclose(direct.reference, extra["reference_score"])
