@@ -15,6 +15,7 @@
 #   JUDGE_MODEL       judge model name served there (Qwen/Qwen3-8B); the key is read from OPENAI_API_KEY
 #   JUDGE_TEMPERATURE judge sampling temperature (1.0: the stochastic grader SetGRPO calibrates)
 #   LOGGER            verl trainer.logger list ('["console","wandb"]')
+#   SKETCH_TOKENS_PER_GPU  token budget of the sketch pass's micro-batches (6144 = one full-length sequence)
 #   RECORD            calibration record path (default: $RUN_ROOT/<experiment>/setgrpo_calibration.json)
 # Extra arguments to the recipe after the mode are appended as Hydra overrides.
 
@@ -30,6 +31,7 @@ LOGGER=${LOGGER:-'["console","wandb"]'}
 JUDGE_BASE_URL=${JUDGE_BASE_URL:-http://127.0.0.1:8000/v1}
 JUDGE_MODEL=${JUDGE_MODEL:-Qwen/Qwen3-8B}
 JUDGE_TEMPERATURE=${JUDGE_TEMPERATURE:-1.0}
+SKETCH_TOKENS_PER_GPU=${SKETCH_TOKENS_PER_GPU:-6144}
 
 # Table 3 settings shared by SetGRPO and the GRPO baseline.
 _table3_args() {
@@ -97,6 +99,7 @@ run_recipe() {
                 algorithm.adv_estimator=setgrpo \
                 trainer.v1.trainer_mode=setgrpo \
                 algorithm.setgrpo.alpha=0.05 algorithm.setgrpo.beta=0.08 algorithm.setgrpo.delta=0.05 \
+                algorithm.setgrpo.sketch.max_token_len_per_gpu="$SKETCH_TOKENS_PER_GPU" \
                 algorithm.setgrpo.calibration.files="$DATA_DIR/calib.parquet" \
                 algorithm.setgrpo.calibration.num_prompts=4096 \
                 algorithm.setgrpo.calibration.only=true \
@@ -112,6 +115,7 @@ run_recipe() {
                 algorithm.adv_estimator=setgrpo \
                 trainer.v1.trainer_mode=setgrpo \
                 algorithm.setgrpo.alpha=0.05 algorithm.setgrpo.beta=0.08 algorithm.setgrpo.delta=0.05 \
+                algorithm.setgrpo.sketch.max_token_len_per_gpu="$SKETCH_TOKENS_PER_GPU" \
                 algorithm.setgrpo.record_path="$record" \
                 trainer.experiment_name="$experiment" \
                 trainer.default_local_dir="$RUN_ROOT/$experiment" \

@@ -52,11 +52,22 @@ class SetGRPOSketchConfig(BaseConfig):
     rank_in: int = 8
     seed: int = 0
     include_embeddings: bool = False
+    max_token_len_per_gpu: Optional[int] = None
+    micro_batch_size_per_gpu: Optional[int] = None
 
     def __post_init__(self):
         if self.rank_out < 1 or self.rank_in < 1:
             raise ValueError(
                 f"algorithm.setgrpo.sketch.rank_out={self.rank_out}, rank_in={self.rank_in}: both must be >= 1"
+            )
+        for key in ("max_token_len_per_gpu", "micro_batch_size_per_gpu"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"algorithm.setgrpo.sketch.{key}={value} must be null or >= 1")
+        if self.max_token_len_per_gpu is not None and self.micro_batch_size_per_gpu is not None:
+            raise ValueError(
+                "set at most one of algorithm.setgrpo.sketch.max_token_len_per_gpu (dynamic micro-batches) and "
+                "micro_batch_size_per_gpu (fixed micro-batches)"
             )
 
 

@@ -256,11 +256,25 @@ class SetGRPOTrainer(PPOTrainerSync):
 
     def on_train_begin(self):
         super().on_train_begin()
-        if self.setgrpo.record_path:
-            self.record = CalibrationRecord.from_json(os.path.expanduser(self.setgrpo.record_path))
+        record_path, out = self.setgrpo.record_path, self._record_out()
+        if not record_path and self.global_steps > 1:
+            # resumed run: never recalibrate on a trained policy; reuse the record this run wrote at its start
+            if not os.path.exists(out):
+                raise ValueError(
+                    f"resuming at step {self.global_steps} without a calibration record: calibration must use the "
+                    f"initial policy; pass the original record as algorithm.setgrpo.record_path ({out} does not exist)"
+                )
+            record_path = out
+        if record_path:
+            self.record = CalibrationRecord.from_json(os.path.expanduser(record_path))
             self._check_record(self.record)
-            logger.warning("SetGRPO: loaded calibration record %s: %s", self.setgrpo.record_path, self.record.table4_row())
+            logger.warning("SetGRPO: loaded calibration record %s: %s", record_path, self.record.table4_row())
         else:
+            if os.path.exists(out):
+                raise ValueError(
+                    f"calibration record {out} already exists: pass it as algorithm.setgrpo.record_path to reuse it, or "
+                    "delete it / set algorithm.setgrpo.record_out to recalibrate (a frozen record is never overwritten)"
+                )
             self.record = self._calibrate()
         if self.setgrpo.monitor.enable:
             self.monitor = OnlineRiskMonitor(self.record)
@@ -356,6 +370,11 @@ class SetGRPOTrainer(PPOTrainerSync):
         """Sketch RPC on the actor workers; the sketches land in TransferQueue under ``setgrpo_sketch``."""
         extra = {SKETCH_CONFIG_KEY: dataclasses.asdict(self.sketch_config)}
         extra["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        sketch = self.setgrpo.sketch
+        if sketch.max_token_len_per_gpu is not None:  # the sketch pass keeps activations for one backward
+            extra.update(use_dynamic_bsz=True, max_token_len_per_gpu=int(sketch.max_token_len_per_gpu))
+        elif sketch.micro_batch_size_per_gpu is not None:
+            extra.update(use_dynamic_bsz=False, micro_batch_size_per_gpu=int(sketch.micro_batch_size_per_gpu))
         saved = {k: batch.extra_info[k] for k in extra if k in batch.extra_info}
         batch.extra_info.update(extra)
         try:

@@ -85,3 +85,62 @@ def test_trainer_mode_looks_like_sync_to_verl_and_uses_the_sketch_worker():
     assert isinstance(actor, ray.actor.ActorClass)
     assert actor.__ray_metadata__.modified_class.__mro__[1] is SetGRPOActorRolloutRefWorker
     assert SimpleNamespace  # keep import list honest
+
+
+def _record_trainer(tmp_path, **setgrpo):
+    from setgrpo_verl.integration.config import setgrpo_config_from
+
+    trainer = SetGRPOTrainer.__new__(SetGRPOTrainer)  # record handling only: no workers, no rollout servers
+    trainer.config = OmegaConf.create({
+        "algorithm": {"adv_estimator": "setgrpo", "norm_adv_by_std_in_grpo": True,
+                      "setgrpo": {"alpha": 0.1, "beta": 0.3, "delta": 0.1, "monitor": {"enable": True}, **setgrpo}},
+        "actor_rollout_ref": {"rollout": {"n": 4}, "actor": {"loss_agg_mode": "token-mean"},
+                              "model": {"path": "Qwen/Qwen3-4B"}},
+        "reward": {"reward_manager": {"name": "setgrpo_dual"},
+                   "reward_kwargs": {"grader": {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "judge"}}},
+        "trainer": {"default_local_dir": str(tmp_path)},
+    })
+    trainer.setgrpo = setgrpo_config_from(trainer.config.algorithm)
+    from setgrpo_verl.integration.trainer import _sketch_config
+
+    trainer.sketch_config = _sketch_config(trainer.setgrpo)
+    trainer.global_steps = 1
+    return trainer
+
+
+def test_trainer_loads_validates_and_never_overwrites_records(tmp_path):
+    from .test_estimator import _record
+
+    trainer = _record_trainer(tmp_path)
+    identity = trainer._run_identity()
+    assert identity["grader"]["reward_manager"] == "setgrpo_dual" and identity["grader"]["model"] == "judge"
+    path = tmp_path / "setgrpo_calibration.json"
+    _record(metadata=identity).to_json(path)
+
+    trainer = _record_trainer(tmp_path, record_path=str(path))
+    trainer.on_train_begin()
+    assert trainer.record.K == 4 and trainer.monitor is not None
+
+    trainer = _record_trainer(tmp_path, record_path=str(path))
+    trainer.config.actor_rollout_ref.rollout.n = 8
+    with pytest.raises(ValueError, match="mismatch in K"):
+        trainer.on_train_begin()
+    trainer = _record_trainer(tmp_path, record_path=str(path))
+    trainer.config.reward.reward_kwargs.grader.model = "another-judge"
+    with pytest.raises(ValueError, match="grader.model"):
+        trainer.on_train_begin()
+    trainer = _record_trainer(tmp_path, record_path=str(path), beta=0.2)
+    with pytest.raises(ValueError, match="mismatch in beta"):
+        trainer.on_train_begin()
+
+    # no record_path: a fresh run refuses to overwrite an existing record; a resumed run reuses it
+    trainer = _record_trainer(tmp_path)
+    with pytest.raises(ValueError, match="already exists"):
+        trainer.on_train_begin()
+    trainer.global_steps = 51
+    trainer.on_train_begin()
+    assert trainer.record == _record(metadata=identity).__class__.from_json(path)
+    trainer = _record_trainer(tmp_path / "elsewhere")
+    trainer.global_steps = 51
+    with pytest.raises(ValueError, match="initial policy"):
+        trainer.on_train_begin()
