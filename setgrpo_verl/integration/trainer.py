@@ -357,7 +357,9 @@ class SetGRPOTrainer(PPOTrainerSync):
         out = self._record_out()
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         record.to_json(out)
-        summary = {f"setgrpo/calibration/{k}": v for k, v in record.table4_row().items() if v is not None}
+        table4 = {"n_cov": record.n_cov, "n_risk": record.n_risk, "q_alpha": record.q_alpha, "tau_sel": record.tau_sel,
+                  "N": record.N, "F": record.F, "ecr": record.ecr, "U": record.U}  # the paper's Table 4 columns
+        summary = {f"setgrpo/calibration/{k}": float(v) for k, v in table4.items() if v is not None}
         summary["setgrpo/calibration/timing_s"] = time.perf_counter() - t0
         self.logger.log(data=summary, step=self.global_steps)
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
