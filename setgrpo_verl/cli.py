@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
-from . import runner
+# PyTorch's OpenMP threads spin-wait between parallel regions; on a small, shared CPU box (2 cores, other jobs) that
+# made every small matmul of SmolLM2 decoding ~30x slower in our measurements. Passive waiting must be chosen before
+# torch starts OpenMP, i.e. before it is imported; an explicit setting in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from . import runner  # noqa: E402
 
 __all__ = ["build_parser", "main"]
 

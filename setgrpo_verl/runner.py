@@ -87,8 +87,8 @@ class RunConfig:
     seed: int = 0
     # rollout (verl: actor_rollout_ref.rollout.*)
     rollout_n: int = 4
-    max_prompt_length: int = 128
-    max_response_length: int = 48
+    max_prompt_length: int = 96
+    max_response_length: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
     gen_batch_groups: int = 8
@@ -96,19 +96,19 @@ class RunConfig:
     sketch_rank: int = 8
     sketch_seed: int = 0
     # calibration (SETGRPO.md sections 2, 4)
-    calib_groups: int = 120
+    calib_groups: int = 40
     alpha: float = 0.1
-    beta: float = 0.25
+    beta: float = 0.3
     delta: float = 0.1
     rho: float = 0.1
     split_seed: int = 0
-    tau_grid: tuple[float, ...] | None = None
+    tau_grid: tuple[float, ...] | None = (0.0, 0.2, 0.4, 0.6, 0.8)
     on_infeasible: str = "error"
     ablation: str | None = None
     fixed_tau: float | None = None
     # training (verl: actor_rollout_ref.actor.*)
-    train_steps: int = 6
-    train_groups: int = 8
+    train_steps: int = 4
+    train_groups: int = 6
     lr: float = 1e-5
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -191,11 +191,10 @@ class RunConfig:
 #: the CI end-to-end profile (under 3 minutes). The statistical levels are looser than the paper's (alpha 0.05,
 #: beta 0.08), because the paper's levels need hundreds of calibration groups (README, "Known limits").
 PROFILES: dict[str, dict[str, Any]] = {
-    "default": dict(rollout_n=4, max_prompt_length=128, max_response_length=48, calib_groups=120, alpha=0.1,
-                    beta=0.25, delta=0.1, train_steps=6, train_groups=8, lr=1e-5),
-    "smoke": dict(rollout_n=4, max_prompt_length=96, max_response_length=16, calib_groups=24, alpha=0.2,
-                  beta=0.5, delta=0.2, tau_grid=(0.0, 0.25, 0.5), train_steps=2, train_groups=4, lr=1e-5,
-                  gen_batch_groups=12),
+    "default": {},  # the RunConfig field defaults
+    "smoke": dict(rollout_n=3, max_prompt_length=80, max_response_length=12, calib_groups=12, alpha=0.25,
+                  beta=0.6, delta=0.3, tau_grid=(0.0, 0.3, 0.6), train_steps=2, train_groups=3, lr=1e-5,
+                  gen_batch_groups=6),
 }
 
 
@@ -458,6 +457,10 @@ def load_prompt_rows(cfg: RunConfig, tokenizer) -> list[dict]:
             rubric = as_rubric(row)
         except ValueError as exc:
             raise UserInputError(f"{source}: {exc}; fix or remove that row") from None
+        if not any(c.points > 0 for c in rubric.criteria):
+            raise UserInputError(f"{source}: rubric row {rubric.id!r} has no criterion with positive points, so its "
+                                 "score (sum of met points / sum of positive points) is undefined; give it at least "
+                                 "one positive-points criterion or remove the row")
         if len(_chat_prompt_ids(tokenizer, rubric.question)) <= cfg.max_prompt_length:
             kept.append(row)
     if not kept:
@@ -561,6 +564,23 @@ def _load_policy(cfg: RunConfig):
         raise UserInputError(f"--model: {exc}") from None
 
 
+def _load_tokenizer(cfg: RunConfig):
+    """The policy's tokenizer alone (fast), to validate prompts before any model is loaded."""
+    from transformers import AutoTokenizer
+
+    from .models import embedded_model_dir
+
+    try:
+        path = embedded_model_dir() if cfg.model is None else Path(cfg.model).expanduser()
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"{cfg.model!r} is not a local Hugging Face model directory (no config.json); "
+                                    "pass a directory saved with save_pretrained or omit --model for the embedded "
+                                    "SmolLM2-135M-Instruct")
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        raise UserInputError(f"--model: {exc}") from None
+
+
 def _policy_identity(cfg: RunConfig) -> dict:
     from .models import EMBEDDED_MODEL_NAME
 
@@ -624,13 +644,14 @@ def run_calibration(cfg: RunConfig, run_dir: str | os.PathLike, *, overwrite: bo
             core rejects (too few non-degenerate groups, no risk-feasible threshold: its message names the fix).
     """
     from .core import calibrate
+    import verl  # noqa: F401  - load verl (and its plugins, i.e. ours) before our verl glue module
     from .integration.estimator import group_gram, group_rows
 
     run_dir = Path(run_dir)
-    model, tokenizer = _load_policy(cfg)
-    rows = load_prompt_rows(cfg, tokenizer)
+    rows = load_prompt_rows(cfg, _load_tokenizer(cfg))
     _check_prompt_budget(cfg, len(rows), calibrating=True)
     scorer = build_scorer(cfg)
+    model, tokenizer = _load_policy(cfg)
     stage = _stage_dir(run_dir, "calibration", overwrite=overwrite)
     cfg.to_json(run_dir / "config.json")
     cfg.to_json(stage / "config.json")
@@ -730,16 +751,17 @@ def run_training(cfg: RunConfig, run_dir: str | os.PathLike, *, estimator: str =
     from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_timing_metrics
 
     from .core import OnlineRiskMonitor
+    import verl  # noqa: F401  - see run_calibration
     from .integration.estimator import setgrpo_step
 
     if estimator not in ("setgrpo", "grpo"):
         raise UserInputError(f"--estimator {estimator!r}: choose setgrpo or grpo")
     run_dir = Path(run_dir)
-    model, tokenizer = _load_policy(cfg)
-    rows = load_prompt_rows(cfg, tokenizer)
+    rows = load_prompt_rows(cfg, _load_tokenizer(cfg))
     _check_prompt_budget(cfg, len(rows), calibrating=False)
     scorer = build_scorer(cfg)
     record = _resolve_record(cfg, run_dir, record_path, scorer) if estimator == "setgrpo" else None
+    model, tokenizer = _load_policy(cfg)
     train_rows = rows[cfg.calib_groups:]
     stage = _stage_dir(run_dir, f"train_{estimator}", overwrite=overwrite)
     cfg.to_json(stage / "config.json")
