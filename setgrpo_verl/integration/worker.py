@@ -16,6 +16,7 @@ supported (the sketch hook needs whole sequences per rank).
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -120,6 +121,15 @@ def sketch_batch(
     return sketches
 
 
+def _engine_autocast(engine: Any, module: torch.nn.Module):
+    """The engine's forward autocast (FSDP engines: ``_autocast_dtype``, bf16 by default; none for float32), so the
+    sketch forward runs with the same numerics and activation memory as verl's log-prob forward."""
+    dtype = getattr(engine, "_autocast_dtype", None)
+    if dtype is None or dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=next(module.parameters()).device.type, dtype=dtype)
+
+
 class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
     """verl's hybrid actor/rollout/ref worker plus the ``compute_sketches`` RPC (SETGRPO.md section 5)."""
 
@@ -162,7 +172,7 @@ class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
             if key not in data.keys():
                 tu.assign_non_tensor(data, **{key: value})
         config = SketchConfig(**dict(tu.get_non_tensor_data(data, SKETCH_CONFIG_KEY, {})))
-        with engine.eval_mode():
+        with engine.eval_mode(), _engine_autocast(engine, engine.module):
             sketches = sketch_batch(
                 engine.module,
                 data,
