@@ -604,7 +604,8 @@ def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remo
     sk.begin(segments, bsz)
     with torch.enable_grad():
         logits = model(**model_kwargs, use_cache=False).logits
-        logits = logits.reshape(-1, logits.shape[-1])[logit_rows.reshape(-1)].float()
+        logits = logits.reshape(-1, logits.shape[-1])[logit_rows.reshape(-1)]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 kept
         temp = temperature if not isinstance(temperature, torch.Tensor) else temperature.float().reshape(-1, 1, 1)
         logits = logits.reshape(bsz, t_resp, -1) / temp
         log_probs = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -617,7 +618,7 @@ def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remo
             )
         objective = (log_probs * weights).sum()
         sketches = sk.backward(objective)
-    return sketches, log_probs.detach()
+    return sketches, log_probs.detach().float()
 
 
 def compute_sketches(

@@ -1,0 +1,228 @@
+"""Per-response gradient sketches (SETGRPO.md section 5) on a tiny random Llama: exactness, unbiasedness,
+layout invariance, hygiene (no .grad, hooks removed) and error messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from setgrpo_verl.sketch import GradientSketcher, SketchConfig, compute_sketches
+from tests.sketch._tiny import cosine, exact_gradients, tiny_llama, verl_batch
+
+IDENTITY_CASES = [
+    # (model kwargs, config kwargs, loss_agg_mode)
+    (dict(), dict(), "token-mean"),
+    (dict(bias=True), dict(include_norms=True), "seq-mean-token-mean"),
+    (dict(tie=True), dict(include_embeddings=True, include_norms=True), "seq-mean-token-sum"),
+    (dict(), dict(include_embeddings=True), "token-sum"),
+]
+
+
+@pytest.mark.parametrize("model_kw,cfg_kw,mode", IDENTITY_CASES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_identity_sketch_is_exact_per_response_gradient(model_kw, cfg_kw, mode, packed):
+    model = tiny_llama(**model_kw)
+    ids, am, rm = verl_batch()
+    out = compute_sketches(
+        model, ids, am, rm, SketchConfig(identity=True, **cfg_kw), loss_agg_mode=mode, use_remove_padding=packed
+    )
+    exact = exact_gradients(model, ids, am, rm, out.block_names, seq_mean_token_mean=mode == "seq-mean-token-mean")
+    assert out.sketches.dtype == torch.float32 and out.sketches.shape == exact.shape
+    scale = exact.abs().max()
+    assert scale > 0
+    torch.testing.assert_close(out.sketches.double(), exact, rtol=0, atol=1e-5 * scale.item())
+    n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    expected_blocks = n_linear
+    if cfg_kw.get("include_norms"):
+        expected_blocks += sum("Norm" in type(m).__name__ for m in model.modules())
+    if cfg_kw.get("include_embeddings") and not model_kw.get("tie"):
+        expected_blocks += 1  # untied embedding has its own block; tied shares the LM head's
+    assert len(out.block_names) == expected_blocks
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_log_probs_match_plain_forward():
+    model = tiny_llama()
+    ids, am, rm = verl_batch()
+    pos = torch.clip(am.cumsum(-1) - 1, min=0)
+    logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, -rm.shape[1] - 1 : -1] / 0.7
+    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, -rm.shape[1] :, None]).squeeze(-1)
+    ref = torch.where(am[:, -rm.shape[1] :].bool(), ref, 0.0)
+    for packed in (False, True):
+        out = compute_sketches(model, ids, am, rm, temperature=0.7, use_remove_padding=packed)
+        assert out.log_probs.dtype == torch.float32
+        torch.testing.assert_close(out.log_probs.double(), ref.detach(), rtol=0, atol=1e-5)
+
+
+def test_sketch_gram_is_unbiased():
+    """Mean over seeds of S S^T converges to the exact Gram G G^T (z-scores within Monte-Carlo error)."""
+    model = tiny_llama(hidden=16, layers=1, vocab=48)
+    ids, am, rm = verl_batch(bsz=3, vocab=48)
+    cfg = dict(rank_out=3, rank_in=3)
+    names = compute_sketches(model, ids, am, rm, SketchConfig(**cfg)).block_names
+    exact = exact_gradients(model, ids, am, rm, names)
+    gram = exact @ exact.T
+    norms = gram.diagonal().sqrt()
+    samples = []
+    for seed in range(200):
+        s = compute_sketches(model, ids, am, rm, SketchConfig(seed=seed, **cfg)).sketches.double()
+        samples.append(s @ s.T)
+    samples = torch.stack(samples)
+    mean, se = samples.mean(0), samples.std(0) / samples.shape[0] ** 0.5
+    z = (mean - gram) / se
+    assert z.abs().max() < 4.5, f"sketch Gram biased: z-scores {z}"
+    # convergence: the seed average is far closer to the exact Gram than a single sketch is
+    single = ((samples - gram) / (norms[:, None] * norms[None, :])).abs().amax((1, 2)).mean()
+    averaged = ((mean - gram) / (norms[:, None] * norms[None, :])).abs().max()
+    assert averaged < 0.25 * single, (averaged, single)
+    assert averaged < 0.05
+
+
+def test_cosine_error_shrinks_with_sketch_size():
+    model = tiny_llama(hidden=64, layers=2, vocab=128)
+    ids, am, rm = verl_batch(vocab=128)
+    names = compute_sketches(model, ids, am, rm, SketchConfig(rank_out=1, rank_in=1)).block_names
+    exact = exact_gradients(model, ids, am, rm, names)
+    cos_exact = cosine(exact @ exact.T)
+    errors = {}
+    for rank in (1, 4, 16):
+        errs = []
+        for seed in range(6):
+            s = compute_sketches(model, ids, am, rm, SketchConfig(rank_out=rank, rank_in=rank, seed=seed)).sketches
+            s = s.double()
+            errs.append((cosine(s @ s.T) - cos_exact).abs().max().item())
+        errors[rank] = sum(errs) / len(errs)
+    assert errors[16] < errors[4] < errors[1], errors
+    assert errors[16] < 0.5 * errors[1], errors
+
+
+def test_padded_packed_and_micro_batch_sizes_agree():
+    model = tiny_llama().float()
+    ids, am, rm = verl_batch(bsz=4)
+    cfg = SketchConfig(rank_out=4, rank_in=4, include_norms=True, include_embeddings=True)
+    ref = compute_sketches(model, ids, am, rm, cfg, micro_batch_size=4)
+    for packed in (False, True):
+        for mbs in (1, 3, 4):
+            out = compute_sketches(model, ids, am, rm, cfg, micro_batch_size=mbs, use_remove_padding=packed)
+            scale = ref.sketches.abs().max().item()
+            torch.testing.assert_close(out.sketches, ref.sketches, rtol=0, atol=2e-5 * scale)
+            torch.testing.assert_close(out.log_probs, ref.log_probs, rtol=0, atol=2e-5)
+
+
+def test_projections_reproducible_seeded_and_small():
+    model = tiny_llama()
+    ids, am, rm = verl_batch()
+    a = compute_sketches(model, ids, am, rm, SketchConfig(seed=3)).sketches
+    b = compute_sketches(tiny_llama(), ids, am, rm, SketchConfig(seed=3)).sketches
+    c = compute_sketches(model, ids, am, rm, SketchConfig(seed=4)).sketches
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+    with GradientSketcher(model, SketchConfig(rank_out=3, rank_in=5)) as sk:
+        head = next(blk for blk in sk.blocks if blk.name == "lm_head")
+        assert head.p_out.shape == (3, model.config.vocab_size)
+        assert head.p_in.shape == (5, model.config.hidden_size)
+        assert sk.dim == 15 * len(sk.blocks)
+
+
+def test_default_size_is_documented_and_bounded():
+    cfg = SketchConfig()
+    assert (cfg.rank_out, cfg.rank_in) == (8, 8)
+    assert not cfg.include_embeddings and not cfg.include_norms and not cfg.identity
+    # SmolLM2-135M: 30 layers x 7 Linear + LM head
+    assert (30 * 7 + 1) * cfg.rank_out * cfg.rank_in < 50_000
+
+
+def test_non_reentrant_checkpointing_and_frozen_parameters():
+    model = tiny_llama().float()
+    ids, am, rm = verl_batch()
+    ref = compute_sketches(model, ids, am, rm).sketches
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # HF only checkpoints in training mode; dropout is 0 in LlamaConfig
+    ckpt = compute_sketches(model, ids, am, rm).sketches
+    torch.testing.assert_close(ckpt, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    model.gradient_checkpointing_disable()
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    frozen = compute_sketches(model, ids, am, rm).sketches
+    torch.testing.assert_close(frozen, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+def test_reentrant_checkpointing_is_rejected():
+    model = tiny_llama().float()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    ids, am, rm = verl_batch()
+    with pytest.raises(RuntimeError, match="reentrant"):
+        compute_sketches(model, ids, am, rm)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+def test_no_grad_left_and_hooks_removed_even_on_error():
+    model = tiny_llama().float()
+    ids, am, rm = verl_batch()
+    before = _hook_count(model)
+    compute_sketches(model, ids, am, rm)
+    assert _hook_count(model) == before
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(KeyError):
+        with GradientSketcher(model) as sk:
+            assert _hook_count(model) > before
+            sk.begin(torch.zeros_like(ids))
+            raise KeyError("boom")
+    assert _hook_count(model) == before
+    # an error raised from inside the sketch pass itself
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite log-probabilities"):
+        compute_sketches(model, ids, am, rm)
+    assert _hook_count(model) == before
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_error_no_linear_layer():
+    class EmbOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+
+        def get_input_embeddings(self):
+            return self.emb
+
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        with GradientSketcher(EmbOnly()):
+            pass
+
+
+def test_error_response_mask_mismatch():
+    model = tiny_llama()
+    ids, am, rm = verl_batch()
+    bad = rm.clone()
+    bad[3, -1] = 1  # row 3 has right padding there
+    assert am[3, -1] == 0
+    with pytest.raises(ValueError, match="response mask does not match"):
+        compute_sketches(model, ids, am, bad)
+    with pytest.raises(ValueError, match="response_mask must be"):
+        compute_sketches(model, ids, am, rm[:2])
+    with pytest.raises(ValueError, match="0/1"):
+        compute_sketches(model, ids, am, rm * 2)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        compute_sketches(model, ids, am, rm, loss_agg_mode="token_mean")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        compute_sketches(model, ids, am, rm, micro_batch_size=0)
+    with pytest.raises(ValueError, match="ranks must be >= 1"):
+        SketchConfig(rank_out=0)
+
+
+def test_segment_ids_must_match_token_rows():
+    model = tiny_llama()
+    ids, am, _ = verl_batch()
+    with GradientSketcher(model) as sk:
+        sk.begin(torch.zeros(ids.shape[0], ids.shape[1] + 1, dtype=torch.long))
+        with pytest.raises(ValueError, match="token rows"):
+            model(input_ids=ids, attention_mask=am)
