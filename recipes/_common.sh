@@ -16,7 +16,8 @@
 #   JUDGE_TEMPERATURE judge sampling temperature (1.0: the stochastic grader SetGRPO calibrates)
 #   LOGGER            verl trainer.logger list ('["console","wandb"]')
 #   SKETCH_TOKENS_PER_GPU  token budget of the sketch pass's micro-batches (6144 = one full-length sequence)
-#   RECORD            calibration record path (default: $RUN_ROOT/<experiment>/setgrpo_calibration.json)
+#   RECORD            calibration record (default: $RUN_ROOT/<model>-setgrpo-calibrate/setgrpo_calibration.json)
+# Runs: <model>-setgrpo-calibrate (record only), <model>-setgrpo (training), <model>-grpo (baseline), in $RUN_ROOT.
 # Extra arguments to the recipe after the mode are appended as Hydra overrides.
 
 set -euo pipefail
@@ -85,8 +86,10 @@ _table3_args() {
 run_recipe() {
     local mode=${1:-}
     if [ $# -gt 0 ]; then shift; fi
-    local experiment="${MODEL_TAG}-${mode/calibrate/setgrpo}"
-    local record=${RECORD:-$RUN_ROOT/${MODEL_TAG}-setgrpo/setgrpo_calibration.json}
+    local experiment="${MODEL_TAG}-${mode}"
+    [ "$mode" = train ] && experiment="${MODEL_TAG}-setgrpo"
+    [ "$mode" = calibrate ] && experiment="${MODEL_TAG}-setgrpo-calibrate"
+    local record=${RECORD:-$RUN_ROOT/${MODEL_TAG}-setgrpo-calibrate/setgrpo_calibration.json}
     local config_dir
     config_dir=$("$PYTHON" -c 'import os, setgrpo_verl; print(os.path.join(os.path.dirname(setgrpo_verl.__file__), "hydra_configs"))')
     local -a args
