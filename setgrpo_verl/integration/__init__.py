@@ -1,0 +1,12 @@
+"""verl 0.9.1 integration of SetGRPO (see ``../shared/design/VERL_INTEGRATION.md``).
+
+* :mod:`.plugin` -- the ``verl.plugins`` entry point: registers everything below at ``import verl``.
+* :mod:`.estimator` -- the ``setgrpo`` advantage estimator and the pure per-step glue ``setgrpo_step``.
+* :mod:`.trainer` -- the ``setgrpo`` trainer mode (``trainer.v1.trainer_mode=setgrpo``): calibration phase,
+  sketches every step, SetGRPO advantages, diagnostics and the online monitor.
+* :mod:`.worker` -- the actor worker with the ``compute_sketches`` RPC.
+* :mod:`.reward_manager` -- the dual-reward manager ``setgrpo_dual``.
+* :mod:`.config` -- typed ``algorithm.setgrpo`` config (``hydra_configs/setgrpo_trainer.yaml``).
+
+Nothing is imported here: importing a submodule pulls in verl.
+"""
