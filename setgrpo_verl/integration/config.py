@@ -54,6 +54,7 @@ class SetGRPOSketchConfig(BaseConfig):
     include_embeddings: bool = False
     max_token_len_per_gpu: Optional[int] = None
     micro_batch_size_per_gpu: Optional[int] = None
+    fuse_old_log_prob: bool = False
 
     def __post_init__(self):
         if self.rank_out < 1 or self.rank_in < 1:

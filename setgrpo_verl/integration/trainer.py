@@ -4,7 +4,8 @@
 changes exactly three things:
 
 1. the actor worker is :class:`~setgrpo_verl.integration.worker.SetGRPOActorRolloutRefWorker` (sketch RPC);
-2. after verl's old-log-prob pass every step fetches per-response gradient sketches, and the advantage step
+2. after verl's old-log-prob pass every step fetches per-response gradient sketches (or, with
+   ``algorithm.setgrpo.sketch.fuse_old_log_prob=true``, one fused pass gives both), and the advantage step
    hands verl's ``compute_advantage`` a :class:`~setgrpo_verl.integration.estimator.SetGRPOStepContext`
    (sketches + frozen record), so the registered ``setgrpo`` estimator writes
    ``advantages = coefficient * response_mask`` and verl's PPO loss runs unchanged;
@@ -368,8 +369,9 @@ class SetGRPOTrainer(PPOTrainerSync):
         return record
 
     # ------------------------------------------------------------------ per step
-    def _compute_sketches(self, batch) -> None:
-        """Sketch RPC on the actor workers; the sketches land in TransferQueue under ``setgrpo_sketch``."""
+    def _compute_sketches(self, batch, fused: bool = False) -> None:
+        """Sketch RPC on the actor workers; the sketches land in TransferQueue under ``setgrpo_sketch``
+        (with ``fused``, verl's ``old_log_probs`` too, from the same forward)."""
         extra = {SKETCH_CONFIG_KEY: dataclasses.asdict(self.sketch_config)}
         extra["temperature"] = self.config.actor_rollout_ref.rollout.temperature
         sketch = self.setgrpo.sketch
@@ -380,7 +382,8 @@ class SetGRPOTrainer(PPOTrainerSync):
         saved = {k: batch.extra_info[k] for k in extra if k in batch.extra_info}
         batch.extra_info.update(extra)
         try:
-            output = self.actor_rollout_wg.compute_sketches(batch)
+            rpc = self.actor_rollout_wg.compute_log_prob_and_sketches if fused else self.actor_rollout_wg.compute_sketches
+            output = rpc(batch)
         finally:
             for k in extra:
                 batch.extra_info.pop(k, None)
@@ -388,10 +391,14 @@ class SetGRPOTrainer(PPOTrainerSync):
         assert len(output) == len(batch)
 
     def _compute_old_log_prob(self, batch, metrics: dict):
-        batch = super()._compute_old_log_prob(batch, metrics)
+        rollout_corr = self.config.algorithm.get("rollout_correction", None)
+        bypass = bool(rollout_corr and rollout_corr.get("bypass_mode", False))
+        fused = self.setgrpo.sketch.fuse_old_log_prob and not bypass
+        if not fused:  # verl's own old-log-prob pass (or rollout log-probs in bypass mode), then the sketch pass
+            batch = super()._compute_old_log_prob(batch, metrics)
         t0 = time.perf_counter()
         with marked_timer("setgrpo_sketch", self.timing_raw, color="purple"):
-            self._compute_sketches(batch)
+            self._compute_sketches(batch, fused=fused)
         metrics["setgrpo/timing_s/sketch"] = time.perf_counter() - t0
         return batch
 

@@ -8,9 +8,12 @@ the engine's own micro-batching (``verl.workers.engine.utils.prepare_micro_batch
 included) and remove-padding setting, and the driver receives float32 ``[B, m]`` sketches in batch order
 under the key :data:`SKETCH_KEY`.
 
-The sketch pass is one forward plus one activation-only backward per micro-batch (``setgrpo_verl.sketch``);
-it runs after verl's own old-log-prob pass, which stays untouched. Ulysses sequence parallelism is not
-supported (the sketch hook needs whole sequences per rank).
+The sketch pass is one forward plus one activation-only backward per micro-batch (``setgrpo_verl.sketch``),
+under the engine's eval mode and forward autocast. By default it runs after verl's own old-log-prob pass;
+``compute_log_prob_and_sketches`` is the fused variant (``algorithm.setgrpo.sketch.fuse_old_log_prob=true``) that
+also returns verl's ``old_log_probs`` from the same forward, so the only extra cost over plain GRPO is the
+activation-only backward. Ulysses sequence parallelism is not supported (the sketch hook needs whole sequences
+per rank).
 """
 
 from __future__ import annotations
@@ -97,11 +100,28 @@ def sketch_batch(
     Raises:
         ValueError: missing fields, or errors of ``setgrpo_verl.sketch.compute_sketches``.
     """
+    return sketch_and_log_probs(module, data, config, loss_agg_mode=loss_agg_mode, dp_group=dp_group)[0]
+
+
+def sketch_and_log_probs(
+    module: torch.nn.Module,
+    data: TensorDict,
+    config: SketchConfig,
+    *,
+    loss_agg_mode: str,
+    dp_group: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sketch_batch` plus the response log-probs of the same forward (the fused old-log-prob pass).
+
+    Returns:
+        ``(sketches float32 [B, m], log_probs)`` with ``log_probs`` a jagged nested float32 tensor [B, j]: row i
+        holds log pi(o_it) (after temperature) of the response tokens of row i (verl's ``old_log_probs`` layout).
+    """
     micro_batches, indices = prepare_micro_batches(data=data, dp_group=dp_group, same_micro_num_in_dp=True)
     use_remove_padding = bool(tu.get_non_tensor_data(data, "use_remove_padding", False))
     temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
     device = next(module.parameters()).device
-    parts = []
+    parts, rows = [], []
     for mb in micro_batches:
         ids, am, rm = _padded_layout(mb)
         out = compute_sketches(
@@ -115,10 +135,14 @@ def sketch_batch(
             use_remove_padding=use_remove_padding,
         )
         parts.append(out.sketches.float().cpu())
+        resp_len = am[:, -rm.shape[1] :].sum(-1).tolist()
+        rows.extend(out.log_probs[i, :n].float().cpu() for i, n in enumerate(resp_len))
     sketches = torch.cat(parts)
+    log_probs = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
     if indices is not None:
         sketches = restore_dynamic_batch(sketches, indices)
-    return sketches
+        log_probs = restore_dynamic_batch(log_probs, indices)
+    return sketches, log_probs
 
 
 def _engine_autocast(engine: Any, module: torch.nn.Module):
@@ -131,7 +155,8 @@ def _engine_autocast(engine: Any, module: torch.nn.Module):
 
 
 class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
-    """verl's hybrid actor/rollout/ref worker plus the ``compute_sketches`` RPC (SETGRPO.md section 5)."""
+    """verl's hybrid actor/rollout/ref worker plus the ``compute_sketches`` and ``compute_log_prob_and_sketches``
+    RPCs (SETGRPO.md section 5)."""
 
     def _sketch_engine(self):
         if self.actor is None:
@@ -162,6 +187,28 @@ class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
             NotImplementedError: Ulysses sequence parallelism > 1.
             ValueError: see :func:`sketch_batch`.
         """
+        sketches, _ = self._sketch(data)
+        if not self._sketch_engine().is_mp_src_rank_with_outputs():
+            return None
+        return TensorDict({SKETCH_KEY: sketches}, batch_size=[sketches.shape[0]])
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def compute_log_prob_and_sketches(self, data: TensorDict) -> Optional[TensorDict]:
+        """The fused pass: sketches and verl's ``old_log_probs`` from ONE forward (+ one activation-only backward).
+
+        Replaces ``compute_log_prob`` + ``compute_sketches`` when ``algorithm.setgrpo.sketch.fuse_old_log_prob``
+        is true (no entropy is computed on this path).
+
+        Returns:
+            TensorDict ``{setgrpo_sketch: float32 [B_shard, m], old_log_probs: nested float32 [B_shard, j]}`` on
+            ranks that output data (None elsewhere).
+        """
+        sketches, log_probs = self._sketch(data)
+        if not self._sketch_engine().is_mp_src_rank_with_outputs():
+            return None
+        return TensorDict({SKETCH_KEY: sketches, "old_log_probs": log_probs}, batch_size=[sketches.shape[0]])
+
+    def _sketch(self, data: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
         engine = self._sketch_engine()
         if getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
             raise NotImplementedError(
@@ -173,13 +220,10 @@ class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
                 tu.assign_non_tensor(data, **{key: value})
         config = SketchConfig(**dict(tu.get_non_tensor_data(data, SKETCH_CONFIG_KEY, {})))
         with engine.eval_mode(), _engine_autocast(engine, engine.module):
-            sketches = sketch_batch(
+            return sketch_and_log_probs(
                 engine.module,
                 data,
                 config,
                 loss_agg_mode=self.config.actor.loss_agg_mode,
                 dp_group=engine.get_data_parallel_group(),
             )
-        if not engine.is_mp_src_rank_with_outputs():
-            return None
-        return TensorDict({SKETCH_KEY: sketches}, batch_size=[sketches.shape[0]])

@@ -109,7 +109,8 @@ def test_sketch_rpc_on_ray_cpu_worker_group(ray_cluster):
     wg.init_model()
     # the driver's reference: the same hook on the whole batch, in batch order
     ids, am, rm = _padded_layout(_batch())
-    expected = compute_sketches(_tiny_model(), ids, am, rm, SKETCH).sketches
+    reference = compute_sketches(_tiny_model(), ids, am, rm, SKETCH)
+    expected = reference.sketches
     assert torch.cdist(expected, expected).fill_diagonal_(1.0).min() > 1e-3  # distinct rows: a permutation shows
     fixed = _batch()  # the engine's fixed micro-batch path, chosen per call like verl's infer_batch keys
     tu.assign_non_tensor(fixed, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
@@ -117,6 +118,13 @@ def test_sketch_rpc_on_ray_cpu_worker_group(ray_cluster):
         sketches = wg.compute_sketches(data)[SKETCH_KEY]
         assert sketches.dtype == torch.float32 and sketches.shape == expected.shape
         torch.testing.assert_close(sketches, expected, rtol=1e-4, atol=1e-5)
+    # the fused pass: the same sketches plus verl's old_log_probs (nested, one row per response, own length)
+    fused = wg.compute_log_prob_and_sketches(_batch())
+    torch.testing.assert_close(fused[SKETCH_KEY], expected, rtol=1e-4, atol=1e-5)
+    lengths = [int(r.numel()) for r in _batch()["responses"].unbind()]
+    for i, row in enumerate(fused["old_log_probs"].unbind()):
+        assert row.shape == (lengths[i],)
+        torch.testing.assert_close(row, reference.log_probs[i, : lengths[i]], rtol=1e-5, atol=1e-5)
 
 
 def _put_rollouts(tq, n_groups: int = 6):
