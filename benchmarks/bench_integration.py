@@ -78,6 +78,8 @@ def main() -> None:
     print(f"  log-prob forward (no grad):          {forward:7.2f} s")
     print(f"  sketch pass (fwd + act.-only bwd):    {sketch:7.2f} s")
     print(f"  ratio sketch / log-prob forward:      {sketch / forward:7.2f}")
+    print(f"  extra cost per step, in log-prob forwards: separate sketch pass {sketch / forward:.2f}, "
+          f"fused (sketch.fuse_old_log_prob) {sketch / forward - 1:.2f}")
 
     # driver glue at the paper's batch: 64 groups x K=8, SmolLM2-sized sketches
     g = torch.Generator().manual_seed(1)
