@@ -36,7 +36,8 @@ def _load(module: str) -> Exception | None:
     except Exception as exc:
         message = (
             f"setgrpo_verl verl plugin FAILED to load {module}: {type(exc).__name__}: {exc}. "
-            "algorithm.adv_estimator=setgrpo / trainer.v1.trainer_mode=setgrpo will be unavailable. "
+            "What it registers (the setgrpo estimator, the setgrpo_dual reward manager or the setgrpo trainer "
+            "mode) is unavailable in this process. "
             "(verl itself only logs plugin failures at DEBUG level.)"
         )
         logger.error(message + "\n" + traceback.format_exc())

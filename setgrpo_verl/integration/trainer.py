@@ -64,7 +64,8 @@ _ADV_FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_lo
 
 
 def reference_scores_from(data: TensorDict | dict, key: str) -> Optional[torch.Tensor]:
-    """Reference scores r' of a batch as float64 [B], or None when the reward manager did not return them.
+    """Reference scores r' of a batch (SETGRPO.md section 0) as float64 [B] (reward units), or None when the reward
+    manager did not return them.
 
     Looks for a top-level field ``key`` (colocated reward path) and else for ``extra_fields[i]
     ["reward_extra_info"][key]`` (verl's streaming reward loop).

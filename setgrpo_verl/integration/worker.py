@@ -116,6 +116,10 @@ def sketch_and_log_probs(
     Returns:
         ``(sketches float32 [B, m], log_probs)`` with ``log_probs`` a jagged nested float32 tensor [B, j]: row i
         holds log pi(o_it) (after temperature) of the response tokens of row i (verl's ``old_log_probs`` layout).
+
+    Raises:
+        ValueError: as :func:`sketch_batch`.
+        FloatingPointError: non-finite log-probabilities (from ``compute_sketches``).
     """
     micro_batches, indices = prepare_micro_batches(data=data, dp_group=dp_group, same_micro_num_in_dp=True)
     use_remove_padding = bool(tu.get_non_tensor_data(data, "use_remove_padding", False))
