@@ -122,6 +122,7 @@ def coverage_curve(point, reference, gram, record, *, alphas=None, seeds: int = 
 def plot_coverage(curve, record, setgrpo_rows: list[dict], path: Path) -> None:
     """Empirical vs nominal coverage (held-out calibration groups) and online coverage per training step."""
     plt = _plt()
+    from matplotlib.ticker import MaxNLocator
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax.plot([0.4, 1], [0.4, 1], "k:", label="nominal = empirical")
     if curve:
@@ -147,6 +148,7 @@ def plot_coverage(curve, record, setgrpo_rows: list[dict], path: Path) -> None:
                  ha="center", va="center", transform=ax2.transAxes)
     ax2.axhline(1 - record.alpha, color="k", ls=":", label=f"1 - α = {1 - record.alpha:.2f}")
     ax2.set_xlabel("training step")
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_ylabel("share of groups with T(r') ∈ C")
     ax2.set_ylim(0.0, 1.05)
     ax2.legend(fontsize=8, loc="lower right")
@@ -159,6 +161,7 @@ def plot_coverage(curve, record, setgrpo_rows: list[dict], path: Path) -> None:
 def plot_training_dynamics(runs: dict[str, list[dict]], path: Path) -> None:
     """Paper Figure 3: reward, entropy, accepted-group ratio and mean recovery ratio per step (per estimator)."""
     plt = _plt()
+    from matplotlib.ticker import MaxNLocator
     panels = [("critic/score/mean", "reward (point score, mean)"), ("actor/entropy", "policy entropy (nats/token)"),
               ("setgrpo/accepted_ratio", "accepted-group ratio"), ("setgrpo/recovery_ratio/mean",
                                                                    "mean recovery ratio η* (accepted)")]
@@ -176,6 +179,7 @@ def plot_training_dynamics(runs: dict[str, list[dict]], path: Path) -> None:
             ax.set_ylim(-0.02, 1.02)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
@@ -217,7 +221,9 @@ def plot_projections(groups: list[dict], tau_sel: float | None, path: Path) -> N
     ax3.set_xlabel("M_full (min over the set, at b(η*) or the anchor)")
     ax3.set_ylabel("M_reward")
     ax3.legend(fontsize=8, loc="lower left")
-    fig.suptitle(f"Projection diagnostics (paper Figure 6): {len(live)} non-degenerate groups", fontsize=11)
+    null = sum(1 for g in groups if g.get("status") == "null_anchor")
+    fig.suptitle(f"Projection diagnostics (paper Figure 6): {len(live)} groups with projections (calibration + "
+                 f"training){f'; {null} null-anchor rejections have none' if null else ''}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -88,7 +88,7 @@ class RunConfig:
     # rollout (verl: actor_rollout_ref.rollout.*)
     rollout_n: int = 4
     max_prompt_length: int = 96
-    max_response_length: int = 32
+    max_response_length: int = 24
     temperature: float = 1.0
     top_p: float = 1.0
     gen_batch_groups: int = 8
@@ -96,19 +96,19 @@ class RunConfig:
     sketch_rank: int = 8
     sketch_seed: int = 0
     # calibration (SETGRPO.md sections 2, 4)
-    calib_groups: int = 40
-    alpha: float = 0.1
-    beta: float = 0.3
-    delta: float = 0.1
+    calib_groups: int = 48
+    alpha: float = 0.2
+    beta: float = 0.5
+    delta: float = 0.2
     rho: float = 0.1
     split_seed: int = 0
-    tau_grid: tuple[float, ...] | None = (0.0, 0.2, 0.4, 0.6, 0.8)
+    tau_grid: tuple[float, ...] | None = (0.0, 0.2, 0.4, 0.6)
     on_infeasible: str = "error"
     ablation: str | None = None
     fixed_tau: float | None = None
     # training (verl: actor_rollout_ref.actor.*)
-    train_steps: int = 4
-    train_groups: int = 6
+    train_steps: int = 3
+    train_groups: int = 4
     lr: float = 1e-5
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -192,8 +192,8 @@ class RunConfig:
 #: beta 0.08), because the paper's levels need hundreds of calibration groups (README, "Known limits").
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {},  # the RunConfig field defaults
-    "smoke": dict(rollout_n=3, max_prompt_length=80, max_response_length=12, calib_groups=12, alpha=0.25,
-                  beta=0.6, delta=0.3, tau_grid=(0.0, 0.3, 0.6), train_steps=2, train_groups=3, lr=1e-5,
+    "smoke": dict(rollout_n=3, max_prompt_length=80, max_response_length=12, calib_groups=12, alpha=0.5,
+                  beta=0.8, delta=0.3, tau_grid=(0.0, 0.3, 0.6), train_steps=2, train_groups=3, lr=1e-5,
                   gen_batch_groups=6),
 }
 
