@@ -9,11 +9,16 @@ For an ``nn.Linear`` block W (out x in) the per-response gradient is sum_t delta
 positions t of the response's sequence (prompt positions included), with delta_t the gradient of
 the objective w.r.t. the layer output and x_t its input.  The sketch of that block is
 
-    S_i[block] = sum_t (P_out delta_t)(P_in x_t)^T          (r_out x r_in, flattened row-major)
+    S_i[block, c] = sum_t (P_out^c delta_t)(P_in^c x_t)^T / sqrt(k)   (r_out x r_in),  c = 1..k
 
-with P_out (r_out x out), P_in (r_in x in) of i.i.d. N(0, 1/r) entries, so that
-E<S_i, S_j> = <g_i, g_j> exactly (unbiased Gram matrix, SETGRPO.md section 5).  A bias is handled
-as an extra input column equal to 1 (P_in then has in + 1 columns).
+with P_out^c (r_out x out), P_in^c (r_in x in) of i.i.d. N(0, 1/r) entries, so that
+E<S_i, S_j> = <g_i, g_j> exactly (unbiased Gram matrix, SETGRPO.md section 5).  k = 1 is the single
+Kronecker projection of SETGRPO.md section 5; k > 1 concatenates k independent Kronecker sketches of
+the block (``SketchConfig.copies``), which lowers the variance as 1/k.  This matters in practice:
+transformer activations are strongly anisotropic, so the error of one Kronecker sketch falls only
+like 1/sqrt(r) in its size r_out * r_in, whereas k independent copies average it out (measured on
+SmolLM2-135M, see :class:`SketchConfig`).  A bias is handled as an extra input column equal to 1
+(P_in then has in + 1 columns).
 
 Mechanics: ONE forward of the whole micro-batch with forward hooks that store P_in x per Linear
 call and register a tensor hook on the call's output, then ONE ``torch.autograd.grad`` of the
@@ -64,9 +69,12 @@ class SketchConfig:
     """Settings of the per-response gradient sketch (SETGRPO.md section 5).
 
     Args:
-        rank_out: r_out, rows of each block's output projection P_out (int >= 1).
-        rank_in: r_in, rows of each block's input projection P_in (int >= 1).  Each hooked block
-            contributes r_out * r_in floats to the sketch.
+        rank_out: r_out, rows of each copy's output projection P_out (int >= 1).
+        rank_in: r_in, rows of each copy's input projection P_in (int >= 1).
+        copies: k, independent Kronecker copies per block (int >= 1); a block contributes
+            k * r_out * r_in floats and costs k * (r_out * out + r_in * in) flops per token.
+        head_rank_out, head_rank_in, head_copies: the same three for the LM head
+            (``model.get_output_embeddings()``), the block with the largest gradient share.
         seed: global seed; the projections of a block derive from (seed, block name) only, so they
             are identical on every rank and across runs and are never checkpointed.
         include_embeddings: also sketch the input-embedding weight's gradient (sum_t e_{id_t}
@@ -81,13 +89,15 @@ class SketchConfig:
             flattened per-response gradient (Linear: [out, in (+1 bias column)] row-major; norms:
             concatenated 1-D parameters).  Only for small models.
 
-    Defaults: ``rank_out = rank_in = 8`` (64 floats per block; 211 blocks = 13,504 floats for
-    SmolLM2-135M with the LM head).  Kronecker sketches of rank-one token terms have per-block
-    relative error ~ sqrt(2 / r) only through the product of two small projections, but the
-    errors of the independently projected blocks average out over the ~200 blocks of a transformer;
-    on SmolLM2-135M-Instruct this default keeps the 4 x 4 response cosine matrix within 0.05 (max
-    abs entry) of the exact one (tests/sketch/test_smollm2.py) while the sketch stays a few tens of
-    thousands of floats (M_g = S S^T is formed by the driver in float64).
+    Defaults: body blocks (r_out, r_in, k) = (1, 1, 64), LM head (1, 8, 256): 64 floats per body
+    block and 2,048 for the head, i.e. 210 * 64 + 2,048 = 15,488 floats for SmolLM2-135M.
+    Why: on SmolLM2-135M-Instruct (4 sampled responses of 16 tokens, exact per-response gradients)
+    the LM head carries ~30% of the squared gradient norm and the effective number of blocks is
+    only ~10, so the sketch error is set by the few heaviest blocks.  Max-abs error of the 4 x 4
+    cosine matrix, mean over 5 projection seeds: single Kronecker (8, 8, 1) everywhere (13,504
+    floats) 0.086-0.12; (16, 16, 1) (54,016 floats) 0.088; (1, 1, 128) everywhere (27,008) 0.055;
+    (1, 1, 64) + head (1, 8, 256) (15,488) 0.032 (worst seed 0.048), within the 0.05 target at the
+    smallest size and flops of the candidates (tests/sketch/test_smollm2.py checks it).
     ``include_embeddings = include_norms = False``: nn.Linear blocks (LM head included) hold the
     dense-gradient parameters of a decoder-only LM; embedding gradients are sparse in the rows and
     norm weights are < 0.1% of the parameters.  Turn them on to sketch the full parameter gradient.
@@ -96,22 +106,31 @@ class SketchConfig:
         ValueError: a rank below 1 or a non-integer rank/seed.
     """
 
-    rank_out: int = 8
-    rank_in: int = 8
+    rank_out: int = 1
+    rank_in: int = 1
     seed: int = 0
     include_embeddings: bool = False
     include_norms: bool = False
     identity: bool = False
+    copies: int = 64
+    head_rank_out: int = 1
+    head_rank_in: int = 8
+    head_copies: int = 256
 
     def __post_init__(self):
-        for field in ("rank_out", "rank_in", "seed"):
+        for field in ("rank_out", "rank_in", "seed", "copies", "head_rank_out", "head_rank_in", "head_copies"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"SketchConfig.{field} must be an int, got {value!r}")
-        if self.rank_out < 1 or self.rank_in < 1:
-            raise ValueError(
-                f"SketchConfig ranks must be >= 1, got rank_out={self.rank_out}, rank_in={self.rank_in}"
-            )
+        for field in ("rank_out", "rank_in", "copies", "head_rank_out", "head_rank_in", "head_copies"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"SketchConfig ranks and copies must be >= 1, got {field}={getattr(self, field)}")
+
+    def shape_for(self, is_head: bool) -> tuple[int, int, int]:
+        """(r_out, r_in, k) of a block: the head triple for the LM head, the body triple otherwise."""
+        if is_head:
+            return self.head_rank_out, self.head_rank_in, self.head_copies
+        return self.rank_out, self.rank_in, self.copies
 
 
 @dataclass
@@ -138,22 +157,24 @@ class _Block:
     kind: str  # "linear" | "embedding" | "norm"
     rows: int  # output rows of the parameter matrix (norm: 1)
     cols: int  # input columns (+1 for a Linear bias; norm: total 1-D parameter size)
+    is_head: bool = False
     offset: int = 0
     size: int = 0
-    p_out: torch.Tensor | None = None  # [r_out, rows] (linear/embedding) or [r, cols] (norm)
-    p_in: torch.Tensor | None = None  # [r_in, cols]
+    shape: tuple = (1, 1, 1)  # (r_out, r_in, k)
+    p_out: torch.Tensor | None = None  # [k * r_out, rows] (linear/embedding) or [size, cols] (norm)
+    p_in: torch.Tensor | None = None  # [k * r_in, cols]
 
 
 def _normalise_name(name: str) -> str:
     return _WRAPPER_PREFIXES.sub("", name)
 
 
-def _projection(seed: int, key: str, rows: int, cols: int) -> torch.Tensor:
-    """i.i.d. N(0, 1/rows) matrix [rows, cols] float32 from (seed, key); identical on every machine."""
+def _projection(seed: int, key: str, rows: int, cols: int, variance: float) -> torch.Tensor:
+    """i.i.d. N(0, variance) matrix [rows, cols] float32 from (seed, key); identical on every machine."""
     digest = hashlib.sha256(f"setgrpo-sketch/{seed}/{key}".encode()).digest()
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    return torch.randn(rows, cols, generator=gen, dtype=torch.float32) / math.sqrt(rows)
+    return torch.randn(rows, cols, generator=gen, dtype=torch.float32) * math.sqrt(variance)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -235,6 +256,8 @@ class GradientSketcher:
         cfg = self.config
         try:
             self._emb_module = self._input_embedding()
+            head_getter = getattr(self.model, "get_output_embeddings", None)
+            head = head_getter() if callable(head_getter) else None
             by_param: dict[int, _Block] = {}
             hooked: list[tuple[nn.Module, _Block, str]] = []
             for raw_name, module in self.model.named_modules():
@@ -243,7 +266,7 @@ class GradientSketcher:
                     block = by_param.get(id(module.weight))
                     if block is None:
                         cols = module.in_features + (1 if module.bias is not None else 0)
-                        block = _Block(name or "<root>", "linear", module.out_features, cols)
+                        block = _Block(name or "<root>", "linear", module.out_features, cols, is_head=module is head)
                         by_param[id(module.weight)] = block
                         self.blocks.append(block)
                     hooked.append((module, block, "linear"))
@@ -302,12 +325,14 @@ class GradientSketcher:
             if cfg.identity:
                 b.size = b.rows * b.cols
             elif b.kind == "norm":
-                b.size = cfg.rank_out * cfg.rank_in
-                b.p_out = _projection(cfg.seed, b.name + ":norm", b.size, b.cols)
+                r_out, r_in, k = cfg.shape_for(False)
+                b.size = r_out * r_in * k
+                b.p_out = _projection(cfg.seed, b.name + ":norm", b.size, b.cols, 1.0 / b.size)
             else:
-                b.size = cfg.rank_out * cfg.rank_in
-                b.p_out = _projection(cfg.seed, b.name + ":out", cfg.rank_out, b.rows)
-                b.p_in = _projection(cfg.seed, b.name + ":in", cfg.rank_in, b.cols)
+                r_out, r_in, k = b.shape = cfg.shape_for(b.is_head)
+                b.size = r_out * r_in * k
+                b.p_out = _projection(cfg.seed, b.name + ":out", k * r_out, b.rows, 1.0 / (k * r_out))
+                b.p_in = _projection(cfg.seed, b.name + ":in", k * r_in, b.cols, 1.0 / r_in)
             b.offset = offset
             offset += b.size
 
@@ -421,17 +446,17 @@ class GradientSketcher:
         return flat
 
     def _accumulate(self, block: _Block, a: torch.Tensor, b: torch.Tensor) -> None:
-        """out[s, block] += sum_{t in s} a_t b_t^T  for a [N, p], b [N, q]."""
-        n, p = a.shape
-        weighted = (self._onehot[:, :, None] * a[:, None, :]).reshape(n, -1)  # [N, S*p]
-        contrib = weighted.transpose(0, 1) @ b  # [S*p, q]
-        self._out[:, block.offset : block.offset + block.size] += contrib.reshape(self._num_segments, -1)
+        """out[s, block] += sum_{t in s} a_t (x) b_t, per copy: a [N, k*r_out], b [N, k*r_in]."""
+        n = a.shape[0]
+        k = 1 if block.p_in is None else block.shape[2]
+        outer = (a.reshape(n, k, -1, 1) * b.reshape(n, k, 1, -1)).reshape(n, -1)  # [N, size]
+        self._out[:, block.offset : block.offset + block.size] += self._onehot.T @ outer
 
     def _project_in(self, block: _Block, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
         x = x.float()
         if block.p_in is None:  # identity
             return torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if with_bias else x
-        p_in = block.p_in.to(x.device)
+        p_in = block.p_in = block.p_in.to(x.device)
         y = x @ p_in[:, : x.shape[1]].T
         if with_bias:
             y = y + p_in[:, x.shape[1]]
@@ -457,7 +482,11 @@ class GradientSketcher:
             return None
         del self._pending[key]
         d = self._rows(grad.detach(), block.name).float()
-        a = d if block.p_out is None else d @ block.p_out.to(d.device).T
+        if block.p_out is None:
+            a = d
+        else:
+            block.p_out = block.p_out.to(d.device)
+            a = d @ block.p_out.T
         self._accumulate(block, a, b)
         return None
 

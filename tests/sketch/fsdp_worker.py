@@ -47,7 +47,7 @@ def main(out_dir: str) -> int:
         reference = copy.deepcopy(model)
         ids, am, rm = verl_batch(bsz=2 * world)
         mine = slice(2 * rank, 2 * rank + 2)
-        cfg = SketchConfig(rank_out=4, rank_in=4, seed=7, include_embeddings=True)
+        cfg = SketchConfig(rank_out=2, rank_in=2, copies=4, seed=7, include_embeddings=True)
         ref = compute_sketches(reference, ids[mine], am[mine], rm[mine], cfg)
         ref_full = compute_sketches(reference, ids, am, rm, cfg)
 

@@ -59,7 +59,7 @@ def test_sketch_gram_is_unbiased():
     """Mean over seeds of S S^T converges to the exact Gram G G^T (z-scores within Monte-Carlo error)."""
     model = tiny_llama(hidden=16, layers=1, vocab=48)
     ids, am, rm = verl_batch(bsz=3, vocab=48)
-    cfg = dict(rank_out=3, rank_in=3)
+    cfg = dict(rank_out=2, rank_in=3, copies=2, head_rank_out=2, head_rank_in=2, head_copies=3)
     names = compute_sketches(model, ids, am, rm, SketchConfig(**cfg)).block_names
     exact = exact_gradients(model, ids, am, rm, names)
     gram = exact @ exact.T
@@ -82,14 +82,15 @@ def test_sketch_gram_is_unbiased():
 def test_cosine_error_shrinks_with_sketch_size():
     model = tiny_llama(hidden=64, layers=2, vocab=128)
     ids, am, rm = verl_batch(vocab=128)
-    names = compute_sketches(model, ids, am, rm, SketchConfig(rank_out=1, rank_in=1)).block_names
+    names = compute_sketches(model, ids, am, rm, SketchConfig(identity=True)).block_names
     exact = exact_gradients(model, ids, am, rm, names)
     cos_exact = cosine(exact @ exact.T)
     errors = {}
-    for rank in (1, 4, 16):
+    for rank in (1, 4, 16):  # Kronecker ranks and copies grow together: 1 -> 64 -> 1024 floats per block
         errs = []
         for seed in range(6):
-            s = compute_sketches(model, ids, am, rm, SketchConfig(rank_out=rank, rank_in=rank, seed=seed)).sketches
+            cfg = SketchConfig(rank_out=rank // 2 or 1, rank_in=rank // 2 or 1, copies=rank, head_copies=rank, seed=seed)
+            s = compute_sketches(model, ids, am, rm, cfg).sketches
             s = s.double()
             errs.append((cosine(s @ s.T) - cos_exact).abs().max().item())
         errors[rank] = sum(errs) / len(errs)
@@ -100,7 +101,7 @@ def test_cosine_error_shrinks_with_sketch_size():
 def test_padded_packed_and_micro_batch_sizes_agree():
     model = tiny_llama().float()
     ids, am, rm = verl_batch(bsz=4)
-    cfg = SketchConfig(rank_out=4, rank_in=4, include_norms=True, include_embeddings=True)
+    cfg = SketchConfig(rank_out=2, rank_in=3, copies=4, include_norms=True, include_embeddings=True)
     ref = compute_sketches(model, ids, am, rm, cfg, micro_batch_size=4)
     for packed in (False, True):
         for mbs in (1, 3, 4):
@@ -118,19 +119,24 @@ def test_projections_reproducible_seeded_and_small():
     c = compute_sketches(model, ids, am, rm, SketchConfig(seed=4)).sketches
     assert torch.equal(a, b)
     assert not torch.allclose(a, c)
-    with GradientSketcher(model, SketchConfig(rank_out=3, rank_in=5)) as sk:
+    cfg = SketchConfig(rank_out=3, rank_in=5, copies=2, head_rank_out=2, head_rank_in=4, head_copies=6)
+    with GradientSketcher(model, cfg) as sk:
         head = next(blk for blk in sk.blocks if blk.name == "lm_head")
-        assert head.p_out.shape == (3, model.config.vocab_size)
-        assert head.p_in.shape == (5, model.config.hidden_size)
-        assert sk.dim == 15 * len(sk.blocks)
+        assert head.is_head and head.p_out.shape == (12, model.config.vocab_size)
+        assert head.p_in.shape == (24, model.config.hidden_size)
+        body = next(blk for blk in sk.blocks if blk.name.endswith("layers.0.mlp.down_proj"))
+        assert body.p_out.shape == (6, model.config.hidden_size)
+        assert body.p_in.shape == (10, model.config.intermediate_size)
+        assert sk.dim == 30 * (len(sk.blocks) - 1) + 48
 
 
 def test_default_size_is_documented_and_bounded():
     cfg = SketchConfig()
-    assert (cfg.rank_out, cfg.rank_in) == (8, 8)
+    assert (cfg.rank_out, cfg.rank_in, cfg.copies) == (1, 1, 64)
+    assert (cfg.head_rank_out, cfg.head_rank_in, cfg.head_copies) == (1, 8, 256)
     assert not cfg.include_embeddings and not cfg.include_norms and not cfg.identity
     # SmolLM2-135M: 30 layers x 7 Linear + LM head
-    assert (30 * 7 + 1) * cfg.rank_out * cfg.rank_in < 50_000
+    assert 30 * 7 * 64 + 2048 == 15_488 < 50_000
 
 
 def test_non_reentrant_checkpointing_and_frozen_parameters():
@@ -215,7 +221,7 @@ def test_error_response_mask_mismatch():
         compute_sketches(model, ids, am, rm, loss_agg_mode="token_mean")
     with pytest.raises(ValueError, match="micro_batch_size"):
         compute_sketches(model, ids, am, rm, micro_batch_size=0)
-    with pytest.raises(ValueError, match="ranks must be >= 1"):
+    with pytest.raises(ValueError, match="ranks and copies must be >= 1"):
         SketchConfig(rank_out=0)
 
 
