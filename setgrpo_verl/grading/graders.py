@@ -122,7 +122,8 @@ class FunctionGrader:
     It returns a float score, or a dict with ``"score"`` and optionally ``"verdicts"`` (a list of ``True`` /
     ``False`` / ``None`` or of ``"met"``/``"unmet"``/``"unparsed"`` strings). ``ground_truth`` is the item's
     ``ground_truth`` if set, else its rubric as a RubricHub dict. The seed passed is
-    ``verdict_seed(seed, scoring_index, question, response, -1, "")``.
+    ``verdict_seed(seed, scoring_index, question, response, -1, "")`` (question = the item's prompt, else its
+    rubric's question, else ``""``).
 
     Args:
         path: Python file defining the function (loaded with verl's ``load_extern_object``), or ``None`` with
@@ -160,7 +161,8 @@ class FunctionGrader:
                 "template_hash": self._source_hash}
 
     async def _one(self, item: GradingItem, scoring_index: int) -> GradeResult:
-        seed = verdict_seed(self.seed, scoring_index, item.question, item.response, -1, "")
+        question = item.prompt if item.prompt is not None else (item.rubric.question if item.rubric else "")
+        seed = verdict_seed(self.seed, scoring_index, question, item.response, -1, "")
         ground_truth = item.ground_truth if item.ground_truth is not None else (
             item.rubric.to_row() if item.rubric is not None else None)
         kwargs = dict(data_source=item.data_source, solution_str=item.response, ground_truth=ground_truth,

@@ -60,12 +60,14 @@ JUDGE_SYSTEM_PROMPT = (
     "You are a strict grader. You decide whether a response meets one rubric criterion. "
     "Reply with exactly one word: yes or no."
 )
+# The criterion comes last so that everything before it is shared by all criteria of a response (local judge:
+# computed once per response; HTTP servers with prefix caching profit the same way).
 JUDGE_USER_TEMPLATE = (
     "Question:\n{question}\n\nResponse:\n{response}\n\n"
-    "Criterion: {criterion}\nDoes the response meet the criterion? Answer yes or no."
+    "Does the response meet this criterion? Answer yes or no.\nCriterion: {criterion}"
 )
 _RESPONSE_SPLIT = "\n\nResponse:\n"
-_CRITERION_SPLIT = "\n\nCriterion: "
+_CRITERION_SPLIT = "\nCriterion: "
 
 _VERDICT_RE = re.compile(r"^\s*(yes|no)\s*\.?\s*$", re.IGNORECASE)
 
@@ -420,7 +422,7 @@ class LocalHFJudge:
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return (layers, mask, base + seg_len), out.last_hidden_state, seg_len
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _margins(self, requests: list[JudgeRequest]) -> list[float]:
         """``LSE(l_yes / T) - LSE(l_no / T)`` per request (log-odds of yes at the judge temperature; T = 0 uses 1).
 
