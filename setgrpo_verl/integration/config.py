@@ -12,11 +12,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hydra.experimental.callback import Callback
+
 from verl.base_config import BaseConfig
 from verl.trainer.config.algorithm import AlgoConfig
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
 SETGRPO_NAME = "setgrpo"
+
+#: The override that switches verl's v1 trainer to the SetGRPO trainer mode.
+TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 
 #: Ablations of SETGRPO.md section 6 (``None`` is the full method).
 ABLATIONS = ("spherical_set", "identity_geometry", "safe_anchor_only", "fixed_threshold", "random_discard")
@@ -161,3 +166,53 @@ def setgrpo_config_from(algorithm_config: Any) -> SetGRPOConfig:
         if isinstance(exc, ValueError) and str(exc).startswith("algorithm.setgrpo"):
             raise
         raise ValueError(f"invalid algorithm.setgrpo block: {exc}") from exc
+
+
+def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
+    """Fail fast on a run config that mixes SetGRPO and verl settings inconsistently.
+
+    Args:
+        config: the composed verl config (``main_ppo``'s).
+
+    Returns:
+        The validated :class:`SetGRPOConfig` when the run uses SetGRPO, else None.
+
+    Raises:
+        ValueError: ``algorithm.adv_estimator=setgrpo`` without ``trainer.v1.trainer_mode=setgrpo`` (the message
+            names the missing override) or the reverse, ``actor_rollout_ref.rollout.n < 2``, or an invalid
+            ``algorithm.setgrpo`` block.
+    """
+    estimator = config.algorithm.adv_estimator
+    trainer_mode = config.trainer.v1.trainer_mode
+    if estimator == SETGRPO_NAME and trainer_mode != SETGRPO_NAME:
+        raise ValueError(
+            f"algorithm.adv_estimator={SETGRPO_NAME} needs the per-response gradient sketches that only the SetGRPO "
+            f"trainer mode computes, but trainer.v1.trainer_mode={trainer_mode}: add the override "
+            f"`{TRAINER_MODE_OVERRIDE}` (or use algorithm.adv_estimator=grpo for plain GRPO)"
+        )
+    if trainer_mode != SETGRPO_NAME:
+        return None
+    if estimator != SETGRPO_NAME:
+        raise ValueError(
+            f"{TRAINER_MODE_OVERRIDE} computes SetGRPO advantages: set algorithm.adv_estimator={SETGRPO_NAME} "
+            f"(got {estimator!r})"
+        )
+    if config.actor_rollout_ref.rollout.n < 2:
+        raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
+    return setgrpo_config_from(config.algorithm)
+
+
+class SetGRPOConfigCheck(Callback):
+    """Hydra callback (``hydra.callbacks.setgrpo_check`` in ``setgrpo_trainer.yaml``): runs
+    :func:`check_run_config` when ``main_ppo`` starts, before Ray and the workers are launched.
+
+    Raises:
+        SystemExit: with the :func:`check_run_config` message (Hydra 1.3 turns ordinary exceptions raised by
+            callbacks into warnings, so a plain ValueError would not stop the run).
+    """
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        try:
+            check_run_config(config)
+        except ValueError as exc:
+            raise SystemExit(f"setgrpo_verl config error: {exc}") from exc

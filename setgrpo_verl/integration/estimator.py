@@ -23,11 +23,9 @@ from verl.trainer.ppo.core_algos import register_adv_est
 
 from setgrpo_verl.core import CalibrationRecord, setgrpo_coefficients
 
-from .config import SETGRPO_NAME
+from .config import SETGRPO_NAME, TRAINER_MODE_OVERRIDE
 
 logger = logging.getLogger(__name__)
-
-TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 _MISSING_CONTEXT = (
     f"algorithm.adv_estimator={SETGRPO_NAME} needs the per-response gradient sketches that only the SetGRPO "
     f"trainer mode computes. Add the override `{TRAINER_MODE_OVERRIDE}` (and compose the run on "

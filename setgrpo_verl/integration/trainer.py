@@ -52,7 +52,7 @@ from verl.workers.utils.padding import response_to_nested
 from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor, calibrate
 from setgrpo_verl.sketch import SketchConfig
 
-from .config import SETGRPO_NAME, SetGRPOConfig, setgrpo_config_from
+from .config import SETGRPO_NAME, SetGRPOConfig, check_run_config
 from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
 from .reward_manager import REWARD_MANAGER_NAME, grader_identity
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
@@ -200,14 +200,7 @@ class SetGRPOTrainer(PPOTrainerSync):
             raise ValueError(f"SetGRPOTrainer needs trainer.v1.trainer_mode={SETGRPO_NAME}, got {value!r}")
 
     def __init__(self, config):
-        if config.algorithm.adv_estimator != SETGRPO_NAME:
-            raise ValueError(
-                f"trainer.v1.trainer_mode={SETGRPO_NAME} computes SetGRPO advantages: set "
-                f"algorithm.adv_estimator={SETGRPO_NAME} (got {config.algorithm.adv_estimator!r})"
-            )
-        if config.actor_rollout_ref.rollout.n < 2:
-            raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
-        self.setgrpo: SetGRPOConfig = setgrpo_config_from(config.algorithm)
+        self.setgrpo: SetGRPOConfig = check_run_config(config)
         self.sketch_config = _sketch_config(self.setgrpo)
         self.record: Optional[CalibrationRecord] = None
         self.monitor: Optional[OnlineRiskMonitor] = None

@@ -191,3 +191,21 @@ def test_prepare_rubrichub_writes_disjoint_verl_splits(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "recipes" / "prepare_rubrichub.sh")], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0 and "lower CALIB_SIZE" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [("trainer.v1.trainer_mode=sync", "add the override `trainer.v1.trainer_mode=setgrpo`"),
+     ("algorithm.adv_estimator=grpo", "set algorithm.adv_estimator=setgrpo"),
+     ("algorithm.setgrpo.alpha=2", r"algorithm.setgrpo.alpha=2.0 must lie")],
+)
+def test_main_ppo_stops_before_ray_on_inconsistent_setgrpo_settings(override, message):
+    """The Hydra callback of setgrpo_trainer.yaml runs before main_ppo's task (validate_config, Ray)."""
+    old = sys.argv
+    sys.argv = ["main_ppo", "--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer", override]
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main_ppo.main()
+    finally:
+        sys.argv = old
+    assert isinstance(exc.value.code, str) and message in exc.value.code, exc.value.code
