@@ -244,6 +244,14 @@ class SetGRPOTrainer(PPOTrainerSync):
             ablation=cfg.ablation,
         )
 
+    def _log_record(self, record: CalibrationRecord, **extra: float) -> None:
+        """The record's Table 4 columns as ``setgrpo/calibration/*`` metrics in verl's tracker."""
+        table4 = {"n_cov": record.n_cov, "n_risk": record.n_risk, "q_alpha": record.q_alpha, "tau_sel": record.tau_sel,
+                  "N": record.N, "F": record.F, "ecr": record.ecr, "U": record.U, **extra}
+        summary = {f"setgrpo/calibration/{k}": float(v) for k, v in table4.items() if v is not None}
+        if getattr(self, "logger", None) is not None:
+            self.logger.log(data=summary, step=self.global_steps)
+
     def _record_out(self) -> str:
         if self.setgrpo.record_out:
             return os.path.expanduser(self.setgrpo.record_out)
@@ -263,6 +271,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         if record_path:
             self.record = CalibrationRecord.from_json(os.path.expanduser(record_path))
             self._check_record(self.record)
+            self._log_record(self.record)
             logger.warning("SetGRPO: loaded calibration record %s: %s", record_path, self.record.table4_row())
         else:
             if os.path.exists(out):
@@ -352,11 +361,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         out = self._record_out()
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         record.to_json(out)
-        table4 = {"n_cov": record.n_cov, "n_risk": record.n_risk, "q_alpha": record.q_alpha, "tau_sel": record.tau_sel,
-                  "N": record.N, "F": record.F, "ecr": record.ecr, "U": record.U}  # the paper's Table 4 columns
-        summary = {f"setgrpo/calibration/{k}": float(v) for k, v in table4.items() if v is not None}
-        summary["setgrpo/calibration/timing_s"] = time.perf_counter() - t0
-        self.logger.log(data=summary, step=self.global_steps)
+        self._log_record(record, timing_s=time.perf_counter() - t0)
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
         # the first training step wakes the replicas through the regular path
         self.checkpoint_manager.update_weights(self.global_steps)

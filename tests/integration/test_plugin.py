@@ -84,7 +84,6 @@ def test_trainer_mode_looks_like_sync_to_verl_and_uses_the_sketch_worker():
     actor = trainer.role_worker_mapping[Role.ActorRollout]
     assert isinstance(actor, ray.actor.ActorClass)
     assert actor.__ray_metadata__.modified_class.__mro__[1] is SetGRPOActorRolloutRefWorker
-    assert SimpleNamespace  # keep import list honest
 
 
 def _record_trainer(tmp_path, **setgrpo):
@@ -118,8 +117,11 @@ def test_trainer_loads_validates_and_never_overwrites_records(tmp_path):
     _record(metadata=identity).to_json(path)
 
     trainer = _record_trainer(tmp_path, record_path=str(path))
+    logged = []
+    trainer.logger = SimpleNamespace(log=lambda data, step: logged.append((data, step)))
     trainer.on_train_begin()
     assert trainer.record.K == 4 and trainer.monitor is not None
+    assert logged[0][0]["setgrpo/calibration/q_alpha"] == trainer.record.q_alpha and logged[0][1] == 1
 
     trainer = _record_trainer(tmp_path, record_path=str(path))
     trainer.config.actor_rollout_ref.rollout.n = 8
