@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import traceback
 
 logger = logging.getLogger("setgrpo_verl.plugin")
@@ -43,6 +44,16 @@ def _load(module: str) -> Exception | None:
         logger.error(message + "\n" + traceback.format_exc())
         return exc
 
+
+#: The verl release this integration is built and tested against (the trainer mode overrides its v1 internals).
+VERL_VERSION = "0.9.1"
+
+_verl = sys.modules.get("verl")
+if _verl is not None and getattr(_verl, "__version__", VERL_VERSION) != VERL_VERSION:
+    logger.warning(
+        "setgrpo_verl is built against verl %s but verl %s is installed: install verl[verl-core]==%s",
+        VERL_VERSION, _verl.__version__, VERL_VERSION,
+    )
 
 # Load every module even if one fails (a broken reward manager must not hide the estimator), then fail.
 _failures = {m: e for m in PLUGIN_MODULES if (e := _load(m)) is not None}
