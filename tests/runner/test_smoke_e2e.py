@@ -102,7 +102,7 @@ def test_all_rejected_step_leaves_the_policy_bit_identical(smoke_run, tmp_path):
     reject_all.to_json(tmp_path / "reject_all.json")
     run2 = tmp_path / "run2"
     _cli("train", "--profile", "smoke", "--run-dir", str(run2), "--record", str(tmp_path / "reject_all.json"),
-         "--steps", "1")
+         "--steps", "1", "--groups-per-step", "1")
     (metrics,) = [json.loads(x) for x in (run2 / "train_setgrpo" / "metrics.jsonl").read_text().splitlines()]
     assert metrics["setgrpo/accepted_ratio"] == 0.0 and metrics["actor/update_skipped"] == 1.0
     assert math.isfinite(metrics["actor/entropy"])
