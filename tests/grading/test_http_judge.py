@@ -29,7 +29,7 @@ def server(smollm2_judge):
 
 
 def _judge(server, **kw):
-    kw.setdefault("timeout", 20.0)
+    kw.setdefault("timeout", 120.0)  # generous: the SmolLM2 forward behind the server may run on a loaded CPU
     return OpenAIJudge(server.base_url, "smollm2-135m-judge", **kw)
 
 
@@ -100,6 +100,7 @@ def test_slow_request_hits_timeout_and_nothing_hangs(server):
 @pytest.mark.parametrize("code", [429, 500])
 def test_injected_errors_are_retried(server, code):
     crit = f"[[{code}x2]] The response names a colour."
+    server.judge.p_yes([JudgeRequest(Q, R, crit)])  # warm the server's P(yes) cache: attempts are then instant
 
     async def body():
         judge = _judge(server, max_retries=3)
@@ -129,6 +130,7 @@ def test_errors_beyond_retries_raise(server):
 
 
 def test_unparseable_answer_is_explicit(server):
+    server.judge.p_yes([JudgeRequest(Q, R, "[[garbage-once]] The response is short.")])  # warm the cache
     rubric = Rubric.from_row({"question": Q, "id": "u", "rubrics": [
         {"criterion": "[[garbage]] The response names a colour.", "points": 2},
         {"criterion": "[[garbage-once]] The response is short.", "points": 1}]})
