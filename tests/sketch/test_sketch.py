@@ -132,11 +132,11 @@ def test_projections_reproducible_seeded_and_small():
 
 def test_default_size_is_documented_and_bounded():
     cfg = SketchConfig()
-    assert (cfg.rank_out, cfg.rank_in, cfg.copies) == (1, 1, 64)
+    assert (cfg.rank_out, cfg.rank_in, cfg.copies) == (1, 2, 64)
     assert (cfg.head_rank_out, cfg.head_rank_in, cfg.head_copies) == (1, 8, 256)
     assert not cfg.include_embeddings and not cfg.include_norms and not cfg.identity
     # SmolLM2-135M: 30 layers x 7 Linear + LM head
-    assert 30 * 7 * 64 + 2048 == 15_488 < 50_000
+    assert 30 * 7 * 128 + 2048 == 28_928 < 50_000
 
 
 def test_non_reentrant_checkpointing_and_frozen_parameters():
