@@ -97,8 +97,8 @@ class RunConfig:
     sketch_seed: int = 0
     # calibration (SETGRPO.md sections 2, 4)
     calib_groups: int = 48
-    alpha: float = 0.2
-    beta: float = 0.5
+    alpha: float = 0.5
+    beta: float = 0.65
     delta: float = 0.2
     rho: float = 0.1
     split_seed: int = 0
