@@ -37,6 +37,7 @@ per-sequence restarting ``position_ids`` as in ``FSDPEngineWithLMHead.prepare_mo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -175,8 +176,11 @@ def _normalise_name(name: str) -> str:
     return _WRAPPER_PREFIXES.sub("", name)
 
 
+@functools.lru_cache(maxsize=4096)
 def _projection(seed: int, key: str, rows: int, cols: int, variance: float) -> torch.Tensor:
-    """i.i.d. N(0, variance) matrix [rows, cols] float32 from (seed, key); identical on every machine."""
+    """i.i.d. N(0, variance) matrix [rows, cols] float32 from (seed, key); identical on every machine.
+
+    Cached per process (read-only use), so repeated sketch passes do not regenerate them."""
     digest = hashlib.sha256(f"setgrpo-sketch/{seed}/{key}".encode()).digest()
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
@@ -451,12 +455,13 @@ class GradientSketcher:
             )
         return flat
 
-    def _accumulate(self, block: _Block, a: torch.Tensor, b: torch.Tensor) -> None:
-        """out[s, block] += sum_{t in s} a_t (x) b_t, per copy: a [N, k*r_out], b [N, k*r_in]."""
+    def _accumulate(self, block: _Block, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """out[s, block] += sum_{t in s} a_t (x) b_t, per copy: a [n, k*r_out], b [n, k*r_in] (token subset rows)."""
         n = a.shape[0]
         k = 1 if block.p_in is None else block.shape[2]
-        outer = (a.reshape(n, k, -1, 1) * b.reshape(n, k, 1, -1)).reshape(n, -1)  # [N, size]
-        self._out[:, block.offset : block.offset + block.size] += self._onehot.T @ outer
+        outer = (a.reshape(n, k, -1, 1) * b.reshape(n, k, 1, -1)).reshape(n, -1)  # [n, size]
+        onehot = self._onehot if rows is None else self._onehot[rows]
+        self._out[:, block.offset : block.offset + block.size] += onehot.T @ outer
 
     def _project_in(self, block: _Block, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
         x = x.float()
@@ -488,12 +493,17 @@ class GradientSketcher:
             return None
         del self._pending[key]
         d = self._rows(grad.detach(), block.name).float()
+        rows = None
+        if block.is_head and block.p_out is not None:
+            # logits get a gradient only at loss positions: project those rows only (the costliest projection)
+            rows = d.ne(0).any(-1).nonzero().squeeze(1)
+            d, b = d[rows], b[rows]
         if block.p_out is None:
             a = d
         else:
             block.p_out = block.p_out.to(d.device)
             a = d @ block.p_out.T
-        self._accumulate(block, a, b)
+        self._accumulate(block, a, b, rows)
         return None
 
     def _embedding_forward(self, module, args, output):
