@@ -180,6 +180,9 @@ def plot_training_dynamics(runs: dict[str, list[dict]], path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("training step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        all_steps = [r.get("training/global_step") for rows in runs.values() for r in rows]
+        if all_steps:
+            ax.set_xlim(min(all_steps) - 0.25, max(all_steps) + 0.25)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
