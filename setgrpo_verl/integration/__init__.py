@@ -8,5 +8,9 @@
 * :mod:`.reward_manager` -- the dual-reward manager ``setgrpo_dual``.
 * :mod:`.config` -- typed ``algorithm.setgrpo`` config (``hydra_configs/setgrpo_trainer.yaml``).
 
-Nothing is imported here: importing a submodule pulls in verl.
+``import verl`` comes first so that verl's own initialisation (which loads this package's plugin, i.e.
+imports the submodules above) completes before any submodule body runs; importing e.g.
+``setgrpo_verl.integration.estimator`` before verl would otherwise re-enter it half-initialised.
 """
+
+import verl  # noqa: F401  (import order: see above)

@@ -45,6 +45,15 @@ def test_fresh_import_verl_registers_estimator_trainer_and_reward_manager():
 
 
 @pytest.mark.slow
+def test_importing_a_submodule_before_verl_loads_the_plugin_cleanly():
+    # the package imports verl first, so verl's plugin loading never meets a half-initialised submodule
+    proc = _run("from setgrpo_verl.integration.estimator import setgrpo_step\n" + _PROBE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FAILED" not in proc.stderr and "circular import" not in proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["trainer"] == "setgrpo_verl.integration.trainer"
+
+
+@pytest.mark.slow
 def test_broken_plugin_is_reported_loudly():
     # make the core library unimportable: verl swallows the plugin's exception, our plugin must still shout
     proc = _run("import sys; sys.modules['setgrpo_verl.core'] = None\n" + _PROBE)
