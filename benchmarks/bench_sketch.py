@@ -7,9 +7,9 @@ not change the timing) this prints the median time of
 * ``sketch``: :func:`setgrpo_verl.sketch.compute_sketches` with the default :class:`SketchConfig` (one forward,
   one activation-only backward, the sketch hooks),
 
-their ratio (target <= 0.9) and the peak memory of each (target: sketch overhead <= 10%).  Each mode runs in its
-own subprocess so that peak memory (CUDA: ``max_memory_allocated``; CPU: peak RSS above the loaded model) is
-measured separately.  Run: ``python benchmarks/bench_sketch.py [--batch 8 --prompt 64 --response 64 --repeats 3]``.
+their ratio (target <= 0.9) and the peak memory of each (target: sketch overhead <= 10%).  Times: both passes
+alternate in one subprocess (medians), so load from other processes hits both alike; peak memory: each pass in
+its own subprocess (CUDA: ``max_memory_allocated``; CPU: peak RSS above the loaded model).  Run: ``python benchmarks/bench_sketch.py [--batch 8 --prompt 64 --response 64 --repeats 3]``.
 """
 
 from __future__ import annotations
@@ -74,6 +74,18 @@ def _child(args) -> dict:
     def sketch():
         compute_sketches(model, ids, am, rm, SketchConfig())
 
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if args.mode == "time":  # both passes alternating in one process: shared-machine noise hits both alike
+        plain(), sketch()
+        times = {"plain": [], "sketch": []}
+        for _ in range(args.repeats):
+            for name, f in (("plain", plain), ("sketch", sketch)):
+                sync()
+                t0 = time.perf_counter()
+                f()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+        return {k: statistics.median(v) for k, v in times.items()} | {"times": times}
     fn = plain if args.mode == "plain" else sketch
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     base_rss = _rss_mb()
@@ -105,14 +117,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--random-init", action="store_true", help="random SmolLM2-135M (no embedded model needed)")
-    ap.add_argument("--mode", choices=["plain", "sketch"], help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=["plain", "sketch", "time"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.mode:
         print(json.dumps(_child(args)))
         return 0
     results = {}
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
-    for mode in ("plain", "sketch"):
+    for mode in ("time", "plain", "sketch"):
         proc = subprocess.run(
             [sys.executable, __file__, *passthrough, "--mode", mode], capture_output=True, text=True, check=False
         )
@@ -120,7 +132,8 @@ def main(argv=None) -> int:
             print(proc.stderr[-3000:], file=sys.stderr)
             return proc.returncode
         results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    p, s = results["plain"], results["sketch"]
+    p, s, t = results["plain"], results["sketch"], results["time"]
+    p["time_s"], s["time_s"] = t["plain"], t["sketch"]
     tokens = args.batch * (args.prompt + args.response)
     print(f"device={args.device} threads={args.threads} batch={args.batch}x{args.prompt + args.response} tokens={tokens}")
     print(f"plain forward+backward (param grads): {p['time_s']:.3f} s   peak {p['peak_mb']:.0f} MB")
