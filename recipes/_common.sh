@@ -94,15 +94,19 @@ run_recipe() {
     config_dir=$("$PYTHON" -c 'import os, setgrpo_verl; print(os.path.join(os.path.dirname(setgrpo_verl.__file__), "hydra_configs"))')
     local -a args
     mapfile -t args < <(_table3_args)
+    # shared by the calibrate and train runs: estimator, trainer mode, the paper's levels, sketch budget
+    local -a setgrpo_args=(
+        algorithm.adv_estimator=setgrpo
+        trainer.v1.trainer_mode=setgrpo
+        algorithm.setgrpo.alpha=0.05 algorithm.setgrpo.beta=0.08 algorithm.setgrpo.delta=0.05
+        algorithm.setgrpo.sketch.max_token_len_per_gpu="$SKETCH_TOKENS_PER_GPU"
+    )
     case "$mode" in
         calibrate)
             # roll out the calibration prompts with the initial policy, score twice, sketch, write the record, stop
             exec "$PYTHON" -m verl.trainer.main_ppo --config-path "$config_dir" --config-name setgrpo_trainer \
                 "${args[@]}" \
-                algorithm.adv_estimator=setgrpo \
-                trainer.v1.trainer_mode=setgrpo \
-                algorithm.setgrpo.alpha=0.05 algorithm.setgrpo.beta=0.08 algorithm.setgrpo.delta=0.05 \
-                algorithm.setgrpo.sketch.max_token_len_per_gpu="$SKETCH_TOKENS_PER_GPU" \
+                "${setgrpo_args[@]}" \
                 algorithm.setgrpo.calibration.files="$DATA_DIR/calib.parquet" \
                 algorithm.setgrpo.calibration.num_prompts=4096 \
                 algorithm.setgrpo.calibration.only=true \
@@ -115,10 +119,7 @@ run_recipe() {
             # SetGRPO training with the frozen record written by the calibrate run
             exec "$PYTHON" -m verl.trainer.main_ppo --config-path "$config_dir" --config-name setgrpo_trainer \
                 "${args[@]}" \
-                algorithm.adv_estimator=setgrpo \
-                trainer.v1.trainer_mode=setgrpo \
-                algorithm.setgrpo.alpha=0.05 algorithm.setgrpo.beta=0.08 algorithm.setgrpo.delta=0.05 \
-                algorithm.setgrpo.sketch.max_token_len_per_gpu="$SKETCH_TOKENS_PER_GPU" \
+                "${setgrpo_args[@]}" \
                 algorithm.setgrpo.record_path="$record" \
                 trainer.experiment_name="$experiment" \
                 trainer.default_local_dir="$RUN_ROOT/$experiment" \
