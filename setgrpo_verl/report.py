@@ -1,8 +1,8 @@
 """Report of a run directory: the paper's calibration and training figures as PNG files plus a text summary.
 
-``make_report(run_dir)`` reads what :mod:`setgrpo_verl.runner` wrote (``calibration/record.json``,
-``calibration/paired_scores.npz``, ``train_<estimator>/metrics.jsonl`` and ``groups.jsonl``) and writes
-``<run_dir>/report/``:
+``make_report(run_dir)`` reads what the stages of :mod:`setgrpo_verl.launch` wrote (``calibration/record.json``,
+``calibration/paired_scores.npz``, verl's file-logger ``train_<estimator>/metrics.jsonl`` and the trainer's
+``train_setgrpo/groups.jsonl``) and writes ``<run_dir>/report/``:
 
 * ``risk_vs_threshold.png`` (paper Figure 4): empirical conditional risk F_j/N_j and its Clopper-Pearson UCB per
   threshold, beta and tau_sel marked; accepted risk groups N_j and normalised cumulative recovery U_j.
@@ -25,15 +25,87 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_metrics", "make_report"]
+__all__ = ["ReportError", "format_table4", "inspect_record", "load_metrics", "make_report"]
 
 _COLORS = {"setgrpo": "tab:blue", "grpo": "tab:gray"}
 
 
+class ReportError(ValueError):
+    """A run directory or record that cannot be reported on; the message names the fix."""
+
+
 def load_metrics(path: str | os.PathLike) -> list[dict]:
-    """Read a ``metrics.jsonl`` / ``groups.jsonl`` file (one JSON object per line; null = not defined)."""
+    """Rows of a JSONL file: verl's file logger (``{"step": n, "data": {...}}`` per line, flattened to the metrics
+    dict with ``training/global_step``), or plain objects (``groups.jsonl``). Null means "not defined"."""
+    rows = []
     with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        for line in fh:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if set(row) == {"step", "data"} and isinstance(row["data"], dict):
+                row = {"training/global_step": row["step"], **row["data"]}
+            rows.append(row)
+    return rows
+
+
+def _training_rows(path: Path) -> list[dict]:
+    """verl's per-step metric rows of a training stage (the calibration summary line has no step metrics)."""
+    return [r for r in load_metrics(path) if "timing_s/step" in r]
+
+
+def format_table4(record, label: str = "this run") -> str:
+    """The paper's Table 4 row (Cov., Risk, Q_alpha, tau_sel, N, F, ECR, U) of a record, as a fixed-width table."""
+    row = record.table4_row()
+    cells = [label, str(row["Cov."]), str(row["Risk"]), f"{row['Qα']:.3f}",
+             "none" if row["τsel"] is None else f"{row['τsel']:.2f}", str(row["N"]), str(row["F"]),
+             "nan" if math.isnan(row["ECR"]) else f"{row['ECR']:.4f}", f"{row['U']:.3f}"]
+    head = ["Backbone", "Cov.", "Risk", "Qα", "τsel", "N", "F", "ECR", "U"]
+    widths = [max(len(h), len(c)) for h, c in zip(head, cells)]
+    fmt = "  ".join("{:<%d}" % widths[0] if i == 0 else "{:>%d}" % w for i, w in enumerate(widths))
+    return fmt.format(*head) + "\n" + fmt.format(*cells)
+
+
+def _record_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "calibration" / "record.json" if (p / "calibration").is_dir() else p / "record.json"
+    if not p.is_file():
+        raise ReportError(f"{path}: no calibration record there; pass a record.json or a run directory "
+                             "made by `setgrpo-verl calibrate`")
+    return p
+
+
+def inspect_record(path: str | os.PathLike, *, thresholds: bool = False) -> str:
+    """Text view of a frozen record: its Table 4 row, levels and identities (and, optionally, the threshold grid).
+
+    Raises:
+        ReportError: no record at ``path`` or the record does not validate (edited, wrong schema).
+    """
+    from .core import CalibrationRecord
+
+    p = _record_path(path)
+    try:
+        rec = CalibrationRecord.from_json(p)
+    except ValueError as exc:
+        raise ReportError(str(exc)) from None
+    label = str(rec.policy.get("model", "policy")).split(" (")[0]
+    lines = [format_table4(rec, label), "",
+             f"alpha={rec.alpha}  beta={rec.beta}  delta={rec.delta}  rho={rec.rho}  K={rec.K}  "
+             f"norm_by_std={rec.norm_by_std}  loss_agg_mode={rec.loss_agg_mode}  ablation={rec.ablation}",
+             f"UCB at tau_sel={rec.ucb_sel:.4f} (<= beta={rec.beta})  coverage on risk groups="
+             f"{rec.coverage_risk_set:.3f} (target >= {1 - rec.alpha:.2f})  degenerate groups dropped="
+             f"{rec.n_degenerate}",
+             f"grader: {rec.grader}", f"policy: {rec.policy}", f"created {rec.created_at}, file {p}"]
+    if thresholds:
+        lines += ["", f"{'tau':>6} {'N_j':>5} {'F_j':>5} {'UCB_j':>8} {'U_j':>7}"]
+        for t, nj, fj, u, uu in zip(rec.tau_grid, rec.n_accepted, rec.n_reversals, rec.ucb, rec.utility):
+            mark = "  <- tau_sel" if t == rec.tau_sel else ""
+            lines.append(f"{t:6.2f} {nj:5d} {fj:5d} {u:8.4f} {uu:7.3f}{mark}")
+    return "\n".join(lines)
+
+
+
 
 
 def _series(rows: list[dict], key: str) -> np.ndarray:
@@ -253,15 +325,15 @@ def make_report(run_dir: str | os.PathLike) -> str:
     summary text.
 
     Raises:
-        setgrpo_verl.runner.UserInputError: ``run_dir`` has no finished calibration stage.
+        ReportError: ``run_dir`` has no finished calibration stage.
     """
     from .core import CalibrationRecord
-    from .runner import COMPLETE, UserInputError, format_table4
+    from .launch import COMPLETE
 
     run_dir = Path(run_dir)
     calib = run_dir / "calibration"
     if not (calib / COMPLETE).exists():
-        raise UserInputError(f"{run_dir}: no finished calibration stage ({calib}/{COMPLETE} missing); run "
+        raise ReportError(f"{run_dir}: no finished calibration stage ({calib}/{COMPLETE} missing); run "
                              "`setgrpo-verl calibrate --run-dir ...` (or quickstart) first")
     record = CalibrationRecord.from_json(calib / "record.json")
     paired = np.load(calib / "paired_scores.npz")
@@ -271,7 +343,7 @@ def make_report(run_dir: str | os.PathLike) -> str:
     runs = {}
     for name in ("setgrpo", "grpo"):
         stage = run_dir / f"train_{name}"
-        runs[name] = load_metrics(stage / "metrics.jsonl") if (stage / COMPLETE).exists() else []
+        runs[name] = _training_rows(stage / "metrics.jsonl") if (stage / COMPLETE).exists() else []
     train_groups = load_metrics(run_dir / "train_setgrpo" / "groups.jsonl") if runs["setgrpo"] else []
     groups = _calibration_groups(paired["point"], paired["gram"], record) + train_groups
 

@@ -111,8 +111,8 @@ class CalibrationRecord:
         """Refuse to train with a record calibrated for a different run.
 
         Keyword arguments name record fields (``K``, ``norm_by_std``, ``eps``, ``loss_agg_mode``,
-        ``grader``, ``ablation``, ...); each given value must equal the record's. For ``grader``
-        every key present in the record must match.
+        ``grader``, ``sketch``, ``policy``, ``ablation``, ...); each given value must equal the
+        record's. Dict fields are compared key by key, and the first differing key is named.
 
         Raises:
             ValueError: naming the first mismatched field, both values, and the fix.
@@ -121,14 +121,15 @@ class CalibrationRecord:
             if not hasattr(self, name) or name.startswith("_"):
                 raise ValueError(f"calibration record has no field {name!r}")
             mine = getattr(self, name)
-            if name == "grader" and isinstance(value, dict):
+            if isinstance(mine, dict) and isinstance(value, dict):
                 diff = {k: (mine.get(k), value.get(k)) for k in set(mine) | set(value) if mine.get(k) != value.get(k)}
                 if diff:
                     k, (rec, cur) = sorted(diff.items())[0]
+                    why = ("the coverage and risk guarantees hold only for the grader that was calibrated"
+                           if name == "grader" else "the calibration was made under other settings")
                     raise ValueError(
-                        f"calibration record mismatch in grader.{k}: record has {rec!r}, this run has {cur!r}; "
-                        "the coverage and risk guarantees hold only for the grader that was calibrated - recalibrate "
-                        "with this grader or use the grader the record names"
+                        f"calibration record mismatch in {name}.{k}: record has {rec!r}, this run has {cur!r}; {why} - "
+                        f"recalibrate for this run or run with the record's {name}.{k}"
                     )
             elif mine != value:
                 raise ValueError(

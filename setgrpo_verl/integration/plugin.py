@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import traceback
 
@@ -30,15 +31,17 @@ PLUGIN_MODULES = (
 )
 
 
-def _load(module: str) -> Exception | None:
+def _load(module: str, call: str | None = None) -> Exception | None:
     try:
-        importlib.import_module(module)
+        loaded = importlib.import_module(module)
+        if call is not None:
+            getattr(loaded, call)()
         return None
     except Exception as exc:
         message = (
             f"setgrpo_verl verl plugin FAILED to load {module}: {type(exc).__name__}: {exc}. "
-            "What it registers (the setgrpo estimator, the setgrpo_dual reward manager or the setgrpo trainer "
-            "mode) is unavailable in this process. "
+            "What it registers (the setgrpo estimator, the setgrpo_dual reward manager, the setgrpo trainer "
+            "mode or the CPU backend) is unavailable in this process. "
             "(verl itself only logs plugin failures at DEBUG level.)"
         )
         logger.error(message + "\n" + traceback.format_exc())
@@ -54,6 +57,13 @@ if _verl is not None and getattr(_verl, "__version__", VERL_VERSION) != VERL_VER
         "setgrpo_verl is built against verl %s but verl %s is installed: install verl[verl-core]==%s",
         VERL_VERSION, _verl.__version__, VERL_VERSION,
     )
+
+# A CPU run (VERL_PLATFORM=cpu) needs verl's CPU platform before any module asks verl for its platform.
+# It is registered first, and a failure stops the plugin: every later verl call would pick the wrong device.
+if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
+    _cpu_failure = _load("setgrpo_verl.verl_cpu", call="activate")
+    if _cpu_failure is not None:
+        raise ImportError("setgrpo_verl verl plugin failed to activate the CPU backend") from _cpu_failure
 
 # Load every module even if one fails (a broken reward manager must not hide the estimator), then fail.
 _failures = {m: e for m in PLUGIN_MODULES if (e := _load(m)) is not None}

@@ -24,7 +24,9 @@ dataloader and checkpoint logic behave exactly as in the stock sync trainer.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -52,9 +54,8 @@ from verl.workers.utils.padding import response_to_nested
 from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor, calibrate
 from setgrpo_verl.sketch import SketchConfig
 
-from .config import SETGRPO_NAME, SetGRPOConfig, check_run_config
+from .config import SETGRPO_NAME, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
-from .reward_manager import REWARD_MANAGER_NAME, grader_identity
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
 
 logger = logging.getLogger(__name__)
@@ -174,9 +175,27 @@ def compute_setgrpo_advantage(
     return data, context.output
 
 
-def _sketch_config(cfg: SetGRPOConfig) -> SketchConfig:
-    s = cfg.sketch
-    return SketchConfig(rank_out=s.rank_out, rank_in=s.rank_in, seed=s.seed, include_embeddings=s.include_embeddings)
+def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]:
+    """One JSON object per group of a step: status, recovery ratio, projections, point scores."""
+    result = step.result
+    rows = []
+    for g in range(step.groups.shape[0]):
+        def num(x):
+            v = float(x[g])
+            return None if math.isnan(v) else v
+
+        rows.append({
+            "step": global_step,
+            "group": g,
+            "status": str(result.status[g]),
+            "accepted": bool(result.accepted[g]),
+            "recovery_ratio": num(result.recovery_ratio),
+            "m_full": num(result.m_full),
+            "m_reward": num(result.m_reward),
+            "point": [float(v) for v in step.point_scores[g].tolist()],
+            "coefficients": [float(v) for v in torch.as_tensor(result.coefficients[g]).tolist()],
+        })
+    return rows
 
 
 @register_trainer(SETGRPO_NAME)
@@ -201,9 +220,10 @@ class SetGRPOTrainer(PPOTrainerSync):
 
     def __init__(self, config):
         self.setgrpo: SetGRPOConfig = check_run_config(config)
-        self.sketch_config = _sketch_config(self.setgrpo)
+        self.sketch_config = self.setgrpo.sketch.to_sketch_config()
         self.record: Optional[CalibrationRecord] = None
         self.monitor: Optional[OnlineRiskMonitor] = None
+        self._accepted_groups: Optional[int] = None
         super().__init__(config)
         if self.use_critic:
             raise ValueError("SetGRPO is critic-free (outcome-level estimator): remove the critic configuration")
@@ -217,32 +237,10 @@ class SetGRPOTrainer(PPOTrainerSync):
 
     # ------------------------------------------------------------------ record
     def _run_identity(self) -> dict[str, Any]:
-        """Record metadata of this run (SETGRPO.md section 7): loss mode, sketch, grader and policy identity."""
-        name = str(self.config.reward.reward_manager.name)
-        grader = {"reward_manager": name}
-        if name == REWARD_MANAGER_NAME:
-            grader.update(grader_identity(self.config))
-        return {
-            "loss_agg_mode": str(self.config.actor_rollout_ref.actor.loss_agg_mode),
-            "sketch": dataclasses.asdict(self.sketch_config),
-            "grader": grader,
-            "policy": {"model_path": str(self.config.actor_rollout_ref.model.path)},
-        }
+        return run_identity(self.config, self.setgrpo)
 
     def _check_record(self, record: CalibrationRecord) -> None:
-        identity = self._run_identity()
-        cfg = self.setgrpo
-        record.check_compatible(
-            K=int(self.config.actor_rollout_ref.rollout.n),
-            norm_by_std=bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True)),
-            loss_agg_mode=identity["loss_agg_mode"],
-            grader=identity["grader"],
-            alpha=cfg.alpha,
-            beta=cfg.beta,
-            delta=cfg.delta,
-            rho=cfg.rho,
-            ablation=cfg.ablation,
-        )
+        check_record(record, self.config, self.setgrpo)
 
     def _log_record(self, record: CalibrationRecord, **extra: float) -> None:
         """The record's Table 4 columns as ``setgrpo/calibration/*`` metrics in verl's tracker."""
@@ -301,7 +299,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         )
         loader = StatefulDataLoader(
             dataset=dataset,
-            batch_size=self.config.data.train_batch_size,
+            batch_size=cal.batch_size or self.config.data.train_batch_size,
             num_workers=self.config.data["dataloader_num_workers"],
             shuffle=False,
             drop_last=False,
@@ -361,6 +359,10 @@ class SetGRPOTrainer(PPOTrainerSync):
         out = self._record_out()
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         record.to_json(out)
+        np.savez(
+            os.path.join(os.path.dirname(os.path.abspath(out)), "paired_scores.npz"),
+            point=torch.cat(points).numpy(), reference=torch.cat(refs).numpy(), gram=torch.cat(grams).numpy(),
+        )
         self._log_record(record, timing_s=time.perf_counter() - t0)
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
         # the first training step wakes the replicas through the regular path
@@ -452,6 +454,11 @@ class SetGRPOTrainer(PPOTrainerSync):
             lam=self.config.algorithm.lam,
         )
         metrics.update(step.metrics)
+        self._accepted_groups = int(torch.as_tensor(step.result.accepted).sum())
+        if self.setgrpo.group_log:
+            with open(os.path.expanduser(self.setgrpo.group_log), "a", encoding="utf-8") as fh:
+                for row in _group_log_rows(step, self.global_steps):
+                    fh.write(json.dumps(row) + "\n")
 
         out_fields = ["advantages", "returns"]
         if self.config.algorithm.use_kl_in_reward:
@@ -464,6 +471,17 @@ class SetGRPOTrainer(PPOTrainerSync):
             {f: response_to_nested(data.batch[f], response_mask) for f in out_fields}, batch_size=len(batch)
         )
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
+
+
+    def _update_actor(self, batch, metrics: dict):
+        """verl's actor update, skipped when no group was accepted: every coefficient is zero, so no optimizer step
+        runs (AdamW's weight decay would otherwise still move the parameters) and ``actor/update_skipped`` is 1."""
+        skipped = self._accepted_groups == 0
+        metrics["actor/update_skipped"] = float(skipped)
+        if skipped:
+            logger.warning("SetGRPO step %d: no group accepted, no optimizer step", self.global_steps)
+            return batch
+        return super()._update_actor(batch, metrics)
 
 
 class _CalibrationDone(Exception):

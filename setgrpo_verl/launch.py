@@ -1,0 +1,333 @@
+"""Compose and run verl's ``main_ppo`` for the stages of a SetGRPO run: calibrate, train, the GRPO baseline.
+
+Every stage is one ``python -m verl.trainer.main_ppo`` process (verl's own trainer, Ray, FSDP2 workers, reward
+loop); this module only writes the data files, composes the Hydra overrides, runs the command and keeps the run
+directory tidy. Nothing here trains, scores or calibrates.
+
+* ``calibrate``: ``--config-name setgrpo_trainer`` with ``algorithm.setgrpo.calibration.only=true``: the SetGRPO
+  trainer mode rolls out the calibration prompts, scores each response twice, sketches and writes the frozen
+  record (``docs/algorithm.md#7-calibration-record``).
+* ``train``: the same config with ``algorithm.setgrpo.record_path`` set to that record.
+* ``grpo``: verl's stock ``ppo_trainer`` with ``algorithm.adv_estimator=grpo``, same data, seeds and reward.
+
+On a machine without accelerators (the default of the embedded profiles) :func:`cpu_overrides` and
+``VERL_PLATFORM=cpu`` select the CPU backend of :mod:`setgrpo_verl.verl_cpu`.
+
+Run directory::
+
+    <run-dir>/data/{calibration,train}.parquet   verl RL rows (prompt, rubric as reward_model.ground_truth)
+    <run-dir>/<stage>/command.sh                  the exact verl command line (copy it to a cluster)
+    <run-dir>/<stage>/main_ppo.log                everything verl printed
+    <run-dir>/<stage>/metrics.jsonl               verl's file logger (one line per step)
+    <run-dir>/calibration/record.json             the frozen calibration record
+    <run-dir>/calibration/paired_scores.npz       point [G,K], reference [G,K], gram [G,K,K] of the calibration
+    <run-dir>/train_setgrpo/groups.jsonl          per step and group: status, recovery ratio, projections
+    <run-dir>/<stage>/COMPLETE | FAILED           written last
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = [
+    "COMPLETE",
+    "FAILED",
+    "STAGES",
+    "LaunchError",
+    "cpu_overrides",
+    "format_override",
+    "main_ppo_command",
+    "prepare_data",
+    "run_stage",
+    "stage_overrides",
+]
+
+#: Marker written last into a finished stage directory; its absence means "incomplete".
+COMPLETE = "COMPLETE"
+#: Marker of a failed stage (holds the reason).
+FAILED = "FAILED"
+#: Stage directory of each stage.
+STAGES = {"calibrate": "calibration", "train": "train_setgrpo", "grpo": "train_grpo"}
+
+
+class LaunchError(ValueError):
+    """Bad input found before verl starts (missing file, invalid rubric row, too few prompts, bad flag) or a stage
+    that failed; the message names the fix. The CLI prints it as ``error: ...`` and exits with status 2."""
+
+
+def format_override(key: str, value: Any) -> str:
+    """One Hydra override ``key=value`` with ``value`` in Hydra's grammar (lists, null, quoted strings).
+
+    A key starting with ``+`` adds a key that the composed config does not have.
+    """
+    return f"{key}={_hydra_value(value)}"
+
+
+def _hydra_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{_hydra_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if text and all(c.isalnum() or c in "_-./:@" for c in text) and text not in ("true", "false", "null"):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def cpu_overrides(actor_ranks: int = 1) -> list[str]:
+    """verl settings of a CPU run on one machine (with ``VERL_PLATFORM=cpu`` in the environment).
+
+    ``actor_ranks`` FSDP2 ranks on gloo, each holding one logical Ray ``GPU`` (Ray's CPU count is logical too:
+    verl asks several CPUs per worker, more than a small machine has); float32 compute (CPU bf16 is slow and
+    would make the actor's log-probs differ from the rollout's); eager attention and no remove-padding (no
+    flash-attention kernels); the ``transformers`` rollout, kept resident (no sleep / wake-up) and synced with
+    full weights; one agent-loop worker, one reward worker and one TransferQueue storage unit.
+    """
+    return [
+        "trainer.device=cpu",
+        f"trainer.n_gpus_per_node={actor_ranks}",
+        "trainer.nnodes=1",
+        f"+ray_kwargs.ray_init.num_gpus={actor_ranks}",
+        f"ray_kwargs.ray_init.num_cpus={4 * actor_ranks + 8}",
+        "+ray_kwargs.ray_init.include_dashboard=false",
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        "actor_rollout_ref.ref.strategy=fsdp2",
+        "actor_rollout_ref.actor.use_torch_compile=false",
+        "actor_rollout_ref.rollout.name=transformers",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.free_cache_engine=false",
+        "actor_rollout_ref.rollout.load_format=auto",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "data.dataloader_num_workers=0",
+        "reward.num_workers=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    ]
+
+
+def cpu_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a CPU run: ``VERL_PLATFORM=cpu`` (read by every verl process, Ray workers included) and
+    quiet, single-tokenizer-thread defaults; explicit settings in ``base`` win except ``VERL_PLATFORM``."""
+    env = dict(os.environ if base is None else base)
+    env["VERL_PLATFORM"] = "cpu"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    env.setdefault("HYDRA_FULL_ERROR", "1")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    return env
+
+
+def main_ppo_command(overrides: Sequence[str], *, config_name: str = "setgrpo_trainer") -> list[str]:
+    """``python -m verl.trainer.main_ppo --config-name <config_name> <overrides>`` as an argument list.
+
+    ``setgrpo_trainer`` (our Hydra config: verl's ``ppo_trainer`` plus ``algorithm.setgrpo``) is found through
+    ``--config-path`` pointing into the installed package; ``ppo_trainer`` is verl's stock config.
+    """
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo"]
+    if config_name != "ppo_trainer":
+        cmd += ["--config-path", str(Path(__file__).resolve().parent / "hydra_configs")]
+    cmd += ["--config-name", config_name]
+    return cmd + list(overrides)
+
+
+def _rubric_rows(data: str | os.PathLike | None) -> tuple[list[dict], str]:
+    from .grading import load_ifbench_rubrics, read_rubric_rows
+
+    if data is None:
+        return load_ifbench_rubrics(), "the embedded IFBench rubric conversion"
+    path = Path(data).expanduser()
+    if not path.is_file():
+        raise LaunchError(f"--data {data}: no such file; pass a RubricHub-format .jsonl/.json/.parquet file (rows "
+                          "with id, question, rubrics) or omit --data for the embedded IFBench prompts")
+    try:
+        return read_rubric_rows(path), str(path)
+    except (ValueError, OSError) as exc:
+        raise LaunchError(f"--data {data}: {exc}") from None
+
+
+def prepare_data(
+    run_dir: str | os.PathLike,
+    *,
+    data: str | os.PathLike | None,
+    model_path: str | os.PathLike,
+    max_prompt_length: int,
+    calibration_prompts: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Validate the rubric rows, drop overlong prompts, shuffle, split and write verl parquet files.
+
+    The first ``calibration_prompts`` rows of the ``seed``-shuffled file go to ``data/calibration.parquet``, the rest
+    to ``data/train.parquet`` (disjoint, so calibration groups stay exchangeable with fresh ones and training never
+    reuses them). Prompts whose chat-formatted length exceeds ``max_prompt_length`` tokens are dropped, as verl's
+    ``data.filter_overlong_prompts`` would, but before the split so that the counts are exact.
+
+    Returns:
+        ``{"calibration": Path, "train": Path, "n_calibration": int, "n_train": int, "source": str}``.
+
+    Raises:
+        LaunchError: unreadable file, an invalid row (the message names the row, criterion and field), or fewer
+            usable prompts than ``calibration_prompts`` + 1.
+    """
+    from transformers import AutoTokenizer
+
+    from .grading import as_rubric, rubrics_to_verl_rows, write_verl_parquet
+
+    rows, source = _rubric_rows(data)
+    try:
+        rubrics = [as_rubric(row) for row in rows]
+    except (ValueError, TypeError) as exc:
+        raise LaunchError(f"{source}: {exc}; fix or remove that row") from None
+    for rubric in rubrics:
+        if not any(c.points > 0 for c in rubric.criteria):
+            raise LaunchError(f"{source}: rubric row {rubric.id!r} has no criterion with positive points, so its score "
+                              "(sum of met points / sum of positive points) is undefined; add one or remove the row")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+    verl_rows = rubrics_to_verl_rows(rubrics)
+    kept = []
+    for row in verl_rows:
+        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        if len(ids) <= max_prompt_length:
+            kept.append(row)
+    if len(kept) <= calibration_prompts:
+        raise LaunchError(f"{source}: {len(kept)} of {len(rows)} prompts fit in {max_prompt_length} prompt tokens, but "
+                          f"calibration needs {calibration_prompts} and training at least one more; raise "
+                          "--max-prompt-length, lower --calib-groups or pass more prompts with --data")
+    random.Random(seed).shuffle(kept)
+    out = Path(run_dir) / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    calibration, train = kept[:calibration_prompts], kept[calibration_prompts:]
+    for split, part in (("calibration", calibration), ("train", train)):
+        for i, row in enumerate(part):
+            row["extra_info"] = {**row["extra_info"], "index": i, "split": split}
+    return {
+        "calibration": write_verl_parquet(calibration, out / "calibration.parquet"),
+        "train": write_verl_parquet(train, out / "train.parquet"),
+        "n_calibration": len(calibration),
+        "n_train": len(train),
+        "source": source,
+    }
+
+
+def stage_overrides(stage: str, run_dir: str | os.PathLike, *, record: str | os.PathLike | None = None) -> list[str]:
+    """The overrides that place a stage's data, record and outputs in ``run_dir`` (paths absolute).
+
+    Raises:
+        ValueError: unknown stage.
+    """
+    run_dir = Path(run_dir).resolve()
+    stage_dir = run_dir / STAGES[stage]
+    data = run_dir / "data"
+    common = [
+        format_override("data.train_files", str(data / "train.parquet")),
+        format_override("data.val_files", str(data / "calibration.parquet")),
+        format_override("trainer.default_local_dir", str(stage_dir / "checkpoints")),
+        format_override("trainer.experiment_name", STAGES[stage]),
+        "trainer.logger=[console,file]",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+    ]
+    if stage == "grpo":
+        return common + ["algorithm.adv_estimator=grpo"]
+    common += [
+        format_override("algorithm.setgrpo.calibration.files", str(data / "calibration.parquet")),
+    ]
+    if stage == "calibrate":
+        return common + [
+            "algorithm.setgrpo.calibration.only=true",
+            format_override("algorithm.setgrpo.record_out", str(stage_dir / "record.json")),
+        ]
+    if stage == "train":
+        if record is None:
+            raise ValueError("the train stage needs a calibration record")
+        return common + [
+            format_override("algorithm.setgrpo.record_path", str(Path(record).resolve())),
+            format_override("algorithm.setgrpo.group_log", str(stage_dir / "groups.jsonl")),
+        ]
+    raise ValueError(f"unknown stage {stage!r}; choose one of {sorted(STAGES)}")
+
+
+def _stage_dir(run_dir: Path, stage: str, *, overwrite: bool) -> Path:
+    path = run_dir / STAGES[stage]
+    if path.exists():
+        if not overwrite:
+            raise LaunchError(f"{path} already exists; pass --overwrite to replace it or choose another --run-dir")
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def run_stage(
+    run_dir: str | os.PathLike,
+    stage: str,
+    command: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    overwrite: bool = False,
+    echo: bool = True,
+) -> Path:
+    """Run one verl command as a stage of ``run_dir``; returns the stage directory.
+
+    Writes ``command.sh`` first (the exact command line, environment variables included), streams verl's output to
+    ``main_ppo.log`` (and to stdout when ``echo``), points verl's file logger at ``metrics.jsonl``, and writes
+    ``COMPLETE`` only when verl exits with status 0 (else ``FAILED`` with the exit status and the log's tail).
+
+    Raises:
+        LaunchError: the stage directory exists without ``overwrite``, or verl exited with a non-zero status (the
+            message quotes the last error line of the log).
+    """
+    run_dir = Path(run_dir)
+    stage_dir = _stage_dir(run_dir, stage, overwrite=overwrite)
+    env = dict(env)
+    env["VERL_FILE_LOGGER_PATH"] = str((stage_dir / "metrics.jsonl").resolve())
+    shown_env = {k: env[k] for k in ("VERL_PLATFORM", "VERL_FILE_LOGGER_PATH") if k in env}
+    line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()), *map(shlex.quote, command)])
+    (stage_dir / "command.sh").write_text("#!/usr/bin/env bash\n" + line + "\n")
+    print(f"[setgrpo-verl] {stage}: {line}", flush=True)
+    log_path = stage_dir / "main_ppo.log"
+    t0 = time.perf_counter()
+    tail: list[str] = []
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", bufsize=1)
+        assert proc.stdout is not None
+        for text in proc.stdout:
+            log.write(text)
+            tail = (tail + [text.rstrip()])[-40:]
+            if echo:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+        status = proc.wait()
+    elapsed = time.perf_counter() - t0
+    if status != 0:
+        reason = _last_error(tail)
+        (stage_dir / FAILED).write_text(f"main_ppo exited with status {status} after {elapsed:.0f} s: {reason}\n")
+        raise LaunchError(f"{stage}: verl's main_ppo exited with status {status}: {reason} (full log: {log_path})")
+    (stage_dir / COMPLETE).write_text(f"{elapsed:.1f} s\n")
+    return stage_dir
+
+
+def _last_error(lines: Sequence[str]) -> str:
+    for text in reversed(lines):
+        stripped = text.strip()
+        if stripped and ("Error" in stripped or "error" in stripped or "Exception" in stripped):
+            return stripped[-400:]
+    return next((t.strip()[-400:] for t in reversed(lines) if t.strip()), "no output")

@@ -1,0 +1,296 @@
+"""The ``transformers`` rollout for verl 0.9.1 on CPU: a token-in/token-out server that batches requests.
+
+verl's agent loop sends one ``generate`` request per response to a rollout *replica*; on GPUs that is a vLLM or
+SGLang server. :class:`TransformersRolloutServer` is a Ray actor holding a Hugging Face causal LM: requests that
+arrive within ``batch_wait_s`` of each other (and share sampling parameters) are left-padded into one batch and
+decoded by one ``model.generate`` call. :class:`TransformersReplica` launches one server per replica
+(``actor_rollout_ref.rollout.name=transformers``), and :class:`TransformersRolloutAdapter` lives in verl's hybrid
+actor worker and pushes the actor's full weights to the server on verl's weight-sync path (every step), so the
+rollout always samples from the current policy.
+
+Log-probabilities, when verl asks for them (``rollout.calculate_log_probs``), are those of the sampled tokens under
+``softmax(logits / temperature)`` of the unprocessed logits: the quantity verl's actor computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import ray
+import torch
+
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+#: ``actor_rollout_ref.rollout.name`` of this rollout.
+ROLLOUT_NAME = "transformers"
+
+#: Seconds a server waits after the first request of a batch for others to join it.
+BATCH_WAIT_S = 0.05
+
+
+def server_name(replica_rank: int) -> str:
+    """Ray actor name of the rollout server of replica ``replica_rank``."""
+    return f"setgrpo_transformers_rollout_{replica_rank}"
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    future: asyncio.Future
+
+
+def _sampling_key(params: dict[str, Any], default_max_tokens: int) -> tuple:
+    """(temperature, top_p, top_k, max_new_tokens, logprobs) of a verl sampling-parameter dict.
+
+    Raises:
+        ValueError: a sampling setting this rollout does not implement (repetition penalty other than 1).
+    """
+    repetition_penalty = float(params.get("repetition_penalty", 1.0) or 1.0)
+    if repetition_penalty != 1.0:
+        raise ValueError(f"the transformers rollout does not implement repetition_penalty={repetition_penalty}")
+    temperature = float(params.get("temperature", 1.0) or 0.0)
+    top_p = float(params.get("top_p", 1.0) or 1.0)
+    top_k = int(params.get("top_k", -1) or -1)
+    max_tokens = int(params.get("max_tokens") or params.get("max_new_tokens") or default_max_tokens)
+    return temperature, top_p, top_k, max_tokens, bool(params.get("logprobs"))
+
+
+class TransformersRolloutServer:
+    """Ray actor: batched token-in/token-out generation with a Hugging Face causal LM on CPU.
+
+    Args:
+        model_path: local Hugging Face model directory (the actor's ``model.path``).
+        response_length: default number of new tokens (``rollout.response_length``).
+        max_batch_size: most requests decoded together (``rollout.max_num_seqs``).
+        seed: torch seed of the server process (sampling).
+        trust_remote_code: passed to ``from_pretrained``.
+    """
+
+    def __init__(self, model_path: str, response_length: int, max_batch_size: int, seed: int = 0,
+                 trust_remote_code: bool = False):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, torch_dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation="eager"
+        )
+        self.model.eval()
+        self.response_length = int(response_length)
+        self.max_batch_size = max(1, int(max_batch_size))
+        eos = self.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if gen_eos is not None:
+            self.eos_ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.version = 0
+        self._pending: dict[tuple, list[_Request]] = {}
+        self._drainer: Optional[asyncio.Task] = None
+        # one thread: generation and weight loading never overlap, and the event loop stays free to queue requests
+        self._executor = ThreadPoolExecutor(max_workers=1)
+
+    async def generate(self, request_id=None, *, prompt_ids, sampling_params, image_data=None, video_data=None,
+                       **kwargs) -> TokenOutput:
+        """One response to ``prompt_ids`` (verl's ``TokenOutput``: token ids, optional log-probs, weight version).
+
+        Raises:
+            ValueError: multimodal input or an unsupported sampling setting.
+        """
+        if image_data is not None or video_data is not None:
+            raise ValueError("the transformers rollout serves text-only models")
+        key = _sampling_key(dict(sampling_params or {}), self.response_length)
+        future = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(key, []).append(_Request(list(prompt_ids), future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(BATCH_WAIT_S)
+        while self._pending:
+            key = next(iter(self._pending))
+            queue = self._pending[key]
+            batch, self._pending[key] = queue[: self.max_batch_size], queue[self.max_batch_size:]
+            if not self._pending[key]:
+                del self._pending[key]
+            try:
+                outputs = await loop.run_in_executor(
+                    self._executor, self._generate_batch, [r.prompt_ids for r in batch], key
+                )
+            except Exception as exc:  # every waiting request sees the failure
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                continue
+            for r, out in zip(batch, outputs):
+                if not r.future.done():
+                    r.future.set_result(out)
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], key: tuple) -> list[TokenOutput]:
+        temperature, top_p, top_k, max_tokens, want_logprobs = key
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, width - len(p):] = 1
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=max_tokens, pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
+            return_dict_in_generate=True, output_logits=want_logprobs,
+        )
+        if temperature > 0:
+            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        new_tokens = out.sequences[:, width:]
+        if want_logprobs:
+            logits = torch.stack(out.logits, dim=1).float()  # [B, T, V]
+            if temperature > 0:
+                logits = logits / temperature
+            token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
+        results = []
+        for i in range(len(prompts)):
+            tokens = new_tokens[i].tolist()
+            length = len(tokens)
+            for t, tok in enumerate(tokens):  # keep the first end-of-sequence token, drop the padding after it
+                if tok in self.eos_ids:
+                    length = t + 1
+                    break
+            results.append(TokenOutput(
+                token_ids=tokens[:length],
+                log_probs=token_logprobs[i, :length].tolist() if want_logprobs else None,
+                stop_reason="completed",
+                extra_fields={"global_steps": self.version},
+            ))
+        return results
+
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> int:
+        """Load the actor's full weights (parameter names as in the Hugging Face model); returns the count.
+
+        Raises:
+            RuntimeError: a parameter of the model is missing from ``state_dict`` (other than a tied LM head) or a
+                name is unknown: the actor and the rollout would disagree about the policy.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._load, state_dict, global_steps)
+
+    def _load(self, state_dict: dict[str, torch.Tensor], global_steps: Optional[int]) -> int:
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
+        if isinstance(getattr(self.model, "_tied_weights_keys", None), dict):
+            tied = set(self.model._tied_weights_keys)
+        missing = [m for m in missing if m not in tied]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"transformers rollout weight sync: {len(missing)} model parameters missing (e.g. {missing[:3]}) and "
+                f"{len(unexpected)} unknown names (e.g. {unexpected[:3]}) in the actor's weights"
+            )
+        if global_steps is not None:
+            self.version = int(global_steps)
+        return len(state_dict)
+
+    # control-plane calls verl's replica makes; the model stays resident on the CPU, so there is nothing to do
+    async def wake_up(self):
+        return None
+
+    async def sleep(self):
+        return None
+
+    async def clear_kv_cache(self):
+        return None
+
+    async def release_kv_cache(self):
+        return None
+
+    async def resume_kv_cache(self):
+        return None
+
+    async def abort_all_requests(self, reject_request: bool = False):
+        return None
+
+    async def resume_generation(self):
+        return None
+
+    async def start_profile(self, **kwargs):
+        return None
+
+    async def stop_profile(self):
+        return None
+
+
+class TransformersReplica(RolloutReplica):
+    """verl rollout replica backed by one :class:`TransformersRolloutServer` (hybrid mode: the actor pushes weights)."""
+
+    async def launch_servers(self):
+        name = server_name(self.replica_rank)
+        model_path = getattr(self.model_config, "local_path", None) or self.model_config.path
+        server = ray.remote(TransformersRolloutServer).options(
+            name=name, num_cpus=0, max_concurrency=self.max_concurrency
+        ).remote(
+            model_path,
+            self.config.response_length,
+            self.config.max_num_seqs,
+            int(os.environ.get("SETGRPO_ROLLOUT_SEED", "0")),
+            bool(getattr(self.model_config, "trust_remote_code", False)),
+        )
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"ray://{name}"
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+
+class TransformersRolloutAdapter(BaseRollout):
+    """verl's rollout object inside the hybrid actor worker: gathers the actor's weights and sends them to the
+    replica's server on every weight sync (``BaseRollout.update_weights``)."""
+
+    def __init__(self, config, model_config, device_mesh, *args, **kwargs):
+        super().__init__(config, model_config, device_mesh)
+        world = (self.config.tensor_model_parallel_size * self.config.data_parallel_size
+                 * self.config.pipeline_model_parallel_size)
+        rank = int(os.environ.get("RANK", 0))
+        self.replica_rank = rank // world
+        self.is_leader = rank % world == 0
+        self._server = None
+
+    async def resume(self, tags: list[str]):
+        return None
+
+    async def release(self):
+        return None
+
+    async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
+        """Gather every (possibly sharded) tensor on all ranks, then the replica's leader loads them into the server.
+
+        Raises:
+            ValueError: ``wire_format`` other than ``named_tensors`` (set ``rollout.checkpoint_engine.backend=naive``).
+        """
+        if wire_format != "named_tensors":
+            raise ValueError(
+                f"the transformers rollout receives full named tensors, not {wire_format!r}: "
+                "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
+            )
+        state = {}
+        for name, tensor in weights:
+            if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: every rank takes part in the gather
+                tensor = tensor.full_tensor()
+            state[name] = tensor.detach().to("cpu", dtype=torch.float32, copy=True)
+        if not self.is_leader:
+            return None
+        if self._server is None:
+            self._server = ray.get_actor(server_name(self.replica_rank))
+        await self._server.load_weights.remote(state, global_steps=kwargs.get("global_steps"))
+        return None

@@ -1,0 +1,160 @@
+"""SetGRPO through verl's ``main_ppo`` on the CPU backend: calibrate -> record -> train, via the command line and via
+a hand-written ``main_ppo`` command (tiny random Llama, function grader, so that each run takes about a minute).
+
+What must hold: the record written by ``calibrate`` is accepted by ``train`` and by a plain ``main_ppo`` run with
+``algorithm.setgrpo.record_path``; a record for another K, sketch or grader is refused before Ray starts, naming the
+field; every ``setgrpo/*`` metric is logged per step and agrees with the per-group log; a reject-all record makes
+a step without an optimizer step that leaves the parameters bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from setgrpo_verl.core import CalibrationRecord, calibrate
+from setgrpo_verl.sketch import SketchConfig
+
+from .conftest import read_metrics, tail
+
+pytestmark = pytest.mark.slow
+
+_FLAGS = ["--rollout-n", "3", "--groups-per-step", "3", "--steps", "2", "--calib-groups", "6", "--calib-batch-size",
+          "6", "--max-prompt-length", "128", "--max-response-length", "8", "--alpha", "0.5", "--beta", "0.9",
+          "--delta", "0.3", "--tau-grid", "0.0,0.3", "--on-infeasible", "reject_all"]
+
+
+def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "setgrpo_verl", *args], capture_output=True, text=True, timeout=900)
+    if check:
+        assert proc.returncode == 0, tail(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_model, reward_file, tmp_path_factory):
+    run = tmp_path_factory.mktemp("setgrpo") / "run"
+    common = ["--model", str(tiny_model), "--judge", "function", "--reward-function", str(reward_file), *_FLAGS]
+    _cli("calibrate", "--run-dir", str(run), *common)
+    return run, common
+
+
+def test_calibration_record_and_paired_scores(calibrated):
+    run, _ = calibrated
+    rec = CalibrationRecord.from_json(run / "calibration" / "record.json")
+    assert rec.K == 3 and rec.alpha == 0.5 and rec.tau_grid == (0.0, 0.3)
+    assert rec.sketch == dataclasses.asdict(SketchConfig())
+    assert rec.grader["name"].startswith("function")
+    paired = dict(torch.load(run / "calibration" / "paired_scores.pt")) if (run / "calibration" / "paired_scores.pt").exists() else None
+    import numpy as np
+
+    z = np.load(run / "calibration" / "paired_scores.npz")
+    assert z["point"].shape == (6, 3) and z["gram"].shape == (6, 3, 3)
+    # the stored paired scores re-fit offline to the very same record
+    refit = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]),
+                      alpha=rec.alpha, beta=rec.beta, delta=rec.delta, tau_grid=rec.tau_grid, rho=rec.rho,
+                      split_seed=rec.split_seed, on_infeasible=rec.on_infeasible)
+    assert (refit.q_alpha, refit.tau_sel, refit.N, refit.F) == (rec.q_alpha, rec.tau_sel, rec.N, rec.F)
+    assert paired is None
+
+
+def test_train_with_the_record_logs_setgrpo_metrics(calibrated):
+    run, common = calibrated
+    _cli("train", "--run-dir", str(run), *common)
+    steps = [m for m in read_metrics(run / "train_setgrpo" / "metrics.jsonl") if "timing_s/step" in m]
+    assert [m["training/global_step"] for m in steps] == [1, 2]
+    groups = [json.loads(x) for x in (run / "train_setgrpo" / "groups.jsonl").read_text().splitlines()]
+    for m in steps:
+        for key in ("setgrpo/accepted_ratio", "setgrpo/degenerate_ratio", "actor/update_skipped",
+                    "setgrpo/timing_s/sketch", "critic/score/mean"):
+            assert key in m, key
+        step_groups = [g for g in groups if g["step"] == m["training/global_step"]]
+        assert len(step_groups) == 3
+        assert m["setgrpo/accepted_ratio"] == pytest.approx(sum(g["accepted"] for g in step_groups) / 3)
+        assert m["actor/update_skipped"] == float(not any(g["accepted"] for g in step_groups))
+
+
+def _hand_written(run, tiny_model, reward_file, record, *extra: str) -> list[str]:
+    from setgrpo_verl.launch import cpu_overrides, main_ppo_command
+
+    overrides = cpu_overrides() + [
+        f"data.train_files={run / 'data' / 'train.parquet'}", f"data.val_files={run / 'data' / 'train.parquet'}",
+        "data.train_batch_size=3", "data.max_prompt_length=128", "data.max_response_length=8",
+        f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.n=3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "data.seed=1",
+        f"+reward.reward_kwargs.grader={{type:function,path:{reward_file},name:compute_score,seed:1,temperature:1.0}}",
+        "algorithm.setgrpo.alpha=0.5", "algorithm.setgrpo.beta=0.9", "algorithm.setgrpo.delta=0.3",
+        "algorithm.setgrpo.tau_grid=[0.0,0.3]", f"algorithm.setgrpo.record_path={record}",
+        "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
+        "trainer.logger=[console]", f"trainer.default_local_dir={run / 'hand'}", *extra,
+    ]
+    return main_ppo_command(overrides)
+
+
+def _main_ppo(cmd: list[str]) -> subprocess.CompletedProcess:
+    from setgrpo_verl.launch import cpu_environment
+
+    return subprocess.run(cmd, capture_output=True, text=True, env=cpu_environment(), timeout=900)
+
+
+def test_hand_written_main_ppo_accepts_the_record(calibrated, tiny_model, reward_file):
+    run, _ = calibrated
+    proc = _main_ppo(_hand_written(run, tiny_model, reward_file, run / "calibration" / "record.json"))
+    assert proc.returncode == 0, tail(proc)
+    assert "setgrpo/accepted_ratio" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (dict(K=4), "mismatch in K"),
+    (dict(sketch={**dataclasses.asdict(SketchConfig()), "copies": 8}), "sketch.copies"),
+    (dict(grader={"name": "local_hf", "model": "SmolLM2-135M-Instruct"}), "grader."),
+])
+def test_other_records_are_refused_before_ray(calibrated, tiny_model, reward_file, tmp_path, edit, needle):
+    run, common = calibrated
+    rec = CalibrationRecord.from_json(run / "calibration" / "record.json")
+    other = dataclasses.replace(rec, **edit)
+    other.to_json(tmp_path / "other.json")
+    proc = _main_ppo(_hand_written(run, tiny_model, reward_file, tmp_path / "other.json"))
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert needle in out and "ray.init" not in out and "Started a local Ray instance" not in out
+    # the command line refuses it the same way
+    proc = _cli("train", "--run-dir", str(run), "--record", str(tmp_path / "other.json"), "--overwrite", *common,
+                check=False)
+    assert proc.returncode == 2 and needle in proc.stderr
+
+
+def test_reject_all_record_leaves_the_policy_bit_identical(calibrated, tiny_model, reward_file, tmp_path):
+    import numpy as np
+    from safetensors.torch import load_file
+
+    run, _ = calibrated
+    rec = CalibrationRecord.from_json(run / "calibration" / "record.json")
+    z = np.load(run / "calibration" / "paired_scores.npz")
+    reject_all = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]),
+                           alpha=rec.alpha, beta=1e-4, delta=rec.delta, tau_grid=rec.tau_grid, rho=rec.rho,
+                           on_infeasible="reject_all",
+                           metadata={"loss_agg_mode": rec.loss_agg_mode, "sketch": rec.sketch, "grader": rec.grader,
+                                     "policy": rec.policy})
+    assert reject_all.tau_sel is None
+    reject_all.to_json(tmp_path / "reject_all.json")
+    ckpt = tmp_path / "ckpt"
+    cmd = _hand_written(run, tiny_model, reward_file, tmp_path / "reject_all.json", "algorithm.setgrpo.beta=1e-4",
+                        "actor_rollout_ref.actor.optim.lr=0.1", "trainer.save_freq=1",
+                        f"trainer.default_local_dir={ckpt}", "trainer.logger=[console,file]",
+                        "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]")
+    proc = _main_ppo(cmd)
+    assert proc.returncode == 0, tail(proc)
+    assert "no group accepted, no optimizer step" in proc.stdout + proc.stderr
+    before = load_file(str(tiny_model / "model.safetensors"))
+    (saved,) = list(ckpt.rglob("huggingface/model.safetensors"))
+    after = load_file(str(saved))
+    assert before.keys() <= after.keys() or after.keys() <= before.keys()
+    common = before.keys() & after.keys()
+    assert common and all(torch.equal(before[k], after[k]) for k in common)
