@@ -264,6 +264,15 @@ def _run(args: argparse.Namespace) -> str | None:
 
         return "\n".join(" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands)
 
+    if "calibrate" in stages:
+        launch.check_calibration_size(values)
+    if args.command == "train":
+        calibration = run_dir / launch.STAGES["calibrate"]
+        if args.record is None and not (calibration / launch.COMPLETE).is_file():
+            raise launch.LaunchError(f"{calibration} is incomplete (no {launch.COMPLETE} marker): rerun `setgrpo-verl "
+                                     f"calibrate --run-dir {run_dir} --overwrite` or pass --record")
+    if args.judge == "openai":
+        launch.probe_judge(grader)
     if args.command != "train":
         data = launch.prepare_data(run_dir, data=args.data, model_path=model,
                                    max_prompt_length=int(values["data.max_prompt_length"]),
@@ -291,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``setgrpo-verl``; returns the process exit status."""
     args = build_parser().parse_args(argv)
     from .launch import LaunchError
+    from .report import ReportError
 
     try:
         if args.command == "inspect-record":
@@ -307,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         if text:
             print(text)
         return 0
-    except LaunchError as exc:
+    except (LaunchError, ReportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

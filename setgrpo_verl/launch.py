@@ -331,3 +331,56 @@ def _last_error(lines: Sequence[str]) -> str:
         if stripped and ("Error" in stripped or "error" in stripped or "Exception" in stripped):
             return stripped[-400:]
     return next((t.strip()[-400:] for t in reversed(lines) if t.strip()), "no output")
+
+
+def check_calibration_size(values: Mapping[str, Any]) -> None:
+    """Fail before any rollout when the calibration prompts cannot possibly be enough for the requested levels.
+
+    Coverage needs at least ``min_calibration_groups(alpha)`` non-degenerate coverage groups; the risk bound needs the
+    smallest N whose Clopper-Pearson bound with no reversal, at confidence ``1 - delta/m``, is at most beta. The
+    calibration groups are split 50/50 (docs/algorithm.md sections 2 and 4), so twice the larger of the two.
+
+    Args:
+        values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
+
+    Raises:
+        LaunchError: naming both minima and the flags to change.
+    """
+    from .core import DEFAULT_TAU_GRID, clopper_pearson_upper, min_calibration_groups
+    from .integration.config import SetGRPOConfig, SetGRPOCalibrationConfig
+
+    def get(key, default):
+        return values.get(f"algorithm.setgrpo.{key}", default)
+
+    alpha, beta, delta = (float(get(k, getattr(SetGRPOConfig, k))) for k in ("alpha", "beta", "delta"))
+    grid = get("tau_grid", None) or DEFAULT_TAU_GRID
+    groups = int(get("calibration.num_prompts", SetGRPOCalibrationConfig.num_prompts))
+    need_cov = min_calibration_groups(alpha)
+    need_risk = 1
+    while clopper_pearson_upper([0], [need_risk], 1 - delta / len(grid))[0] > beta and need_risk < 100000:
+        need_risk += 1
+    need = 2 * max(need_cov, need_risk)
+    if groups < need:
+        raise LaunchError(
+            f"--calib-groups {groups} is too small: alpha={alpha} needs >= {need_cov} non-degenerate coverage groups "
+            f"and beta={beta}, delta={delta} over {len(grid)} thresholds need >= {need_risk} accepted risk groups even "
+            f"with no reversal; with the 50/50 split use --calib-groups >= {need} (more, since groups with tied "
+            "scores are dropped), or raise --alpha / --beta / --delta")
+
+
+def probe_judge(grader: Mapping[str, Any]) -> None:
+    """Score one tiny rubric with an HTTP judge before verl starts, so that a wrong URL fails in seconds.
+
+    Raises:
+        LaunchError: the judge cannot be reached or does not answer (the message names the URL and model).
+    """
+    from .grading import DualScorer, GradingError
+
+    probe = {"question": "Say hello.", "id": "probe", "rubrics": [{"criterion": "The response greets.", "points": 1}]}
+    try:
+        DualScorer(dict(grader)).score([None], ["Hello!"], [probe])
+    except (GradingError, OSError, ValueError) as exc:
+        raise LaunchError(
+            f"the judge at {grader.get('base_url')} (model {grader.get('model')!r}) cannot be reached or did not "
+            f"answer: {exc}. Start the OpenAI-compatible server, fix --judge-base-url / --judge-model, or use "
+            "--judge local") from None

@@ -48,11 +48,14 @@ def activate() -> None:
     Raises:
         RuntimeError: the installed verl is not the version the patches were written for.
     """
+    # the platform first: verl's engine modules ask for the platform while they are imported
+    from . import platform  # noqa: F401  (importing it registers PlatformCPU)
+
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from . import _patches, platform  # noqa: F401  (importing platform registers PlatformCPU)
+    from . import _patches
 
     _patches.patch_process_group()
     _patches.register_rollout_class(ROLLOUT_NAME, "setgrpo_verl.verl_cpu.rollout.TransformersRolloutAdapter")

@@ -233,10 +233,13 @@ class TransformersRolloutServer:
 class TransformersReplica(RolloutReplica):
     """verl rollout replica backed by one :class:`TransformersRolloutServer` (hybrid mode: the actor pushes weights)."""
 
+    #: The Ray actor class of the server.
+    server_cls = TransformersRolloutServer
+
     async def launch_servers(self):
         name = server_name(self.replica_rank)
         model_path = getattr(self.model_config, "local_path", None) or self.model_config.path
-        server = ray.remote(TransformersRolloutServer).options(
+        server = ray.remote(self.server_cls).options(
             name=name, num_cpus=0, max_concurrency=self.max_concurrency
         ).remote(
             model_path,

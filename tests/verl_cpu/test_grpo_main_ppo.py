@@ -21,14 +21,30 @@ from .conftest import read_metrics, reward_of, run_main_ppo, tail
 
 pytestmark = pytest.mark.slow
 
-#: Loaded by verl in every process (``VERL_USE_EXTERNAL_MODULES``): turns the rollout's weight loading into a no-op.
+#: Loaded by verl in every process (``VERL_USE_EXTERNAL_MODULES``): a rollout ``transformers_nosync`` whose server
+#: ignores the weights the actor sends.
 _NO_SYNC = '''
-from setgrpo_verl.verl_cpu import rollout
+from setgrpo_verl.verl_cpu import activate
 
-async def _skip(self, state_dict, global_steps=None):
-    return 0
+activate()  # external modules load before verl's plugins; the CPU platform must exist first
 
-rollout.TransformersRolloutServer.load_weights = _skip
+from verl.workers.rollout import base
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+from setgrpo_verl.verl_cpu.rollout import TransformersReplica, TransformersRolloutServer
+
+
+class NoSyncServer(TransformersRolloutServer):
+    def _load(self, state_dict, global_steps):
+        return 0
+
+
+class NoSyncReplica(TransformersReplica):
+    server_cls = NoSyncServer
+
+
+RolloutReplicaRegistry.register("transformers_nosync", lambda: NoSyncReplica)
+base._ROLLOUT_REGISTRY[("transformers_nosync", "async")] = "setgrpo_verl.verl_cpu.rollout.TransformersRolloutAdapter"
 '''
 
 
@@ -100,8 +116,8 @@ def test_rollout_samples_from_the_updated_policy(grpo_run):
 def test_the_check_fails_without_weight_sync(tiny_model, rubric_parquet, reward_file, tmp_path):
     (tmp_path / "no_sync.py").write_text(_NO_SYNC)
     env = {"VERL_USE_EXTERNAL_MODULES": "no_sync", "PYTHONPATH": str(tmp_path)}
-    proc = run_main_ppo(_overrides(tiny_model, rubric_parquet, reward_file, tmp_path, lr=0.05), workdir=tmp_path,
-                        env=env)
+    overrides = _overrides(tiny_model, rubric_parquet, reward_file, tmp_path, lr=0.05)
+    proc = run_main_ppo(overrides, workdir=tmp_path, env=env, rollout="transformers_nosync")
     assert proc.returncode == 0, tail(proc)
     step2 = [m for m in read_metrics(tmp_path / "metrics.jsonl") if m.get("training/global_step") == 2][0]
     assert step2["training/rollout_probs_diff_max"] > 1e-2

@@ -88,7 +88,7 @@ def _hand_written(run, tiny_model, reward_file, record, *extra: str) -> list[str
         f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.n=3",
         "actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "data.seed=1",
-        f"+reward.reward_kwargs.grader={{type:function,path:{reward_file},name:compute_score,seed:1,temperature:1.0}}",
+        f"+reward.reward_kwargs.grader={{type:function,path:{reward_file},name:compute_score,seed:1}}",
         "algorithm.setgrpo.alpha=0.5", "algorithm.setgrpo.beta=0.9", "algorithm.setgrpo.delta=0.3",
         "algorithm.setgrpo.tau_grid=[0.0,0.3]", f"algorithm.setgrpo.record_path={record}",
         "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
