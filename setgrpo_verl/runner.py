@@ -449,7 +449,7 @@ def load_prompt_rows(cfg: RunConfig, tokenizer) -> list[dict]:
         try:
             rows = read_rubric_rows(path)
         except (ValueError, OSError) as exc:
-            raise UserInputError(f"--data {cfg.data}: {exc}") from None
+            raise UserInputError(f"--data: {exc}") from None  # the message names the file (and line, row, field)
         source = str(path)
     kept = []
     for row in rows:

@@ -23,7 +23,8 @@ Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
         # or {type: function, path: my_reward.py, name: compute_score}
         # type function without path uses verl's reward.custom_reward_function (path, name)
 
-``ground_truth`` of each row is its rubric (RubricHub row as JSON, see :mod:`setgrpo_verl.grading.convert`).
+``ground_truth`` of each row is its rubric (RubricHub row as JSON, see :mod:`setgrpo_verl.grading.convert`),
+validated by :meth:`setgrpo_verl.grading.Rubric.from_row` (the same validator as the converters and ``--data``).
 The module registers the manager on import (verl's plugin loader imports it via
 :mod:`setgrpo_verl.integration.plugin`); :func:`register` is idempotent.
 """
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -41,7 +42,8 @@ from verl.experimental.reward_loop.reward_manager import register as _verl_regis
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
 
-from ..grading import DualScorer, GradingItem, as_rubric, build_grader, grader_identity as _grader_identity
+from ..grading import DualScorer, GradingItem, Rubric, RubricRowError, build_grader
+from ..grading import grader_identity as _grader_identity
 
 __all__ = [
     "REFERENCE_SCORE_KEY",
@@ -123,7 +125,9 @@ class SetGRPODualRewardManager(RewardManagerBase):
         """Score one response twice. Returns ``{"reward_score": r, "reward_extra_info": {...}}`` (module docstring).
 
         Raises:
-            ValueError: the row's ``reward_model.ground_truth`` is not a rubric (for rubric graders).
+            setgrpo_verl.grading.RubricRowError: (a ``ValueError``) the row's ``reward_model.ground_truth`` is not a
+                valid rubric (for rubric graders; for function graders when it is a rubric row), naming the row id,
+                the criterion index and the field (:meth:`setgrpo_verl.grading.Rubric.from_row`).
             setgrpo_verl.grading.GradingError: grading failed (judge unreachable, unparsed with on_unparsed=error).
         """
         data = data[-1:]
@@ -139,15 +143,17 @@ class SetGRPODualRewardManager(RewardManagerBase):
         ground_truth = ntb["reward_model"]["ground_truth"]
         extra_info = dict(ntb.get("extra_info") or {})
         is_function = self.grader_cfg.get("type") == "function"
-        try:
-            rubric = as_rubric(ground_truth)
-        except (ValueError, TypeError, json.JSONDecodeError) as exc:
-            if not is_function:
-                raise ValueError(
-                    f"row {extra_info.get('id', extra_info.get('index'))!r}: reward_model.ground_truth is not a "
-                    f"RubricHub rubric ({exc}); convert the data with setgrpo_verl.grading.convert"
-                ) from exc
-            rubric = None
+        rubric = None
+        # a function grader may take any ground truth; a rubric (a row with "rubrics") is validated for every grader
+        if not is_function or _looks_like_rubric(ground_truth):
+            row = extra_info.get("id", extra_info.get("index"))
+            try:
+                rubric = Rubric.from_row(ground_truth, location=f"verl row {row!r} (reward_model.ground_truth)")
+            except RubricRowError as exc:
+                raise RubricRowError(
+                    f"{exc.reason}; fix the source rows and convert them again with setgrpo_verl.grading.convert",
+                    row_id=exc.row_id, location=exc.location, criterion_index=exc.criterion_index, field=exc.field,
+                ) from None
         grading_item = GradingItem(
             response=response,
             rubric=rubric,
@@ -167,6 +173,19 @@ class SetGRPODualRewardManager(RewardManagerBase):
             "judged_disagreement": float(metrics["judged_disagreement_rate"]),
         }
         return {"reward_score": point, "reward_extra_info": extra}
+
+
+def _looks_like_rubric(ground_truth: Any) -> bool:
+    """True for a RubricHub row (a mapping, or a JSON object string, with a ``rubrics`` key)."""
+    if isinstance(ground_truth, (str, bytes)):
+        text = ground_truth.strip()
+        if not text.startswith("{" if isinstance(text, str) else b"{"):
+            return False
+        try:
+            ground_truth = json.loads(text)
+        except ValueError:
+            return False
+    return isinstance(ground_truth, Mapping) and "rubrics" in ground_truth
 
 
 def register() -> type[SetGRPODualRewardManager]:

@@ -130,3 +130,30 @@ def test_reward_loop_worker_on_real_responses(ifbench_samples, smollm2_judge):
     direct = asyncio.run(DualScorer(RubricGrader(smollm2_judge, seed=0)).ascore(items))
     np.testing.assert_allclose(direct.point, scores)
     np.testing.assert_allclose(direct.reference, extra["reference_score"])
+
+
+WORDS_RULE = {"id": "ifbench:count:word_count_range", "kwargs": {"min_words": 3, "max_words": 5}}
+
+
+def test_reward_loop_refuses_a_malformed_rubric_row_naming_it():
+    """A rubric row that reaches verl's reward loop with null points (e.g. a parquet written by hand) is refused
+    with the row id, criterion index and field -- not scored as if the criterion were absent."""
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    from setgrpo_verl.grading import RubricRowError
+
+    worker = RewardLoopWorker(_config({"type": "rules", "seed": 0}))
+    good = {"question": "Describe a cat in a few words.", "id": "rm-good", "rubrics": [
+        {"criterion": "Uses 3 to 5 words", "points": 2, "rule": WORDS_RULE}]}
+    bad = {"question": "Describe a dog in a few words.", "id": "rm-bad", "rubrics": [
+        {"criterion": "Uses 3 to 5 words", "points": 2, "rule": WORDS_RULE},
+        {"criterion": "Uses 3 to 5 words again", "points": None, "rule": WORDS_RULE}]}
+    texts = ["My cat is soft.", "My dog barks loudly at night."]
+    out = worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, [good], texts[:1])))
+    assert out[0]["reward_score"] == 1.0  # 4 words: the rule is met, the row scores 2/2
+    with pytest.raises(RubricRowError) as info:
+        worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, [good, bad], texts)))
+    err = info.value
+    assert (err.row_id, err.criterion_index, err.field) == ("rm-bad", 1, "points")
+    assert "rm-bad" in err.location  # the verl row (extra_info.id) is named too
+
