@@ -157,3 +157,24 @@ def test_reward_loop_refuses_a_malformed_rubric_row_naming_it():
     assert (err.row_id, err.criterion_index, err.field) == ("rm-bad", 1, "points")
     assert "rm-bad" in err.location  # the verl row (extra_info.id) is named too
 
+
+def test_reward_loop_refuses_a_non_finite_function_score(tmp_path):
+    """A verl-style scoring function that returns -inf for an empty answer: GradingError naming the response,
+    instead of an inf reward that verl's GRPO turns into NaN advantages for the whole group."""
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    from setgrpo_verl.grading import GradingError
+
+    fn = tmp_path / "reward_fn.py"
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs):\n"
+                  "    return float('-inf') if not solution_str.strip() else 1.0 / len(solution_str)\n")
+    worker = RewardLoopWorker(_config({"type": "function", "path": str(fn), "name": "compute_score", "seed": 0}))
+    rows = [{"question": "Say something.", "id": f"fn-{i}", "rubrics": [{"criterion": "Says something", "points": 1}]}
+            for i in range(2)]
+    out = worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, rows[:1], ["abcd"])))
+    assert out[0]["reward_score"] == 0.25 and out[0]["reward_extra_info"]["reference_score"] == 0.25
+    with pytest.raises(GradingError) as info:
+        worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, rows, ["abcd", ""])))
+    msg = str(info.value)
+    assert "-inf" in msg and "'fn-1'" in msg and "response ''" in msg
+
