@@ -4,7 +4,9 @@ Two judges share one versioned prompt protocol (:data:`JUDGE_TEMPLATE_VERSION`):
 
 * :class:`OpenAIJudge` -- any OpenAI-compatible chat-completions server (vLLM, SGLang, a hosted API). Async with a
   concurrency limit; timeout and retries with exponential backoff on 408/409/429/5xx and connection errors are
-  the ``openai`` client's own (``max_retries``, honours ``Retry-After``); strict verdict parsing (the answer must
+  the ``openai`` client's own (``max_retries``, honours ``Retry-After``); an HTTP 200 whose body is not a chat
+  completion (an HTML page, an empty body, an ``{"error": ...}`` payload, no choices) is a transport failure too,
+  retried with the same budget and backoff, never read as an answer; strict verdict parsing (the answer must
   be exactly ``yes`` or ``no``, case-insensitive, optional final period); an unparseable answer is re-asked with
   the next seed up to ``parse_retries`` times, then it is an error (``on_unparsed="error"``) or an explicit
   ``unparsed`` verdict (``on_unparsed="unparsed"``, the default), never a silent 0.
@@ -70,6 +72,8 @@ _RESPONSE_SPLIT = "\n\nResponse:\n"
 _CRITERION_SPLIT = "\nCriterion: "
 
 _VERDICT_RE = re.compile(r"^\s*(yes|no)\s*\.?\s*$", re.IGNORECASE)
+#: How many characters of a judge's reply error messages quote.
+SAID_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,28 @@ def parse_verdict(text: str | None) -> bool | None:
     return None if m is None else m.group(1).lower() == "yes"
 
 
+def _completion_choice(body: str) -> tuple[dict | None, str]:
+    """The first choice of a chat-completion JSON body, or ``(None, what the body is instead)``."""
+    if not body.strip():
+        return None, "an empty body"
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None, "a body that is not JSON"
+    if not isinstance(data, dict):
+        return None, f"a JSON {type(data).__name__} instead of a chat completion"
+    if data.get("error") is not None:
+        err = data["error"]
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return None, f"an error payload instead of a chat completion (server message: {msg!r})"
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None, "a JSON object without choices"
+    if not isinstance(choices[0].get("message"), dict):
+        return None, "a choice without a message"
+    return choices[0], ""
+
+
 async def _gather_or_cancel(coros):
     """asyncio.gather that cancels (and awaits) the remaining tasks when one fails: nothing is left in flight."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -131,14 +157,16 @@ class OpenAIJudge:
         max_concurrency: at most this many requests in flight (per event loop).
         timeout: seconds per request attempt (``openai`` client timeout).
         max_retries: retries per request on timeouts, connection errors, 408/409/429/5xx, with the client's
-            exponential backoff (0.5 s doubling, at most 8 s, ``Retry-After`` honoured).
+            exponential backoff (0.5 s doubling, at most 8 s, ``Retry-After`` honoured); separately, as many
+            retries (same backoff) for HTTP 200 bodies that are not a chat completion.
         parse_retries: how many times an unparseable answer is re-asked (with seed + attempt).
         on_unparsed: ``"unparsed"`` (explicit ``unparsed`` verdict, excluded from the score and counted in the
             metrics) or ``"error"`` (raise :class:`GradingError`).
 
     Each request carries ``seed`` (the verdict seed from the grader, 31 bits), so a server that honours seeds
     (vLLM, SGLang) makes scoring i reproducible. Transport failures that outlast the retries raise
-    :class:`GradingError` naming the URL; pending sibling requests are cancelled.
+    :class:`GradingError` naming the URL, the HTTP status and the start of the body; pending sibling requests are
+    cancelled.
     """
 
     name = "openai_chat"
@@ -197,28 +225,58 @@ class OpenAIJudge:
             self._clients[id(loop)] = entry
         return entry[1], entry[2]
 
-    async def _one(self, request: JudgeRequest, seed: int) -> Verdict:
+    async def _complete(self, messages: list[dict], seed: int) -> dict:
+        """One chat completion; returns its first choice (a dict with ``message`` and ``finish_reason``).
+
+        HTTP errors are retried by the ``openai`` client; an HTTP 200 whose body is not a chat completion is retried
+        here with the same budget and backoff.
+
+        Raises:
+            GradingError: the request still fails after ``max_retries`` retries (names the URL, the HTTP status and
+                the start of the body).
+        """
         import openai
 
         client, semaphore = self._client()
-        messages = judge_messages(request)
-        text = None
-        for attempt in range(self.parse_retries + 1):
+        url, status, body, what = f"{self.base_url.rstrip('/')}/chat/completions", None, "", ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             try:
                 async with semaphore:
-                    completion = await client.chat.completions.create(
+                    raw = await client.chat.completions.with_raw_response.create(
                         model=self.model,
                         messages=messages,
                         temperature=self.temperature,
                         max_tokens=self.max_tokens,
-                        seed=(seed + attempt) % 2**31,
+                        seed=seed,
                     )
             except openai.APIError as exc:
+                hint = ("the server cannot be reached: start the OpenAI-compatible server or fix the base URL "
+                        "(it ends in /v1)" if isinstance(exc, openai.APIConnectionError) else
+                        "the server answered with an error: check the model name and the server's log")
                 raise GradingError(
                     f"judge request to {self.base_url} failed after {self.max_retries} retries "
-                    f"(timeout {self.timeout}s per attempt): {type(exc).__name__}: {exc}"
+                    f"(timeout {self.timeout}s per attempt): {type(exc).__name__}: {exc}; {hint}"
                 ) from exc
-            text = completion.choices[0].message.content if completion.choices else None
+            response = raw.http_response
+            url, status, body = str(response.url), response.status_code, response.text
+            choice, what = _completion_choice(body)
+            if choice is not None:
+                return choice
+        raise GradingError(
+            f"judge request to {url} got HTTP {status} with {what} after {self.max_retries} retries; the body "
+            f"starts {body[:SAID_CHARS]!r}. Check that the URL is the server's OpenAI-compatible /v1 endpoint (no "
+            "proxy error page in between) and that the server is healthy"
+        )
+
+    async def _one(self, request: JudgeRequest, seed: int) -> Verdict:
+        messages = judge_messages(request)
+        text = None
+        for attempt in range(self.parse_retries + 1):
+            choice = await self._complete(messages, (seed + attempt) % 2**31)
+            content = choice["message"].get("content")
+            text = content if isinstance(content, str) else None
             met = parse_verdict(text)
             if met is not None:
                 return Verdict("met" if met else "unmet", "judge", raw=text)

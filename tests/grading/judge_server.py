@@ -7,7 +7,9 @@ injected by markers in the criterion text (the user message):
 * ``[[429xN]]``       - the first N attempts get 429 with ``Retry-After: 0.05``;
 * ``[[500xN]]``       - the first N attempts get 500;
 * ``[[garbage]]``     - always answer an unparseable sentence;
-* ``[[garbage-once]]`` - the first attempt is unparseable, later ones are judged normally.
+* ``[[garbage-once]]`` - the first attempt is unparseable, later ones are judged normally;
+* ``[[htmlxN]]``, ``[[emptyxN]]``, ``[[error-payloadxN]]`` - the first N attempts get HTTP 200 with, instead of a
+  chat completion, a proxy's HTML error page, an empty body, or an ``{"error": {...}}`` payload.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from setgrpo_verl.grading.judges import JUDGE_USER_TEMPLATE, JudgeRequest
 
@@ -31,6 +33,12 @@ _USER_RE = re.compile(
     .replace(re.escape("{response}"), "(?P<r>.*)").replace(re.escape("{criterion}"), "(?P<c>.*)") + "$",
     re.DOTALL,
 )
+_BAD_BODIES = {
+    "html": (b"<html><body><h1>502 Bad Gateway</h1>nginx</body></html>", "text/html"),
+    "empty": (b"", "application/json"),
+    "error-payload": (b'{"error": {"message": "injected overload", "type": "overloaded", "code": 503}}',
+                      "application/json"),
+}
 
 
 class JudgeServer:
@@ -88,6 +96,10 @@ class JudgeServer:
                 if hit and attempt <= int(hit.group(1)):
                     headers = {"retry-after": "0.05"} if code == 429 else {}
                     return JSONResponse({"error": {"message": f"injected {code}"}}, status_code=code, headers=headers)
+            for kind, (content, media_type) in _BAD_BODIES.items():
+                hit = re.search(rf"\[\[{kind}x(\d+)\]\]", criterion)
+                if hit and attempt <= int(hit.group(1)):
+                    return Response(content=content, status_code=200, media_type=media_type)
             if "[[garbage]]" in criterion or ("[[garbage-once]]" in criterion and attempt == 1):
                 text = "Well, it depends on how you look at it."
             else:

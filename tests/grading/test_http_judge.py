@@ -175,3 +175,62 @@ def test_failure_cancels_siblings_and_leaves_nothing_in_flight(server):
     assert leftover == []
     assert time.perf_counter() - t0 < 10  # did not wait for the slow siblings
     assert server.wait_idle(timeout=5)  # every slow request was disconnected, none left running on the server
+
+# ------------------------------------------------------------------ HTTP 200 bodies that are not a chat completion
+def _judge_one(server, crit, *, base_url=None, seed=5, **kw):
+    async def body():
+        judge = OpenAIJudge(base_url or server.base_url, "smollm2-135m-judge", **{"timeout": 120.0, **kw})
+        try:
+            return (await judge.ajudge([JudgeRequest(Q, R, crit)], [seed]))[0]
+        finally:
+            await judge.aclose()
+
+    return _run(body)
+
+
+def _expected_outcome(server, crit, seed):
+    """The verdict the server's seeded draw gives for this criterion (what any well-behaved route returns)."""
+    import numpy as np
+
+    p = float(server.judge.p_yes([JudgeRequest(Q, R, crit)])[0])
+    return "met" if np.random.default_rng(seed).random() < p else "unmet"
+
+
+@pytest.mark.parametrize("kind", ["html", "empty", "error-payload"])
+def test_non_completion_200_is_retried_like_5xx_then_judged(server, kind):
+    crit = f"[[{kind}x2]] The response names a colour."
+    verdict = _judge_one(server, crit, max_retries=3)
+    assert server.attempts[crit] == 3  # two bad bodies, then the answer
+    assert verdict.outcome == _expected_outcome(server, crit, 5) and verdict.raw in ("yes", "no")
+
+
+@pytest.mark.parametrize("kind,body_start", [("html", "<html>"), ("empty", ""), ("error-payload", '{"error"')])
+def test_non_completion_200_beyond_retries_names_url_status_and_body(server, kind, body_start):
+    crit = f"[[{kind}x99]] The response names a colour."
+    with pytest.raises(GradingError) as info:
+        _judge_one(server, crit, max_retries=1)
+    msg = str(info.value)
+    assert server.attempts[crit] == 2  # first try + 1 retry, never read as an answer
+    assert f"{server.base_url}/chat/completions" in msg and "HTTP 200" in msg
+    assert f"starts {body_start!r}" in msg or (body_start and body_start in msg)
+    if kind == "error-payload":
+        assert "injected overload" in msg  # the server's own message is kept
+
+
+def test_error_payload_on_some_requests_does_not_change_the_score(server):
+    """An overloaded server that answers some requests with an error payload: the scores are those of a server that
+    answered every request, because those requests are retried instead of counted as unparsed answers."""
+    from setgrpo_verl.grading import verdict_seed
+
+    rubric = Rubric.from_row({"question": Q, "id": "ovl", "rubrics": [
+        {"criterion": "[[error-payloadx1]] The response names a colour.", "points": 2},
+        {"criterion": "The response is written in French.", "points": 1},
+        {"criterion": "[[error-payloadx1]] The response insults the reader.", "points": -1}]})
+    out = DualScorer(RubricGrader(_judge(server, max_retries=2, parse_retries=0), seed=3)).score([None], [R], [rubric])
+    for i, (res, score) in enumerate(zip(out.point_results + out.reference_results, [out.point[0], out.reference[0]])):
+        expected = [_expected_outcome(server, c.criterion, verdict_seed(3, i, Q, R, j, c.criterion))
+                    for j, c in enumerate(rubric.criteria)]
+        assert [v.outcome for v in res.verdicts] == expected
+        assert score == pytest.approx(rubric_score(rubric, [e == "met" for e in expected]))
+    assert out.metrics()["grading/unparsed"] == 0
+
