@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -48,6 +49,12 @@ def _add_run_options(p: argparse.ArgumentParser, *, training: bool, calibration:
     g.add_argument("--judge-api-key-env", default=None,
                    help="environment variable holding the judge API key (default OPENAI_API_KEY)")
     g.add_argument("--judge-temperature", type=float, default=None, help="judge sampling temperature")
+    g.add_argument("--judge-max-tokens", type=int, default=None,
+                   help="--judge openai: token budget per verdict (default 4); a reasoning ('thinking') judge needs "
+                   "room for its reasoning, e.g. 2048")
+    g.add_argument("--judge-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="--judge openai: chat_template_kwargs sent with every request, e.g. "
+                   "'{\"enable_thinking\": false}' to switch a Qwen3 judge's thinking off")
     g.add_argument("--seed", type=int, default=None)
     r = p.add_argument_group("rollout")
     r.add_argument("--rollout-n", "-K", dest="rollout_n", type=int, default=None, help="responses per prompt (K)")
@@ -81,6 +88,16 @@ def _add_run_options(p: argparse.ArgumentParser, *, training: bool, calibration:
         t.add_argument("--micro-batch-size", type=int, default=None, help="responses per forward/backward")
         t.add_argument("--no-online-monitor", dest="online_monitor", action="store_false", default=None,
                        help="skip the second (reference) scoring during training")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); e.g. '{{\"enable_thinking\": false}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _overrides(args: argparse.Namespace) -> dict:

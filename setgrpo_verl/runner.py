@@ -84,6 +84,8 @@ class RunConfig:
     judge_base_url: str | None = None
     judge_api_key_env: str = "OPENAI_API_KEY"
     judge_temperature: float = 1.0
+    judge_max_tokens: int | None = None  # None: the OpenAI judge's default (4); a reasoning judge needs more
+    judge_chat_template_kwargs: dict | None = None  # e.g. {"enable_thinking": False}
     seed: int = 0
     # rollout (verl: actor_rollout_ref.rollout.*)
     rollout_n: int = 4
@@ -178,6 +180,12 @@ class RunConfig:
             bad("judge", "choose 'local' or 'openai'")
         if self.judge == "openai" and not (self.judge_base_url and self.judge_model):
             bad("judge", "--judge openai needs --judge-base-url and --judge-model")
+        if self.judge != "openai" and (self.judge_max_tokens is not None or self.judge_chat_template_kwargs):
+            bad("judge", "--judge-max-tokens and --judge-chat-template-kwargs apply to --judge openai only")
+        if self.judge_max_tokens is not None and self.judge_max_tokens < 1:
+            bad("judge_max_tokens", "must be a positive integer")
+        if self.judge_chat_template_kwargs is not None and not isinstance(self.judge_chat_template_kwargs, dict):
+            bad("judge_chat_template_kwargs", 'must be a JSON object, e.g. {"enable_thinking": false}')
         if self.loss_agg_mode not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                       "seq-mean-token-sum-norm"):
             bad("loss_agg_mode", "see verl's actor.loss_agg_mode")
@@ -475,16 +483,23 @@ def grader_config(cfg: RunConfig) -> dict:
     if cfg.judge == "local":
         return {"type": "local_hf", "model_path": cfg.judge_model, "temperature": cfg.judge_temperature,
                 "seed": cfg.seed}
-    return {"type": "openai", "base_url": cfg.judge_base_url, "model": cfg.judge_model,
-            "api_key": os.environ.get(cfg.judge_api_key_env) or "EMPTY", "temperature": cfg.judge_temperature,
-            "seed": cfg.seed}
+    out = {"type": "openai", "base_url": cfg.judge_base_url, "model": cfg.judge_model,
+           "api_key": os.environ.get(cfg.judge_api_key_env) or "EMPTY", "temperature": cfg.judge_temperature,
+           "seed": cfg.seed}
+    if cfg.judge_max_tokens is not None:
+        out["max_tokens"] = cfg.judge_max_tokens
+    if cfg.judge_chat_template_kwargs:
+        out["chat_template_kwargs"] = dict(cfg.judge_chat_template_kwargs)
+    return out
 
 
 def build_scorer(cfg: RunConfig):
     """The run's :class:`~setgrpo_verl.grading.DualScorer`; an HTTP judge is probed once before any rollout.
 
     Raises:
-        UserInputError: the judge model cannot be loaded or the HTTP judge cannot be reached (names the URL).
+        UserInputError: the judge model cannot be loaded or the HTTP judge fails a probe request (the grading
+            message names the cause: unreachable URL, a reply that is not a chat completion, a token budget too
+            small for a reasoning judge, no parseable verdict).
     """
     from .grading import DualScorer
 
@@ -505,8 +520,7 @@ def _probe_judge(cfg: RunConfig, scorer) -> None:
         scorer.score([None], ["Hello!"], [probe])
     except (GradingError, OSError, ValueError) as exc:
         raise UserInputError(
-            f"the judge at {cfg.judge_base_url} (model {cfg.judge_model!r}) cannot be reached or did not answer: "
-            f"{exc}. Start the OpenAI-compatible server, fix --judge-base-url/--judge-model, or use --judge local"
+            f"the judge at {cfg.judge_base_url} (model {cfg.judge_model!r}) failed a probe request: {exc}"
         ) from None
 
 

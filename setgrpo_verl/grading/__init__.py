@@ -29,6 +29,7 @@ from .judges import (
     LocalHFJudge,
     OpenAIJudge,
     parse_verdict,
+    strip_reasoning,
     template_hash,
 )
 from .rubric import (
@@ -75,6 +76,7 @@ __all__ = [
     "read_rubric_rows",
     "rubric_score",
     "rubrics_to_verl_rows",
+    "strip_reasoning",
     "template_hash",
     "validate_verl_rows",
     "verdict_seed",

@@ -234,8 +234,8 @@ def _as_verdict(v) -> Verdict:
 
 _JUDGE_KEYS = {
     "local_hf": {"model_path", "temperature", "batch_size", "max_question_tokens", "max_response_tokens"},
-    "openai": {"base_url", "model", "api_key", "temperature", "max_tokens", "max_concurrency", "timeout",
-               "max_retries", "parse_retries", "on_unparsed"},
+    "openai": {"base_url", "model", "api_key", "temperature", "max_tokens", "chat_template_kwargs", "max_concurrency",
+               "timeout", "max_retries", "parse_retries", "on_unparsed"},
 }
 
 
@@ -245,7 +245,8 @@ def build_grader(config: Mapping[str, Any] | None):
     Keys: ``type`` (``local_hf`` | ``openai`` | ``function`` | ``rules``) and ``seed`` (default 0), plus
       * ``local_hf``: ``model_path`` (null = embedded SmolLM2-135M-Instruct), ``temperature`` (1.0),
         ``batch_size``, ``max_question_tokens``, ``max_response_tokens`` (see :class:`LocalHFJudge`);
-      * ``openai``: ``base_url``, ``model`` (required), ``api_key``, ``temperature``, ``max_tokens``,
+      * ``openai``: ``base_url``, ``model`` (required), ``api_key``, ``temperature``, ``max_tokens`` (token budget
+        per verdict; raise it for a reasoning judge), ``chat_template_kwargs`` (e.g. ``{enable_thinking: false}``),
         ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries``, ``on_unparsed``
         (see :class:`OpenAIJudge`);
       * ``function``: ``path``, ``name`` (default ``compute_score``), ``kwargs``;

@@ -353,8 +353,11 @@ def rubric_score(rubric: Rubric, verdicts: Sequence[Verdict | bool | None]) -> f
             total += crit.points
     norm = pos if pos > 0 else neg
     if norm == 0:
+        said = next((v.raw for v in verdicts if isinstance(v, Verdict) and v.outcome == "unparsed" and v.raw), None)
+        quote = "" if said is None else f" (the judge said {said[:200]!r})"
         raise GradingError(
-            f"rubric {rubric.id!r}: every criterion with non-zero points has an unparsed verdict, so no score exists; "
-            "use a judge that follows the answer format, raise its parse retries, or set on_unparsed='error'"
+            f"rubric {rubric.id!r}: every criterion with non-zero points has an unparsed verdict{quote}, so no score "
+            "exists; use a judge that follows the answer format (yes or no, after any <think> block), raise its "
+            "parse retries, or set on_unparsed='error'"
         )
     return total / norm

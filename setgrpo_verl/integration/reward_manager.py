@@ -19,9 +19,14 @@ Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
       num_workers: 1                 # each reward worker builds its own grader (a local judge loads a model)
       reward_kwargs:
         grader: {type: local_hf, temperature: 1.0, seed: 0}      # see setgrpo_verl.grading.build_grader
-        # or {type: openai, base_url: http://127.0.0.1:8000/v1, model: Qwen/Qwen3-8B, max_concurrency: 64}
+        # or {type: openai, base_url: http://127.0.0.1:8000/v1, model: Qwen/Qwen3-8B, max_concurrency: 64,
+        #     chat_template_kwargs: {enable_thinking: false}}   # a reasoning judge: thinking off, or instead
+        #     max_tokens: 2048                                  # a token budget that fits its reasoning (default 4)
         # or {type: function, path: my_reward.py, name: compute_score}
         # type function without path uses verl's reward.custom_reward_function (path, name)
+
+Hydra overrides for those judge keys: ``+reward.reward_kwargs.grader.max_tokens=2048`` and
+``+reward.reward_kwargs.grader.chat_template_kwargs.enable_thinking=false``.
 
 ``ground_truth`` of each row is its rubric (RubricHub row as JSON, see :mod:`setgrpo_verl.grading.convert`),
 validated by :meth:`setgrpo_verl.grading.Rubric.from_row` (the same validator as the converters and ``--data``).
@@ -128,7 +133,9 @@ class SetGRPODualRewardManager(RewardManagerBase):
             setgrpo_verl.grading.RubricRowError: (a ``ValueError``) the row's ``reward_model.ground_truth`` is not a
                 valid rubric (for rubric graders; for function graders when it is a rubric row), naming the row id,
                 the criterion index and the field (:meth:`setgrpo_verl.grading.Rubric.from_row`).
-            setgrpo_verl.grading.GradingError: grading failed (judge unreachable, unparsed with on_unparsed=error).
+            setgrpo_verl.grading.GradingError: grading failed (judge unreachable, a judge reply that is not a chat
+                completion, a judge cut off by its token budget, unparsed with on_unparsed=error, a non-finite
+                score from a function grader: the message names the response).
         """
         data = data[-1:]
         item = data[0]

@@ -178,3 +178,18 @@ def test_reward_loop_refuses_a_non_finite_function_score(tmp_path):
     msg = str(info.value)
     assert "-inf" in msg and "'fn-1'" in msg and "response ''" in msg
 
+
+def test_judge_token_budget_and_chat_template_kwargs_are_grader_keys():
+    """The reasoning-judge knobs as Hydra overrides of the reward manager's grader config reach the judge."""
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    from setgrpo_verl.integration.reward_manager import grader_identity
+
+    config = _config({"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "Qwen/Qwen3-8B"})
+    overrides = OmegaConf.from_dotlist(["reward.reward_kwargs.grader.max_tokens=2048",
+                                        "reward.reward_kwargs.grader.chat_template_kwargs.enable_thinking=false"])
+    config = OmegaConf.merge(config, overrides)
+    manager = load_reward_manager(config, tokenizer=None)
+    judge = manager.scorer.grader.judge
+    assert (judge.max_tokens, judge.chat_template_kwargs) == (2048, {"enable_thinking": False})
+    assert manager.identity == grader_identity(config)
