@@ -17,6 +17,7 @@ it is. ``--dry-run`` prints the verl command lines without running them. A faili
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -105,6 +106,16 @@ def _flag_help(key: str, text: str | None) -> str:
     return f"{field_doc(key.removeprefix('algorithm.setgrpo.'))} [{key}]"
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); e.g. '{{\"enable_thinking\": false}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
@@ -128,6 +139,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--judge-base-url", default=None, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
     g.add_argument("--judge-temperature", type=float, default=None, help="judge sampling temperature (> 0: SetGRPO "
                    "calibrates a stochastic grader)")
+    g.add_argument("--judge-max-tokens", type=int, default=None,
+                   help="--judge openai: token budget per verdict (default 4); a reasoning ('thinking') judge needs "
+                   "room for its reasoning, e.g. 2048 [reward.reward_kwargs.grader.max_tokens]")
+    g.add_argument("--judge-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="--judge openai: chat_template_kwargs sent with every request, e.g. "
+                   "'{\"enable_thinking\": false}' to switch a Qwen3 judge's thinking off "
+                   "[reward.reward_kwargs.grader.chat_template_kwargs]")
     g.add_argument("--actor-ranks", type=int, default=1, help="FSDP2 actor ranks on this machine (gloo)")
     g.add_argument("--dry-run", action="store_true", help="print the verl command line(s) and exit")
     c = p.add_argument_group("configuration keys (docs/algorithm.md; any other key: pass key=value)")
@@ -196,6 +214,10 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise LaunchError(f"--actor-ranks {args.actor_ranks}: need at least one actor rank")
     if args.judge == "openai" and not (args.judge_base_url and args.judge_model):
         raise LaunchError("--judge openai needs --judge-base-url and --judge-model")
+    if args.judge != "openai" and (args.judge_max_tokens is not None or args.judge_chat_template_kwargs):
+        raise LaunchError("--judge-max-tokens and --judge-chat-template-kwargs apply to --judge openai only")
+    if args.judge_max_tokens is not None and args.judge_max_tokens < 1:
+        raise LaunchError(f"--judge-max-tokens {args.judge_max_tokens}: must be a positive integer")
     if (args.judge == "function") != (args.reward_function is not None):
         raise LaunchError("--reward-function FILE goes with --judge function (and --judge function needs it)")
     if args.reward_function is not None and not Path(args.reward_function.partition(":")[0]).expanduser().is_file():
@@ -216,6 +238,10 @@ def _grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                 "seed": seed}
     else:
         grader = {"type": "openai", "base_url": args.judge_base_url, "model": args.judge_model, "seed": seed}
+        if args.judge_max_tokens is not None:
+            grader["max_tokens"] = args.judge_max_tokens
+        if args.judge_chat_template_kwargs:
+            grader["chat_template_kwargs"] = dict(args.judge_chat_template_kwargs)
     grader["temperature"] = 1.0 if args.judge_temperature is None else args.judge_temperature
     return grader
 

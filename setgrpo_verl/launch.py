@@ -160,8 +160,8 @@ def _rubric_rows(data: str | os.PathLike | None) -> tuple[list[dict], str]:
                           "with id, question, rubrics) or omit --data for the embedded IFBench prompts")
     try:
         return read_rubric_rows(path), str(path)
-    except (ValueError, OSError) as exc:
-        raise LaunchError(f"--data {data}: {exc}") from None
+    except (ValueError, OSError) as exc:  # the message names the file, line, row, criterion and field
+        raise LaunchError(f"--data: {exc}") from None
 
 
 def prepare_data(
@@ -381,6 +381,5 @@ def probe_judge(grader: Mapping[str, Any]) -> None:
         DualScorer(dict(grader)).score([None], ["Hello!"], [probe])
     except (GradingError, OSError, ValueError) as exc:
         raise LaunchError(
-            f"the judge at {grader.get('base_url')} (model {grader.get('model')!r}) cannot be reached or did not "
-            f"answer: {exc}. Start the OpenAI-compatible server, fix --judge-base-url / --judge-model, or use "
-            "--judge local") from None
+            f"the judge at {grader.get('base_url')} (model {grader.get('model')!r}) failed a probe request: {exc}"
+        ) from None

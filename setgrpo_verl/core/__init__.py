@@ -15,13 +15,13 @@ Building blocks (for diagnostics and tests): ``degenerate_groups``, ``set_shape`
 
 from ._api import STATUSES, OnlineRiskMonitor, SetGRPOResult, calibrate, setgrpo_coefficients
 from ._ggsr import path_point, projections, recovery_ratios, safe_anchor
-from ._grpo import degenerate_groups, grpo_coefficients, grpo_jacobian
+from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients, grpo_jacobian
 from ._jrsc import CoefficientSets, conformal_radius, min_calibration_groups, nonconformity_scores, set_shape
 from ._record import ABLATIONS, SCHEMA_VERSION, CalibrationRecord
 from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, select_threshold
 
 __all__ = [
-    "ABLATIONS", "DEFAULT_TAU_GRID", "SCHEMA_VERSION", "STATUSES",
+    "ABLATIONS", "DEFAULT_TAU_GRID", "DEGENERATE_RTOL", "SCHEMA_VERSION", "STATUSES",
     "CalibrationRecord", "CoefficientSets", "OnlineRiskMonitor", "SetGRPOResult",
     "calibrate", "clopper_pearson_upper", "conformal_radius", "degenerate_groups", "grpo_coefficients",
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "path_point", "projections",

@@ -15,7 +15,7 @@ import torch
 
 from ._checks import check_gram, check_pair, check_scores, check_unit_interval
 from ._ggsr import NULL_TOL, path_point, projections, recovery_ratios, safe_anchor
-from ._grpo import degenerate_groups, grpo_coefficients
+from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients
 from ._jrsc import (
     CoefficientSets,
     conformal_radius,
@@ -93,10 +93,12 @@ def calibrate(
     fixed_tau: float | None = None,
     on_infeasible: str = "error",
     metadata: dict | None = None,
+    degenerate_rtol: float = DEGENERATE_RTOL,
 ) -> CalibrationRecord:
     """Calibrate SetGRPO on paired scorings: JRSC radius on coverage groups, SRGO threshold on risk groups.
 
-    Implements SETGRPO.md sections 2 and 4. Degenerate groups (zero spread of the point scores)
+    Implements SETGRPO.md sections 2 and 4. Degenerate groups (no spread of the point scores
+    beyond ``degenerate_rtol`` times the group's largest |score|, see :func:`degenerate_groups`)
     are dropped first; the rest are split at random (``split_seed``) into coverage groups
     (``1 - risk_fraction``) and disjoint risk groups. On coverage groups the nonconformity scores
     give the conformal radius ``Q_alpha``. On risk groups, for every threshold tau_j the GGSR
@@ -126,6 +128,8 @@ def calibrate(
         on_infeasible: ``"error"`` (default) or ``"reject_all"`` when no threshold is risk-feasible.
         metadata: optional dict with keys ``loss_agg_mode`` (str), ``sketch``, ``grader``, ``policy``
             (dicts) stored in the record for later compatibility checks.
+        degenerate_rtol: relative tolerance of the degeneracy test (stored in the record; training
+            applies the same value, so a group is degenerate in both phases or in neither).
 
     Returns:
         A frozen, validated :class:`CalibrationRecord`.
@@ -156,7 +160,7 @@ def calibrate(
         raise ValueError(f"tau_grid must be non-empty, strictly increasing and inside (-1, 1), got {grid}")
 
     p64, r64 = point.to(torch.float64), reference.to(torch.float64)
-    keep = (~degenerate_groups(point)).nonzero().flatten()
+    keep = (~degenerate_groups(point, degenerate_rtol)).nonzero().flatten()
     n = int(keep.numel())
     perm = keep[torch.randperm(n, generator=torch.Generator().manual_seed(split_seed))]
     n_risk = int(round(n * risk_fraction))
@@ -208,6 +212,7 @@ def calibrate(
         loss_agg_mode=str(metadata.get("loss_agg_mode", "token-mean")), sketch=dict(metadata.get("sketch", {})),
         grader=dict(metadata.get("grader", {})), policy=dict(metadata.get("policy", {})),
         package_versions=_package_versions(), created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        degenerate_rtol=float(degenerate_rtol),
     )
 
 
@@ -292,7 +297,8 @@ def setgrpo_coefficients(
     Implements SETGRPO.md section 3 at the record's threshold ``tau_sel``: coefficient sets with
     radius ``q_alpha`` around ``a_hat = T(r)``, safe anchor b0, largest safe recovery ratio eta* on
     ``b(eta) = b0 + eta (a_hat - b0)``; accepted groups train with ``b* = b(eta*)``, rejected
-    (``infeasible``, ``null_anchor``) and ``degenerate`` groups get zero coefficients. With
+    (``infeasible``, ``null_anchor``) and ``degenerate`` groups (decided with the record's
+    ``degenerate_rtol``, exactly as in calibration) get zero coefficients. With
     ``q_alpha = 0`` every non-degenerate group with ``a_hat^T M a_hat > 0`` gets exactly the GRPO
     coefficients. A record with ``tau_sel = None`` (``reject_all``) rejects every group.
 
@@ -323,7 +329,7 @@ def setgrpo_coefficients(
     m_all = check_gram(gram, g, k)
     t0 = time.perf_counter()
     p64 = point.to(torch.float64)
-    degenerate = degenerate_groups(point)
+    degenerate = degenerate_groups(point, record.degenerate_rtol)
     keep = (~degenerate).nonzero().flatten()
     nan = torch.full((g,), math.nan, dtype=torch.float64)
     coefficients, anchor, grpo = (torch.zeros(g, k, dtype=torch.float64) for _ in range(3))

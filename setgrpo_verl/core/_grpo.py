@@ -6,26 +6,49 @@ import torch
 
 from ._checks import check_scores
 
-__all__ = ["grpo_coefficients", "grpo_jacobian", "degenerate_groups", "centering_projector"]
+__all__ = ["DEGENERATE_RTOL", "grpo_coefficients", "grpo_jacobian", "degenerate_groups", "centering_projector"]
 
 
-def degenerate_groups(scores: torch.Tensor) -> torch.Tensor:
-    """Groups whose point scores have zero spread (SETGRPO.md section 1).
+#: Default relative tolerance of the degeneracy test (SETGRPO.md section 1), recorded in every calibration record.
+#: 1e-6 is about 8 float32 ulps: it absorbs the rounding of sums of fractional points (0.1 + 0.2 vs 0.3) and of the
+#: float32 token rewards, far below any real score difference of a rubric (points / total points).
+DEGENERATE_RTOL = 1e-6
+
+
+def degenerate_groups(scores: torch.Tensor, rtol: float = DEGENERATE_RTOL) -> torch.Tensor:
+    """Groups whose point scores have no spread beyond rounding (SETGRPO.md section 1).
+
+    A group is degenerate when ``max(r) - min(r) <= rtol * max|r|``, computed on the scores rounded to float32
+    (the precision of verl's token-level rewards). The decision therefore depends only on the float32 values: the
+    float64 scores of the calibration phase and the float32 rewards of the same responses in training always get
+    the same answer, and scores that are equal up to float rounding (``0.1 + 0.2`` vs ``0.3``) count as equal.
+    The tolerance is relative to the group's reward scale ``max|r|``, so it does not depend on the reward units;
+    an all-zero group is degenerate.
 
     Args:
-        scores: ``[G, K]`` float tensor of rewards (reward units), finite.
+        scores: ``[G, K]`` float tensor of rewards (reward units), finite, within the float32 range. For
+            bfloat16/float16 rewards the decision is the one for their exact float32 values.
+        rtol: relative tolerance, finite and ``>= 0`` (0: only groups that are equal in float32). Calibration
+            records store the value they used (``CalibrationRecord.degenerate_rtol``) and training applies it.
 
     Returns:
-        ``[G]`` bool tensor, True where ``max(r) == min(r)`` exactly. For such a group GRPO's
-        centred scores are zero up to the rounding of the group mean, so GRPO makes no
-        update; SetGRPO writes zeros and marks the group ``degenerate``. Exact equality is
-        used (not a tolerance) so that any group with a real score difference is kept.
+        ``[G]`` bool tensor, True for degenerate groups. GRPO's update of such a group is zero up to rounding;
+        SetGRPO writes zeros, marks it ``degenerate`` and leaves it out of calibration.
 
     Raises:
-        ValueError: wrong shape, K < 2, or non-finite scores.
+        ValueError: wrong shape, K < 2, non-finite scores, scores beyond the float32 range, or a bad ``rtol``.
     """
     check_scores(scores, "scores")
-    return scores.amax(dim=-1) == scores.amin(dim=-1)
+    if not (isinstance(rtol, (int, float)) and 0.0 <= float(rtol) < 1.0):
+        raise ValueError(f"rtol must be a number in [0, 1), got {rtol!r} (default {DEGENERATE_RTOL})")
+    r32 = scores.to(torch.float32)
+    if not torch.isfinite(r32).all():
+        g = int((~torch.isfinite(r32)).any(dim=-1).nonzero()[0])
+        raise ValueError(f"scores of group {g} exceed the float32 range (|r| > 3.4e38); rewards must fit verl's "
+                         "float32 token rewards - rescale them")
+    r = r32.to(torch.float64)
+    spread = r.amax(dim=-1) - r.amin(dim=-1)
+    return spread <= float(rtol) * r.abs().amax(dim=-1)
 
 
 def grpo_coefficients(scores: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -84,8 +107,9 @@ def grpo_jacobian(scores: torch.Tensor, norm_by_std: bool = True, eps: float = 1
 
     Returns:
         ``[G, K, K]`` float64 tensor, units 1/reward for GRPO, dimensionless for Dr.GRPO.
-        For degenerate groups (zero spread) T is not differentiable in the GRPO mode; their
-        Jacobian is returned as zeros (they are excluded from calibration and training).
+        For exactly constant groups (zero spread) T is not differentiable in the GRPO mode; their
+        Jacobian is returned as zeros (they, and the other degenerate groups of
+        :func:`degenerate_groups`, are excluded from calibration and training).
 
     Raises:
         ValueError: wrong shape, K < 2, non-finite scores, or ``eps < 0``.
@@ -100,7 +124,7 @@ def grpo_jacobian(scores: torch.Tensor, norm_by_std: bool = True, eps: float = 1
         return proj.clone()
     c = r - r.mean(dim=-1, keepdim=True)
     s = c.norm(dim=-1) / (k - 1) ** 0.5
-    degenerate = degenerate_groups(scores)
+    degenerate = scores.amax(dim=-1) == scores.amin(dim=-1)  # exactly constant: T is not differentiable there
     s_safe = torch.where(degenerate, torch.ones_like(s), s)
     outer = c.unsqueeze(-1) * c.unsqueeze(-2) / ((k - 1) * s_safe * (s_safe + eps))[:, None, None]
     jac = (proj - outer) / (s_safe + eps)[:, None, None]

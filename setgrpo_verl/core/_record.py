@@ -12,9 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from ._grpo import DEGENERATE_RTOL
 from ._srgo import select_threshold
 
-SCHEMA_VERSION = 1
+#: Version 2 added ``degenerate_rtol`` (the degeneracy tolerance that calibration used and training applies).
+SCHEMA_VERSION = 2
 ABLATIONS = ("spherical_set", "identity_geometry", "safe_anchor_only", "fixed_threshold", "random_discard")
 _HASH_KEY = "content_sha256"
 
@@ -30,6 +32,9 @@ class CalibrationRecord:
 
     Per-threshold arrays (length m, aligned with ``tau_grid``): ``n_accepted`` N_j,
     ``n_reversals`` F_j, ``ucb`` (Clopper-Pearson at ``1 - delta/m``), ``utility`` U_j.
+    ``degenerate_rtol`` is the relative tolerance of the degeneracy test (SETGRPO.md section 1,
+    :func:`setgrpo_verl.core.degenerate_groups`) used to leave groups out of calibration; training
+    applies the same value, so a group's status never changes between the phases.
     ``tau_sel`` is None only when calibration found no risk-feasible threshold and the user chose
     ``on_infeasible="reject_all"``: such a record rejects every group.
 
@@ -65,6 +70,7 @@ class CalibrationRecord:
     policy: dict = field(default_factory=dict)
     package_versions: dict = field(default_factory=dict)
     created_at: str = ""
+    degenerate_rtol: float = DEGENERATE_RTOL
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -216,6 +222,9 @@ def _validate(r: CalibrationRecord) -> None:
         fail(f"q_alpha={r.q_alpha} must be finite and >= 0")
     if r.K < 2:
         fail(f"K={r.K} must be >= 2")
+    if isinstance(r.degenerate_rtol, bool) or not isinstance(r.degenerate_rtol, (int, float)) or not (
+            0.0 <= r.degenerate_rtol < 1.0):
+        fail(f"degenerate_rtol={r.degenerate_rtol!r} must be a number in [0, 1)")
     if r.n_cov < 1 or r.n_risk < 1 or r.n_degenerate < 0:
         fail(f"group counts n_cov={r.n_cov}, n_risk={r.n_risk}, n_degenerate={r.n_degenerate} out of range")
     m = len(r.tau_grid)

@@ -18,13 +18,32 @@ from .convert import (
     load_ifbench_rubrics,
     read_rubric_rows,
     rubrics_to_verl_rows,
+    validate_verl_rows,
     write_verl_parquet,
 )
 from .dual import DualScorer, DualScores
 from .graders import FunctionGrader, RubricGrader, as_rubric, build_grader, grader_identity, verdict_seed
-from .judges import JUDGE_TEMPLATE_VERSION, JudgeRequest, LocalHFJudge, OpenAIJudge, parse_verdict, template_hash
-from .rubric import Criterion, GradeResult, GradingError, GradingItem, Rubric, Rule, Verdict, rubric_score
-from .rules import NLTK_DATA_RULES, check_rule
+from .judges import (
+    JUDGE_TEMPLATE_VERSION,
+    JudgeRequest,
+    LocalHFJudge,
+    OpenAIJudge,
+    parse_verdict,
+    strip_reasoning,
+    template_hash,
+)
+from .rubric import (
+    Criterion,
+    GradeResult,
+    GradingError,
+    GradingItem,
+    Rubric,
+    RubricRowError,
+    Rule,
+    Verdict,
+    rubric_score,
+)
+from .rules import NLTK_DATA_RULES, UnknownRuleError, check_rule
 
 __all__ = [
     "Criterion",
@@ -43,7 +62,9 @@ __all__ = [
     "OpenAIJudge",
     "Rubric",
     "RubricGrader",
+    "RubricRowError",
     "Rule",
+    "UnknownRuleError",
     "Verdict",
     "as_rubric",
     "build_grader",
@@ -55,7 +76,9 @@ __all__ = [
     "read_rubric_rows",
     "rubric_score",
     "rubrics_to_verl_rows",
+    "strip_reasoning",
     "template_hash",
+    "validate_verl_rows",
     "verdict_seed",
     "write_verl_parquet",
 ]

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from .rubric import Criterion, Rubric, Rule
+from .rubric import Criterion, Rubric, RubricRowError, Rule
 from .rules import NLTK_DATA_RULES, rule_description
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "load_ifbench_rubrics",
     "read_rubric_rows",
     "rubrics_to_verl_rows",
+    "validate_verl_rows",
     "write_verl_parquet",
 ]
 
@@ -51,26 +52,49 @@ IFBENCH_QUALITY_CRITERIA: tuple[tuple[str, float], ...] = (
 
 
 def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
-    """Read RubricHub rows from ``.jsonl``, ``.json`` (a list) or ``.parquet``.
+    """Read RubricHub rows from ``.jsonl``, ``.json`` (a list) or ``.parquet`` and validate every row.
+
+    This is what a ``--data`` file goes through: each row is checked with :meth:`Rubric.from_row` (the one rubric
+    row validator), so a malformed row fails here, before any model loads, naming the file, the line (``.jsonl``)
+    or row number, the row id, the criterion index and the field.
+
+    Returns:
+        The rows as plain dicts (pandas/numpy values converted to Python), in file order.
 
     Raises:
-        ValueError: unsupported extension, or a ``.json`` file that is not a list of rows.
+        RubricRowError: a row that does not validate (a ``ValueError``; see :meth:`Rubric.from_row`).
+        ValueError: unsupported extension, a line that is not JSON, or a ``.json`` file that is not a list of rows.
+        OSError: the file cannot be read.
     """
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
+        rows, where = [], []
         with open(p, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if suffix == ".json":
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{p}, line {lineno}: not a JSON object ({exc.msg} at column {exc.colno}); "
+                                     "a .jsonl rubric file holds one RubricHub row per line") from None
+                where.append(f"{p}, line {lineno}")
+    elif suffix == ".json":
         data = json.loads(p.read_text(encoding="utf-8"))
         if not isinstance(data, list):
             raise ValueError(f"{p}: a .json rubric file must hold a list of rows, got {type(data).__name__}")
-        return data
-    if suffix == ".parquet":
+        rows, where = data, [f"{p}, row {i + 1}" for i in range(len(data))]
+    elif suffix == ".parquet":
         import pandas as pd
 
-        return [_plain(r) for r in pd.read_parquet(p).to_dict(orient="records")]
-    raise ValueError(f"{p}: unsupported rubric file type {suffix!r} (use .jsonl, .json or .parquet)")
+        rows = [_plain(r) for r in pd.read_parquet(p).to_dict(orient="records")]
+        where = [f"{p}, row {i + 1}" for i in range(len(rows))]
+    else:
+        raise ValueError(f"{p}: unsupported rubric file type {suffix!r} (use .jsonl, .json or .parquet)")
+    for row, loc in zip(rows, where):
+        Rubric.from_row(row, location=loc)
+    return rows
 
 
 def _plain(value):
@@ -98,15 +122,18 @@ def rubrics_to_verl_rows(
     """RubricHub rows (or :class:`Rubric` objects) -> verl RL rows (layout in the module docstring).
 
     A row's own chat ``prompt`` (list of messages) is kept if present, else the question becomes one user turn;
-    ``system_prompt`` (optional) is prepended as a system turn. Every row is validated with
-    :meth:`Rubric.from_row` (raises ``ValueError`` naming the row).
+    ``system_prompt`` (optional) is prepended as a system turn.
+
+    Raises:
+        RubricRowError: a row that does not validate with :meth:`Rubric.from_row` (a ``ValueError`` naming the input
+            row number, row id, criterion index and field, incl. rule ids unknown to if-verifiable).
     """
     out = []
     for i, row in enumerate(rows):
-        rubric = row if isinstance(row, Rubric) else Rubric.from_row(row)
+        rubric = row if isinstance(row, Rubric) else Rubric.from_row(row, location=f"input row {i + 1}")
         prompt = None if isinstance(row, Rubric) else row.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+        if prompt is not None:  # validated by Rubric.from_row: a non-empty list of {role, content} strings
+            messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
         else:
             messages = [{"role": "user", "content": rubric.question}]
         if system_prompt:
@@ -121,6 +148,36 @@ def rubrics_to_verl_rows(
             }
         )
     return out
+
+
+def validate_verl_rows(rows: Iterable[Mapping[str, Any]], *, source: str = "verl rows") -> int:
+    """Validate verl RL rows (layout in the module docstring): each ``reward_model.ground_truth`` must be a rubric
+    that :meth:`Rubric.from_row` accepts. What :class:`~setgrpo_verl.grading.verl_dataset.RubricRLHFDataset` runs
+    on verl's dataset, so bad rows fail when the dataset loads rather than in the reward worker after rollouts.
+
+    Args:
+        rows: the rows (dicts with ``reward_model`` and optionally ``extra_info``).
+        source: where they come from (a file name), used in error locations as ``"<source>, row <n>"`` (1-based).
+
+    Returns:
+        The number of rows checked.
+
+    Raises:
+        RubricRowError: (a ``ValueError``) the first bad row: location, row id, criterion index and field.
+    """
+    n = 0
+    for n, row in enumerate(rows, 1):
+        location = f"{source}, row {n}"
+        reward_model = row.get("reward_model") if isinstance(row, Mapping) else None
+        if not isinstance(reward_model, Mapping) or reward_model.get("ground_truth") is None:
+            extra = row.get("extra_info") if isinstance(row, Mapping) else None
+            row_id = extra.get("id") if isinstance(extra, Mapping) else None
+            raise RubricRowError(
+                "has no reward_model.ground_truth rubric; write rubric rows with setgrpo_verl.grading.convert "
+                "(rubrics_to_verl_rows / convert_rubric_file)", row_id=None if row_id is None else str(row_id),
+                location=location, field="reward_model")
+        Rubric.from_row(reward_model["ground_truth"], location=location)
+    return n
 
 
 def write_verl_parquet(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:

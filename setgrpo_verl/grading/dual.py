@@ -8,13 +8,14 @@ their verdict seeds (see :func:`setgrpo_verl.grading.graders.verdict_seed`).
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .graders import as_rubric, build_grader
-from .rubric import GradeResult, GradingItem, Rubric
+from .graders import _describe, as_rubric, build_grader
+from .rubric import GradeResult, GradingError, GradingItem, Rubric
 
 __all__ = ["DualScorer", "DualScores"]
 
@@ -81,12 +82,22 @@ class DualScorer:
         return dict(self.grader.identity)
 
     async def ascore(self, items: Sequence[GradingItem]) -> DualScores:
-        """Both scorings of ``items``, concurrently. Raises whatever the grader raises (GradingError, ValueError)."""
+        """Both scorings of ``items``, concurrently.
+
+        Raises:
+            GradingError: a grading failure, or a non-finite score from the grader (naming the response).
+            ValueError: whatever else the grader raises for bad input.
+        """
         from .judges import _gather_or_cancel
 
         point, reference = await _gather_or_cancel(
             [self.grader.agrade(items, scoring_index=i) for i in self.scoring_indices]
         )
+        for results, index in ((point, self.scoring_indices[0]), (reference, self.scoring_indices[1])):
+            for item, res in zip(items, results):
+                if not math.isfinite(res.score):  # any grader, also a duck-typed one: never a non-finite reward
+                    raise GradingError(f"grader {self.identity.get('name')!r} gave the non-finite score {res.score!r} "
+                                       f"in scoring {index} for {_describe(item)}; a reward must be a finite number")
         return DualScores(
             point=np.array([r.score for r in point], dtype=np.float64),
             reference=np.array([r.score for r in reference], dtype=np.float64),

@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import inspect
 import json
+import math
 from typing import Any, Mapping, Sequence
 
 from .judges import JudgeRequest, LocalHFJudge, OpenAIJudge, template_hash
@@ -119,8 +120,10 @@ class FunctionGrader:
     """A user scoring function, verl style: ``fn(data_source, solution_str, ground_truth, extra_info, *,
     scoring_index, seed, **kwargs)`` (sync or async), called once per item and scoring.
 
-    It returns a float score, or a dict with ``"score"`` and optionally ``"verdicts"`` (a list of ``True`` /
-    ``False`` / ``None`` or of ``"met"``/``"unmet"``/``"unparsed"`` strings). ``ground_truth`` is the item's
+    It returns a finite float score, or a dict with a finite ``"score"`` and optionally ``"verdicts"`` (a list of
+    ``True`` / ``False`` / ``None`` or of ``"met"``/``"unmet"``/``"unparsed"`` strings). NaN, +-inf, a bool or a
+    non-number raise :class:`GradingError` naming the row and the response (verl's group normalisation would turn
+    one such score into NaN advantages for the whole group). ``ground_truth`` is the item's
     ``ground_truth`` if set, else its rubric as a RubricHub dict. The seed passed is
     ``verdict_seed(seed, scoring_index, question, response, -1, "")`` (question = the item's prompt, else its
     rubric's question, else ``""``).
@@ -178,12 +181,21 @@ class FunctionGrader:
             raw = out.get("verdicts") or ()
             verdicts = tuple(_as_verdict(v) for v in raw)
             out = out["score"]
+        if isinstance(out, bool):
+            raise GradingError(f"{self.identity['name']} returned {out!r} for {_describe(item)}, expected a number "
+                               "or {'score': ...}")
         try:
             score = float(out)
         except (TypeError, ValueError) as exc:
-            raise GradingError(f"{self.identity['name']} returned {out!r}, expected a number or {{'score': ...}}") from exc
-        if score != score:
-            raise GradingError(f"{self.identity['name']} returned NaN for scoring {scoring_index}")
+            raise GradingError(f"{self.identity['name']} returned {out!r} for {_describe(item)}, expected a number "
+                               "or {'score': ...}") from exc
+        if not math.isfinite(score):
+            # NaN or +-inf would reach verl's group normalisation and turn the whole group's advantages into NaN
+            raise GradingError(
+                f"{self.identity['name']} returned the non-finite score {score!r} in scoring {scoring_index} for "
+                f"{_describe(item)}; a reward must be a finite number: make the function return one (e.g. a floor "
+                "such as 0.0 or -1.0 for an empty answer)"
+            )
         return GradeResult(score=score, verdicts=verdicts, scoring_index=int(scoring_index), seed=self.seed)
 
     async def agrade(self, items: Sequence[GradingItem], *, scoring_index: int) -> list[GradeResult]:
@@ -194,6 +206,16 @@ class FunctionGrader:
 
     async def aclose(self) -> None:
         return None
+
+
+def _describe(item: GradingItem) -> str:
+    """A short name of a grading item for error messages: its row id (if known) and the start of its response."""
+    extra = dict(item.extra_info or {})
+    row = extra.get("id", extra.get("index"))
+    if row is None and item.rubric is not None:
+        row = item.rubric.id
+    text = item.response if len(item.response) <= 80 else item.response[:80] + "..."
+    return (f"row {row!r}, " if row is not None else "") + f"response {text!r}"
 
 
 def _as_verdict(v) -> Verdict:
@@ -212,8 +234,8 @@ def _as_verdict(v) -> Verdict:
 
 _JUDGE_KEYS = {
     "local_hf": {"model_path", "temperature", "batch_size", "max_question_tokens", "max_response_tokens"},
-    "openai": {"base_url", "model", "api_key", "temperature", "max_tokens", "max_concurrency", "timeout",
-               "max_retries", "parse_retries", "on_unparsed"},
+    "openai": {"base_url", "model", "api_key", "temperature", "max_tokens", "chat_template_kwargs", "max_concurrency",
+               "timeout", "max_retries", "parse_retries", "on_unparsed"},
 }
 
 
@@ -223,7 +245,8 @@ def build_grader(config: Mapping[str, Any] | None):
     Keys: ``type`` (``local_hf`` | ``openai`` | ``function`` | ``rules``) and ``seed`` (default 0), plus
       * ``local_hf``: ``model_path`` (null = embedded SmolLM2-135M-Instruct), ``temperature`` (1.0),
         ``batch_size``, ``max_question_tokens``, ``max_response_tokens`` (see :class:`LocalHFJudge`);
-      * ``openai``: ``base_url``, ``model`` (required), ``api_key``, ``temperature``, ``max_tokens``,
+      * ``openai``: ``base_url``, ``model`` (required), ``api_key``, ``temperature``, ``max_tokens`` (token budget
+        per verdict; raise it for a reasoning judge), ``chat_template_kwargs`` (e.g. ``{enable_thinking: false}``),
         ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries``, ``on_unparsed``
         (see :class:`OpenAIJudge`);
       * ``function``: ``path``, ``name`` (default ``compute_score``), ``kwargs``;

@@ -4,10 +4,15 @@ Two judges share one versioned prompt protocol (:data:`JUDGE_TEMPLATE_VERSION`):
 
 * :class:`OpenAIJudge` -- any OpenAI-compatible chat-completions server (vLLM, SGLang, a hosted API). Async with a
   concurrency limit; timeout and retries with exponential backoff on 408/409/429/5xx and connection errors are
-  the ``openai`` client's own (``max_retries``, honours ``Retry-After``); strict verdict parsing (the answer must
-  be exactly ``yes`` or ``no``, case-insensitive, optional final period); an unparseable answer is re-asked with
-  the next seed up to ``parse_retries`` times, then it is an error (``on_unparsed="error"``) or an explicit
-  ``unparsed`` verdict (``on_unparsed="unparsed"``, the default), never a silent 0.
+  the ``openai`` client's own (``max_retries``, honours ``Retry-After``); an HTTP 200 whose body is not a chat
+  completion (an HTML page, an empty body, an ``{"error": ...}`` payload, no choices) is a transport failure too,
+  retried with the same budget and backoff, never read as an answer. Strict verdict parsing (after any
+  ``<think>...</think>`` block, the answer must be exactly ``yes`` or ``no``, case-insensitive, optional final
+  period); an unparseable answer is re-asked with the next seed up to ``parse_retries`` times, then it is an error
+  (``on_unparsed="error"``) or an explicit ``unparsed`` verdict (``on_unparsed="unparsed"``, the default), never a
+  silent 0. A reply cut off by the token budget (``finish_reason="length"``) before any verdict is an error that
+  names ``max_tokens`` and ``chat_template_kwargs``: re-asking with the same budget would keep only the replies
+  whose reasoning happened to be short.
 * :class:`LocalHFJudge` -- a local Hugging Face causal LM (default: the embedded SmolLM2-135M-Instruct) for
   machines without a server. One forward pass gives the next-token distribution after the assistant header;
   ``P(yes) = sigmoid(LSE(l_yes / T) - LSE(l_no / T))`` over the single-token spellings of yes / no, and the
@@ -49,6 +54,7 @@ __all__ = [
     "OpenAIJudge",
     "judge_messages",
     "parse_verdict",
+    "strip_reasoning",
     "template_hash",
 ]
 
@@ -70,6 +76,9 @@ _RESPONSE_SPLIT = "\n\nResponse:\n"
 _CRITERION_SPLIT = "\nCriterion: "
 
 _VERDICT_RE = re.compile(r"^\s*(yes|no)\s*\.?\s*$", re.IGNORECASE)
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+#: How many characters of a judge's reply error messages quote.
+SAID_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -97,13 +106,73 @@ def judge_messages(request: JudgeRequest) -> list[dict[str, str]]:
     return [{"role": "system", "content": JUDGE_SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
-def parse_verdict(text: str | None) -> bool | None:
-    """Strict verdict parsing: ``True`` for ``yes``, ``False`` for ``no`` (case-insensitive, surrounding whitespace
-    and one final period allowed), ``None`` for anything else."""
+def strip_reasoning(text: str | None) -> str | None:
+    """The answer part of a judge reply: the text after the last ``</think>``, or the whole text when there is no
+    thinking block; ``None`` when a ``<think>`` block is never closed (the reply stopped while reasoning).
+
+    A closing tag without an opening one is handled too: some chat templates put ``<think>`` into the prompt, so the
+    reply starts inside the reasoning."""
     if text is None:
         return None
-    m = _VERDICT_RE.match(text)
+    low = text.lower()
+    close = low.rfind(_THINK_CLOSE)
+    if close >= 0:
+        return text[close + len(_THINK_CLOSE):]
+    if _THINK_OPEN in low:
+        return None
+    return text
+
+
+def parse_verdict(text: str | None) -> bool | None:
+    """Strict verdict parsing: ``True`` for ``yes``, ``False`` for ``no`` (case-insensitive, surrounding whitespace
+    and one final period allowed), ``None`` for anything else. A reasoning block ``<think>...</think>`` before the
+    answer is skipped (:func:`strip_reasoning`); an unclosed one gives ``None``."""
+    answer = strip_reasoning(text)
+    if answer is None:
+        return None
+    m = _VERDICT_RE.match(answer)
     return None if m is None else m.group(1).lower() == "yes"
+
+
+def _said(text: str | None) -> str:
+    """The start of what a judge said, for error messages."""
+    if text is None:
+        return "nothing (no content)"
+    return repr(text[:SAID_CHARS]) + (f" ... ({len(text)} characters)" if len(text) > SAID_CHARS else "")
+
+
+def _completion_choice(body: str) -> tuple[dict | None, str]:
+    """The first choice of a chat-completion JSON body, or ``(None, what the body is instead)``."""
+    if not body.strip():
+        return None, "an empty body"
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None, "a body that is not JSON"
+    if not isinstance(data, dict):
+        return None, f"a JSON {type(data).__name__} instead of a chat completion"
+    if data.get("error") is not None:
+        err = data["error"]
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return None, f"an error payload instead of a chat completion (server message: {msg!r})"
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None, "a JSON object without choices"
+    if not isinstance(choices[0].get("message"), dict):
+        return None, "a choice without a message"
+    return choices[0], ""
+
+
+def _reply_text(message: dict) -> str | None:
+    """The judge's reply as one text: a reasoning field that a server-side reasoning parser split off
+    (``reasoning_content`` / ``reasoning``) is put back in front inside ``<think>`` tags, closed only when the
+    server went on to an answer, so that :func:`parse_verdict` reads both server flavours alike."""
+    content = message.get("content")
+    content = content if isinstance(content, str) else None
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if not isinstance(reasoning, str) or not reasoning:
+        return content
+    return f"{_THINK_OPEN}{reasoning}" + (f"{_THINK_CLOSE}{content}" if content else "")
 
 
 async def _gather_or_cancel(coros):
@@ -127,18 +196,24 @@ class OpenAIJudge:
         model: model name sent in each request.
         api_key: API key; ``None`` reads ``$OPENAI_API_KEY`` and falls back to ``"EMPTY"`` (local servers).
         temperature: sampling temperature sent to the server (enters the identity).
-        max_tokens: completion token limit per verdict (a verdict is one word).
+        max_tokens: completion token budget per verdict (enters the identity). A verdict is one word, so the
+            default 4 suits instruction judges; a reasoning ("thinking") judge needs room for its reasoning too
+            (e.g. 2048), or thinking switched off with ``chat_template_kwargs``.
+        chat_template_kwargs: sent as the request's ``chat_template_kwargs`` (vLLM / SGLang pass them to the chat
+            template), e.g. ``{"enable_thinking": False}`` for Qwen3; ``None`` sends nothing. Enters the identity.
         max_concurrency: at most this many requests in flight (per event loop).
         timeout: seconds per request attempt (``openai`` client timeout).
         max_retries: retries per request on timeouts, connection errors, 408/409/429/5xx, with the client's
-            exponential backoff (0.5 s doubling, at most 8 s, ``Retry-After`` honoured).
+            exponential backoff (0.5 s doubling, at most 8 s, ``Retry-After`` honoured); separately, as many
+            retries (same backoff) for HTTP 200 bodies that are not a chat completion.
         parse_retries: how many times an unparseable answer is re-asked (with seed + attempt).
         on_unparsed: ``"unparsed"`` (explicit ``unparsed`` verdict, excluded from the score and counted in the
             metrics) or ``"error"`` (raise :class:`GradingError`).
 
     Each request carries ``seed`` (the verdict seed from the grader, 31 bits), so a server that honours seeds
     (vLLM, SGLang) makes scoring i reproducible. Transport failures that outlast the retries raise
-    :class:`GradingError` naming the URL; pending sibling requests are cancelled.
+    :class:`GradingError` naming the URL, the HTTP status and the start of the body; pending sibling requests are
+    cancelled.
     """
 
     name = "openai_chat"
@@ -151,6 +226,7 @@ class OpenAIJudge:
         api_key: str | None = None,
         temperature: float = 1.0,
         max_tokens: int = 4,
+        chat_template_kwargs: dict | None = None,
         max_concurrency: int = 32,
         timeout: float = 60.0,
         max_retries: int = 4,
@@ -159,13 +235,18 @@ class OpenAIJudge:
     ):
         if on_unparsed not in ("unparsed", "error"):
             raise ValueError(f"on_unparsed must be 'unparsed' or 'error', got {on_unparsed!r}")
-        if max_concurrency < 1 or timeout <= 0 or max_retries < 0 or parse_retries < 0:
-            raise ValueError("need max_concurrency >= 1, timeout > 0, max_retries >= 0 and parse_retries >= 0")
+        if max_concurrency < 1 or timeout <= 0 or max_retries < 0 or parse_retries < 0 or int(max_tokens) < 1:
+            raise ValueError("need max_tokens >= 1, max_concurrency >= 1, timeout > 0, max_retries >= 0 and "
+                             "parse_retries >= 0")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a mapping such as {{'enable_thinking': False}}, got "
+                             f"{chat_template_kwargs!r}")
         self.base_url = base_url
         self.model = model
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
         self.temperature = float(temperature)
         self.max_tokens = int(max_tokens)
+        self.chat_template_kwargs = dict(chat_template_kwargs) if chat_template_kwargs else None
         self.max_concurrency = int(max_concurrency)
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)
@@ -176,13 +257,20 @@ class OpenAIJudge:
     @property
     def identity(self) -> dict:
         """``{name, model, temperature, template_hash}`` (SETGRPO.md section 7)."""
-        return self.identity_for(model=self.model, temperature=self.temperature, max_tokens=self.max_tokens)
+        return self.identity_for(model=self.model, temperature=self.temperature, max_tokens=self.max_tokens,
+                                 chat_template_kwargs=self.chat_template_kwargs)
 
     @classmethod
-    def identity_for(cls, *, model: str, temperature: float, max_tokens: int, **_) -> dict:
-        """The identity a judge with these settings reports (no client is created)."""
+    def identity_for(cls, *, model: str, temperature: float, max_tokens: int, chat_template_kwargs: dict | None = None,
+                     **_) -> dict:
+        """The identity a judge with these settings reports (no client is created). ``chat_template_kwargs``
+        changes what the judge model is asked, so it enters ``template_hash`` (only when given: the hash of a
+        judge without it is unchanged)."""
+        protocol: dict[str, Any] = {"max_tokens": int(max_tokens)}
+        if chat_template_kwargs:
+            protocol["chat_template_kwargs"] = dict(chat_template_kwargs)
         return {"name": cls.name, "model": model, "temperature": float(temperature),
-                "template_hash": template_hash(max_tokens=int(max_tokens))}
+                "template_hash": template_hash(**protocol)}
 
     def _client(self):
         from openai import AsyncOpenAI
@@ -197,35 +285,77 @@ class OpenAIJudge:
             self._clients[id(loop)] = entry
         return entry[1], entry[2]
 
-    async def _one(self, request: JudgeRequest, seed: int) -> Verdict:
+    async def _complete(self, messages: list[dict], seed: int) -> dict:
+        """One chat completion; returns its first choice (a dict with ``message`` and ``finish_reason``).
+
+        HTTP errors are retried by the ``openai`` client; an HTTP 200 whose body is not a chat completion is retried
+        here with the same budget and backoff.
+
+        Raises:
+            GradingError: the request still fails after ``max_retries`` retries (names the URL, the HTTP status and
+                the start of the body).
+        """
         import openai
 
         client, semaphore = self._client()
-        messages = judge_messages(request)
-        text = None
-        for attempt in range(self.parse_retries + 1):
+        extra = {"chat_template_kwargs": self.chat_template_kwargs} if self.chat_template_kwargs else None
+        url, status, body, what = f"{self.base_url.rstrip('/')}/chat/completions", None, "", ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             try:
                 async with semaphore:
-                    completion = await client.chat.completions.create(
+                    raw = await client.chat.completions.with_raw_response.create(
                         model=self.model,
                         messages=messages,
                         temperature=self.temperature,
                         max_tokens=self.max_tokens,
-                        seed=(seed + attempt) % 2**31,
+                        seed=seed,
+                        extra_body=extra,
                     )
             except openai.APIError as exc:
+                hint = ("the server cannot be reached: start the OpenAI-compatible server or fix the base URL "
+                        "(it ends in /v1)" if isinstance(exc, openai.APIConnectionError) else
+                        "the server answered with an error: check the model name and the server's log")
                 raise GradingError(
                     f"judge request to {self.base_url} failed after {self.max_retries} retries "
-                    f"(timeout {self.timeout}s per attempt): {type(exc).__name__}: {exc}"
+                    f"(timeout {self.timeout}s per attempt): {type(exc).__name__}: {exc}; {hint}"
                 ) from exc
-            text = completion.choices[0].message.content if completion.choices else None
+            response = raw.http_response
+            url, status, body = str(response.url), response.status_code, response.text
+            choice, what = _completion_choice(body)
+            if choice is not None:
+                return choice
+        raise GradingError(
+            f"judge request to {url} got HTTP {status} with {what} after {self.max_retries} retries; the body "
+            f"starts {body[:SAID_CHARS]!r}. Check that the URL is the server's OpenAI-compatible /v1 endpoint (no "
+            "proxy error page in between) and that the server is healthy"
+        )
+
+    async def _one(self, request: JudgeRequest, seed: int) -> Verdict:
+        messages = judge_messages(request)
+        text = None
+        for attempt in range(self.parse_retries + 1):
+            choice = await self._complete(messages, (seed + attempt) % 2**31)
+            text = _reply_text(choice["message"])
             met = parse_verdict(text)
             if met is not None:
                 return Verdict("met" if met else "unmet", "judge", raw=text)
+            if choice.get("finish_reason") == "length":
+                thinking = strip_reasoning(text) is None
+                raise GradingError(
+                    f"judge {self.model!r} at {self.base_url} was cut off by its token budget max_tokens="
+                    f"{self.max_tokens} (finish_reason='length') before giving a verdict"
+                    f"{' (it was still reasoning)' if thinking else ''}; it said {_said(text)}. A reasoning "
+                    "('thinking') judge needs a larger budget (grader max_tokens, e.g. 2048; CLI --judge-max-tokens) "
+                    "or thinking switched off (grader chat_template_kwargs={'enable_thinking': false}; CLI "
+                    "--judge-chat-template-kwargs '{\"enable_thinking\": false}')"
+                )
         if self.on_unparsed == "error":
             raise GradingError(
-                f"judge {self.model!r} at {self.base_url} gave an unparseable verdict {text!r} after "
-                f"{self.parse_retries} re-asks (expected 'yes' or 'no'); use on_unparsed='unparsed' to record it"
+                f"judge {self.model!r} at {self.base_url} gave an unparseable verdict after {self.parse_retries} re-asks "
+                f"(expected 'yes' or 'no' after any <think> block); it said {_said(text)}. Use "
+                "on_unparsed='unparsed' to record such answers"
             )
         return Verdict("unparsed", "judge", raw=text)
 

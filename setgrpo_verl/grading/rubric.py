@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
@@ -32,16 +33,47 @@ __all__ = [
     "GradingError",
     "GradingItem",
     "Rubric",
+    "RubricRowError",
     "Rule",
     "Verdict",
     "rubric_score",
 ]
 
 Outcome = Literal["met", "unmet", "unparsed"]
+_CHAT_ROLES = ("system", "user", "assistant")
 
 
 class GradingError(RuntimeError):
     """A response could not be graded under the configured protocol (the message says why and what to change)."""
+
+
+class RubricRowError(ValueError):
+    """A rubric row that cannot be used; raised by :meth:`Rubric.from_row` before anything is judged.
+
+    Attributes:
+        row_id: the row's ``id`` (``"<no id>"`` when the row has none), or ``None`` when the row is not a mapping.
+        location: where the row came from (file and line), or ``None``.
+        criterion_index: 0-based index into the row's ``rubrics`` list, or ``None`` for a row-level field.
+        field: the offending field: ``question``, ``id``, ``rubrics``, ``criterion``, ``points``, ``rule``,
+            ``rule.id`` or ``rule.kwargs`` (``None`` when the whole row is malformed).
+        reason: the message without the location / row / field prefix.
+    """
+
+    def __init__(self, reason: str, *, row_id: str | None = None, location: str | None = None,
+                 criterion_index: int | None = None, field: str | None = None):
+        self.row_id, self.location, self.criterion_index, self.field, self.reason = (
+            row_id, location, criterion_index, field, reason)
+        where = "rubric row" if row_id is None else f"rubric row {row_id!r}"
+        path = field
+        if criterion_index is not None:
+            path = f"rubrics[{criterion_index}]" + (f".{field}" if field else "")
+        text = f"{where}, {path}: {reason}" if path else f"{where}: {reason}"
+        super().__init__(f"{location}: {text}" if location else text)
+
+    def at(self, location: str) -> "RubricRowError":
+        """The same error with ``location`` (e.g. ``"data.jsonl, line 6"``) put in front."""
+        return RubricRowError(self.reason, row_id=self.row_id, location=location,
+                              criterion_index=self.criterion_index, field=self.field)
 
 
 @dataclass(frozen=True)
@@ -89,38 +121,121 @@ class Rubric:
             raise ValueError(f"rubric {self.id!r}: all criteria have 0 points, its score would be undefined")
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any] | str) -> "Rubric":
-        """Parse a RubricHub row ``{question, id, rubrics: [{criterion, points[, rule]}]}`` (dict or JSON string).
+    def from_row(cls, row: Mapping[str, Any] | str, *, location: str | None = None) -> "Rubric":
+        """Parse and validate a RubricHub row ``{question, id, rubrics: [{criterion, points[, rule]}]}``.
+
+        This is the single validator of rubric rows: the file reader (:func:`~.convert.read_rubric_rows`, what the
+        CLI's ``--data`` uses), the verl converters, the verl dataset check and the verl reward manager all call it,
+        so a row is accepted or refused identically wherever it enters.
+
+        Checks: the row is a mapping (or its JSON string); ``question`` is a non-blank string; ``id`` (optional) is a
+        string or integer; ``rubrics`` is a non-empty list (or its JSON string); every criterion is a mapping whose
+        ``criterion`` is a non-blank string and whose ``points`` is a finite real number (not a string, not a bool,
+        not null); an optional ``rule`` is ``{id, kwargs}`` whose id names an if-verifiable instruction and whose
+        kwargs are complete (:func:`~.rules.validate_rule`); not every criterion has 0 points.
+
+        Args:
+            row: a dict or its JSON string (verl's ``reward_model.ground_truth``).
+            location: where the row came from (e.g. ``"train.jsonl, line 6"``), prefixed to error messages.
+
+        Returns:
+            The :class:`Rubric` (points as float, ``None``-valued rule kwargs dropped).
 
         Raises:
-            ValueError: a required field is missing or malformed (the message names the row id and field).
+            RubricRowError: (a ``ValueError``) naming the location, the row id, the criterion index and the field
+                that is wrong, and how to fix it. Nothing is defaulted silently.
         """
+        def fail(message: str, field: str | None = None, index: int | None = None, row_id: str | None = None):
+            raise RubricRowError(message, row_id=row_id, location=location, criterion_index=index, field=field)
+
         if isinstance(row, (str, bytes)):
-            row = json.loads(row)
+            try:
+                row = json.loads(row)
+            except json.JSONDecodeError as exc:
+                fail(f"not valid JSON ({exc.msg} at char {exc.pos}); a rubric row is a JSON object")
         if not isinstance(row, Mapping):
-            raise ValueError(f"a rubric row must be a mapping or a JSON object string, got {type(row).__name__}")
-        rid = str(row.get("id", "<no id>"))
+            fail(f"must be a mapping (JSON object) with question, id, rubrics, got {type(row).__name__}")
+        raw_id = row.get("id")
+        if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, numbers.Integral))):
+            fail(f"of type {type(raw_id).__name__} ({raw_id!r}); use a string", field="id")
+        rid = "<no id>" if raw_id is None else str(raw_id)
         for key in ("question", "rubrics"):
-            if key not in row or row[key] is None:
-                raise ValueError(f"rubric row {rid!r} lacks the field {key!r} (RubricHub format: question, id, rubrics)")
+            if row.get(key) is None:
+                what = "missing" if key not in row else "null"
+                fail(f"{what}; a RubricHub row has question (text), id and rubrics (list of criteria)", field=key,
+                     row_id=rid)
+        question = row["question"]
+        if not isinstance(question, str) or not question.strip():
+            fail(f"must be a non-blank string, got {question!r}", field="question", row_id=rid)
+        prompt = row.get("prompt")
+        if prompt is not None:
+            if hasattr(prompt, "tolist"):
+                prompt = prompt.tolist()
+            ok = isinstance(prompt, list) and len(prompt) > 0 and all(
+                isinstance(m, Mapping) and m.get("role") in _CHAT_ROLES and isinstance(m.get("content"), str)
+                for m in prompt)
+            if not ok:
+                fail(f"must be a non-empty list of {{role, content}} chat messages (role in {_CHAT_ROLES}, content "
+                     f"a string), got {prompt!r}; or leave it out to use the question as one user turn",
+                     field="prompt", row_id=rid)
         items = row["rubrics"]
         if isinstance(items, (str, bytes)):
-            items = json.loads(items)
+            try:
+                items = json.loads(items)
+            except json.JSONDecodeError as exc:
+                fail(f"a string that is not a JSON list ({exc.msg})", field="rubrics", row_id=rid)
+        if hasattr(items, "tolist") and not isinstance(items, Mapping):  # a numpy array from a parquet column
+            items = items.tolist()
+        if isinstance(items, Mapping) or not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
+            fail(f"must be a list of {{criterion, points[, rule]}}, got {type(items).__name__}", field="rubrics",
+                 row_id=rid)
+        if len(items) == 0:
+            fail("empty; every rubric row needs at least one criterion", field="rubrics", row_id=rid)
         criteria = []
         for j, item in enumerate(items):
-            if not isinstance(item, Mapping) or "criterion" not in item or "points" not in item:
-                raise ValueError(f"rubric row {rid!r}, rubrics[{j}] must be {{criterion, points[, rule]}}, got {item!r}")
-            points = float(item["points"])
+            if not isinstance(item, Mapping):
+                fail(f"must be a mapping {{criterion, points[, rule]}}, got {item!r}", index=j, row_id=rid)
+            for key in ("criterion", "points"):
+                if key not in item:
+                    fail("missing; every criterion needs criterion (text) and points (a number)", field=key,
+                         index=j, row_id=rid)
+            text = item["criterion"]
+            if text is None:
+                fail("null; give the criterion text the judge decides (or remove the criterion)",
+                     field="criterion", index=j, row_id=rid)
+            if not isinstance(text, str) or not text.strip():
+                fail(f"must be a non-blank string, got {text!r}; give the criterion text the judge decides",
+                     field="criterion", index=j, row_id=rid)
+            points = item["points"]
+            if points is None:
+                fail("null; give a number (positive: credit when met, negative: penalty when met)",
+                     field="points", index=j, row_id=rid)
+            if isinstance(points, bool) or not isinstance(points, numbers.Real):
+                fail(f"must be a number, got {type(points).__name__} {points!r}; write it as a JSON number "
+                     "(positive: credit when met, negative: penalty when met)", field="points", index=j, row_id=rid)
+            points = float(points)
             if not math.isfinite(points):
-                raise ValueError(f"rubric row {rid!r}, rubrics[{j}] has non-finite points {item['points']!r}")
+                fail(f"{points!r}; points must be finite", field="points", index=j, row_id=rid)
             rule = item.get("rule")
             if rule is not None:
-                if not isinstance(rule, Mapping) or "id" not in rule:
-                    raise ValueError(f"rubric row {rid!r}, rubrics[{j}].rule must be {{id, kwargs}}, got {rule!r}")
-                kwargs = rule.get("kwargs") or {}
-                rule = Rule(str(rule["id"]), {k: v for k, v in dict(kwargs).items() if v is not None})
-            criteria.append(Criterion(str(item["criterion"]), points, rule))
-        return cls(question=str(row["question"]), id=rid, criteria=tuple(criteria))
+                if not isinstance(rule, Mapping) or not isinstance(rule.get("id"), str) or not rule["id"].strip():
+                    fail(f"must be {{id, kwargs}} with a string id, got {rule!r}", field="rule", index=j, row_id=rid)
+                kwargs = rule.get("kwargs")
+                if kwargs is not None and not isinstance(kwargs, Mapping):
+                    fail(f"must be a mapping, got {type(kwargs).__name__}", field="rule.kwargs", index=j, row_id=rid)
+                rule = Rule(rule["id"], {k: v for k, v in dict(kwargs or {}).items() if v is not None})
+                from .rules import UnknownRuleError, validate_rule  # rules imports this module
+
+                try:
+                    validate_rule(rule)
+                except ValueError as exc:
+                    field = "rule.id" if isinstance(exc, UnknownRuleError) else "rule.kwargs"
+                    fail(str(exc), field=field, index=j, row_id=rid)
+            criteria.append(Criterion(text, points, rule))
+        if all(c.points == 0 for c in criteria):
+            fail("all criteria have 0 points, so the score would be undefined; give at least one criterion "
+                 "non-zero points", field="rubrics", row_id=rid)
+        return cls(question=question, id=rid, criteria=tuple(criteria))
 
     def to_row(self) -> dict:
         """The RubricHub row (a plain dict, JSON-serialisable)."""
@@ -238,8 +353,11 @@ def rubric_score(rubric: Rubric, verdicts: Sequence[Verdict | bool | None]) -> f
             total += crit.points
     norm = pos if pos > 0 else neg
     if norm == 0:
+        said = next((v.raw for v in verdicts if isinstance(v, Verdict) and v.outcome == "unparsed" and v.raw), None)
+        quote = "" if said is None else f" (the judge said {said[:200]!r})"
         raise GradingError(
-            f"rubric {rubric.id!r}: every criterion with non-zero points has an unparsed verdict, so no score exists; "
-            "use a judge that follows the answer format, raise its parse retries, or set on_unparsed='error'"
+            f"rubric {rubric.id!r}: every criterion with non-zero points has an unparsed verdict{quote}, so no score "
+            "exists; use a judge that follows the answer format (yes or no, after any <think> block), raise its "
+            "parse retries, or set on_unparsed='error'"
         )
     return total / norm

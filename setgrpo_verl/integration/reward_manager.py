@@ -19,11 +19,17 @@ Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
       num_workers: 1                 # each reward worker builds its own grader (a local judge loads a model)
       reward_kwargs:
         grader: {type: local_hf, temperature: 1.0, seed: 0}      # see setgrpo_verl.grading.build_grader
-        # or {type: openai, base_url: http://127.0.0.1:8000/v1, model: Qwen/Qwen3-8B, max_concurrency: 64}
+        # or {type: openai, base_url: http://127.0.0.1:8000/v1, model: Qwen/Qwen3-8B, max_concurrency: 64,
+        #     chat_template_kwargs: {enable_thinking: false}}   # a reasoning judge: thinking off, or instead
+        #     max_tokens: 2048                                  # a token budget that fits its reasoning (default 4)
         # or {type: function, path: my_reward.py, name: compute_score}
         # type function without path uses verl's reward.custom_reward_function (path, name)
 
-``ground_truth`` of each row is its rubric (RubricHub row as JSON, see :mod:`setgrpo_verl.grading.convert`).
+Hydra overrides for those judge keys: ``+reward.reward_kwargs.grader.max_tokens=2048`` and
+``+reward.reward_kwargs.grader.chat_template_kwargs.enable_thinking=false``.
+
+``ground_truth`` of each row is its rubric (RubricHub row as JSON, see :mod:`setgrpo_verl.grading.convert`),
+validated by :meth:`setgrpo_verl.grading.Rubric.from_row` (the same validator as the converters and ``--data``).
 The module registers the manager on import (verl's plugin loader imports it via
 :mod:`setgrpo_verl.integration.plugin`); :func:`register` is idempotent.
 """
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -41,7 +47,8 @@ from verl.experimental.reward_loop.reward_manager import register as _verl_regis
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
 
-from ..grading import DualScorer, GradingItem, as_rubric, build_grader, grader_identity as _grader_identity
+from ..grading import DualScorer, GradingItem, Rubric, RubricRowError, build_grader
+from ..grading import grader_identity as _grader_identity
 
 __all__ = [
     "REFERENCE_SCORE_KEY",
@@ -123,8 +130,12 @@ class SetGRPODualRewardManager(RewardManagerBase):
         """Score one response twice. Returns ``{"reward_score": r, "reward_extra_info": {...}}`` (module docstring).
 
         Raises:
-            ValueError: the row's ``reward_model.ground_truth`` is not a rubric (for rubric graders).
-            setgrpo_verl.grading.GradingError: grading failed (judge unreachable, unparsed with on_unparsed=error).
+            setgrpo_verl.grading.RubricRowError: (a ``ValueError``) the row's ``reward_model.ground_truth`` is not a
+                valid rubric (for rubric graders; for function graders when it is a rubric row), naming the row id,
+                the criterion index and the field (:meth:`setgrpo_verl.grading.Rubric.from_row`).
+            setgrpo_verl.grading.GradingError: grading failed (judge unreachable, a judge reply that is not a chat
+                completion, a judge cut off by its token budget, unparsed with on_unparsed=error, a non-finite
+                score from a function grader: the message names the response).
         """
         data = data[-1:]
         item = data[0]
@@ -139,15 +150,17 @@ class SetGRPODualRewardManager(RewardManagerBase):
         ground_truth = ntb["reward_model"]["ground_truth"]
         extra_info = dict(ntb.get("extra_info") or {})
         is_function = self.grader_cfg.get("type") == "function"
-        try:
-            rubric = as_rubric(ground_truth)
-        except (ValueError, TypeError, json.JSONDecodeError) as exc:
-            if not is_function:
-                raise ValueError(
-                    f"row {extra_info.get('id', extra_info.get('index'))!r}: reward_model.ground_truth is not a "
-                    f"RubricHub rubric ({exc}); convert the data with setgrpo_verl.grading.convert"
-                ) from exc
-            rubric = None
+        rubric = None
+        # a function grader may take any ground truth; a rubric (a row with "rubrics") is validated for every grader
+        if not is_function or _looks_like_rubric(ground_truth):
+            row = extra_info.get("id", extra_info.get("index"))
+            try:
+                rubric = Rubric.from_row(ground_truth, location=f"verl row {row!r} (reward_model.ground_truth)")
+            except RubricRowError as exc:
+                raise RubricRowError(
+                    f"{exc.reason}; fix the source rows and convert them again with setgrpo_verl.grading.convert",
+                    row_id=exc.row_id, location=exc.location, criterion_index=exc.criterion_index, field=exc.field,
+                ) from None
         grading_item = GradingItem(
             response=response,
             rubric=rubric,
@@ -167,6 +180,19 @@ class SetGRPODualRewardManager(RewardManagerBase):
             "judged_disagreement": float(metrics["judged_disagreement_rate"]),
         }
         return {"reward_score": point, "reward_extra_info": extra}
+
+
+def _looks_like_rubric(ground_truth: Any) -> bool:
+    """True for a RubricHub row (a mapping, or a JSON object string, with a ``rubrics`` key)."""
+    if isinstance(ground_truth, (str, bytes)):
+        text = ground_truth.strip()
+        if not text.startswith("{" if isinstance(text, str) else b"{"):
+            return False
+        try:
+            ground_truth = json.loads(text)
+        except ValueError:
+            return False
+    return isinstance(ground_truth, Mapping) and "rubrics" in ground_truth
 
 
 def register() -> type[SetGRPODualRewardManager]:

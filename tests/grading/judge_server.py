@@ -7,7 +7,17 @@ injected by markers in the criterion text (the user message):
 * ``[[429xN]]``       - the first N attempts get 429 with ``Retry-After: 0.05``;
 * ``[[500xN]]``       - the first N attempts get 500;
 * ``[[garbage]]``     - always answer an unparseable sentence;
-* ``[[garbage-once]]`` - the first attempt is unparseable, later ones are judged normally.
+* ``[[garbage-once]]`` - the first attempt is unparseable, later ones are judged normally;
+* ``[[htmlxN]]``, ``[[emptyxN]]``, ``[[error-payloadxN]]`` - the first N attempts get HTTP 200 with, instead of a
+  chat completion, a proxy's HTML error page, an empty body, or an ``{"error": {...}}`` payload.
+
+Besides the plain route ``/v1`` (an instruction judge that answers one word), two routes emulate a reasoning
+("thinking", Qwen3-style) judge behind vLLM: ``/reasoning-parser-on/v1`` (the server splits the reasoning off into
+``reasoning_content``) and ``/reasoning-parser-off/v1`` (the reply text holds ``<think>...</think>``). Such a judge
+generates :data:`THINKING` tokens (one token per word, the tags one token each) before ``\n\n`` and its verdict,
+unless the request's ``chat_template_kwargs`` has ``enable_thinking: false``; a reply longer than the request's
+``max_tokens`` is cut there with ``finish_reason="length"``. The verdict is the same seeded draw as on the plain
+route, so a thinking judge with a large enough budget gives exactly the plain judge's verdicts.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import time
 import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from setgrpo_verl.grading.judges import JUDGE_USER_TEMPLATE, JudgeRequest
 
@@ -31,6 +41,15 @@ _USER_RE = re.compile(
     .replace(re.escape("{response}"), "(?P<r>.*)").replace(re.escape("{criterion}"), "(?P<c>.*)") + "$",
     re.DOTALL,
 )
+#: The reasoning a thinking judge emits before its verdict (24 words).
+THINKING = ("Okay, let me check whether the response meets the criterion. I will compare what it says with what the "
+            "criterion asks and then decide.")
+_BAD_BODIES = {
+    "html": (b"<html><body><h1>502 Bad Gateway</h1>nginx</body></html>", "text/html"),
+    "empty": (b"", "application/json"),
+    "error-payload": (b'{"error": {"message": "injected overload", "type": "overloaded", "code": 503}}',
+                      "application/json"),
+}
 
 
 class JudgeServer:
@@ -40,7 +59,9 @@ class JudgeServer:
         self.in_flight = 0
         self.completed = 0
         self.app = FastAPI()
+        self.requests: list[dict] = []  # every request body, in arrival order
         self.app.post("/v1/chat/completions")(self._chat)
+        self.app.post("/{flavour}/v1/chat/completions")(self._chat)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -67,8 +88,11 @@ class JudgeServer:
             time.sleep(0.02)
         return self.in_flight == 0
 
-    async def _chat(self, request: Request):
+    async def _chat(self, request: Request, flavour: str | None = None):
         body = await request.json()
+        self.requests.append(body)
+        if flavour not in (None, "reasoning-parser-on", "reasoning-parser-off"):
+            return JSONResponse({"error": {"message": f"no route {flavour}"}}, status_code=404)
         user = body["messages"][-1]["content"]
         m = _USER_RE.match(user)
         if m is None:
@@ -88,6 +112,10 @@ class JudgeServer:
                 if hit and attempt <= int(hit.group(1)):
                     headers = {"retry-after": "0.05"} if code == 429 else {}
                     return JSONResponse({"error": {"message": f"injected {code}"}}, status_code=code, headers=headers)
+            for kind, (content, media_type) in _BAD_BODIES.items():
+                hit = re.search(rf"\[\[{kind}x(\d+)\]\]", criterion)
+                if hit and attempt <= int(hit.group(1)):
+                    return Response(content=content, status_code=200, media_type=media_type)
             if "[[garbage]]" in criterion or ("[[garbage-once]]" in criterion and attempt == 1):
                 text = "Well, it depends on how you look at it."
             else:
@@ -95,14 +123,36 @@ class JudgeServer:
                 p = float((await self.judge.ap_yes([req]))[0])
                 u = np.random.default_rng(int(body.get("seed") or 0)).random()
                 text = "yes" if u < p else "no"
+            message, finish, n_tokens = {"role": "assistant", "content": text}, "stop", 1
+            if flavour is not None:
+                message, finish, n_tokens = _thinking_reply(text, body, parser=flavour == "reasoning-parser-on")
             self.completed += 1
             return {
                 "id": f"chatcmpl-{self.completed}",
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": body["model"],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1},
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": {"prompt_tokens": 0, "completion_tokens": n_tokens, "total_tokens": n_tokens},
             }
         finally:
             self.in_flight -= 1
+
+
+def _thinking_reply(verdict: str, body: dict, *, parser: bool) -> tuple[dict, str, int]:
+    """(message, finish_reason, completion tokens) of a Qwen3-style thinking judge whose answer is ``verdict``."""
+    thinking = (body.get("chat_template_kwargs") or {}).get("enable_thinking", True)
+    tokens = ["<think>\n"] + [w + " " for w in THINKING.split()] + ["\n</think>", "\n\n"] if thinking else []
+    tokens.append(verdict)
+    budget = body.get("max_tokens") or len(tokens)
+    finish = "length" if len(tokens) > budget else "stop"
+    text = "".join(tokens[:budget])
+    if not parser:
+        return {"role": "assistant", "content": text}, finish, min(budget, len(tokens))
+    # vLLM's reasoning parser: what lies inside <think> goes to reasoning_content, the rest (if any) to content
+    reasoning, content = None, text
+    if text.startswith("<think>"):
+        inner, closed, after = text[len("<think>"):].partition("</think>")
+        reasoning, content = inner, (after if closed else "")
+    message = {"role": "assistant", "content": content or None, "reasoning_content": reasoning}
+    return message, finish, min(budget, len(tokens))

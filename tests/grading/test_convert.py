@@ -89,3 +89,32 @@ def test_ifbench_rubrics(tokenizer, tmp_path, ifbench_samples):
     # verl's overlong-prompt filter applies as usual: one IFBench prompt has 2591 chat tokens
     assert len(_verl_dataset(path, tokenizer, tmp_path, max_prompt_length=1024)) == 293
     assert ds[0]["data_source"] == "ifbench" and ds[0]["raw_prompt"][0]["content"] == rows[0]["question"]
+
+
+def test_verl_dataset_path_refuses_a_malformed_rubric_row(tokenizer, tmp_path):
+    """verl's dataset hook (data.custom_cls) with RubricRLHFDataset: a rubric row written by hand (not through the
+    converter) with null points fails when verl builds the dataset, naming the file, row, id, criterion and field."""
+    from verl.trainer.ppo.utils import create_rl_dataset
+
+    from setgrpo_verl.grading import RubricRowError, rubrics_to_verl_rows
+    from setgrpo_verl.grading.verl_dataset import RubricRLHFDataset
+
+    good = rubrics_to_verl_rows(RUBRICHUB_ROWS)
+    bad = json.loads(json.dumps(good[1]))
+    gt = json.loads(bad["reward_model"]["ground_truth"])
+    gt["rubrics"][1]["points"] = None
+    bad["reward_model"]["ground_truth"] = json.dumps(gt)
+    bad["extra_info"]["index"] = 2
+    config = OmegaConf.create({
+        "max_prompt_length": 1024, "filter_overlong_prompts": True, "filter_overlong_prompts_workers": 1,
+        "cache_dir": str(tmp_path / "verl_cache"),
+        "custom_cls": {"path": "pkg://setgrpo_verl.grading.verl_dataset", "name": "RubricRLHFDataset"}})
+    ok_path, bad_path = tmp_path / "ok.parquet", tmp_path / "bad.parquet"
+    pd.DataFrame(good).to_parquet(ok_path)
+    pd.DataFrame(good + [bad]).to_parquet(bad_path)
+    ds = create_rl_dataset(str(ok_path), config, tokenizer, None)
+    assert type(ds) is RubricRLHFDataset and len(ds) == 2 and ds[1]["extra_info"]["id"] == "wr-7"
+    with pytest.raises(RubricRowError) as info:
+        create_rl_dataset(str(bad_path), config, tokenizer, None)
+    err = info.value
+    assert (err.location, err.row_id, err.criterion_index, err.field) == (f"{bad_path}, row 3", "wr-7", 1, "points")

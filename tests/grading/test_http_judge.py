@@ -1,6 +1,7 @@
 """OpenAIJudge against a real local OpenAI-compatible server (FastAPI + uvicorn) backed by the SmolLM2 judge."""
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -175,3 +176,152 @@ def test_failure_cancels_siblings_and_leaves_nothing_in_flight(server):
     assert leftover == []
     assert time.perf_counter() - t0 < 10  # did not wait for the slow siblings
     assert server.wait_idle(timeout=5)  # every slow request was disconnected, none left running on the server
+
+
+# ------------------------------------------------------------------ HTTP 200 bodies that are not a chat completion
+def _judge_one(server, crit, *, base_url=None, seed=5, **kw):
+    async def body():
+        judge = OpenAIJudge(base_url or server.base_url, "smollm2-135m-judge", **{"timeout": 120.0, **kw})
+        try:
+            return (await judge.ajudge([JudgeRequest(Q, R, crit)], [seed]))[0]
+        finally:
+            await judge.aclose()
+
+    return _run(body)
+
+
+def _expected_outcome(server, crit, seed):
+    """The verdict the server's seeded draw gives for this criterion (what any well-behaved route returns)."""
+    import numpy as np
+
+    p = float(server.judge.p_yes([JudgeRequest(Q, R, crit)])[0])
+    return "met" if np.random.default_rng(seed).random() < p else "unmet"
+
+
+@pytest.mark.parametrize("kind", ["html", "empty", "error-payload"])
+def test_non_completion_200_is_retried_like_5xx_then_judged(server, kind):
+    crit = f"[[{kind}x2]] The response names a colour."
+    verdict = _judge_one(server, crit, max_retries=3)
+    assert server.attempts[crit] == 3  # two bad bodies, then the answer
+    assert verdict.outcome == _expected_outcome(server, crit, 5) and verdict.raw in ("yes", "no")
+
+
+@pytest.mark.parametrize("kind,body_start", [("html", "<html>"), ("empty", ""), ("error-payload", '{"error"')])
+def test_non_completion_200_beyond_retries_names_url_status_and_body(server, kind, body_start):
+    crit = f"[[{kind}x99]] The response names a colour."
+    with pytest.raises(GradingError) as info:
+        _judge_one(server, crit, max_retries=1)
+    msg = str(info.value)
+    assert server.attempts[crit] == 2  # first try + 1 retry, never read as an answer
+    assert f"{server.base_url}/chat/completions" in msg and "HTTP 200" in msg
+    assert f"starts {body_start!r}" in msg or (body_start and body_start in msg)
+    if kind == "error-payload":
+        assert "injected overload" in msg  # the server's own message is kept
+
+
+def test_error_payload_on_some_requests_does_not_change_the_score(server):
+    """An overloaded server that answers some requests with an error payload: the scores are those of a server that
+    answered every request, because those requests are retried instead of counted as unparsed answers."""
+    from setgrpo_verl.grading import verdict_seed
+
+    rubric = Rubric.from_row({"question": Q, "id": "ovl", "rubrics": [
+        {"criterion": "[[error-payloadx1]] The response names a colour.", "points": 2},
+        {"criterion": "The response is written in French.", "points": 1},
+        {"criterion": "[[error-payloadx1]] The response insults the reader.", "points": -1}]})
+    out = DualScorer(RubricGrader(_judge(server, max_retries=2, parse_retries=0), seed=3)).score([None], [R], [rubric])
+    for i, (res, score) in enumerate(zip(out.point_results + out.reference_results, [out.point[0], out.reference[0]])):
+        expected = [_expected_outcome(server, c.criterion, verdict_seed(3, i, Q, R, j, c.criterion))
+                    for j, c in enumerate(rubric.criteria)]
+        assert [v.outcome for v in res.verdicts] == expected
+        assert score == pytest.approx(rubric_score(rubric, [e == "met" for e in expected]))
+    assert out.metrics()["grading/unparsed"] == 0
+
+
+# ------------------------------------------------------------------ reasoning ("thinking") judges
+@pytest.mark.parametrize("parser", ["on", "off"])
+def test_thinking_judge_cut_off_by_token_budget_is_a_clear_error(server, parser):
+    crit = f"The response names a colour. (thinking, parser {parser}, cut off)"
+    with pytest.raises(GradingError) as info:
+        _judge_one(server, crit, base_url=_flavour_url(server, parser), max_tokens=4, parse_retries=2)
+    msg = str(info.value)
+    assert server.attempts[crit] == 1  # not re-asked: the same budget would cut it off again
+    assert "finish_reason='length'" in msg and "max_tokens=4" in msg and "enable_thinking" in msg
+    assert "Okay, let me" in msg  # the start of what the judge said
+    assert server.requests[-1]["max_tokens"] == 4 and "chat_template_kwargs" not in server.requests[-1]
+
+
+@pytest.mark.parametrize("parser", ["on", "off"])
+def test_thinking_judge_with_enough_budget_gives_the_verdict_after_its_reasoning(server, parser):
+    crit = f"The response names a colour. (thinking, parser {parser}, budget)"
+    verdict = _judge_one(server, crit, base_url=_flavour_url(server, parser), max_tokens=256, seed=11)
+    assert verdict.outcome == _expected_outcome(server, crit, 11)
+    assert verdict.raw.startswith("<think>") and "</think>" in verdict.raw
+    assert server.attempts[crit] == 1 and server.requests[-1]["max_tokens"] == 256
+
+
+@pytest.mark.parametrize("parser", ["on", "off"])
+def test_thinking_switched_off_by_chat_template_kwargs(server, parser):
+    crit = f"The response names a colour. (thinking, parser {parser}, switched off)"
+    verdict = _judge_one(server, crit, base_url=_flavour_url(server, parser), max_tokens=4, seed=12,
+                         chat_template_kwargs={"enable_thinking": False})
+    assert server.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert verdict.outcome == _expected_outcome(server, crit, 12) and verdict.raw.strip() in ("yes", "no")
+
+
+def test_unparsed_answers_are_quoted_in_errors(server):
+    crit = "[[garbage]] The response is polite."
+    with pytest.raises(GradingError) as info:
+        _judge_one(server, crit, parse_retries=0, on_unparsed="error")
+    assert "Well, it depends" in str(info.value)
+    rubric = Rubric.from_row({"question": Q, "id": "g", "rubrics": [{"criterion": crit, "points": 1}]})
+    with pytest.raises(GradingError) as info:
+        DualScorer(RubricGrader(_judge(server, parse_retries=0), seed=1)).score([None], [R], [rubric])
+    assert "Well, it depends" in str(info.value)
+
+
+def test_thinking_knobs_enter_the_judge_identity():
+    from setgrpo_verl.grading import build_grader, grader_identity
+
+    base = {"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "m"}
+    plain = grader_identity(base)
+    off = grader_identity(base | {"chat_template_kwargs": {"enable_thinking": False}})
+    budget = grader_identity(base | {"max_tokens": 2048})
+    assert len({plain["template_hash"], off["template_hash"], budget["template_hash"]}) == 3
+    built = build_grader(base | {"chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 2048})
+    assert (built.judge.chat_template_kwargs, built.judge.max_tokens) == ({"enable_thinking": False}, 2048)
+    assert built.identity == grader_identity(base | {"chat_template_kwargs": {"enable_thinking": False},
+                                                     "max_tokens": 2048})
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        build_grader(base | {"chat_template_kwargs": "enable_thinking=false"})
+
+
+def _flavour_url(server, parser):
+    return server.base_url.replace("/v1", f"/reasoning-parser-{parser}/v1")
+
+
+def test_cli_probe_of_a_thinking_judge_names_the_token_budget(server, capsys, tmp_path):
+    """`calibrate --judge openai` against a thinking judge whose replies are cut off: one error line (exit 2) that
+    names the budget and both knobs, before the policy loads; with the flags the grader sends them."""
+    from setgrpo_verl import cli, runner
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Name the number {i}.", "id": f"d{i}", "rubrics": [
+        {"criterion": "Names the number.", "points": 1}]}) + "\n" for i in range(40)))
+    argv = ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"), "--data", str(data),
+            "--judge", "openai", "--judge-base-url", _flavour_url(server, "on"), "--judge-model", "qwen3-like"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "max_tokens=4" in err[-1] and "--judge-max-tokens" in err[-1]
+    assert "--judge-chat-template-kwargs" in err[-1] and "cannot be reached" not in err[-1]
+    assert not (tmp_path / "run").exists()
+    args = cli.build_parser().parse_args(argv + ["--judge-max-tokens", "512", "--judge-chat-template-kwargs",
+                                                 '{"enable_thinking": false}'])
+    cfg = runner.RunConfig.from_profile("smoke", **cli._overrides(args))
+    grader = runner.grader_config(cfg)
+    assert (grader["max_tokens"], grader["chat_template_kwargs"]) == (512, {"enable_thinking": False})
+    scorer = runner.build_scorer(cfg)  # the probe now gets a verdict
+    assert (scorer.grader.judge.max_tokens, scorer.grader.judge.chat_template_kwargs) == (
+        512, {"enable_thinking": False})
+    assert server.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(argv + ["--judge-chat-template-kwargs", "enable_thinking=false"])

@@ -130,3 +130,66 @@ def test_reward_loop_worker_on_real_responses(ifbench_samples, smollm2_judge):
     direct = asyncio.run(DualScorer(RubricGrader(smollm2_judge, seed=0)).ascore(items))
     np.testing.assert_allclose(direct.point, scores)
     np.testing.assert_allclose(direct.reference, extra["reference_score"])
+
+
+WORDS_RULE = {"id": "ifbench:count:word_count_range", "kwargs": {"min_words": 3, "max_words": 5}}
+
+
+def test_reward_loop_refuses_a_malformed_rubric_row_naming_it():
+    """A rubric row that reaches verl's reward loop with null points (e.g. a parquet written by hand) is refused
+    with the row id, criterion index and field -- not scored as if the criterion were absent."""
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    from setgrpo_verl.grading import RubricRowError
+
+    worker = RewardLoopWorker(_config({"type": "rules", "seed": 0}))
+    good = {"question": "Describe a cat in a few words.", "id": "rm-good", "rubrics": [
+        {"criterion": "Uses 3 to 5 words", "points": 2, "rule": WORDS_RULE}]}
+    bad = {"question": "Describe a dog in a few words.", "id": "rm-bad", "rubrics": [
+        {"criterion": "Uses 3 to 5 words", "points": 2, "rule": WORDS_RULE},
+        {"criterion": "Uses 3 to 5 words again", "points": None, "rule": WORDS_RULE}]}
+    texts = ["My cat is soft.", "My dog barks loudly at night."]
+    out = worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, [good], texts[:1])))
+    assert out[0]["reward_score"] == 1.0  # 4 words: the rule is met, the row scores 2/2
+    with pytest.raises(RubricRowError) as info:
+        worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, [good, bad], texts)))
+    err = info.value
+    assert (err.row_id, err.criterion_index, err.field) == ("rm-bad", 1, "points")
+    assert "rm-bad" in err.location  # the verl row (extra_info.id) is named too
+
+
+def test_reward_loop_refuses_a_non_finite_function_score(tmp_path):
+    """A verl-style scoring function that returns -inf for an empty answer: GradingError naming the response,
+    instead of an inf reward that verl's GRPO turns into NaN advantages for the whole group."""
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    from setgrpo_verl.grading import GradingError
+
+    fn = tmp_path / "reward_fn.py"
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs):\n"
+                  "    return float('-inf') if not solution_str.strip() else 1.0 / len(solution_str)\n")
+    worker = RewardLoopWorker(_config({"type": "function", "path": str(fn), "name": "compute_score", "seed": 0}))
+    rows = [{"question": "Say something.", "id": f"fn-{i}", "rubrics": [{"criterion": "Says something", "points": 1}]}
+            for i in range(2)]
+    out = worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, rows[:1], ["abcd"])))
+    assert out[0]["reward_score"] == 0.25 and out[0]["reward_extra_info"]["reference_score"] == 0.25
+    with pytest.raises(GradingError) as info:
+        worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, rows, ["abcd", ""])))
+    msg = str(info.value)
+    assert "-inf" in msg and "'fn-1'" in msg and "response ''" in msg
+
+
+def test_judge_token_budget_and_chat_template_kwargs_are_grader_keys():
+    """The reasoning-judge knobs as Hydra overrides of the reward manager's grader config reach the judge."""
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    from setgrpo_verl.integration.reward_manager import grader_identity
+
+    config = _config({"type": "openai", "base_url": "http://127.0.0.1:1/v1", "model": "Qwen/Qwen3-8B"})
+    overrides = OmegaConf.from_dotlist(["reward.reward_kwargs.grader.max_tokens=2048",
+                                        "reward.reward_kwargs.grader.chat_template_kwargs.enable_thinking=false"])
+    config = OmegaConf.merge(config, overrides)
+    manager = load_reward_manager(config, tokenizer=None)
+    judge = manager.scorer.grader.judge
+    assert (judge.max_tokens, judge.chat_template_kwargs) == (2048, {"enable_thinking": False})
+    assert manager.identity == grader_identity(config)
