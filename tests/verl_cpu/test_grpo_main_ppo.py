@@ -110,7 +110,8 @@ def test_two_steps_with_rewards_and_advantages_as_verl_grpo(grpo_run):
 def test_rollout_samples_from_the_updated_policy(grpo_run):
     step2 = [m for m in read_metrics(grpo_run / "metrics.jsonl") if m.get("training/global_step") == 2][0]
     assert step2["training/rollout_probs_diff_valid"] == 1
-    assert step2["training/rollout_probs_diff_max"] < 1e-3
+    # token probabilities of the random model are ~1/vocab (2e-5): synced, rollout and actor agree to float rounding
+    assert step2["training/rollout_probs_diff_max"] < 1e-8
 
 
 def test_the_check_fails_without_weight_sync(tiny_model, rubric_parquet, reward_file, tmp_path):
@@ -120,4 +121,4 @@ def test_the_check_fails_without_weight_sync(tiny_model, rubric_parquet, reward_
     proc = run_main_ppo(overrides, workdir=tmp_path, env=env, rollout="transformers_nosync")
     assert proc.returncode == 0, tail(proc)
     step2 = [m for m in read_metrics(tmp_path / "metrics.jsonl") if m.get("training/global_step") == 2][0]
-    assert step2["training/rollout_probs_diff_max"] > 1e-2
+    assert step2["training/rollout_probs_diff_max"] > 1e-6
