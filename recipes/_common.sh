@@ -70,6 +70,8 @@ _table3_args() {
     echo "+reward.reward_kwargs.grader.model=$JUDGE_MODEL"
     echo "+reward.reward_kwargs.grader.temperature=$JUDGE_TEMPERATURE"
     echo "+reward.reward_kwargs.grader.max_concurrency=64"
+    # Qwen3 judges think before answering by default: switch thinking off so that a short verdict budget suffices
+    echo "+reward.reward_kwargs.grader.chat_template_kwargs.enable_thinking=false"
     echo "trainer.logger=$LOGGER"
     echo "trainer.project_name=setgrpo"
     echo "trainer.nnodes=$NNODES"

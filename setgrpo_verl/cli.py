@@ -76,8 +76,6 @@ PROFILES: dict[str, dict[str, Any]] = {
         "algorithm.setgrpo.delta": 0.2,
         "algorithm.setgrpo.tau_grid": [0.0, 0.2, 0.4, 0.6],
         "actor_rollout_ref.actor.optim.lr": 1e-5,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 8,
     },
     "smoke": {
         "actor_rollout_ref.rollout.n": 3,
@@ -92,8 +90,6 @@ PROFILES: dict[str, dict[str, Any]] = {
         "algorithm.setgrpo.delta": 0.3,
         "algorithm.setgrpo.tau_grid": [0.0, 0.3, 0.6],
         "actor_rollout_ref.actor.optim.lr": 1e-5,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 8,
     },
 }
 
@@ -227,6 +223,31 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 16) -> int:
+    """Responses per micro-batch and rank: whole groups, at most ``max_responses``, dividing every batch a rank sees.
+
+    verl's fixed micro-batching needs each rank's share of a batch (training steps and calibration batches) to be a
+    multiple of the micro-batch size.
+
+    Raises:
+        LaunchError: the batches cannot be split evenly over ``ranks``.
+    """
+    import math
+
+    from .launch import LaunchError
+
+    k = int(values.get("actor_rollout_ref.rollout.n", 8))
+    train = int(values.get("data.train_batch_size", 1))
+    calibration = int(values.get("algorithm.setgrpo.calibration.batch_size") or train)
+    groups = math.gcd(train, calibration)
+    if groups % ranks:
+        raise LaunchError(f"--groups-per-step {train} and --calib-batch-size {calibration} must both be multiples of "
+                          f"--actor-ranks {ranks}")
+    per_rank = groups // ranks
+    best = max(d for d in range(1, per_rank + 1) if per_rank % d == 0 and (d == 1 or k * d <= max_responses))
+    return k * best
+
+
 def _grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     if args.judge == "local":
         grader: dict[str, Any] = {"type": "local_hf", "seed": seed}
@@ -263,6 +284,9 @@ def _run(args: argparse.Namespace) -> str | None:
         model = embedded_model_dir()
     values["actor_rollout_ref.model.path"] = str(model)
     values.setdefault("actor_rollout_ref.actor.ppo_mini_batch_size", values.get("data.train_batch_size"))
+    micro = _micro_batch_size(values, args.actor_ranks)
+    values.setdefault("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", micro)
+    values.setdefault("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", micro)
     grader = _grader(args, seed)
     common = [format_override(k, v) for k, v in values.items() if v is not None]
     common += launch.cpu_overrides(args.actor_ranks) + [format_override("+reward.reward_kwargs.grader", grader)]

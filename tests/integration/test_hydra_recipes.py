@@ -209,3 +209,27 @@ def test_main_ppo_stops_before_ray_on_inconsistent_setgrpo_settings(override, me
     finally:
         sys.argv = old
     assert isinstance(exc.value.code, str) and message in exc.value.code, exc.value.code
+
+
+def test_yaml_block_is_generated_from_the_field_docs():
+    from setgrpo_verl.integration.config import render_yaml
+
+    text = (Path(CONFIG_DIR) / "setgrpo_trainer.yaml").read_text()
+    assert render_yaml(indent=4) in text
+
+
+def test_sketch_defaults_are_exactly_sketch_config():
+    from setgrpo_verl.integration.config import SetGRPOSketchConfig, run_identity
+    from setgrpo_verl.sketch import SketchConfig
+
+    assert SetGRPOSketchConfig().to_sketch_config() == SketchConfig()
+    assert {f.name for f in dataclasses.fields(SketchConfig)} <= {f.name for f in dataclasses.fields(SetGRPOSketchConfig)}
+    code, out, _ = _compose(["--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer",
+                             "+reward.reward_kwargs.grader.type=rules"])
+    cfg = OmegaConf.create(out)
+    setgrpo = setgrpo_config_from(cfg.algorithm)
+    assert setgrpo.sketch.to_sketch_config() == SketchConfig()  # what the worker receives
+    assert run_identity(cfg, setgrpo)["sketch"] == dataclasses.asdict(SketchConfig())  # what the record stores
+    code, out, _ = _compose(["--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer",
+                             "algorithm.setgrpo.sketch.copies=8"])
+    assert setgrpo_config_from(OmegaConf.create(out).algorithm).sketch.to_sketch_config().copies == 8

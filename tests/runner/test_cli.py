@@ -1,15 +1,17 @@
-"""Command line: parsing, profiles, and bad input that must fail with a clear message before anything runs."""
+"""Command line: flags map onto the one configuration, and bad input fails with one clear line before verl starts."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from setgrpo_verl import cli, runner
+from setgrpo_verl import cli
+from setgrpo_verl.integration.config import field_doc
 
 
 def _fail(capsys, argv) -> str:
@@ -35,26 +37,47 @@ def test_python_dash_m_help_lists_every_command():
         assert command in out
 
 
+def test_help_of_schema_flags_is_the_field_doc():
+    help_text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["calibrate"].format_help().split())
+    for key in ("alpha", "beta", "calibration.num_prompts"):
+        assert " ".join(field_doc(key).split()) in help_text
+        assert f"[algorithm.setgrpo.{key}]" in help_text
+
+
 def test_flags_override_the_profile():
     args = cli.build_parser().parse_args(["train", "--run-dir", "x", "--profile", "smoke", "-K", "5", "--beta", "0.4",
-                                          "--steps", "7", "--no-online-monitor"])
-    cfg = runner.RunConfig.from_profile(args.profile, **cli._overrides(args))
-    smoke = runner.RunConfig.from_profile("smoke")
-    assert (cfg.rollout_n, cfg.beta, cfg.train_steps, cfg.online_monitor) == (5, 0.4, 7, False)
-    assert cfg.calib_groups == smoke.calib_groups and cfg.tau_grid == smoke.tau_grid
-    assert runner.RunConfig.from_profile("default") == runner.RunConfig()
+                                          "--steps", "7", "--tau-grid", "0,0.5"])
+    values = cli.overrides_from_args(args)
+    smoke = cli.PROFILES["smoke"]
+    assert values["actor_rollout_ref.rollout.n"] == 5
+    assert values["algorithm.setgrpo.beta"] == 0.4 and values["algorithm.setgrpo.tau_grid"] == [0.0, 0.5]
+    assert values["trainer.total_training_steps"] == 7
+    assert values["algorithm.setgrpo.calibration.num_prompts"] == smoke["algorithm.setgrpo.calibration.num_prompts"]
 
 
-def test_config_round_trips_through_json(tmp_path):
-    cfg = runner.RunConfig.from_profile("smoke", seed=3)
-    cfg.to_json(tmp_path / "config.json")
-    assert runner.RunConfig.from_json(tmp_path / "config.json") == cfg
+def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
+    run = tmp_path / "run"
+    assert cli.main(["quickstart", "--run-dir", str(run), "--dry-run", "--alpha", "0.3",
+                     "trainer.logger=[console,wandb]"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and not run.exists()
+    calibrate, train, grpo = (shlex.split(line) for line in lines)
+    for cmd in (calibrate, train, grpo):
+        assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and "trainer.device=cpu" in cmd
+        assert "actor_rollout_ref.rollout.name=transformers" in cmd
+        assert cmd[-1] == "trainer.logger=[console,wandb]"  # user overrides come last and win
+    assert cmd[cmd.index("--config-name") + 1] == "ppo_trainer" and "algorithm.adv_estimator=grpo" in grpo
+    assert not any(a.startswith("algorithm.setgrpo") for a in grpo)
+    assert "algorithm.setgrpo.alpha=0.3" in calibrate and "algorithm.setgrpo.calibration.only=true" in calibrate
+    assert f"algorithm.setgrpo.record_path={(run / 'calibration' / 'record.json').resolve()}" in train
+    assert calibrate[calibrate.index("--config-name") + 1] == "setgrpo_trainer"
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["-K", "1"], "K >= 2"),
-    (["--alpha", "1.5"], "alpha=1.5"),
+    (["-K", "1"], "--rollout-n must be >= 2"),
     (["--judge", "openai"], "--judge-base-url"),
+    (["--judge", "function"], "--reward-function"),
+    (["--judge-max-tokens", "64"], "--judge openai only"),
 ])
 def test_invalid_settings(capsys, tmp_path, flags, needle):
     err = _fail(capsys, ["calibrate", "--run-dir", str(tmp_path / "run"), *flags])
@@ -64,7 +87,6 @@ def test_invalid_settings(capsys, tmp_path, flags, needle):
 def test_missing_data_file(capsys, tmp_path):
     err = _fail(capsys, ["calibrate", "--run-dir", str(tmp_path / "run"), "--data", str(tmp_path / "nope.jsonl")])
     assert "no such file" in err and "RubricHub" in err
-    assert not (tmp_path / "run").exists()
 
 
 def test_rubric_row_without_positive_points(capsys, tmp_path):
@@ -72,21 +94,24 @@ def test_rubric_row_without_positive_points(capsys, tmp_path):
     rows[7]["rubrics"] = [{"criterion": "contains a slur", "points": -2.0}]
     err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"),
                          "--data", _jsonl(tmp_path / "d.jsonl", rows)])
-    assert "'row-7'" in err and "positive points" in err
-    assert not (tmp_path / "run").exists()
+    assert "row-7" in err and "positive points" in err
+    assert not (tmp_path / "run" / "calibration").exists()
 
 
 def test_prompt_set_smaller_than_calibration_needs(capsys, tmp_path):
     err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"),
                          "--data", _jsonl(tmp_path / "d.jsonl", _rows(5))])
-    assert "5 usable prompts" in err and "--calib-groups" in err
-    assert not (tmp_path / "run").exists()
+    assert "5 of 5 prompts" in err and "--calib-groups" in err
+    assert not (tmp_path / "run" / "calibration").exists()
 
 
 def test_calibration_too_small_for_alpha_and_beta(capsys, tmp_path):
     err = _fail(capsys, ["calibrate", "--run-dir", str(tmp_path / "run"), "--calib-groups", "10",
-                         "--alpha", "0.05", "--beta", "0.08"])
-    assert "--calib-groups 10 is too small" in err and "alpha=0.05" in err
+                         "--alpha", "0.05", "--beta", "0.08", "--delta", "0.05", "--tau-grid", ",".join(
+                             str(i / 20) for i in range(20))])
+    # alpha 0.05 needs 19 coverage groups; beta 0.08 at 1 - 0.05/20 needs 73 risk groups with no reversal
+    assert "--calib-groups 10 is too small" in err and ">= 19 non-degenerate" in err and ">= 73 accepted" in err
+    assert "--calib-groups >= 146" in err
     assert not (tmp_path / "run").exists()
 
 
@@ -96,7 +121,7 @@ def test_unreachable_judge(capsys, tmp_path):
         port = s.getsockname()[1]
     err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"), "--judge", "openai",
                          "--judge-base-url", f"http://127.0.0.1:{port}/v1", "--judge-model", "judge"])
-    assert f"127.0.0.1:{port}" in err and "cannot be reached" in err
+    assert f"127.0.0.1:{port}" in err and "probe" in err
     assert not (tmp_path / "run").exists()
 
 
