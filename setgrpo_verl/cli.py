@@ -3,7 +3,7 @@
 Subcommands (all offline on the embedded defaults; see README.md, "Main job"):
 
 * ``calibrate``      roll out calibration prompts, score every response twice, sketch gradients, write the frozen
-                     calibration record (SETGRPO.md sections 2, 4, 7) and the paired scores it was fitted on.
+                     calibration record (docs/algorithm.md#2-jrsc, #4-srgo, #7-record) and the paired scores it was fitted on.
 * ``train``          SetGRPO training steps with a frozen record (or ``--estimator grpo``: the plain GRPO baseline
                      on the same seeds), verl's PPO-clip policy loss, metrics as JSON lines, a final checkpoint.
 * ``report``         PNG plots and a text summary of a run directory.
@@ -57,7 +57,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, training: bool, calibration:
     r.add_argument("--top-p", type=float, default=None)
     r.add_argument("--sketch-rank", type=int, default=None, help="Kronecker sketch rank per side (r_o = r_i)")
     if calibration:
-        c = p.add_argument_group("calibration (SETGRPO.md sections 2 and 4)")
+        c = p.add_argument_group("calibration (docs/algorithm.md#2-jrsc and #4-srgo)")
         c.add_argument("--calib-groups", type=int, default=None, help="calibration prompts (groups), split 50/50")
         c.add_argument("--alpha", type=float, default=None, help="miscoverage of the coefficient set")
         c.add_argument("--beta", type=float, default=None, help="target conditional reversal risk")

@@ -6,7 +6,7 @@ This is the project's "main job" (README.md): the same pieces verl uses on a clu
   into verl's :class:`~verl.DataProto` with verl's key names (``prompts``, ``responses``, ``input_ids``,
   ``attention_mask``, ``position_ids``, ``response_mask``, non-tensor ``uid``);
 * rewards: :class:`setgrpo_verl.grading.DualScorer` scores every response twice (point r, reference r');
-* geometry: :func:`setgrpo_verl.sketch.compute_sketches` (per-response gradient sketches, SETGRPO.md section 5),
+* geometry: :func:`setgrpo_verl.sketch.compute_sketches` (per-response gradient sketches, docs/algorithm.md#5-sketches),
   Gram matrices ``M_g = S_g S_g^T`` in float64;
 * coefficients: :func:`setgrpo_verl.core.setgrpo_coefficients` (SetGRPO) or verl's
   ``compute_grpo_outcome_advantage`` (the GRPO baseline);
@@ -19,7 +19,7 @@ This is the project's "main job" (README.md): the same pieces verl uses on a clu
 Run directory layout (every stage writes ``COMPLETE`` last; a failed stage writes ``FAILED`` with the reason)::
 
     <run-dir>/config.json                 RunConfig of the last command (also per stage)
-    <run-dir>/calibration/record.json     the frozen CalibrationRecord (SETGRPO.md section 7)
+    <run-dir>/calibration/record.json     the frozen CalibrationRecord (docs/algorithm.md#7-record)
     <run-dir>/calibration/paired_scores.npz  point [G,K], reference [G,K], gram [G,K,K] (re-fit offline)
     <run-dir>/calibration/rollouts.jsonl  prompts, responses and both scores
     <run-dir>/train_<estimator>/metrics.jsonl, groups.jsonl, checkpoint/
@@ -92,10 +92,10 @@ class RunConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     gen_batch_groups: int = 8
-    # sketch (SETGRPO.md section 5)
+    # sketch (docs/algorithm.md#5-sketches)
     sketch_rank: int = 8
     sketch_seed: int = 0
-    # calibration (SETGRPO.md sections 2, 4)
+    # calibration (docs/algorithm.md#2-jrsc, #4-srgo)
     calib_groups: int = 48
     alpha: float = 0.5
     beta: float = 0.65
@@ -377,7 +377,7 @@ def policy_update(model, optimizer, batch, cfg: RunConfig) -> dict[str, float]:
     coefficients broadcast over response tokens, zero for rejected groups) and ``old_log_probs`` [B, R]. The
     loss is ``pg_loss - entropy_coeff * entropy`` aggregated with ``cfg.loss_agg_mode`` over the whole mini-batch
     (``global_batch_info`` makes micro-batch gradient accumulation exact). At ratio 1 its gradient is
-    ``-sum_i c_i g_i`` up to one global constant (SETGRPO.md section 0).
+    ``-sum_i c_i g_i`` up to one global constant (docs/algorithm.md#0-notation).
 
     If every advantage is exactly zero (all groups rejected or degenerate) nothing is computed and no optimizer
     step is taken, so the parameters (and AdamW's state) stay bit-identical; ``actor/update_skipped`` is 1.
@@ -526,7 +526,7 @@ def sketch_config(cfg: RunConfig):
 
 def sketch_batch(model, batch, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-response gradient sketches float32 ``[B, m]`` and old log-probs ``[B, R]`` (one forward + backward per
-    micro-batch, :func:`setgrpo_verl.sketch.compute_sketches`, SETGRPO.md section 5)."""
+    micro-batch, :func:`setgrpo_verl.sketch.compute_sketches`, docs/algorithm.md#5-sketches)."""
     from .sketch import compute_sketches
 
     out = compute_sketches(model, batch.batch["input_ids"], batch.batch["attention_mask"],
@@ -630,7 +630,7 @@ def _rollout_jsonl(batch, point, reference, n: int, rows: list[dict], extra: dic
 def run_calibration(cfg: RunConfig, run_dir: str | os.PathLike, *, overwrite: bool = False):
     """Calibration stage: rollouts of ``cfg.calib_groups`` prompts, two scorings, sketches, core ``calibrate``.
 
-    Implements the driver side of SETGRPO.md sections 2, 4, 5 and 7 at the initial policy (no update). Writes
+    Implements the driver side of docs/algorithm.md#2-jrsc, #4-srgo, #5-sketches and #7-record at the initial policy (no update). Writes
     ``<run_dir>/calibration/{record.json, paired_scores.npz, rollouts.jsonl, config.json, COMPLETE}``;
     ``paired_scores.npz`` holds ``point`` / ``reference`` float64 [G, K], ``gram`` float64 [G, K, K] and
     ``prompt_id`` [G], so the record can be re-fitted offline with :func:`setgrpo_verl.core.calibrate`.
@@ -731,7 +731,7 @@ def run_training(cfg: RunConfig, run_dir: str | os.PathLike, *, estimator: str =
     Each step: rollouts of ``cfg.train_groups`` prompts (seed ``cfg.seed + step``, the same for both estimators),
     two scorings, then
       * ``setgrpo``: sketches + old log-probs in one pass, coefficients from the frozen record via the verl
-        estimator's glue :func:`setgrpo_verl.integration.estimator.setgrpo_step` (SETGRPO.md sections 3 and 6),
+        estimator's glue :func:`setgrpo_verl.integration.estimator.setgrpo_step` (docs/algorithm.md#3-ggsr and #6-diagnostics),
         online coverage / reversal monitor on the reference scores;
       * ``grpo``: old log-probs and verl's ``compute_grpo_outcome_advantage`` on the point scores;
     then one PPO-clip optimizer step (:func:`policy_update`; none when every coefficient is zero). Training prompts

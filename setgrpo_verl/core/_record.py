@@ -1,4 +1,4 @@
-"""The frozen calibration record (SETGRPO.md section 7): written once by ``calibrate``, read at training start."""
+"""The frozen calibration record (docs/algorithm.md#7-record): written once by ``calibrate``, read at training start."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""verl 0.9.1 integration of SetGRPO (see ``../shared/design/VERL_INTEGRATION.md``).
+"""verl 0.9.1 integration of SetGRPO (see ``docs/verl_integration.md``).
 
 * :mod:`.plugin` -- the ``verl.plugins`` entry point: registers everything below at ``import verl``.
 * :mod:`.estimator` -- the ``setgrpo`` advantage estimator and the pure per-step glue ``setgrpo_step``.

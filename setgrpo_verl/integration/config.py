@@ -23,13 +23,13 @@ SETGRPO_NAME = "setgrpo"
 #: The override that switches verl's v1 trainer to the SetGRPO trainer mode.
 TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 
-#: Ablations of SETGRPO.md section 6 (``None`` is the full method).
+#: Ablations of docs/algorithm.md#6-diagnostics (``None`` is the full method).
 ABLATIONS = ("spherical_set", "identity_geometry", "safe_anchor_only", "fixed_threshold", "random_discard")
 
 
 @dataclass
 class SetGRPOCalibrationConfig(BaseConfig):
-    """Calibration phase (SETGRPO.md sections 2 and 4). See ``algorithm.setgrpo.calibration`` in the YAML."""
+    """Calibration phase (docs/algorithm.md#2-jrsc and #4-srgo). See ``algorithm.setgrpo.calibration`` in the YAML."""
 
     files: Optional[Any] = None
     num_prompts: int = 512
@@ -51,7 +51,7 @@ class SetGRPOCalibrationConfig(BaseConfig):
 
 @dataclass
 class SetGRPOSketchConfig(BaseConfig):
-    """Worker-side gradient sketches (SETGRPO.md section 5). See ``algorithm.setgrpo.sketch`` in the YAML."""
+    """Worker-side gradient sketches (docs/algorithm.md#5-sketches). See ``algorithm.setgrpo.sketch`` in the YAML."""
 
     rank_out: int = 8
     rank_in: int = 8
@@ -79,7 +79,7 @@ class SetGRPOSketchConfig(BaseConfig):
 
 @dataclass
 class SetGRPOMonitorConfig(BaseConfig):
-    """Online coverage / reversal monitor (SETGRPO.md section 6). See ``algorithm.setgrpo.monitor``."""
+    """Online coverage / reversal monitor (docs/algorithm.md#6-diagnostics). See ``algorithm.setgrpo.monitor``."""
 
     enable: bool = True
     warn_on_drift: bool = True
@@ -87,7 +87,7 @@ class SetGRPOMonitorConfig(BaseConfig):
 
 @dataclass
 class SetGRPOConfig(BaseConfig):
-    """The ``algorithm.setgrpo`` block (SETGRPO.md sections 2-7).
+    """The ``algorithm.setgrpo`` block (docs/algorithm.md).
 
     Raises:
         ValueError: a value outside its admissible range, naming the key and the range.

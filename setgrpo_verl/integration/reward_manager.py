@@ -3,7 +3,7 @@
 verl's reward loop (``verl.experimental.reward_loop``) resolves ``reward.reward_manager.name`` through the registry
 ``verl.experimental.reward_loop.reward_manager.get_reward_manager_cls`` (``source: register``) and calls
 ``await manager.run_single(data_item)`` once per response. This manager scores each response twice with the same
-grading protocol (:class:`setgrpo_verl.grading.DualScorer`, SETGRPO.md section 0):
+grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-notation):
 
 * ``reward_score`` = the point score r (verl puts it on the last response token of ``rm_scores``);
 * ``reward_extra_info`` (one value per response, every key always present) carries
@@ -89,7 +89,7 @@ def grader_config(config: DictConfig) -> dict:
 
 def grader_identity(config: DictConfig) -> dict:
     """Grader identity ``{name, model, temperature, template_hash}`` of a verl config, without building the grader
-    (for the calibration record, SETGRPO.md section 7)."""
+    (for the calibration record, docs/algorithm.md#7-record)."""
     return _grader_identity(grader_config(config))
 
 

@@ -1,5 +1,5 @@
 """The runner's PPO update: verl's policy loss + agg_loss on a DataProto, checked against exact per-response
-gradients (SETGRPO.md section 0: at ratio 1 the update is sum_i c_i g_i up to one global constant)."""
+gradients (docs/algorithm.md#0-notation: at ratio 1 the update is sum_i c_i g_i up to one global constant)."""
 
 from __future__ import annotations
 
