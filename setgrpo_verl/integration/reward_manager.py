@@ -24,8 +24,8 @@ Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
         # type function without path uses verl's reward.custom_reward_function (path, name)
 
 ``ground_truth`` of each row is its rubric (RubricHub row as JSON, see :mod:`setgrpo_verl.grading.convert`).
-The module registers the manager on import (verl's plugin loader imports it via
-:mod:`setgrpo_verl.integration.plugin`); :func:`register` is idempotent.
+The module registers the manager on import; :mod:`setgrpo_verl.integration.plugin` imports it right after verl
+imports its reward-manager registry. :func:`register` is idempotent.
 """
 
 from __future__ import annotations
