@@ -71,7 +71,7 @@ def test_docs_pages_exist():
 
 def test_every_cited_docs_section_exists():
     cited = citations()
-    assert len(cited) > 80  # the code cites the docs throughout
+    assert len(cited) > 40  # the code and the docs cite sections throughout (155 when written)
     pages = {p.name: anchors(p) for p in DOCS.glob("*.md")}
     broken = [f"{f}:{n}: docs/{page}{'#' + a if a else ''}" for f, n, page, a in cited
               if page not in pages or (a is not None and a not in pages[page])]
