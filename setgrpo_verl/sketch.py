@@ -1,10 +1,11 @@
-"""Per-response gradient sketches: the worker-side geometry of SetGRPO (SETGRPO.md section 5).
+"""Per-response gradient sketches: the worker-side geometry of SetGRPO (docs/algorithm.md#5-sketches,
+design and measurements: docs/sketch.md).
 
 For every response i of a micro-batch we estimate its response-level gradient
 
     g_i = d/dtheta  sum_t w_it log pi(o_it | x_i, o_i,<t)
 
-(SETGRPO.md section 0; w follows verl's ``loss_agg_mode``) through a Kronecker-projected sketch.
+(docs/algorithm.md#0-notation; w follows verl's ``loss_agg_mode``) through a Kronecker-projected sketch.
 For an ``nn.Linear`` block W (out x in) the per-response gradient is sum_t delta_t x_t^T over all
 positions t of the response's sequence (prompt positions included), with delta_t the gradient of
 the objective w.r.t. the layer output and x_t its input.  The sketch of that block is
@@ -12,12 +13,12 @@ the objective w.r.t. the layer output and x_t its input.  The sketch of that blo
     S_i[block, c] = sum_t (P_out^c delta_t)(P_in^c x_t)^T / sqrt(k)   (r_out x r_in),  c = 1..k
 
 with P_out^c (r_out x out), P_in^c (r_in x in) of i.i.d. N(0, 1/r) entries, so that
-E<S_i, S_j> = <g_i, g_j> exactly (unbiased Gram matrix, SETGRPO.md section 5).  k = 1 is the single
-Kronecker projection of SETGRPO.md section 5; k > 1 concatenates k independent Kronecker sketches of
+E<S_i, S_j> = <g_i, g_j> exactly (unbiased Gram matrix, docs/algorithm.md#5-sketches).  k = 1 is the single
+Kronecker projection of docs/algorithm.md#5-sketches; k > 1 concatenates k independent Kronecker sketches of
 the block (``SketchConfig.copies``), which lowers the variance as 1/k.  This matters in practice:
 transformer activations are strongly anisotropic, so the error of one Kronecker sketch falls only
 like 1/sqrt(r) in its size r_out * r_in, whereas k independent copies average it out (measured on
-SmolLM2-135M, see :class:`SketchConfig`).  A bias is handled as an extra input column equal to 1
+SmolLM2-135M: docs/sketch.md#measured-accuracy).  A bias is handled as an extra input column equal to 1
 (P_in then has in + 1 columns).
 
 Mechanics: ONE forward of the whole micro-batch with forward hooks that store P_in x per Linear
@@ -67,7 +68,7 @@ _WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_modul
 
 @dataclass(frozen=True)
 class SketchConfig:
-    """Settings of the per-response gradient sketch (SETGRPO.md section 5).
+    """Settings of the per-response gradient sketch (docs/algorithm.md#5-sketches).
 
     Args:
         rank_out: r_out, rows of each copy's output projection P_out (int >= 1).
@@ -91,20 +92,11 @@ class SketchConfig:
             concatenated 1-D parameters).  Only for small models.
 
     Defaults: body blocks (r_out, r_in, k) = (1, 2, 64), LM head (1, 8, 256): 128 floats per body
-    block and 2,048 for the head, i.e. 210 * 128 + 2,048 = 28,928 floats for SmolLM2-135M.
-    Why: on SmolLM2-135M-Instruct (4 responses of 5-20 tokens, exact per-response gradients) the
-    squared gradient norm is concentrated: LM head 13-30%, layer-11 down_proj 10-12%, effective
-    number of blocks only 9-25, so the error is set by the heaviest blocks, and the anisotropic
-    activations make a single big Kronecker projection inefficient.  Max-abs error of the 4 x 4
-    cosine matrix over 5 projection seeds (mean / worst), simulated on exact gradients:
-    single Kronecker (8, 8, 1) everywhere, 13,504 floats: 0.086-0.12 / 0.20;
-    (16, 16, 1), 54,016 floats: 0.088 / 0.105;  (1, 1, 128) everywhere, 27,008: 0.055 / 0.08;
-    (1, 1, 64) + head (1, 8, 256), 15,488: 0.032-0.044 / 0.052;
-    (1, 2, 64) + head (1, 8, 256), 28,928: 0.031 / 0.041 (the default);
-    (1, 4, 64) + head (1, 8, 256), 55,808: 0.022 / 0.028.
-    The default is the smallest of these that stays inside the 0.05 target on every seed tried
-    (tests/sketch/test_smollm2.py checks it through the real hooks); its cost is
-    k * (r_out * out + r_in * in) multiply-adds per token and block, ~25-50% of a forward.
+    block and 2,048 for the head, i.e. 210 * 128 + 2,048 = 28,928 floats for SmolLM2-135M, with a
+    measured max cosine error of 0.031 (mean) / 0.041 (worst seed) on SmolLM2-135M-Instruct: the
+    smallest setting tried that stays inside 0.05 (table and reasons: docs/sketch.md#measured-accuracy;
+    tests/sketch/test_smollm2.py checks it through the real hooks).  Cost: k * (r_out * out + r_in * in)
+    multiply-adds per token and block, ~25-50% of a forward.
     ``include_embeddings = include_norms = False``: nn.Linear blocks (LM head included) hold the
     dense-gradient parameters of a decoder-only LM; embedding gradients are sparse in the rows and
     norm weights are < 0.1% of the parameters.  Turn them on to sketch the full parameter gradient.
@@ -198,7 +190,7 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 class GradientSketcher:
-    """Context manager that sketches per-response gradients of ``model`` (SETGRPO.md section 5).
+    """Context manager that sketches per-response gradients of ``model`` (docs/algorithm.md#5-sketches).
 
     Usage (one micro-batch; any Hugging Face causal LM, plain, FSDP or FSDP2)::
 
@@ -402,7 +394,7 @@ class GradientSketcher:
 
         Args:
             objective: scalar tensor sum_i sum_t w_it log pi(o_it) built from this micro-batch's
-                forward (SETGRPO.md section 0; response i's terms only from segment i's positions).
+                forward (docs/algorithm.md#0-notation; response i's terms only from segment i's positions).
 
         Returns:
             float32 [num_segments, m] sketches, on the device of ``segment_ids``.
@@ -679,10 +671,10 @@ def compute_sketches(
     micro_batch_size: int | None = None,
     use_remove_padding: bool = False,
 ) -> SketchOutput:
-    """Per-response gradient sketches and response log-probs in verl's batch layout (SETGRPO.md section 5).
+    """Per-response gradient sketches and response log-probs in verl's batch layout (docs/algorithm.md#5-sketches).
 
     The objective of response i is sum_t w_it log pi(o_it) with w from ``loss_agg_mode``
-    (SETGRPO.md section 0: w = response_mask for token-mean / token-sum / seq-mean-token-sum /
+    (docs/algorithm.md#0-notation: w = response_mask for token-mean / token-sum / seq-mean-token-sum /
     seq-mean-token-sum-norm, response_mask / |o_i| for seq-mean-token-mean); its gradient includes
     the prompt positions.  One forward and one activation-only backward per micro-batch; no
     parameter ``.grad`` is created.  The model's train/eval mode is left as it is.

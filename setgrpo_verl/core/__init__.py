@@ -1,4 +1,4 @@
-"""SetGRPO mathematics (SETGRPO.md sections 1-4, 6-8): no verl import, float64, batched over groups.
+"""SetGRPO mathematics (docs/algorithm.md): no verl import, float64, batched over groups.
 
 Public API::
 

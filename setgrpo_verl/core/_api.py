@@ -97,7 +97,7 @@ def calibrate(
 ) -> CalibrationRecord:
     """Calibrate SetGRPO on paired scorings: JRSC radius on coverage groups, SRGO threshold on risk groups.
 
-    Implements SETGRPO.md sections 2 and 4. Degenerate groups (no spread of the point scores
+    Implements docs/algorithm.md#2-jrsc and #4-srgo. Degenerate groups (no spread of the point scores
     beyond ``degenerate_rtol`` times the group's largest |score|, see :func:`degenerate_groups`)
     are dropped first; the rest are split at random (``split_seed``) into coverage groups
     (``1 - risk_fraction``) and disjoint risk groups. On coverage groups the nonconformity scores
@@ -249,7 +249,7 @@ class SetGRPOResult:
     timings: dict = field(default_factory=dict)
 
     def metrics(self, prefix: str = "setgrpo/") -> dict[str, float]:
-        """Step diagnostics of SETGRPO.md section 6 as ``{name: float}`` for verl's tracker.
+        """Step diagnostics of docs/algorithm.md#6-diagnostics as ``{name: float}`` for verl's tracker.
 
         Ratios are over all G groups; means ``*_accepted`` over accepted groups (NaN if none),
         ``*_all`` over groups with a defined projection.
@@ -294,7 +294,7 @@ def setgrpo_coefficients(
 ) -> SetGRPOResult:
     """SetGRPO training coefficients of G groups under a frozen calibration record.
 
-    Implements SETGRPO.md section 3 at the record's threshold ``tau_sel``: coefficient sets with
+    Implements docs/algorithm.md#3-ggsr at the record's threshold ``tau_sel``: coefficient sets with
     radius ``q_alpha`` around ``a_hat = T(r)``, safe anchor b0, largest safe recovery ratio eta* on
     ``b(eta) = b0 + eta (a_hat - b0)``; accepted groups train with ``b* = b(eta*)``, rejected
     (``infeasible``, ``null_anchor``) and ``degenerate`` groups (decided with the record's
@@ -376,7 +376,7 @@ def setgrpo_coefficients(
 
 
 class OnlineRiskMonitor:
-    """Running coverage and accepted-reversal monitor for training steps (SETGRPO.md section 6).
+    """Running coverage and accepted-reversal monitor for training steps (docs/algorithm.md#6-diagnostics).
 
     When reference scores are available during training, each :meth:`update` counts, over the
     step's non-degenerate groups, whether ``a' = T(r')`` lies in the group's coefficient set

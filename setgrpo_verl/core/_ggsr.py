@@ -1,4 +1,4 @@
-"""GGSR - Geometry-Guided Safe Recovery (SETGRPO.md section 3), batched over groups in float64."""
+"""GGSR - Geometry-Guided Safe Recovery (docs/algorithm.md#3-ggsr), batched over groups in float64."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _SECULAR_ITERS = 100
 def safe_anchor(sets: CoefficientSets, gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Safe anchor ``b0 = argmin_{c in C} c^T M c`` of every group, with a KKT certificate.
 
-    Implements SETGRPO.md section 3 (Safe anchor). With ``c = a_hat + L z``, ``A = L M L`` and
+    Implements docs/algorithm.md#31-safe-anchor. With ``c = a_hat + L z``, ``A = L M L`` and
     ``h = L M a_hat`` this is the convex trust-region subproblem
     ``min z^T A z + 2 h^T z  s.t. ||z|| <= Q``. ``h`` lies in ``range(A)``, so the unconstrained
     minimiser ``-A^+ h`` exists; if it is inside the ball it is the answer, otherwise the
@@ -96,7 +96,7 @@ def projections(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-geometry and reward-space minimum projections of candidate coefficients b.
 
-    SETGRPO.md section 3 (Projections), both scale-free and <= 1:
+    docs/algorithm.md#32-projections, both scale-free and <= 1:
 
     * ``M_full(b)   = (b^T M a_hat - Q ||L M b||) / (sqrt(b^T M b) sqrt(a_hat^T M a_hat))``
       = ``min_{c in C} <u(c), u(b)> / (||u(b)|| ||u(a_hat)||)``;
@@ -202,7 +202,7 @@ def recovery_ratios(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Largest safe recovery ratio eta*(tau) of every group for every threshold tau.
 
-    SETGRPO.md section 3 (Recovery path): ``b(eta) = b0 + eta (a_hat - b0)`` is feasible iff
+    docs/algorithm.md#33-recovery-path: ``b(eta) = b0 + eta (a_hat - b0)`` is feasible iff
     ``M_full >= tau``, ``M_full > 0`` and ``M_reward > 0``. eta* is the largest feasible eta on
     the grid ``{0, 1/N, ..., 1}``, refined by bisection (to ``tol``) towards the next, infeasible,
     grid point. ``anchor_only`` is the ``safe_anchor_only`` ablation (grid ``{0}``, eta* = 0).

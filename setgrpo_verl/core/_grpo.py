@@ -1,4 +1,4 @@
-"""The GRPO coefficient map T and its Jacobian J (SETGRPO.md section 1)."""
+"""The GRPO coefficient map T and its Jacobian J (docs/algorithm.md#1-grpo-map)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from ._checks import check_scores
 __all__ = ["DEGENERATE_RTOL", "grpo_coefficients", "grpo_jacobian", "degenerate_groups", "centering_projector"]
 
 
-#: Default relative tolerance of the degeneracy test (SETGRPO.md section 1), recorded in every calibration record.
+#: Default relative tolerance of the degeneracy test (docs/algorithm.md#1-grpo-map), recorded in every calibration record.
 #: 1e-6 is about 8 float32 ulps: it absorbs the rounding of sums of fractional points (0.1 + 0.2 vs 0.3) and of the
 #: float32 token rewards, far below any real score difference of a rubric (points / total points).
 DEGENERATE_RTOL = 1e-6
 
 
 def degenerate_groups(scores: torch.Tensor, rtol: float = DEGENERATE_RTOL) -> torch.Tensor:
-    """Groups whose point scores have no spread beyond rounding (SETGRPO.md section 1).
+    """Groups whose point scores have no spread beyond rounding (docs/algorithm.md#1-grpo-map).
 
     A group is degenerate when ``max(r) - min(r) <= rtol * max|r|``, computed on the scores rounded to float32
     (the precision of verl's token-level rewards). The decision therefore depends only on the float32 values: the
@@ -54,7 +54,7 @@ def degenerate_groups(scores: torch.Tensor, rtol: float = DEGENERATE_RTOL) -> to
 def grpo_coefficients(scores: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO (or Dr.GRPO) response-level advantages of each group: a = T(r).
 
-    Implements SETGRPO.md section 1 with exactly the operations of verl's
+    Implements docs/algorithm.md#1-grpo-map with exactly the operations of verl's
     ``compute_grpo_outcome_advantage``: ``(r - mean(r)) / (std(r) + eps)`` with the unbiased
     ``torch.std`` when ``norm_by_std`` (GRPO), ``r - mean(r)`` otherwise (Dr.GRPO). The
     arithmetic runs in the input's dtype, so a float32 input reproduces verl's float32 result.
@@ -87,12 +87,12 @@ def grpo_coefficients(scores: torch.Tensor, norm_by_std: bool = True, eps: float
 
 
 def centering_projector(k: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The centring projector P = I - 11^T / K, ``[K, K]`` (SETGRPO.md section 1)."""
+    """The centring projector P = I - 11^T / K, ``[K, K]`` (docs/algorithm.md#1-grpo-map)."""
     return torch.eye(k, dtype=dtype) - torch.full((k, k), 1.0 / k, dtype=dtype)
 
 
 def grpo_jacobian(scores: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """Closed-form Jacobian J = dT/dr of the GRPO map, batched (SETGRPO.md section 1).
+    """Closed-form Jacobian J = dT/dr of the GRPO map, batched (docs/algorithm.md#1-grpo-map).
 
     With P = I - 11^T/K, c = P r and s = ||c|| / sqrt(K-1) (the unbiased std):
 

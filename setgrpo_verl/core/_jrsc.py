@@ -1,4 +1,4 @@
-"""JRSC - Joint Reward Set Calibration (SETGRPO.md section 2).
+"""JRSC - Joint Reward Set Calibration (docs/algorithm.md#2-jrsc).
 
 The coefficient set of a group is the ellipsoid ``C = {a_hat + L z : ||z|| <= Q}`` with
 ``a_hat = T(r)``, ``L = Sigma^{1/2}`` and ``Sigma = J J^T + lambda P`` on the zero-sum subspace.
@@ -33,7 +33,7 @@ class CoefficientSets:
     radius: float
 
     def support(self, v: torch.Tensor) -> torch.Tensor:
-        """Support function ``min_{c in C} v^T c = v^T a_hat - Q ||L v||`` (SETGRPO.md section 2).
+        """Support function ``min_{c in C} v^T c = v^T a_hat - Q ||L v||`` (docs/algorithm.md#2-jrsc).
 
         Args:
             v: ``[G, K]`` float64 directions.
@@ -65,16 +65,16 @@ def set_shape(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shape matrix of each group's coefficient set, as its root L and pseudo-inverse Sigma^+.
 
-    Implements SETGRPO.md section 2 (Shape): ``Sigma = J J^T + lambda P`` with the scale-free
-    ridge ``lambda = rho * tr(J J^T) / (K - 1)``; ``shape="spherical"`` is the section-6
-    ablation ``Sigma = P``. Both matrices are formed in an orthonormal basis B of the
+    Implements docs/algorithm.md#21-shape: ``Sigma = J J^T + lambda P`` with the scale-free
+    ridge ``lambda = rho * tr(J J^T) / (K - 1)``; ``shape="spherical"`` is the ablation
+    ``spherical_set`` (docs/algorithm.md#6-diagnostics), ``Sigma = P``. Both matrices are formed in an orthonormal basis B of the
     zero-sum subspace: ``Sigma_B = B^T Sigma B`` is positive definite, ``L = B Sigma_B^{1/2} B^T``
     and ``Sigma^+ = B Sigma_B^{-1} B^T``.
 
     Args:
         point: ``[G, K]`` point scores (reward units), non-degenerate groups.
         rho: ridge factor, > 0 for GRPO (J is singular along a), >= 0 for Dr.GRPO.
-        norm_by_std, eps: the coefficient map T (section 1).
+        norm_by_std, eps: the coefficient map T (docs/algorithm.md#1-grpo-map).
         shape: ``"jacobian"`` (JRSC) or ``"spherical"`` (ablation).
 
     Returns:
@@ -129,7 +129,7 @@ def nonconformity_scores(
     eps: float = 1e-6,
     shape: str = "jacobian",
 ) -> torch.Tensor:
-    """JRSC nonconformity score of each calibration group (SETGRPO.md section 2).
+    """JRSC nonconformity score of each calibration group (docs/algorithm.md#2-jrsc).
 
     ``S = sqrt(delta^T Sigma^+ delta)`` with ``delta = T(r') - T(r)`` and Sigma from the point
     scores. Roughly pivotal under homoscedastic grader noise.
@@ -156,7 +156,7 @@ def min_calibration_groups(alpha: float) -> int:
 
 
 def conformal_radius(scores: torch.Tensor, alpha: float) -> float:
-    """Split-conformal quantile Q_alpha (SETGRPO.md section 2, Radius).
+    """Split-conformal quantile Q_alpha (docs/algorithm.md#23-radius).
 
     ``Q_alpha`` is the ``ceil((n+1)(1-alpha))``-th smallest of the n calibration scores.
     Guarantee (exchangeability of calibration and new groups):

@@ -1,4 +1,4 @@
-"""The frozen calibration record (SETGRPO.md section 7): written once by ``calibrate``, read at training start."""
+"""The frozen calibration record (docs/algorithm.md#7-record): written once by ``calibrate``, read at training start."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class CalibrationRecord:
 
     Per-threshold arrays (length m, aligned with ``tau_grid``): ``n_accepted`` N_j,
     ``n_reversals`` F_j, ``ucb`` (Clopper-Pearson at ``1 - delta/m``), ``utility`` U_j.
-    ``degenerate_rtol`` is the relative tolerance of the degeneracy test (SETGRPO.md section 1,
+    ``degenerate_rtol`` is the relative tolerance of the degeneracy test (docs/algorithm.md#1-grpo-map,
     :func:`setgrpo_verl.core.degenerate_groups`) used to leave groups out of calibration; training
     applies the same value, so a group's status never changes between the phases.
     ``tau_sel`` is None only when calibration found no risk-feasible threshold and the user chose

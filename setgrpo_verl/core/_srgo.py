@@ -1,4 +1,4 @@
-"""SRGO - Selective Risk-Gated Optimization (SETGRPO.md section 4)."""
+"""SRGO - Selective Risk-Gated Optimization (docs/algorithm.md#4-srgo)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def clopper_pearson_upper(failures, trials, confidence: float) -> np.ndarray:
 def select_threshold(
     n_accepted, n_reversals, utility, *, beta: float, delta: float
 ) -> tuple[np.ndarray, int | None]:
-    """SRGO threshold selection over a grid of m thresholds (SETGRPO.md section 4).
+    """SRGO threshold selection over a grid of m thresholds (docs/algorithm.md#4-srgo).
 
     ``UCB_j`` is the Clopper-Pearson upper bound at confidence ``1 - delta/m`` (Bonferroni, so
     the bounds hold simultaneously for all thresholds). The selected index is

@@ -1,4 +1,4 @@
-"""Dual scorer: every response scored twice, independently, by the same grading protocol (SETGRPO.md section 0).
+"""Dual scorer: every response scored twice, independently, by the same grading protocol (docs/algorithm.md#0-notation).
 
 The point scores ``r`` (scoring index 0) train the policy; the reference scores ``r'`` (scoring index 1)
 calibrate the coefficient set (JRSC) and the risk gate (SRGO). Both scorings run concurrently; they differ only in

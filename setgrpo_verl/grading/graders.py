@@ -40,7 +40,8 @@ def verdict_seed(seed: int, scoring_index: int, question: str, response: str, j:
 
 
 class RubricGrader:
-    """Rubric grading: rule criteria by code, the rest by ``judge``; the score mixes both (SETGRPO.md section 0).
+    """Rubric grading: rule criteria by code, the rest by ``judge``; the score mixes both
+    (docs/algorithm.md#0-notation).
 
     Args:
         judge: an :class:`OpenAIJudge` / :class:`LocalHFJudge` (anything with ``identity`` and ``ajudge``), or

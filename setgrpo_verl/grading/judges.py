@@ -23,7 +23,7 @@ Two judges share one versioned prompt protocol (:data:`JUDGE_TEMPLATE_VERSION`):
   the network, is what differs between scorings -- exactly as for a sampled server judge).
 
 Every judge exposes ``identity`` = ``{name, model, temperature, template_hash}`` for the calibration record
-(SETGRPO.md section 7) and ``async ajudge(requests, seeds) -> list[Verdict]``; ``aclose()`` releases resources.
+(docs/algorithm.md#7-record) and ``async ajudge(requests, seeds) -> list[Verdict]``; ``aclose()`` releases resources.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ class OpenAIJudge:
 
     @property
     def identity(self) -> dict:
-        """``{name, model, temperature, template_hash}`` (SETGRPO.md section 7)."""
+        """``{name, model, temperature, template_hash}`` (docs/algorithm.md#7-record)."""
         return self.identity_for(model=self.model, temperature=self.temperature, max_tokens=self.max_tokens,
                                  chat_template_kwargs=self.chat_template_kwargs)
 
@@ -448,7 +448,7 @@ class LocalHFJudge:
 
     @property
     def identity(self) -> dict:
-        """``{name, model, temperature, template_hash}`` (SETGRPO.md section 7)."""
+        """``{name, model, temperature, template_hash}`` (docs/algorithm.md#7-record)."""
         return self.identity_for(model_path=self.model_path, temperature=self.temperature,
                                  max_question_tokens=self.max_question_tokens,
                                  max_response_tokens=self.max_response_tokens)

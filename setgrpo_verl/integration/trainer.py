@@ -10,11 +10,11 @@ changes exactly three things:
    (sketches + frozen record), so the registered ``setgrpo`` estimator writes
    ``advantages = coefficient * response_mask`` and verl's PPO loss runs unchanged;
 3. before the first step it loads and validates ``algorithm.setgrpo.record_path`` or, when that is null,
-   runs the calibration phase (SETGRPO.md sections 2, 4, 7): roll out the calibration prompts with the initial
+   runs the calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): roll out the calibration prompts with the initial
    policy (the same sampling as training), read the point (``rm_scores``) and reference scores from the
    dual-reward manager, sketch, call ``calibrate`` and write the record; ``calibration.only=true`` stops there.
 
-Every diagnostic of SETGRPO.md section 6 goes to verl's tracker under ``setgrpo/``; with reference scores
+Every diagnostic of docs/algorithm.md#6-diagnostics goes to verl's tracker under ``setgrpo/``; with reference scores
 present during training the online coverage / reversal monitor runs and warns on drift.
 
 Internally the trainer reports ``trainer_mode == "sync"`` to verl's base class so that the replay buffer,
@@ -65,7 +65,7 @@ _ADV_FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_lo
 
 
 def reference_scores_from(data: TensorDict | dict, key: str) -> Optional[torch.Tensor]:
-    """Reference scores r' of a batch (SETGRPO.md section 0) as float64 [B] (reward units), or None when the reward
+    """Reference scores r' of a batch (docs/algorithm.md#0-notation) as float64 [B] (reward units), or None when the reward
     manager did not return them.
 
     Looks for a top-level field ``key`` (colocated reward path) and else for ``extra_fields[i]
@@ -106,7 +106,7 @@ def _dense(sketches: torch.Tensor) -> torch.Tensor:
 
 
 def calibration_groups(data: TensorDict, reference_key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Calibration inputs of one rolled-out, scored and sketched batch (SETGRPO.md sections 2, 4).
+    """Calibration inputs of one rolled-out, scored and sketched batch (docs/algorithm.md#2-jrsc, #4-srgo).
 
     Args:
         data: TransferQueue fields ``uid``, ``response_mask`` and ``rm_scores`` (nested [B, j]), ``setgrpo_sketch``
@@ -143,7 +143,7 @@ def compute_setgrpo_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
 ) -> tuple[DataProto, SetGRPOStep]:
-    """Advantages of one training batch through verl's own advantage entry point (SETGRPO.md sections 3, 6).
+    """Advantages of one training batch through verl's own advantage entry point (docs/algorithm.md#3-ggsr, #6-diagnostics).
 
     Calls ``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories`` with
     ``adv_estimator="setgrpo"`` and ``config=context``, exactly as verl's v1 trainer does for its estimators.
@@ -312,7 +312,7 @@ class SetGRPOTrainer(PPOTrainerSync):
             yield batch
 
     def _calibrate(self) -> CalibrationRecord:
-        """Calibration phase (SETGRPO.md sections 2, 4, 7): rollouts of the initial policy, two scorings, sketches."""
+        """Calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): rollouts of the initial policy, two scorings, sketches."""
         cfg, key = self.setgrpo, self.setgrpo.reference_score_key
         points, refs, grams = [], [], []
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Actor worker with the per-response gradient-sketch RPC (SETGRPO.md section 5).
+"""Actor worker with the per-response gradient-sketch RPC (docs/algorithm.md#5-sketches).
 
 :class:`SetGRPOActorRolloutRefWorker` is verl 0.9.1's ``engine_workers.ActorRolloutRefWorker`` plus one RPC,
 ``compute_sketches``, registered with the same dispatch as ``compute_log_prob``
@@ -79,7 +79,7 @@ def sketch_batch(
     loss_agg_mode: str,
     dp_group: Any = None,
 ) -> torch.Tensor:
-    """Sketch every response of a worker's shard, in the shard's order (SETGRPO.md section 5).
+    """Sketch every response of a worker's shard, in the shard's order (docs/algorithm.md#5-sketches).
 
     Uses verl's ``prepare_micro_batches`` (fixed ``micro_batch_size_per_gpu`` or token-budget dynamic
     micro-batches with ``max_token_len_per_gpu``, the same number of micro-batches on every DP rank) and
@@ -160,7 +160,7 @@ def _engine_autocast(engine: Any, module: torch.nn.Module):
 
 class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
     """verl's hybrid actor/rollout/ref worker plus the ``compute_sketches`` and ``compute_log_prob_and_sketches``
-    RPCs (SETGRPO.md section 5)."""
+    RPCs (docs/algorithm.md#5-sketches)."""
 
     def _sketch_engine(self):
         if self.actor is None:

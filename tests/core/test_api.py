@@ -1,4 +1,4 @@
-"""calibrate / setgrpo_coefficients / CalibrationRecord / OnlineRiskMonitor end to end (SETGRPO.md 2-4, 6-8)."""
+"""calibrate / setgrpo_coefficients / CalibrationRecord / OnlineRiskMonitor end to end (docs/algorithm.md)."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""Degeneracy (SETGRPO.md section 1) is decided the same way in calibration and training, whatever the dtype.
+"""Degeneracy (docs/algorithm.md#1-grpo-map) is decided the same way in calibration and training, whatever the dtype.
 
 Scores that are equal up to float rounding -- fractional rubric points summed in a different order, e.g.
 0.1 + 0.2 (= 0.30000000000000004) vs 0.3 -- must be degenerate on float64 calibration scores exactly as on the

@@ -1,4 +1,4 @@
-"""GGSR: safe anchor, projections and recovery (SETGRPO.md section 3)."""
+"""GGSR: safe anchor, projections and recovery (docs/algorithm.md#3-ggsr)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""GRPO map and Jacobian against verl and autograd (SETGRPO.md section 1)."""
+"""GRPO map and Jacobian against verl and autograd (docs/algorithm.md#1-grpo-map)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""JRSC: set shape, nonconformity scores, conformal radius and coverage (SETGRPO.md section 2)."""
+"""JRSC: set shape, nonconformity scores, conformal radius and coverage (docs/algorithm.md#2-jrsc)."""
 
 import math
 

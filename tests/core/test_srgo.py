@@ -1,4 +1,4 @@
-"""SRGO: Clopper-Pearson bounds, threshold selection and the risk guarantee (SETGRPO.md section 4)."""
+"""SRGO: Clopper-Pearson bounds, threshold selection and the risk guarantee (docs/algorithm.md#4-srgo)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Bad input gets a clear ValueError (issue 2)."""
+"""Bad input gets a clear ValueError."""
 
 import pytest
 import torch

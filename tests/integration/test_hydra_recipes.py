@@ -78,7 +78,7 @@ def compositions(tmp_path_factory):
     return out
 
 
-def test_every_model_of_the_issue_has_a_recipe():
+def test_every_target_model_has_a_recipe():
     assert {p.stem for p in RECIPES} == {"qwen3_4b", "qwen3_14b", "qwen3_5_4b", "qwen3_5_9b", "llama3_2_3b"}
     assert (REPO / "recipes" / "prepare_rubrichub.sh").exists()
 

@@ -59,7 +59,7 @@ def test_report_writes_figures_and_table4(run_dir):
 
 
 def test_coverage_curve_is_calibrated_on_exchangeable_groups():
-    """Held-out coverage of the re-fitted sets tracks the nominal level (split conformal, SETGRPO.md section 2)."""
+    """Held-out coverage of the re-fitted sets tracks the nominal level (split conformal, docs/algorithm.md#2-jrsc)."""
     point, reference, gram = _paired(g=240, seed=1)
     record = calibrate(point, reference, gram, alpha=0.1, beta=0.3, delta=0.1, tau_grid=(0.0, 0.4))
     curve = report.coverage_curve(point, reference, gram, record, alphas=[0.1, 0.3, 0.5], seeds=6)

@@ -1,8 +1,8 @@
 """End to end on the embedded defaults (SmolLM2-135M policy + local judge, IFBench rubrics), smoke profile.
 
 Runs the real command line in a subprocess: quickstart (calibrate + SetGRPO training + report), checks the frozen
-record against its own definition (SETGRPO.md sections 4 and 7) and an offline re-fit from the stored paired scores,
-then trains one step with a reject-all record and checks that the policy stays bit-identical.
+record against its own definition (docs/algorithm.md#4-srgo and #7-record) and an offline re-fit from the stored
+paired scores, then trains one step with a reject-all record and checks that the policy stays bit-identical.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Sketches under FSDP2 (verl's apply_fsdp2) on two gloo CPU ranks equal a single-process run (SETGRPO.md section 5)."""
+"""Sketches under FSDP2 (verl's apply_fsdp2) on two gloo CPU ranks equal a single-process run
+(docs/sketch.md#mechanics)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-response gradient sketches (SETGRPO.md section 5) on a tiny random Llama: exactness, unbiasedness,
+"""Per-response gradient sketches (docs/algorithm.md#5-sketches) on a tiny random Llama: exactness, unbiasedness,
 layout invariance, hygiene (no .grad, hooks removed) and error messages."""
 
 from __future__ import annotations

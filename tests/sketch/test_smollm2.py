@@ -1,5 +1,5 @@
 """On the embedded SmolLM2-135M-Instruct the default sketch reproduces the exact 4 x 4 response cosine matrix
-within 0.05 (max abs entry), SETGRPO.md section 5."""
+within 0.05 (max abs entry), docs/sketch.md#measured-accuracy."""
 
 from __future__ import annotations
 

@@ -1,0 +1,150 @@
+"""verl's usual command lines: the Hydra search-path plugin, the stock-config check, and a cheap plugin import."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from setgrpo_verl.integration import plugin
+
+MAIN_PPO = [sys.executable, "-m", "verl.trainer.main_ppo"]
+
+
+def _run(argv: list[str], cwd, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+# ------------------------------------------------------------------------------------------------ Hydra search path
+def test_search_path_plugin_is_discovered_by_hydra():
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+    found = {f"{p.__module__}.{p.__name__}" for p in Plugins.instance().discover(SearchPathPlugin)}
+    assert "hydra_plugins.setgrpo_verl_searchpath.SetGRPOSearchPathPlugin" in found, found
+
+
+@pytest.mark.slow
+def test_config_name_without_config_path_composes_with_overrides(tmp_path):
+    # the shortest documented form, run from a directory that holds no config: only the plugin can find it
+    proc = _run([*MAIN_PPO, "--config-name", "setgrpo_trainer", "algorithm.setgrpo.alpha=0.1",
+                 "algorithm.setgrpo.beta=0.2", "--cfg", "job"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.algorithm.setgrpo.alpha == 0.1 and cfg.algorithm.setgrpo.beta == 0.2
+    assert cfg.algorithm.setgrpo.delta == 0.05  # untouched default
+    assert cfg.algorithm.adv_estimator == "setgrpo" and cfg.trainer.v1.trainer_mode == "setgrpo"
+    assert cfg.reward.reward_manager.name == "setgrpo_dual"
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 256  # verl's own ppo_trainer underneath
+
+
+# ------------------------------------------------------------------------------------------------ stock config
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        (["algorithm.adv_estimator=setgrpo"], True),
+        (["algorithm.adv_estimator=setgrpo", "algorithm.setgrpo.beta=0.1"], True),
+        (["++algorithm.adv_estimator='setgrpo'", "trainer.v1.trainer_mode=setgrpo"], True),
+        (["--config-name=ppo_trainer", "algorithm.adv_estimator=setgrpo"], True),
+        (["--config-name", "setgrpo_trainer", "algorithm.adv_estimator=setgrpo"], False),
+        (["-cn", "setgrpo_trainer", "algorithm.adv_estimator=setgrpo"], False),
+        (["--config-name=my_own", "algorithm.adv_estimator=setgrpo"], False),
+        (["algorithm.adv_estimator=grpo"], False),
+        ([], False),
+    ],
+)
+def test_stock_config_detection(arguments, expected):
+    assert plugin.stock_config_requests_setgrpo(arguments) is expected
+
+
+def test_only_main_ppo_command_lines_are_checked():
+    assert plugin._main_ppo_arguments(["python", "-m", "verl.trainer.main_ppo", "a=1"]) == ["a=1"]
+    assert plugin._main_ppo_arguments(["python", "/x/verl/trainer/main_ppo.py", "a=1"]) == ["a=1"]
+    assert plugin._main_ppo_arguments(["python", "-m", "pytest", "algorithm.adv_estimator=setgrpo"]) is None
+    assert plugin._main_ppo_arguments(["ray::default_worker.py"]) is None
+    plugin.check_invocation(["python", "-m", "verl.trainer.main_ppo", "--config-name", "setgrpo_trainer"])
+    with pytest.raises(SystemExit) as exc:
+        plugin.check_invocation(["python", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=setgrpo"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.slow
+def test_bare_stock_form_stops_before_ray_with_one_line(tmp_path):
+    start = time.monotonic()
+    # RAY_ADDRESS points nowhere: had main_ppo reached ray.init it would fail with a connection error instead
+    proc = _run([*MAIN_PPO, "algorithm.adv_estimator=setgrpo", "algorithm.setgrpo.beta=0.1"], cwd=tmp_path,
+                env={"RAY_ADDRESS": "127.0.0.1:9"})
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == plugin.STOCK_CONFIG_MESSAGE
+    assert "--config-name setgrpo_trainer" in plugin.STOCK_CONFIG_MESSAGE
+    assert "ray init kwargs" not in proc.stdout and "Ray instance" not in proc.stderr
+    assert elapsed < 120, elapsed
+
+
+# ------------------------------------------------------------------------------------------------ cheap plugin import
+_MODULES = "import json, sys, verl; print(json.dumps(sorted(sys.modules)))"
+
+
+@pytest.mark.slow
+def test_plugin_import_adds_only_its_own_module(tmp_path):
+    on = set(json.loads(_run([sys.executable, "-c", _MODULES], cwd=tmp_path).stdout.splitlines()[-1]))
+    off_proc = _run([sys.executable, "-c", _MODULES], cwd=tmp_path, env={"VERL_USE_EXTERNAL_PLUGINS": "none"})
+    off = set(json.loads(off_proc.stdout.splitlines()[-1]))
+    assert "setgrpo_verl.integration.plugin" in on and "setgrpo_verl.integration.plugin" not in off
+    extra = on - off
+    ours = {"setgrpo_verl", "setgrpo_verl.integration", "setgrpo_verl.integration.plugin"}
+    assert {m for m in extra if m.split(".")[0] not in sys.stdlib_module_names} == ours, sorted(extra)
+    # the registries stay unimported (their hooks pending) and so does everything the registrations need
+    for heavy in ("verl.trainer.ppo.core_algos", "verl.trainer.ppo.v1", "verl.experimental.reward_loop.reward_manager",
+                  "verl.workers.engine_workers", "setgrpo_verl.core", "setgrpo_verl.grading", "scipy.stats"):
+        assert heavy not in on, heavy
+
+
+# ------------------------------------------------------------------------------------------------ post-import hooks
+@pytest.fixture
+def demo_modules(tmp_path, monkeypatch):
+    (tmp_path / "setgrpo_demo_registry.py").write_text("REGISTRY = []\n")
+    (tmp_path / "setgrpo_demo_target.py").write_text(
+        "import setgrpo_demo_registry\n"
+        "def register():\n    setgrpo_demo_registry.REGISTRY.append('demo')\n"
+        "def broken():\n    raise RuntimeError('demo registration failed')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in ("setgrpo_demo_registry", "setgrpo_demo_target"):
+        sys.modules.pop(name, None)
+
+
+def test_registration_runs_when_its_registry_module_is_imported(demo_modules):
+    reg = plugin.Registration(when="setgrpo_demo_registry", target="setgrpo_demo_target:register", what="the demo")
+    plugin.install((reg,))
+    assert "setgrpo_demo_target" not in sys.modules  # nothing imported before the registry is
+    import setgrpo_demo_registry
+
+    assert setgrpo_demo_registry.REGISTRY == ["demo"]
+    assert setgrpo_demo_registry.__loader__.__class__.__name__ == "SourceFileLoader"  # the real loader is back
+    assert "setgrpo_demo_registry" not in plugin._finder.pending
+
+
+def test_registration_runs_at_once_when_the_registry_is_already_imported(demo_modules):
+    import setgrpo_demo_registry
+
+    plugin.install((plugin.Registration("setgrpo_demo_registry", "setgrpo_demo_target:register", "the demo"),))
+    assert setgrpo_demo_registry.REGISTRY == ["demo"]
+
+
+def test_failed_registration_is_logged_loudly_and_the_registry_still_imports(demo_modules, caplog):
+    plugin.install((plugin.Registration("setgrpo_demo_registry", "setgrpo_demo_target:broken", "the demo"),))
+    with caplog.at_level(logging.ERROR, logger="setgrpo_verl.plugin"):
+        import setgrpo_demo_registry
+    assert setgrpo_demo_registry.REGISTRY == []
+    assert "setgrpo_verl verl plugin FAILED to load setgrpo_demo_target:broken" in caplog.text
+    assert "demo registration failed" in caplog.text and "The demo is unavailable" in caplog.text

@@ -1,0 +1,115 @@
+"""Documentation references: every cited docs/ section exists, and nothing points outside the repository.
+
+Citations follow one convention: ``docs/<page>.md#<anchor>``, where several anchors of one page may follow as
+``docs/algorithm.md#2-jrsc, #4-srgo and #7-record``. Anchors are GitHub's heading slugs.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+TEXT_SUFFIXES = (".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".txt", ".cfg", ".ini", ".json")
+_CITATION = re.compile(r"docs/([\w-]+\.md)((?:#[\w-]+)(?:(?:, and |, | and )#[\w-]+)*)?")
+_MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def repository_files() -> list[Path]:
+    """Text files of the repository: tracked plus untracked-but-not-ignored (a checkout without git: all files)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split()
+        paths = [REPO / p for p in out]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".venv", "__pycache__", ".pytest_cache", "runs"}
+        paths = [p for p in REPO.rglob("*") if not skip & set(p.relative_to(REPO).parts)]
+    return sorted(p for p in paths if p.suffix in TEXT_SUFFIXES and p.is_file())
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading text."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    out, fenced = set(), False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
+            out.add(slug(m.group(1)))
+    return out
+
+
+def citations() -> list[tuple[str, int, str, str | None]]:
+    """Every ``docs/...`` citation outside docs/ and every relative link inside docs/: (file, line, page, anchor)."""
+    found = []
+    for path in repository_files():
+        rel = str(path.relative_to(REPO))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for m in _CITATION.finditer(line):
+                names = re.findall(r"#([\w-]+)", m.group(2) or "")
+                found += [(rel, number, m.group(1), a) for a in names] or [(rel, number, m.group(1), None)]
+            if path.parent == DOCS:
+                for target in _MD_LINK.findall(line):
+                    if target.startswith(("http://", "https://", "mailto:")):
+                        continue
+                    page, _, anchor = target.partition("#")
+                    found.append((rel, number, page or path.name, anchor or None))
+    return found
+
+
+def test_docs_pages_exist():
+    assert {p.name for p in DOCS.glob("*.md")} >= {"algorithm.md", "sketch.md", "verl_integration.md", "record.md"}
+    assert {"0-notation", "3-ggsr", "31-safe-anchor", "7-record"} <= anchors(DOCS / "algorithm.md")
+
+
+def test_every_cited_docs_section_exists():
+    cited = citations()
+    assert len(cited) > 40  # the code and the docs cite sections throughout (155 when written)
+    pages = {p.name: anchors(p) for p in DOCS.glob("*.md")}
+    broken = [f"{f}:{n}: docs/{page}{'#' + a if a else ''}" for f, n, page, a in cited
+              if page not in pages or (a is not None and a not in pages[page])]
+    assert not broken, "citations of missing docs pages or sections:\n" + "\n".join(broken)
+
+
+def test_slug_follows_github():
+    assert slug("3.1 Safe anchor") == "31-safe-anchor"
+    assert slug("Worker sketch RPC") == "worker-sketch-rpc"
+    assert slug("0. Notation") == "0-notation"
+
+
+# Paths of material that lives outside this repository (design notes, the paper's text, a work directory).
+_OUTSIDE = [re.compile(p) for p in (
+    r"shared/(design|seeds)", r"\.\./shared\b", r"/work/", r"\bSETGRPO\.md\b", r"\bVERL_INTEGRATION\.md\b",
+    r"\bLAYOUT\.md\b",
+)]
+
+
+def test_no_file_refers_to_a_path_outside_the_repository():
+    me = Path(__file__).resolve()
+    hits = []
+    for path in repository_files():
+        if path.resolve() == me:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if any(p.search(line) for p in _OUTSIDE):
+                hits.append(f"{path.relative_to(REPO)}:{number}: {line.strip()[:120]}")
+            if path.suffix == ".md":
+                for target in _MD_LINK.findall(line):
+                    if target.startswith(("http://", "https://", "mailto:", "#")):
+                        continue
+                    resolved = (path.parent / target.partition("#")[0]).resolve()
+                    if REPO not in resolved.parents and resolved != REPO:
+                        hits.append(f"{path.relative_to(REPO)}:{number}: link {target} leaves the repository")
+    assert not hits, "references to paths outside the repository:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("line", ["see ../shared/design/SETGRPO.md", "(shared/seeds/paper.txt)", "/work/x"])
+def test_outside_patterns_catch_the_usual_forms(line):
+    assert any(p.search(line) for p in _OUTSIDE)
