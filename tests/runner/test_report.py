@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl import report, runner
+from setgrpo_verl import report
 from setgrpo_verl.core import calibrate
+from setgrpo_verl.launch import COMPLETE
 
 
 def _paired(g=80, k=4, noise=0.15, seed=0):
@@ -29,18 +30,21 @@ def run_dir(tmp_path):
     calib.mkdir()
     record.to_json(calib / "record.json")
     np.savez(calib / "paired_scores.npz", point=point.numpy(), reference=reference.numpy(), gram=gram.numpy())
-    (calib / runner.COMPLETE).write_text("")
+    (calib / COMPLETE).write_text("")
     for name in ("setgrpo", "grpo"):
         stage = tmp_path / f"train_{name}"
         stage.mkdir()
-        rows = [{"training/global_step": s, "critic/score/mean": 0.1 * s, "actor/entropy": 2.0 - 0.1 * s,
-                 "timing_s/step": 1.0, "setgrpo/accepted_ratio": 0.5 if name == "setgrpo" else None,
-                 "setgrpo/recovery_ratio/mean": 0.7 if name == "setgrpo" else None,
-                 "setgrpo/online_coverage": 0.9 if name == "setgrpo" else None} for s in (1, 2, 3)]
+        # verl's file logger: one {"step", "data"} object per step (a step-0 line without step metrics first)
+        rows = [{"step": 0, "data": {"setgrpo/calibration/q_alpha": 1.0}}]
+        rows += [{"step": s, "data": {"critic/score/mean": 0.1 * s, "actor/entropy": 2.0 - 0.1 * s,
+                                      "timing_s/step": 1.0, "setgrpo/accepted_ratio": 0.5 if name == "setgrpo" else None,
+                                      "setgrpo/recovery_ratio/mean": 0.7 if name == "setgrpo" else None,
+                                      "setgrpo/online_coverage": 0.9 if name == "setgrpo" else None}}
+                 for s in (1, 2, 3)]
         (stage / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (stage / "groups.jsonl").write_text(json.dumps({"status": "infeasible", "m_full": 0.1, "m_reward": -0.2})
                                             + "\n")
-        (stage / runner.COMPLETE).write_text("")
+        (stage / COMPLETE).write_text("")
     return tmp_path, record
 
 
@@ -50,12 +54,14 @@ def test_report_writes_figures_and_table4(run_dir):
     for name in ("risk_vs_threshold.png", "coverage.png", "training_dynamics.png", "projections.png"):
         png = path / "report" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
-    assert (path / "report" / runner.COMPLETE).exists()
+    assert (path / "report" / COMPLETE).exists()
     table = (path / "report" / "table4.txt").read_text().splitlines()
     assert table[0].split() == ["Backbone", "Cov.", "Risk", "Qα", "τsel", "N", "F", "ECR", "U"]
     assert table[1].split()[-5:] == [f"{record.tau_sel:.2f}", str(record.N), str(record.F), f"{record.ecr:.4f}",
                                      f"{record.U:.3f}"]
     assert "SetGRPO per step" in text and "GRPO baseline" in text
+    steps = [line.split()[0] for line in text.split("SetGRPO per step", 1)[1].splitlines()[2:5]]
+    assert steps == ["1", "2", "3"]  # the step-0 line is not a training step
 
 
 def test_coverage_curve_is_calibrated_on_exchangeable_groups():
