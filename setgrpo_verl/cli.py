@@ -321,15 +321,18 @@ def _run(args: argparse.Namespace) -> str | None:
         if args.record is None and not (calibration / launch.COMPLETE).is_file():
             raise launch.LaunchError(f"{calibration} is incomplete (no {launch.COMPLETE} marker): rerun `setgrpo-verl "
                                      f"calibrate --run-dir {run_dir} --overwrite` or pass --record")
+    split = None
+    if args.command != "train":  # validate every row before anything else runs
+        split = launch.split_data(data=args.data, model_path=model,
+                                  max_prompt_length=int(values["data.max_prompt_length"]),
+                                  calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
+                                  seed=seed)
     if args.judge == "openai":
         launch.probe_judge(grader)
-    if args.command != "train":
-        data = launch.prepare_data(run_dir, data=args.data, model_path=model,
-                                   max_prompt_length=int(values["data.max_prompt_length"]),
-                                   calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
-                                   seed=seed)
-        print(f"[setgrpo-verl] data: {data['n_calibration']} calibration and {data['n_train']} training prompts "
-              f"from {data['source']}", flush=True)
+    if split is not None:
+        launch.write_data(run_dir, split)
+        print(f"[setgrpo-verl] data: {len(split['calibration'])} calibration and {len(split['train'])} training "
+              f"prompts from {split['source']}", flush=True)
     elif not (run_dir / "data" / "train.parquet").is_file():
         raise launch.LaunchError(f"{run_dir}/data/train.parquet is missing: run `setgrpo-verl calibrate --run-dir "
                                  f"{run_dir}` first (it writes the data split and the record)")

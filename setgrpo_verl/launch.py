@@ -45,7 +45,8 @@ __all__ = [
     "cpu_overrides",
     "format_override",
     "main_ppo_command",
-    "prepare_data",
+    "split_data",
+    "write_data",
     "run_stage",
     "stage_overrides",
 ]
@@ -161,8 +162,7 @@ def _rubric_rows(data: str | os.PathLike | None) -> tuple[list[dict], str]:
         raise LaunchError(f"--data: {exc}") from None
 
 
-def prepare_data(
-    run_dir: str | os.PathLike,
+def split_data(
     *,
     data: str | os.PathLike | None,
     model_path: str | os.PathLike,
@@ -170,7 +170,7 @@ def prepare_data(
     calibration_prompts: int,
     seed: int,
 ) -> dict[str, Any]:
-    """Validate the rubric rows, drop overlong prompts, shuffle, split and write verl parquet files.
+    """Validate the rubric rows, drop overlong prompts, shuffle and split them into verl RL rows (nothing written).
 
     The first ``calibration_prompts`` rows of the ``seed``-shuffled file go to ``data/calibration.parquet``, the rest
     to ``data/train.parquet`` (disjoint, so calibration groups stay exchangeable with fresh ones and training never
@@ -178,7 +178,7 @@ def prepare_data(
     ``data.filter_overlong_prompts`` would, but before the split so that the counts are exact.
 
     Returns:
-        ``{"calibration": Path, "train": Path, "n_calibration": int, "n_train": int, "source": str}``.
+        ``{"calibration": [rows], "train": [rows], "source": str}`` for :func:`write_data`.
 
     Raises:
         LaunchError: unreadable file, an invalid row (the message names the row, criterion and field), or fewer
@@ -186,7 +186,7 @@ def prepare_data(
     """
     from transformers import AutoTokenizer
 
-    from .grading import as_rubric, rubrics_to_verl_rows, write_verl_parquet
+    from .grading import as_rubric, rubrics_to_verl_rows
 
     rows, source = _rubric_rows(data)
     try:
@@ -209,19 +209,19 @@ def prepare_data(
                           f"calibration needs {calibration_prompts} and training at least one more; raise "
                           "--max-prompt-length, lower --calib-groups or pass more prompts with --data")
     random.Random(seed).shuffle(kept)
-    out = Path(run_dir) / "data"
-    out.mkdir(parents=True, exist_ok=True)
     calibration, train = kept[:calibration_prompts], kept[calibration_prompts:]
     for split, part in (("calibration", calibration), ("train", train)):
         for i, row in enumerate(part):
             row["extra_info"] = {**row["extra_info"], "index": i, "split": split}
-    return {
-        "calibration": write_verl_parquet(calibration, out / "calibration.parquet"),
-        "train": write_verl_parquet(train, out / "train.parquet"),
-        "n_calibration": len(calibration),
-        "n_train": len(train),
-        "source": source,
-    }
+    return {"calibration": calibration, "train": train, "source": source}
+
+
+def write_data(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> dict[str, Path]:
+    """Write :func:`split_data`'s rows as ``<run_dir>/data/{calibration,train}.parquet``; returns both paths."""
+    from .grading import write_verl_parquet
+
+    out = Path(run_dir) / "data"
+    return {name: write_verl_parquet(split[name], out / f"{name}.parquet") for name in ("calibration", "train")}
 
 
 def stage_overrides(stage: str, run_dir: str | os.PathLike, *, record: str | os.PathLike | None = None) -> list[str]:

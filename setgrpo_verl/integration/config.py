@@ -211,12 +211,17 @@ def _yaml_value(value: Any) -> str:
 
 def render_yaml(cls: Any = None, indent: int = 4) -> str:
     """The ``algorithm.setgrpo`` block of ``setgrpo_trainer.yaml``: every key with its default and its doc as a
-    comment, nested blocks with their ``_target_`` (the shipped YAML is tested to contain exactly this text)."""
+    comment (the shipped YAML is tested to contain exactly this text)."""
+    top = cls is None
     cls = SetGRPOConfig if cls is None else cls
     pad = " " * indent
-    lines = [f"{pad}_target_: {cls.__module__}.{cls.__qualname__}"]
+    lines = []
+    if top:  # nested blocks are typed through the parent's field annotations
+        lines += [f"{pad}# typed config class; unknown (misspelled) keys fail at composition and at conversion",
+                  f"{pad}_target_: {cls.__module__}.{cls.__qualname__}"]
     for f in _documented_fields(cls):
-        lines.append("")
+        if lines:
+            lines.append("")
         lines.append(f"{pad}# {f.metadata['doc']}")
         if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
             lines.append(f"{pad}{f.name}:")

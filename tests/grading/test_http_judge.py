@@ -302,7 +302,7 @@ def _flavour_url(server, parser):
 def test_cli_probe_of_a_thinking_judge_names_the_token_budget(server, capsys, tmp_path):
     """`calibrate --judge openai` against a thinking judge whose replies are cut off: one error line (exit 2) that
     names the budget and both knobs, before the policy loads; with the flags the grader sends them."""
-    from setgrpo_verl import cli, runner
+    from setgrpo_verl import cli, launch
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"question": f"Name the number {i}.", "id": f"d{i}", "rubrics": [
@@ -316,12 +316,9 @@ def test_cli_probe_of_a_thinking_judge_names_the_token_budget(server, capsys, tm
     assert not (tmp_path / "run").exists()
     args = cli.build_parser().parse_args(argv + ["--judge-max-tokens", "512", "--judge-chat-template-kwargs",
                                                  '{"enable_thinking": false}'])
-    cfg = runner.RunConfig.from_profile("smoke", **cli._overrides(args))
-    grader = runner.grader_config(cfg)
+    grader = cli._grader(args, seed=0)
     assert (grader["max_tokens"], grader["chat_template_kwargs"]) == (512, {"enable_thinking": False})
-    scorer = runner.build_scorer(cfg)  # the probe now gets a verdict
-    assert (scorer.grader.judge.max_tokens, scorer.grader.judge.chat_template_kwargs) == (
-        512, {"enable_thinking": False})
+    launch.probe_judge(grader)  # the probe now gets a verdict
     assert server.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(argv + ["--judge-chat-template-kwargs", "enable_thinking=false"])

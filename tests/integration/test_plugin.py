@@ -102,16 +102,15 @@ def _record_trainer(tmp_path, **setgrpo):
     trainer.config = OmegaConf.create({
         "algorithm": {"adv_estimator": "setgrpo", "norm_adv_by_std_in_grpo": True,
                       "setgrpo": {"alpha": 0.1, "beta": 0.3, "delta": 0.1, "monitor": {"enable": True}, **setgrpo}},
-        "actor_rollout_ref": {"rollout": {"n": 4}, "actor": {"loss_agg_mode": "token-mean"},
-                              "model": {"path": "Qwen/Qwen3-4B"}},
+        "actor_rollout_ref": {"rollout": {"n": 4, "temperature": 1.0, "top_p": 1.0},
+                              "actor": {"loss_agg_mode": "token-mean"}, "model": {"path": "Qwen/Qwen3-4B"}},
+        "data": {"max_response_length": 64},
         "reward": {"reward_manager": {"name": "setgrpo_dual"},
                    "reward_kwargs": {"grader": {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "judge"}}},
         "trainer": {"default_local_dir": str(tmp_path)},
     })
     trainer.setgrpo = setgrpo_config_from(trainer.config.algorithm)
-    from setgrpo_verl.integration.trainer import _sketch_config
-
-    trainer.sketch_config = _sketch_config(trainer.setgrpo)
+    trainer.sketch_config = trainer.setgrpo.sketch.to_sketch_config()
     trainer.global_steps = 1
     return trainer
 
@@ -121,7 +120,8 @@ def test_trainer_loads_validates_and_never_overwrites_records(tmp_path):
 
     trainer = _record_trainer(tmp_path)
     identity = trainer._run_identity()
-    assert identity["grader"]["reward_manager"] == "setgrpo_dual" and identity["grader"]["model"] == "judge"
+    assert identity["grader"]["name"].startswith("rubric+") and identity["grader"]["model"] == "judge"
+    assert identity["policy"] == {"model": "Qwen/Qwen3-4B", "temperature": 1.0, "top_p": 1.0, "response_length": 64}
     path = tmp_path / "setgrpo_calibration.json"
     _record(metadata=identity).to_json(path)
 
