@@ -92,21 +92,18 @@ run_recipe() {
     [ "$mode" = train ] && experiment="${MODEL_TAG}-setgrpo"
     [ "$mode" = calibrate ] && experiment="${MODEL_TAG}-setgrpo-calibrate"
     local record=${RECORD:-$RUN_ROOT/${MODEL_TAG}-setgrpo-calibrate/setgrpo_calibration.json}
-    local config_dir
-    config_dir=$("$PYTHON" -c 'import os, setgrpo_verl; print(os.path.join(os.path.dirname(setgrpo_verl.__file__), "hydra_configs"))')
     local -a args
     mapfile -t args < <(_table3_args)
-    # shared by the calibrate and train runs: estimator, trainer mode, the paper's levels, sketch budget
+    # shared by the calibrate and train runs (setgrpo_trainer already selects the estimator and trainer mode):
+    # the paper's levels and the sketch budget
     local -a setgrpo_args=(
-        algorithm.adv_estimator=setgrpo
-        trainer.v1.trainer_mode=setgrpo
         algorithm.setgrpo.alpha=0.05 algorithm.setgrpo.beta=0.08 algorithm.setgrpo.delta=0.05
         algorithm.setgrpo.sketch.max_token_len_per_gpu="$SKETCH_TOKENS_PER_GPU"
     )
     case "$mode" in
         calibrate)
             # roll out the calibration prompts with the initial policy, score twice, sketch, write the record, stop
-            exec "$PYTHON" -m verl.trainer.main_ppo --config-path "$config_dir" --config-name setgrpo_trainer \
+            exec "$PYTHON" -m verl.trainer.main_ppo --config-name setgrpo_trainer \
                 "${args[@]}" \
                 "${setgrpo_args[@]}" \
                 algorithm.setgrpo.calibration.files="$DATA_DIR/calib.parquet" \
@@ -119,7 +116,7 @@ run_recipe() {
             ;;
         train)
             # SetGRPO training with the frozen record written by the calibrate run
-            exec "$PYTHON" -m verl.trainer.main_ppo --config-path "$config_dir" --config-name setgrpo_trainer \
+            exec "$PYTHON" -m verl.trainer.main_ppo --config-name setgrpo_trainer \
                 "${args[@]}" \
                 "${setgrpo_args[@]}" \
                 algorithm.setgrpo.record_path="$record" \

@@ -298,7 +298,7 @@ def _run(args: argparse.Namespace) -> str | None:
     elif args.command == "train":
         stages = ["train" if args.estimator == "setgrpo" else "grpo"]
     else:
-        stages = ["calibrate", "train"] + (["grpo"] if args.baseline else [])
+        stages = ["calibrate_train"] + (["grpo"] if args.baseline else [])
     record = (args.record if args.command == "train" and args.record is not None
               else run_dir / launch.STAGES["calibrate"] / "record.json")
 
@@ -314,7 +314,7 @@ def _run(args: argparse.Namespace) -> str | None:
 
         return "\n".join(" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands)
 
-    if "calibrate" in stages:
+    if args.command != "train":
         launch.check_calibration_size(values)
     if args.command == "train":
         calibration = run_dir / launch.STAGES["calibrate"]

@@ -55,8 +55,10 @@ __all__ = [
 COMPLETE = "COMPLETE"
 #: Marker of a failed stage (holds the reason).
 FAILED = "FAILED"
-#: Stage directory of each stage.
-STAGES = {"calibrate": "calibration", "train": "train_setgrpo", "grpo": "train_grpo"}
+#: Stage directory of each stage. ``calibrate_train`` is one verl process that calibrates (record and paired scores
+#: in ``calibration/``) and then trains, saving the start-up of a second process.
+STAGES = {"calibrate": "calibration", "train": "train_setgrpo", "calibrate_train": "train_setgrpo",
+          "grpo": "train_grpo"}
 
 
 class LaunchError(ValueError):
@@ -247,10 +249,16 @@ def stage_overrides(stage: str, run_dir: str | os.PathLike, *, record: str | os.
     common += [
         format_override("algorithm.setgrpo.calibration.files", str(data / "calibration.parquet")),
     ]
+    record_out = run_dir / STAGES["calibrate"] / "record.json"
     if stage == "calibrate":
         return common + [
             "algorithm.setgrpo.calibration.only=true",
-            format_override("algorithm.setgrpo.record_out", str(stage_dir / "record.json")),
+            format_override("algorithm.setgrpo.record_out", str(record_out)),
+        ]
+    if stage == "calibrate_train":
+        return common + [
+            format_override("algorithm.setgrpo.record_out", str(record_out)),
+            format_override("algorithm.setgrpo.group_log", str(stage_dir / "groups.jsonl")),
         ]
     if stage == "train":
         if record is None:
@@ -293,6 +301,8 @@ def run_stage(
     """
     run_dir = Path(run_dir)
     stage_dir = _stage_dir(run_dir, stage, overwrite=overwrite)
+    if stage == "calibrate_train":  # its record goes to calibration/, marked complete once the record exists
+        calibration = _stage_dir(run_dir, "calibrate", overwrite=overwrite)
     env = dict(env)
     env["VERL_FILE_LOGGER_PATH"] = str((stage_dir / "metrics.jsonl").resolve())
     shown_env = {k: env[k] for k in ("VERL_PLATFORM", "VERL_FILE_LOGGER_PATH") if k in env}
@@ -319,6 +329,10 @@ def run_stage(
         (stage_dir / FAILED).write_text(f"main_ppo exited with status {status} after {elapsed:.0f} s: {reason}\n")
         raise LaunchError(f"{stage}: verl's main_ppo exited with status {status}: {reason} (full log: {log_path})")
     (stage_dir / COMPLETE).write_text(f"{elapsed:.1f} s\n")
+    if stage == "calibrate_train":
+        if not (calibration / "record.json").is_file():
+            raise LaunchError(f"{stage}: verl exited normally but wrote no record to {calibration}/record.json")
+        (calibration / COMPLETE).write_text(f"calibrated by {stage_dir.name}/\n")
     return stage_dir
 
 

@@ -60,17 +60,25 @@ def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
     assert cli.main(["quickstart", "--run-dir", str(run), "--dry-run", "--alpha", "0.3",
                      "trainer.logger=[console,wandb]"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 3 and not run.exists()
-    calibrate, train, grpo = (shlex.split(line) for line in lines)
-    for cmd in (calibrate, train, grpo):
+    assert len(lines) == 2 and not run.exists()
+    setgrpo, grpo = (shlex.split(line) for line in lines)
+    for cmd in (setgrpo, grpo):
         assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and "trainer.device=cpu" in cmd
-        assert "actor_rollout_ref.rollout.name=transformers" in cmd
+        assert "actor_rollout_ref.rollout.name=transformers" in cmd and "--config-path" not in cmd
         assert cmd[-1] == "trainer.logger=[console,wandb]"  # user overrides come last and win
-    assert cmd[cmd.index("--config-name") + 1] == "ppo_trainer" and "algorithm.adv_estimator=grpo" in grpo
+    assert grpo[grpo.index("--config-name") + 1] == "ppo_trainer" and "algorithm.adv_estimator=grpo" in grpo
     assert not any(a.startswith("algorithm.setgrpo") for a in grpo)
-    assert "algorithm.setgrpo.alpha=0.3" in calibrate and "algorithm.setgrpo.calibration.only=true" in calibrate
-    assert f"algorithm.setgrpo.record_path={(run / 'calibration' / 'record.json').resolve()}" in train
-    assert calibrate[calibrate.index("--config-name") + 1] == "setgrpo_trainer"
+    # the quickstart calibrates and trains in one verl process: no record_path, the record goes to calibration/
+    assert setgrpo[setgrpo.index("--config-name") + 1] == "setgrpo_trainer" and "algorithm.setgrpo.alpha=0.3" in setgrpo
+    record = (run / "calibration" / "record.json").resolve()
+    assert f"algorithm.setgrpo.record_out={record}" in setgrpo
+    assert not any(a.startswith(("algorithm.setgrpo.record_path", "algorithm.setgrpo.calibration.only")) for a in setgrpo)
+    assert cli.main(["calibrate", "--run-dir", str(run), "--dry-run"]) == 0
+    (calibrate,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines())
+    assert "algorithm.setgrpo.calibration.only=true" in calibrate
+    assert cli.main(["train", "--run-dir", str(run), "--dry-run"]) == 0
+    (train,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines())
+    assert f"algorithm.setgrpo.record_path={record}" in train
 
 
 @pytest.mark.parametrize("flags, needle", [
