@@ -97,8 +97,8 @@ def cpu_overrides(actor_ranks: int = 1) -> list[str]:
     ``actor_ranks`` FSDP2 ranks on gloo, each holding one logical Ray ``GPU`` (Ray's CPU count is logical too:
     verl asks several CPUs per worker, more than a small machine has); float32 compute (CPU bf16 is slow and
     would make the actor's log-probs differ from the rollout's); eager attention and no remove-padding (no
-    flash-attention kernels); the ``transformers`` rollout, kept resident (no sleep / wake-up) and synced with
-    full weights; one agent-loop worker, one reward worker and one TransferQueue storage unit.
+    flash-attention kernels); the ``transformers`` rollout, kept resident (no sleep / wake-up), decoding at most 64
+    sequences at once (its key-value cache lives in host memory) and synced with full weights; one agent-loop worker, one reward worker and one TransferQueue storage unit.
     """
     return [
         "trainer.device=cpu",
@@ -117,6 +117,7 @@ def cpu_overrides(actor_ranks: int = 1) -> list[str]:
         "actor_rollout_ref.rollout.name=transformers",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.free_cache_engine=false",
+        "actor_rollout_ref.rollout.max_num_seqs=64",
         "actor_rollout_ref.rollout.load_format=auto",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
         "actor_rollout_ref.rollout.agent.num_workers=1",
@@ -203,7 +204,7 @@ def split_data(
     verl_rows = rubrics_to_verl_rows(rubrics)
     kept = []
     for row in verl_rows:
-        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
         if len(ids) <= max_prompt_length:
             kept.append(row)
     if len(kept) <= calibration_prompts:

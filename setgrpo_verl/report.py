@@ -54,6 +54,16 @@ def _training_rows(path: Path) -> list[dict]:
     return [r for r in load_metrics(path) if "timing_s/step" in r]
 
 
+def policy_label(record) -> str:
+    """Short name of a record's policy for tables: the embedded model's name, else the model directory's name."""
+    from .models import EMBEDDED_MODEL_NAME, cache_dir
+
+    model = str(record.policy.get("model", "policy"))
+    if model.startswith(str(cache_dir())):
+        return EMBEDDED_MODEL_NAME.split(" (")[0]
+    return Path(model).name or model
+
+
 def format_table4(record, label: str = "this run") -> str:
     """The paper's Table 4 row (Cov., Risk, Q_alpha, tau_sel, N, F, ECR, U) of a record, as a fixed-width table."""
     row = record.table4_row()
@@ -89,7 +99,7 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False) -> str:
         rec = CalibrationRecord.from_json(p)
     except ValueError as exc:
         raise ReportError(str(exc)) from None
-    label = str(rec.policy.get("model", "policy")).split(" (")[0]
+    label = policy_label(rec)
     lines = [format_table4(rec, label), "",
              f"alpha={rec.alpha}  beta={rec.beta}  delta={rec.delta}  rho={rec.rho}  K={rec.K}  "
              f"norm_by_std={rec.norm_by_std}  loss_agg_mode={rec.loss_agg_mode}  ablation={rec.ablation}",
@@ -355,7 +365,7 @@ def make_report(run_dir: str | os.PathLike) -> str:
              "projections.png": lambda p: plot_projections(groups, record.tau_sel, p)}
     for fname, fn in files.items():
         fn(out / fname)
-    label = str(record.policy.get("model", "policy")).split(" (")[0]
+    label = policy_label(record)
     table = format_table4(record, label)
     (out / "table4.txt").write_text(table + "\n")
 

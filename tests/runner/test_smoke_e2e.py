@@ -21,7 +21,8 @@ from setgrpo_verl.report import load_metrics
 
 from ..verl_cpu.conftest import tail
 
-pytestmark = pytest.mark.slow
+# verl's main_ppo runs take a whole Ray cluster (about 6 GB): one xdist worker runs them one after another
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("main_ppo")]
 
 
 @pytest.fixture(scope="module")

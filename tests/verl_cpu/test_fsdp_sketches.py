@@ -19,7 +19,8 @@ from setgrpo_verl.sketch import SketchConfig, compute_sketches
 
 from .conftest import tail
 
-pytestmark = pytest.mark.slow
+# verl's main_ppo runs take a whole Ray cluster (about 6 GB): one xdist worker runs them one after another
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("main_ppo")]
 
 _DUMP = '''
 import os
