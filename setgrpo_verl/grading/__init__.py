@@ -1,6 +1,6 @@
 """Rubric grading for SetGRPO: data model, rule checks, judges, graders, the dual scorer and data converters.
 
-Typical use (the local runner)::
+Typical use (the command line's judge probe, or any script)::
 
     from setgrpo_verl.grading import DualScorer, load_ifbench_rubrics
     scorer = DualScorer({"type": "local_hf", "temperature": 1.0, "seed": 0})

@@ -65,7 +65,7 @@ class DualScorer:
             mapping for :func:`~.graders.build_grader`.
         scoring_indices: the two scoring indices (distinct; default ``(0, 1)``).
 
-    Use :meth:`ascore` from async code (verl's reward loop) or :meth:`score` from sync code (the local runner).
+    Use :meth:`ascore` from async code (verl's reward loop) or :meth:`score` from sync code (a script, the command line's judge probe).
     """
 
     def __init__(self, grader, scoring_indices: tuple[int, int] = (0, 1)):

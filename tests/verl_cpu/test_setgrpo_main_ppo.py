@@ -84,8 +84,8 @@ def _hand_written(run, tiny_model, reward_file, record, *extra: str) -> list[str
         f"data.train_files={run / 'data' / 'train.parquet'}", f"data.val_files={run / 'data' / 'train.parquet'}",
         "data.train_batch_size=3", "data.max_prompt_length=128", "data.max_response_length=8",
         f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.rollout.n=3",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "data.seed=1",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=9",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=9", "data.seed=1",
         f"+reward.reward_kwargs.grader={{type:function,path:{reward_file},name:compute_score,seed:1}}",
         "algorithm.setgrpo.alpha=0.5", "algorithm.setgrpo.beta=0.9", "algorithm.setgrpo.delta=0.3",
         "algorithm.setgrpo.tau_grid=[0.0,0.3]", f"algorithm.setgrpo.record_path={record}",
@@ -102,10 +102,18 @@ def _main_ppo(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_hand_written_main_ppo_accepts_the_record(calibrated, tiny_model, reward_file):
+    import re
+
     run, _ = calibrated
-    proc = _main_ppo(_hand_written(run, tiny_model, reward_file, run / "calibration" / "record.json"))
+    proc = _main_ppo(_hand_written(run, tiny_model, reward_file, run / "calibration" / "record.json",
+                                   "actor_rollout_ref.rollout.calculate_log_probs=true"))
     assert proc.returncode == 0, tail(proc)
-    assert "setgrpo/accepted_ratio" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "setgrpo/accepted_ratio" in out
+    # the fused old-log-prob + sketch pass (the default) gives the rollout's token probabilities to float rounding,
+    # as verl's own old-log-prob pass does (test_grpo_main_ppo)
+    (diff,) = re.findall(r"training/rollout_probs_diff_max:([0-9.e+-]+)", out)
+    assert float(diff) < 1e-8
 
 
 @pytest.mark.parametrize(("edit", "needle"), [
