@@ -125,10 +125,13 @@ run_recipe() {
                 "$@"
             ;;
         grpo)
-            # the GRPO baseline: verl's stock config and estimator, identical Table 3 settings
+            # the GRPO baseline: verl's stock config and estimator, identical Table 3 settings and the same
+            # rubric-validating dataset class as setgrpo_trainer
             exec "$PYTHON" -m verl.trainer.main_ppo \
                 "${args[@]}" \
                 algorithm.adv_estimator=grpo \
+                data.custom_cls.path=pkg://setgrpo_verl.grading.verl_dataset \
+                data.custom_cls.name=RubricRLHFDataset \
                 trainer.experiment_name="$experiment" \
                 trainer.default_local_dir="$RUN_ROOT/$experiment" \
                 "$@"

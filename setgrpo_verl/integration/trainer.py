@@ -49,6 +49,7 @@ from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 from verl.utils.debug import marked_timer
+from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
 
 from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor, calibrate
@@ -401,6 +402,11 @@ class SetGRPOTrainer(PPOTrainerSync):
         with marked_timer("setgrpo_sketch", self.timing_raw, color="purple"):
             self._compute_sketches(batch, fused=fused)
         metrics["setgrpo/timing_s/sketch"] = time.perf_counter() - t0
+        if fused and self.config.actor_rollout_ref.rollout.calculate_log_probs:
+            # the rollout-vs-actor log-prob diagnostics verl's own old-log-prob pass logs
+            fields = ["old_log_probs", "response_mask", "responses", "rollout_log_probs"]
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+            metrics.update(calculate_debug_metrics(DataProto(batch=data.to_padded_tensor())))
         return batch
 
     def _compute_advantage(self, batch, metrics: dict):
