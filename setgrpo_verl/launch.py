@@ -94,7 +94,9 @@ def _hydra_value(value: Any) -> str:
 def cpu_overrides(actor_ranks: int = 1) -> list[str]:
     """verl settings of a CPU run on one machine (with ``VERL_PLATFORM=cpu`` in the environment).
 
-    ``actor_ranks`` FSDP2 ranks on gloo, each holding one logical Ray ``GPU`` (Ray's CPU count is logical too:
+    A new local Ray instance for every run (``ray.init`` would otherwise join any Ray instance already running on
+    the machine, e.g. another run's, and wait for its logical GPUs). ``actor_ranks`` FSDP2 ranks on gloo, each
+    holding one logical Ray ``GPU`` (Ray's CPU count is logical too:
     verl asks several CPUs per worker, more than a small machine has); float32 compute (CPU bf16 is slow and
     would make the actor's log-probs differ from the rollout's); eager attention and no remove-padding (no
     flash-attention kernels); the ``transformers`` rollout, kept resident (no sleep / wake-up), decoding at most 64
@@ -104,6 +106,7 @@ def cpu_overrides(actor_ranks: int = 1) -> list[str]:
         "trainer.device=cpu",
         f"trainer.n_gpus_per_node={actor_ranks}",
         "trainer.nnodes=1",
+        "+ray_kwargs.ray_init.address=local",
         f"+ray_kwargs.ray_init.num_gpus={actor_ranks}",
         f"ray_kwargs.ray_init.num_cpus={4 * actor_ranks + 8}",
         "+ray_kwargs.ray_init.include_dashboard=false",
