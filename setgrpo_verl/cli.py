@@ -86,9 +86,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         "algorithm.setgrpo.calibration.num_prompts": 12,
         "algorithm.setgrpo.calibration.batch_size": 12,
         "algorithm.setgrpo.alpha": 0.5,
-        "algorithm.setgrpo.beta": 0.8,
+        "algorithm.setgrpo.beta": 0.95,
         "algorithm.setgrpo.delta": 0.3,
         "algorithm.setgrpo.tau_grid": [0.0, 0.3, 0.6],
+        "algorithm.setgrpo.calibration.on_infeasible": "reject_all",
         "actor_rollout_ref.actor.optim.lr": 1e-5,
     },
 }

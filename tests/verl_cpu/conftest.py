@@ -10,16 +10,27 @@ from pathlib import Path
 
 import pytest
 
-#: A function reward that depends on the response only, so that every step has groups with spread.
+#: A function reward of the response text only, in [0, 1): distinct responses get distinct rewards (almost surely),
+#: so that groups of sampled responses have spread (a group with tied scores is degenerate).
 REWARD_PY = '''
+import hashlib
+
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    return float(len(solution_str) % 7) / 6.0
+    return int(hashlib.sha256(solution_str.encode()).hexdigest()[:8], 16) / 16**8
 '''
 
 
 def reward_of(text: str) -> float:
     """The reward that ``REWARD_PY`` gives a decoded response."""
-    return float(len(text) % 7) / 6.0
+    import hashlib
+
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 16**8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_main_ppo_at_a_time(serial_main_ppo):
+    yield
 
 
 @pytest.fixture(scope="session")

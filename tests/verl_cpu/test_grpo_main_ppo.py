@@ -19,8 +19,7 @@ from setgrpo_verl.core import grpo_coefficients
 
 from .conftest import read_metrics, reward_of, run_main_ppo, tail
 
-# verl's main_ppo runs take a whole Ray cluster (about 6 GB): one xdist worker runs them one after another
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("main_ppo")]
+pytestmark = pytest.mark.slow
 
 #: Loaded by verl in every process (``VERL_USE_EXTERNAL_MODULES``): a rollout ``transformers_nosync`` whose server
 #: ignores the weights the actor sends.

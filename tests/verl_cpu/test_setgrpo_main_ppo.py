@@ -23,8 +23,7 @@ from setgrpo_verl.sketch import SketchConfig
 
 from .conftest import read_metrics, tail
 
-# verl's main_ppo runs take a whole Ray cluster (about 6 GB): one xdist worker runs them one after another
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("main_ppo")]
+pytestmark = pytest.mark.slow
 
 _FLAGS = ["--rollout-n", "3", "--groups-per-step", "3", "--steps", "2", "--calib-groups", "6", "--calib-batch-size",
           "6", "--max-prompt-length", "128", "--max-response-length", "8", "--alpha", "0.5", "--beta", "0.9",
