@@ -63,6 +63,23 @@ def _sampling_key(params: dict[str, Any], default_max_tokens: int) -> tuple:
     return temperature, top_p, top_k, max_tokens, bool(params.get("logprobs"))
 
 
+def replica_seed(base_seed: int, replica_rank: int) -> int:
+    """The torch seed of one rollout replica's server: distinct replicas of one run draw independent sampling
+    streams (with one shared seed, replica i and replica j would sample the same noise, so two responses of a group
+    served by different replicas could be identical), and runs with different base seeds differ too.
+
+    Args:
+        base_seed: the run's rollout seed (``SETGRPO_ROLLOUT_SEED``), an int >= 0.
+        replica_rank: the replica's index, an int >= 0.
+
+    Returns:
+        An int in [0, 2**32).
+    """
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(base_seed), int(replica_rank)]).generate_state(1)[0])
+
+
 class TransformersRolloutServer:
     """Ray actor: batched token-in/token-out generation with a Hugging Face causal LM on CPU.
 
@@ -245,7 +262,7 @@ class TransformersReplica(RolloutReplica):
             model_path,
             self.config.response_length,
             self.config.max_num_seqs,
-            int(os.environ.get("SETGRPO_ROLLOUT_SEED", "0")),
+            replica_seed(int(os.environ.get("SETGRPO_ROLLOUT_SEED", "0")), self.replica_rank),
             bool(getattr(self.model_config, "trust_remote_code", False)),
         )
         self.servers = [server]

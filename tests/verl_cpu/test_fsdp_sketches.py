@@ -68,6 +68,10 @@ def test_two_fsdp_ranks_give_the_single_process_sketches(tiny_model, reward_file
     (batch,) = [torch.load(p) for p in sorted(dump.iterdir())]
     sketches = torch.stack(batch["setgrpo_sketch"]).double()
     assert sketches.shape[0] == 8
+    # the 2 ranks serve from 2 rollout replicas: their sampling streams are independent, so the tiny random model's
+    # near-uniform samples of 6 tokens are all distinct (a shared stream gave each sequence twice)
+    responses = {tuple(r.tolist()) for r in batch["responses"]}
+    assert len(responses) == 8, batch["responses"]
 
     from transformers import AutoModelForCausalLM
 
