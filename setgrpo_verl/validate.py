@@ -516,6 +516,9 @@ def plot_validation(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
     if "grpo" in report["methods"]:
         ax2.plot(x, series("grpo", "reversal_rate_reference"), "x", color="gray", label="GRPO vs r'")
     ax2.axhline(lv["beta"], color="k", ls="--", label=f"beta = {lv['beta']}")
+    if all(s["methods"]["setgrpo"]["n_accepted"] == 0 for s in splits):
+        ax2.text(0.5, 0.5, "SetGRPO accepted no held-out group in any split", transform=ax2.transAxes,
+                 ha="center", va="center", color="C0")
     ax2.set(xlabel="split", ylabel="reversal rate of accepted updates", title="direction-reversal risk")
     ax2.legend(loc="upper left")
     grader = report.get("metadata", {}).get("grader", {})
