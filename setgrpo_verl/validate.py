@@ -34,6 +34,7 @@ import torch
 
 from .core import (
     DEFAULT_TAU_GRID,
+    DEGENERATE_RTOL,
     CalibrationRecord,
     calibrate,
     degenerate_groups,
@@ -124,23 +125,40 @@ def load_paired(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {k: v for k, v in arrays.items() if k in want}
 
 
-def split_groups(n_groups: int, holdout_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random split of ``n_groups`` group indices into ``(calibration, held_out)`` int64 tensors (sorted).
+def split_groups(degenerate: torch.Tensor, holdout_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random split of G groups into ``(calibration, held_out)`` int64 index tensors (sorted), stratified by
+    degeneracy.
 
-    ``round(n_groups * holdout_fraction)`` groups are held out, chosen by ``torch.randperm`` with a generator
-    seeded with ``seed``.
+    Within the non-degenerate groups and within the degenerate ones separately, ``round(n * holdout_fraction)``
+    are held out, chosen by ``torch.randperm`` with a generator seeded with ``seed``. Every split then has the same
+    number of non-degenerate calibration groups (the ones calibration uses). Degeneracy depends only on a group's
+    own point scores, so the split keeps calibration and held-out groups exchangeable
+    (docs/algorithm.md#11-degenerate-groups).
+
+    Args:
+        degenerate: ``[G]`` bool, degenerate groups (:func:`~setgrpo_verl.core.degenerate_groups` of the point
+            scores).
+        holdout_fraction: in (0, 1).
+        seed: seed of the split.
 
     Raises:
-        ValueError: ``holdout_fraction`` outside (0, 1), or a split that leaves either part empty.
+        ValueError: ``holdout_fraction`` outside (0, 1), or no non-degenerate group left on either side.
     """
     if not 0.0 < holdout_fraction < 1.0:
         raise ValueError(f"holdout_fraction must be in (0, 1), got {holdout_fraction}")
-    n_hold = int(round(n_groups * holdout_fraction))
-    if n_hold < 1 or n_hold >= n_groups:
-        raise ValueError(f"{n_groups} groups with holdout_fraction={holdout_fraction} leave {n_hold} held-out and "
-                         f"{n_groups - n_hold} calibration groups; both parts need at least one")
-    perm = torch.randperm(n_groups, generator=torch.Generator().manual_seed(int(seed)))
-    return perm[n_hold:].sort().values, perm[:n_hold].sort().values
+    generator = torch.Generator().manual_seed(int(seed))
+    cal, hold = [], []
+    for stratum in (~degenerate, degenerate):
+        idx = stratum.nonzero().flatten()
+        idx = idx[torch.randperm(idx.numel(), generator=generator)]
+        n_hold = int(round(idx.numel() * holdout_fraction))
+        hold.append(idx[:n_hold])
+        cal.append(idx[n_hold:])
+    n_live = int((~degenerate).sum())
+    if hold[0].numel() < 1 or cal[0].numel() < 1:
+        raise ValueError(f"{n_live} non-degenerate groups with holdout_fraction={holdout_fraction} leave "
+                         f"{hold[0].numel()} held-out and {cal[0].numel()} calibration groups; both need at least one")
+    return torch.cat(cal).sort().values, torch.cat(hold).sort().values
 
 
 def _coefficients(scores: torch.Tensor, levels: ValidationLevels, degenerate_rtol: float) -> torch.Tensor:
@@ -249,8 +267,6 @@ def evaluate_grpo(paired: Mapping[str, torch.Tensor], held_out: torch.Tensor, *,
     Returns:
         ``(summary, rows)`` in the format of :func:`evaluate_method` (status ``grpo`` or ``degenerate``).
     """
-    from .core import DEGENERATE_RTOL
-
     rtol = DEGENERATE_RTOL if degenerate_rtol is None else degenerate_rtol
     point, gram = paired["point"][held_out], paired["gram"][held_out]
     truth = paired.get("truth")
@@ -373,8 +389,9 @@ def run_validation(
 ) -> ValidationResult:
     """Repeat calibration on random splits and measure every method on the held-out groups.
 
-    Implements docs/validation.md#validation. Split s (seed ``first_seed + s``) holds out
-    ``round(G * holdout_fraction)`` groups (:func:`split_groups`); each method in ``methods`` (``grpo``,
+    Implements docs/validation.md#validation. Split s (seed ``first_seed + s``) holds out a share
+    ``holdout_fraction`` of the non-degenerate and of the degenerate groups (:func:`split_groups`, with the
+    degeneracy of the point scores); each method in ``methods`` (``grpo``,
     ``setgrpo`` and any of :data:`ABLATION_METHODS`) is calibrated on the rest (coverage / risk split with the same
     seed) and evaluated on the held-out groups.
 
@@ -402,11 +419,12 @@ def run_validation(
     methods = [m for m in METHODS if m in methods]
     g, k = paired["point"].shape
     has_truth = "truth" in paired
+    degenerate = degenerate_groups(paired["point"], DEGENERATE_RTOL)
     splits, rows, records = [], [], {}
     per_method: dict[str, list[dict]] = {m: [] for m in methods}
     for s in range(n_splits):
         seed = first_seed + s
-        cal, hold = split_groups(g, holdout_fraction, seed)
+        cal, hold = split_groups(degenerate, holdout_fraction, seed)
         entry: dict[str, Any] = {"split": s, "seed": seed, "n_calibration": len(cal), "n_held_out": len(hold),
                                  "methods": {}}
         rtol = None
@@ -430,16 +448,13 @@ def run_validation(
         for method in methods:
             per_method[method].append(entry["methods"][method])
         splits.append(entry)
-    point = paired["point"]
-    from .core import DEGENERATE_RTOL
-
     report = {
         "levels": levels.to_dict(),
         "nominal": {"coverage": 1 - levels.alpha, "risk": levels.beta, "share_risk_at_most_beta": 1 - levels.delta},
         "data": {
             "groups": g,
             "K": k,
-            "degenerate_groups": int(degenerate_groups(point, DEGENERATE_RTOL).sum()),
+            "degenerate_groups": int(degenerate.sum()),
             "truth": has_truth,
             "truth_degenerate_groups": int(degenerate_groups(paired["truth"], DEGENERATE_RTOL).sum())
             if has_truth else None,

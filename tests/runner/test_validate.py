@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from setgrpo_verl import cli
-from setgrpo_verl.core import CalibrationRecord, calibrate
+from setgrpo_verl.core import CalibrationRecord, calibrate, degenerate_groups
 from setgrpo_verl.validate import (
     ValidationLevels,
     evaluate_grpo,
@@ -36,16 +36,17 @@ def _synthetic(n: int, k: int = 4, noise: float = 0.05, seed: int = 0) -> dict[s
     return {"point": point, "reference": reference, "gram": grads @ grads.transpose(1, 2), "truth": mu}
 
 
-def test_split_groups():
-    cal, hold = split_groups(10, 0.3, seed=4)
-    assert len(hold) == 3 and len(cal) == 7
-    assert sorted(cal.tolist() + hold.tolist()) == list(range(10))
-    again = split_groups(10, 0.3, seed=4)
+def test_split_groups_is_stratified_by_degeneracy():
+    degenerate = torch.tensor([False] * 9 + [True] * 6)
+    cal, hold = split_groups(degenerate, 1 / 3, seed=4)
+    assert sorted(cal.tolist() + hold.tolist()) == list(range(15))
+    assert int((~degenerate[hold]).sum()) == 3 and int(degenerate[hold].sum()) == 2  # a third of each stratum
+    again = split_groups(degenerate, 1 / 3, seed=4)
     assert torch.equal(cal, again[0]) and torch.equal(hold, again[1])
-    assert not torch.equal(hold, split_groups(10, 0.3, seed=5)[1])
+    assert not torch.equal(hold, split_groups(degenerate, 1 / 3, seed=5)[1])
     for fraction in (0.0, 1.0, 0.01):
         with pytest.raises(ValueError):
-            split_groups(10, fraction, seed=0)
+            split_groups(degenerate, fraction, seed=0)
 
 
 def test_grpo_reversals_by_hand():
@@ -102,7 +103,7 @@ def test_summary_is_consistent_with_rows_and_records(synthetic_result):
     assert report["methods"] == ["grpo", "setgrpo", "spherical_set", "identity_geometry", "safe_anchor_only"]
     assert [s["seed"] for s in report["splits"]] == list(range(3, 9))
     for split in report["splits"]:
-        cal, hold = split_groups(240, 0.5, split["seed"])
+        cal, hold = split_groups(degenerate_groups(data["point"]), 0.5, split["seed"])
         for method, summary in split["methods"].items():
             rows = [r for r in result.rows if r["split"] == split["split"] and r["method"] == method]
             assert [r["group"] for r in rows] == hold.tolist()

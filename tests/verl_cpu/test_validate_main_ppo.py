@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl.core import CalibrationRecord, calibrate
+from setgrpo_verl.core import CalibrationRecord, calibrate, degenerate_groups
 from setgrpo_verl.validate import split_groups
 
 from .conftest import jsonl, tail
@@ -65,7 +65,7 @@ def test_json_agrees_with_the_group_log_and_the_records(validated):
     assert len(report["splits"]) == 3 and (out / "validation.png").stat().st_size > 10_000
     assert "setgrpo |" in stdout and "grpo |" in stdout
     for split in report["splits"]:
-        cal, hold = split_groups(24, 0.25, split["seed"])
+        cal, hold = split_groups(degenerate_groups(paired["point"]), 0.25, split["seed"])
         for method, summary in split["methods"].items():
             mine = [r for r in rows if r["split"] == split["split"] and r["method"] == method]
             assert [r["group"] for r in mine] == hold.tolist()
