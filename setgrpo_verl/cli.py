@@ -100,8 +100,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "data.train_batch_size": 4,
         "data.max_prompt_length": 128,
         "data.max_response_length": 24,
-        "algorithm.setgrpo.calibration.num_prompts": 192,
-        "algorithm.setgrpo.calibration.batch_size": 32,
+        "algorithm.setgrpo.calibration.num_prompts": 144,
+        "algorithm.setgrpo.calibration.batch_size": 36,
         # 4 responses per sketch micro-batch: the actor worker peaks near 4 GB instead of 9 GB
         "algorithm.setgrpo.sketch.micro_batch_size_per_gpu": 4,
         "algorithm.setgrpo.alpha": 0.05,
@@ -216,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run directory (data/, calibration/ and validation/ inside)")
     p.add_argument("--overwrite", action="store_true", help="replace existing calibration/ and validation/")
     p.add_argument("--splits", type=int, default=20, help="R, repeated calibration / held-out splits (default 20)")
-    p.add_argument("--holdout-fraction", type=float, default=1 / 3,
-                   help="share of the groups held out in each split (default 1/3)")
+    p.add_argument("--holdout-fraction", type=float, default=0.25,
+                   help="share of the groups held out in each split (default 0.25)")
     p.add_argument("--analysis-only", action="store_true",
                    help="skip the calibration stage: analyse the run directory's calibration/paired_scores.npz again "
                         "(levels from its record unless given as flags)")

@@ -144,7 +144,7 @@ def test_validate_dry_run_uses_the_noisy_rules_grader_at_the_paper_levels(capsys
     (line,) = capsys.readouterr().out.strip().splitlines()
     cmd = shlex.split(line)
     assert "+reward.reward_kwargs.grader={type:noisy,flip_prob:0.1,seed:4,base:{type:rules,seed:1}}" in cmd
-    for key, value in (("alpha", "0.05"), ("beta", "0.08"), ("delta", "0.05"), ("calibration.num_prompts", "192"),
+    for key, value in (("alpha", "0.05"), ("beta", "0.08"), ("delta", "0.05"), ("calibration.num_prompts", "144"),
                        ("calibration.on_infeasible", "reject_all"), ("calibration.only", "true")):
         assert f"algorithm.setgrpo.{key}={value}" in cmd
     assert not any(a.startswith("algorithm.setgrpo.tau_grid") for a in cmd)  # the default 20 thresholds
@@ -165,7 +165,7 @@ def test_flip_prob_wraps_any_judge(capsys, tmp_path):
     (["validate", "--ablation", "spherical_set"], "drop --ablation"),
     (["validate", "--splits", "0"], "--splits 0"),
     (["validate", "--holdout-fraction", "1"], "--holdout-fraction 1.0"),
-    (["validate", "--calib-groups", "50"], "leaves 33 calibration groups per split, but alpha=0.05"),
+    (["validate", "--calib-groups", "50"], "leaves 38 calibration groups per split, but alpha=0.05"),
 ])
 def test_invalid_noise_and_validate_settings(capsys, tmp_path, argv, needle):
     err = _fail(capsys, [argv[0], "--run-dir", str(tmp_path / "run"), *argv[1:]])
@@ -183,6 +183,6 @@ def test_rules_judge_refuses_judged_criteria_and_warns_on_beta(capsys, tmp_path)
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     # enough groups for alpha but not for beta: a warning (coverage is still checked), then the row check fails
-    assert "60 calibration groups per split cannot certify" in out and ">= 72 accepted risk groups" in out
+    assert "68 calibration groups per split cannot certify" in out and ">= 72 accepted risk groups" in out
     assert "row-3" in err and "criterion 1 has no rule" in err
     assert not (tmp_path / "run").exists()
