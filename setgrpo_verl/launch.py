@@ -153,10 +153,12 @@ def main_ppo_command(overrides: Sequence[str], *, config_name: str = "setgrpo_tr
     return cmd + list(overrides)
 
 
-def _rubric_rows(data: str | os.PathLike | None) -> tuple[list[dict], str]:
+def _rubric_rows(data: str | os.PathLike | None, rules_only: bool = False) -> tuple[list[dict], str]:
     from .grading import load_ifbench_rubrics, read_rubric_rows
 
     if data is None:
+        if rules_only:
+            return load_ifbench_rubrics(rules_only=True), "the embedded IFBench rubric conversion (rule criteria only)"
         return load_ifbench_rubrics(), "the embedded IFBench rubric conversion"
     path = Path(data).expanduser()
     if not path.is_file():
@@ -175,8 +177,12 @@ def split_data(
     max_prompt_length: int,
     calibration_prompts: int,
     seed: int,
+    rules_only: bool = False,
 ) -> dict[str, Any]:
     """Validate the rubric rows, drop overlong prompts, shuffle and split them into verl RL rows (nothing written).
+
+    With ``rules_only`` (the ``rules`` grader) the embedded default is the IFBench rows with their rule criteria only,
+    and every criterion of a ``data`` file must carry a rule.
 
     The first ``calibration_prompts`` rows of the ``seed``-shuffled file go to ``data/calibration.parquet``, the rest
     to ``data/train.parquet`` (disjoint, so calibration groups stay exchangeable with fresh ones and training never
@@ -187,14 +193,14 @@ def split_data(
         ``{"calibration": [rows], "train": [rows], "source": str}`` for :func:`write_data`.
 
     Raises:
-        LaunchError: unreadable file, an invalid row (the message names the row, criterion and field), or fewer
-            usable prompts than ``calibration_prompts`` + 1.
+        LaunchError: unreadable file, an invalid row (the message names the row, criterion and field), a criterion
+            without a rule under ``rules_only``, or fewer usable prompts than ``calibration_prompts`` + 1.
     """
     from transformers import AutoTokenizer
 
     from .grading import as_rubric, rubrics_to_verl_rows
 
-    rows, source = _rubric_rows(data)
+    rows, source = _rubric_rows(data, rules_only)
     try:
         rubrics = [as_rubric(row) for row in rows]
     except (ValueError, TypeError) as exc:
@@ -203,6 +209,10 @@ def split_data(
         if not any(c.points > 0 for c in rubric.criteria):
             raise LaunchError(f"{source}: rubric row {rubric.id!r} has no criterion with positive points, so its score "
                               "(sum of met points / sum of positive points) is undefined; add one or remove the row")
+        judged = [j for j, c in enumerate(rubric.criteria) if c.rule is None]
+        if rules_only and judged:
+            raise LaunchError(f"{source}: rubric row {rubric.id!r}, criterion {judged[0]} has no rule, but --judge rules "
+                              "checks rule criteria only; give every criterion a rule or choose a judge")
     tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
     verl_rows = rubrics_to_verl_rows(rubrics)
     kept = []
@@ -352,12 +362,50 @@ def _last_error(lines: Sequence[str]) -> str:
     return next((t.strip()[-400:] for t in reversed(lines) if t.strip()), "no output")
 
 
+def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:
+    """``(coverage groups, risk groups)`` the requested levels need at the least (docs/algorithm.md#2-jrsc, #4-srgo).
+
+    Coverage needs ``min_calibration_groups(alpha)`` non-degenerate coverage groups; the risk bound needs the smallest
+    N whose Clopper-Pearson bound with no reversal, at confidence ``1 - delta/m``, is at most beta.
+
+    Args:
+        values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
+    """
+    from .core import DEFAULT_TAU_GRID, clopper_pearson_upper, min_calibration_groups
+    from .integration.config import SetGRPOConfig
+
+    def get(key, default):
+        return values.get(f"algorithm.setgrpo.{key}", default)
+
+    alpha, beta, delta = (float(get(k, getattr(SetGRPOConfig, k))) for k in ("alpha", "beta", "delta"))
+    grid = get("tau_grid", None) or DEFAULT_TAU_GRID
+    need_risk = 1
+    while clopper_pearson_upper([0], [need_risk], 1 - delta / len(grid))[0] > beta and need_risk < 100000:
+        need_risk += 1
+    return min_calibration_groups(alpha), need_risk
+
+
+def _levels(values: Mapping[str, Any]) -> str:
+    from .core import DEFAULT_TAU_GRID
+    from .integration.config import SetGRPOConfig
+
+    alpha, beta, delta = (values.get(f"algorithm.setgrpo.{k}", getattr(SetGRPOConfig, k)) for k in
+                          ("alpha", "beta", "delta"))
+    m = len(values.get("algorithm.setgrpo.tau_grid") or DEFAULT_TAU_GRID)
+    return f"alpha={alpha}, beta={beta}, delta={delta} over {m} thresholds"
+
+
+def _calibration_prompts(values: Mapping[str, Any]) -> int:
+    from .integration.config import SetGRPOCalibrationConfig
+
+    return int(values.get("algorithm.setgrpo.calibration.num_prompts", SetGRPOCalibrationConfig.num_prompts))
+
+
 def check_calibration_size(values: Mapping[str, Any]) -> None:
     """Fail before any rollout when the calibration prompts cannot possibly be enough for the requested levels.
 
-    Coverage needs at least ``min_calibration_groups(alpha)`` non-degenerate coverage groups; the risk bound needs the
-    smallest N whose Clopper-Pearson bound with no reversal, at confidence ``1 - delta/m``, is at most beta. The
-    calibration groups are split 50/50 (docs/algorithm.md#2-jrsc, #4-srgo), so twice the larger of the two.
+    The calibration groups are split 50/50 (docs/algorithm.md#2-jrsc, #4-srgo), so they must number at least twice
+    the larger of the two :func:`calibration_minimums`.
 
     Args:
         values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
@@ -365,26 +413,50 @@ def check_calibration_size(values: Mapping[str, Any]) -> None:
     Raises:
         LaunchError: naming both minima and the flags to change.
     """
-    from .core import DEFAULT_TAU_GRID, clopper_pearson_upper, min_calibration_groups
-    from .integration.config import SetGRPOConfig, SetGRPOCalibrationConfig
-
-    def get(key, default):
-        return values.get(f"algorithm.setgrpo.{key}", default)
-
-    alpha, beta, delta = (float(get(k, getattr(SetGRPOConfig, k))) for k in ("alpha", "beta", "delta"))
-    grid = get("tau_grid", None) or DEFAULT_TAU_GRID
-    groups = int(get("calibration.num_prompts", SetGRPOCalibrationConfig.num_prompts))
-    need_cov = min_calibration_groups(alpha)
-    need_risk = 1
-    while clopper_pearson_upper([0], [need_risk], 1 - delta / len(grid))[0] > beta and need_risk < 100000:
-        need_risk += 1
+    need_cov, need_risk = calibration_minimums(values)
+    groups = _calibration_prompts(values)
     need = 2 * max(need_cov, need_risk)
     if groups < need:
         raise LaunchError(
-            f"--calib-groups {groups} is too small: alpha={alpha} needs >= {need_cov} non-degenerate coverage groups "
-            f"and beta={beta}, delta={delta} over {len(grid)} thresholds need >= {need_risk} accepted risk groups even "
-            f"with no reversal; with the 50/50 split use --calib-groups >= {need} (more, since groups with tied "
-            "scores are dropped), or raise --alpha / --beta / --delta")
+            f"--calib-groups {groups} is too small: {_levels(values)} need >= {need_cov} non-degenerate coverage groups "
+            f"and >= {need_risk} accepted risk groups even with no reversal; with the 50/50 split use --calib-groups "
+            f">= {need} (more, since groups with tied scores are dropped), or raise --alpha / --beta / --delta")
+
+
+def check_validation_size(values: Mapping[str, Any], holdout_fraction: float) -> str | None:
+    """The sample-size check of ``validate`` (docs/validation.md#validation), before any rollout.
+
+    Each split calibrates on the groups that are not held out. Too few for the coverage minimum is an error (no split
+    could calibrate); too few for the risk minimum is allowed -- the coverage check still means something, and
+    every split will then report that no threshold is risk-feasible -- and returned as a warning text.
+
+    Returns:
+        None, or a warning naming the risk minimum.
+
+    Raises:
+        LaunchError: too few calibration groups per split for alpha.
+    """
+    need_cov, need_risk = calibration_minimums(values)
+    groups = _calibration_prompts(values)
+    calibration = groups - int(round(groups * holdout_fraction))
+
+    def total(need: int) -> int:
+        n = need
+        while n - int(round(n * holdout_fraction)) < need:
+            n += 1
+        return n
+
+    if calibration < 2 * need_cov:
+        raise LaunchError(
+            f"--calib-groups {groups} with --holdout-fraction {holdout_fraction:g} leaves {calibration} calibration groups "
+            f"per split, but {_levels(values)} need >= {need_cov} non-degenerate coverage groups, i.e. {2 * need_cov} "
+            f"with the 50/50 split: use --calib-groups >= {total(2 * need_cov)} or raise --alpha")
+    if calibration < 2 * need_risk:
+        return (f"{calibration} calibration groups per split cannot certify {_levels(values)}: that needs >= "
+                f"{need_risk} accepted risk groups with no reversal, i.e. >= {total(2 * need_risk)} --calib-groups; every "
+                "split will find no risk-feasible threshold and accept nothing, and only the coverage check is "
+                "informative")
+    return None
 
 
 def probe_judge(grader: Mapping[str, Any]) -> None:

@@ -32,6 +32,7 @@ from .judges import (
     strip_reasoning,
     template_hash,
 )
+from .noisy import NoisyGrader
 from .rubric import (
     Criterion,
     GradeResult,
@@ -58,6 +59,7 @@ __all__ = [
     "JUDGE_TEMPLATE_VERSION",
     "JudgeRequest",
     "LocalHFJudge",
+    "NoisyGrader",
     "NLTK_DATA_RULES",
     "OpenAIJudge",
     "Rubric",

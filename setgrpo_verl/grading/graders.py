@@ -54,6 +54,11 @@ class RubricGrader:
         self.seed = int(seed)
 
     @property
+    def deterministic(self) -> bool:
+        """True without a judge: every criterion is a rule checked by code, so every scoring gives the same score."""
+        return self.judge is None
+
+    @property
     def identity(self) -> dict:
         """``{name, model, temperature, template_hash}``: the judge's identity, name prefixed with ``rubric+``."""
         if self.judge is None:
@@ -159,6 +164,11 @@ class FunctionGrader:
         self._source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
 
     @property
+    def deterministic(self) -> bool:
+        """False: nothing is known about the function's randomness."""
+        return False
+
+    @property
     def identity(self) -> dict:
         """``{name: "function:<path>:<name>", model: None, temperature: None, template_hash: sha of the source}``."""
         return {"name": f"function:{self.path}:{self.fn_name}", "model": None, "temperature": None,
@@ -243,7 +253,7 @@ _JUDGE_KEYS = {
 def build_grader(config: Mapping[str, Any] | None):
     """Build a grader from a plain mapping (e.g. verl's ``reward.reward_kwargs.grader``).
 
-    Keys: ``type`` (``local_hf`` | ``openai`` | ``function`` | ``rules``) and ``seed`` (default 0), plus
+    Keys: ``type`` (``local_hf`` | ``openai`` | ``function`` | ``rules`` | ``noisy``) and ``seed`` (default 0), plus
       * ``local_hf``: ``model_path`` (null = embedded SmolLM2-135M-Instruct), ``temperature`` (1.0),
         ``batch_size``, ``max_question_tokens``, ``max_response_tokens`` (see :class:`LocalHFJudge`);
       * ``openai``: ``base_url``, ``model`` (required), ``api_key``, ``temperature``, ``max_tokens`` (token budget
@@ -251,7 +261,10 @@ def build_grader(config: Mapping[str, Any] | None):
         ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries``, ``on_unparsed``
         (see :class:`OpenAIJudge`);
       * ``function``: ``path``, ``name`` (default ``compute_score``), ``kwargs``;
-      * ``rules``: no judge (every criterion must carry a rule).
+      * ``rules``: no judge (every criterion must carry a rule);
+      * ``noisy``: ``flip_prob`` (required, in [0, 1)) and ``base`` (required: the config of the grader whose
+        verdicts are flipped, e.g. ``{type: rules}``); ``seed`` seeds the flips (:class:`~.noisy.NoisyGrader`,
+        docs/validation.md#noisy-grader).
 
     Raises:
         ValueError: missing ``type``, unknown type or unknown / missing key (named).
@@ -259,11 +272,16 @@ def build_grader(config: Mapping[str, Any] | None):
     if not config or "type" not in config:
         raise ValueError(
             "grader config needs a 'type': local_hf (embedded SmolLM2 judge), openai (OpenAI-compatible server), "
-            "function (path + name) or rules (rule criteria only)"
+            "function (path + name), rules (rule criteria only) or noisy (flip_prob + base)"
         )
     cfg = {k: v for k, v in dict(config).items()}
     kind = cfg.pop("type")
     seed = int(cfg.pop("seed", 0))
+    if kind == "noisy":
+        from .noisy import NoisyGrader
+
+        base, flip_prob = _noisy_parts(cfg)
+        return NoisyGrader(build_grader(base), flip_prob=flip_prob, seed=seed)
     if kind == "function":
         unknown = set(cfg) - {"path", "name", "kwargs"}
         if unknown:
@@ -275,7 +293,7 @@ def build_grader(config: Mapping[str, Any] | None):
             raise ValueError(f"a rules grader takes only 'seed', got {sorted(cfg)}")
         return RubricGrader(None, seed=seed)
     if kind not in _JUDGE_KEYS:
-        raise ValueError(f"unknown grader type {kind!r}: use local_hf, openai, function or rules")
+        raise ValueError(f"unknown grader type {kind!r}: use local_hf, openai, function, rules or noisy")
     unknown = set(cfg) - _JUDGE_KEYS[kind]
     if unknown:
         raise ValueError(f"unknown keys for a {kind} grader: {sorted(unknown)} (allowed: {sorted(_JUDGE_KEYS[kind])})")
@@ -298,7 +316,12 @@ def grader_identity(config: Mapping[str, Any] | None) -> dict:
         build_grader(config)  # raises the explanatory error
     cfg = dict(config)
     kind = cfg.pop("type")
-    cfg.pop("seed", None)
+    seed = int(cfg.pop("seed", 0))
+    if kind == "noisy":
+        from .noisy import noisy_identity
+
+        base, flip_prob = _noisy_parts(cfg)
+        return noisy_identity(grader_identity(base), flip_prob, seed)
     if kind in ("function", "rules"):
         return build_grader(config).identity
     if kind not in _JUDGE_KEYS or set(cfg) - _JUDGE_KEYS[kind]:
@@ -309,6 +332,27 @@ def grader_identity(config: Mapping[str, Any] | None) -> dict:
     ident = judge_cls.identity_for(**{**defaults, **cfg})
     ident["name"] = f"rubric+{ident['name']}"
     return ident
+
+
+def _noisy_parts(cfg: Mapping[str, Any]) -> tuple[dict, float]:
+    """``(base config, flip_prob)`` of a noisy grader's keys (without ``type`` and ``seed``).
+
+    Raises:
+        ValueError: unknown keys, a missing ``flip_prob`` or ``base``, or a ``base`` that is not a grader mapping.
+    """
+    unknown = set(cfg) - {"flip_prob", "base"}
+    if unknown:
+        raise ValueError(f"unknown keys for a noisy grader: {sorted(unknown)} (allowed: flip_prob, base, seed)")
+    missing = [k for k in ("flip_prob", "base") if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"a noisy grader needs {missing}, e.g. {{type: noisy, flip_prob: 0.1, seed: 0, "
+                         "base: {type: rules}}")
+    base = cfg["base"]
+    if not isinstance(base, Mapping) or "type" not in base:
+        raise ValueError(f"a noisy grader's base must be a grader config with a 'type', got {base!r}")
+    from .noisy import check_flip_prob
+
+    return dict(base), check_flip_prob(cfg["flip_prob"])
 
 
 def as_rubric(rubric: Rubric | Mapping | str) -> Rubric:

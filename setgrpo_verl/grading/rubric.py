@@ -305,12 +305,15 @@ class GradingItem:
 @dataclass(frozen=True)
 class GradeResult:
     """One scoring of one response: ``score`` (float, see :func:`rubric_score`), the per-criterion ``verdicts``
-    (same order as the rubric's criteria; may be empty for a function grader), ``scoring_index`` and ``seed``."""
+    (same order as the rubric's criteria; may be empty for a function grader), ``scoring_index`` and ``seed``;
+    ``truth`` is the noise-free score when the grader knows it (a noisy grader around a deterministic one,
+    docs/validation.md#noisy-grader), else ``None``."""
 
     score: float
     verdicts: tuple[Verdict, ...]
     scoring_index: int
     seed: int
+    truth: float | None = None
 
     @property
     def num_unparsed(self) -> int:

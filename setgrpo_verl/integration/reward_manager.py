@@ -10,7 +10,9 @@ grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-
   ``reference_score`` (r', the key the SetGRPO trainer reads, see ``algorithm.setgrpo.reference_score_key``),
   ``score`` (= r), ``point_verdicts`` / ``reference_verdicts`` (JSON lists of per-criterion verdicts),
   ``unparsed`` (number of unparsed judge verdicts in both scorings) and ``judged_disagreement`` (fraction of
-  judged criteria whose verdicts differ between the two scorings).
+  judged criteria whose verdicts differ between the two scorings);
+* with a grader that knows the noise-free score (``type: noisy`` around a deterministic grader,
+  docs/validation.md#noisy-grader) also ``truth_score``, which the calibration stage stores as ``truth``.
 
 Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
 
@@ -23,6 +25,7 @@ Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
         #     chat_template_kwargs: {enable_thinking: false}}   # a reasoning judge: thinking off, or instead
         #     max_tokens: 2048                                  # a token budget that fits its reasoning (default 4)
         # or {type: function, path: my_reward.py, name: compute_score}
+        # or {type: noisy, flip_prob: 0.1, seed: 0, base: {type: rules}}   # known verdict noise, truth_score
         # type function without path uses verl's reward.custom_reward_function (path, name)
 
 Hydra overrides for those judge keys: ``+reward.reward_kwargs.grader.max_tokens=2048`` and
@@ -49,10 +52,12 @@ from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
 
 from ..grading import DualScorer, GradingItem, Rubric, RubricRowError, build_grader
 from ..grading import grader_identity as _grader_identity
+from .config import TRUTH_SCORE_KEY
 
 __all__ = [
     "REFERENCE_SCORE_KEY",
     "REWARD_MANAGER_NAME",
+    "TRUTH_SCORE_KEY",
     "SetGRPODualRewardManager",
     "grader_config",
     "grader_identity",
@@ -179,6 +184,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
             "unparsed": int(metrics["unparsed"]),
             "judged_disagreement": float(metrics["judged_disagreement_rate"]),
         }
+        if scores.truth is not None:
+            extra[TRUTH_SCORE_KEY] = float(scores.truth[0])
         return {"reward_score": point, "reward_extra_info": extra}
 
 

@@ -30,7 +30,7 @@ import math
 import os
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import ray
@@ -55,7 +55,7 @@ from verl.workers.utils.padding import response_to_nested
 from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor, calibrate
 from setgrpo_verl.sketch import SketchConfig
 
-from .config import SETGRPO_NAME, SetGRPOConfig, check_record, check_run_config, run_identity
+from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
 
@@ -88,11 +88,12 @@ def reference_scores_from(data: TensorDict | dict, key: str) -> Optional[torch.T
         return None
     if any(v is None for v in values):
         raise ValueError(
-            f"reference score {key!r} is missing for {sum(v is None for v in values)} of {len(values)} responses"
+            f"score {key!r} of reward_extra_info is missing for {sum(v is None for v in values)} of {len(values)} "
+            "responses"
         )
     out = torch.tensor([float(v) for v in values], dtype=torch.float64)
     if not torch.isfinite(out).all():
-        raise ValueError(f"reference score {key!r} contains NaN/inf")
+        raise ValueError(f"score {key!r} of reward_extra_info contains NaN/inf")
     return out
 
 
@@ -106,20 +107,33 @@ def _dense(sketches: torch.Tensor) -> torch.Tensor:
     return sketches.float()
 
 
-def calibration_groups(data: TensorDict, reference_key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class CalibrationGroups(NamedTuple):
+    """Calibration inputs of one batch, grouped by uid: float64 ``point [G, K]``, ``reference [G, K]``,
+    ``gram [G, K, K]`` and ``truth [G, K]`` (noise-free scores, docs/validation.md#noisy-grader) or ``None``."""
+
+    point: torch.Tensor
+    reference: torch.Tensor
+    gram: torch.Tensor
+    truth: Optional[torch.Tensor]
+
+
+def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TRUTH_SCORE_KEY) -> CalibrationGroups:
     """Calibration inputs of one rolled-out, scored and sketched batch (docs/algorithm.md#2-jrsc, #4-srgo).
 
     Args:
         data: TransferQueue fields ``uid``, ``response_mask`` and ``rm_scores`` (nested [B, j]), ``setgrpo_sketch``
-            ([B, m], dense or nested) and the reference scores (see :func:`reference_scores_from`).
+            ([B, m], dense or nested), the reference scores and, when the grader knows it, the truth (both read
+            by :func:`reference_scores_from`).
         reference_key: ``algorithm.setgrpo.reference_score_key``.
+        truth_key: key of the noise-free score in ``reward_extra_info``.
 
     Returns:
-        ``(point [G, K], reference [G, K], gram [G, K, K])`` float64, groups by uid (padding groups skipped).
+        :class:`CalibrationGroups` (float64, groups by uid, padding groups skipped; ``truth`` None when the
+        batch carries none).
 
     Raises:
         ValueError: no reference scores (the run does not use the dual-reward manager), incomplete groups,
-            non-finite sketches.
+            non-finite sketches, a truth for only some responses or a non-finite one.
     """
     reference = reference_scores_from(data, reference_key)
     if reference is None:
@@ -132,7 +146,9 @@ def calibration_groups(data: TensorDict, reference_key: str) -> tuple[torch.Tens
         response_mask, scores = response_mask.to_padded_tensor(0), scores.to_padded_tensor(0.0)
     groups, _ = group_rows(list(data["uid"]), response_mask)
     point = scores.to(torch.float64).sum(-1)[groups]
-    return point, reference[groups], group_gram(_dense(data[SKETCH_KEY]), groups)
+    truth = reference_scores_from(data, truth_key)
+    return CalibrationGroups(point, reference[groups], group_gram(_dense(data[SKETCH_KEY]), groups),
+                             None if truth is None else truth[groups])
 
 
 def compute_setgrpo_advantage(
@@ -315,7 +331,7 @@ class SetGRPOTrainer(PPOTrainerSync):
     def _calibrate(self) -> CalibrationRecord:
         """Calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): rollouts of the initial policy, two scorings, sketches."""
         cfg, key = self.setgrpo, self.setgrpo.reference_score_key
-        points, refs, grams = [], [], []
+        points, refs, grams, truths = [], [], [], []
         t0 = time.perf_counter()
         for i, prompts in enumerate(self._calibration_batches()):
             if i > 0:  # wake the rollout replicas again (weights unchanged: no update happens during calibration)
@@ -329,21 +345,27 @@ class SetGRPOTrainer(PPOTrainerSync):
             batch = self._balance_batch(batch, metrics=metrics)
             self._compute_sketches(batch)
             fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-            if batch.fields and key in batch.fields:
-                fields.append(key)
+            fields += [k for k in (key, TRUTH_SCORE_KEY) if batch.fields and k in batch.fields]
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-            point, reference, gram = calibration_groups(data, key)
-            points.append(point)
-            refs.append(reference)
-            grams.append(gram)
+            groups = calibration_groups(data, key)
+            points.append(groups.point)
+            refs.append(groups.reference)
+            grams.append(groups.gram)
+            truths.append(groups.truth)
             tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
             logger.warning("SetGRPO calibration: %d groups so far", sum(p.shape[0] for p in points))
         if not points:
             raise ValueError("the calibration prompt set is empty (algorithm.setgrpo.calibration.files / num_prompts)")
+        if any(t is None for t in truths) and not all(t is None for t in truths):
+            raise ValueError(f"{TRUTH_SCORE_KEY!r} came with {sum(t is not None for t in truths)} of {len(truths)} "
+                             "calibration batches; the grader gives it for every response or for none")
+        paired = {"point": torch.cat(points), "reference": torch.cat(refs), "gram": torch.cat(grams)}
+        if truths[0] is not None:
+            paired["truth"] = torch.cat(truths)
         record = calibrate(
-            torch.cat(points),
-            torch.cat(refs),
-            torch.cat(grams),
+            paired["point"],
+            paired["reference"],
+            paired["gram"],
             alpha=cfg.alpha,
             beta=cfg.beta,
             delta=cfg.delta,
@@ -360,10 +382,8 @@ class SetGRPOTrainer(PPOTrainerSync):
         out = self._record_out()
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         record.to_json(out)
-        np.savez(
-            os.path.join(os.path.dirname(os.path.abspath(out)), "paired_scores.npz"),
-            point=torch.cat(points).numpy(), reference=torch.cat(refs).numpy(), gram=torch.cat(grams).numpy(),
-        )
+        np.savez(os.path.join(os.path.dirname(os.path.abspath(out)), "paired_scores.npz"),
+                 **{name: value.numpy() for name, value in paired.items()})
         self._log_record(record, timing_s=time.perf_counter() - t0)
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
         # the first training step wakes the replicas through the regular path

@@ -193,3 +193,24 @@ def test_judge_token_budget_and_chat_template_kwargs_are_grader_keys():
     judge = manager.scorer.grader.judge
     assert (judge.max_tokens, judge.chat_template_kwargs) == (2048, {"enable_thinking": False})
     assert manager.identity == grader_identity(config)
+
+
+def test_noisy_grader_puts_the_truth_into_reward_extra_info():
+    """A noisy grader around the rules grader: r and r' follow their flipped verdicts, ``truth_score`` is the
+    rules grader's score of the decoded response (docs/validation.md#noisy-grader)."""
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    grader = {"type": "noisy", "flip_prob": 0.3, "seed": 0, "base": {"type": "rules", "seed": 0}}
+    worker = RewardLoopWorker(_config(grader))
+    rows = [{"question": f"Describe animal {i} in a few words.", "id": f"n-{i}", "rubrics": [
+        {"criterion": "Uses 3 to 5 words", "points": 2, "rule": WORDS_RULE}]} for i in range(12)]
+    texts = ["My cat is soft.", "Dogs bark at night and in the morning too."] * 6
+    out = worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, rows, texts)))
+    infos = [o["reward_extra_info"] for o in out]
+    assert [info["truth_score"] for info in infos] == [1.0, 0.0] * 6
+    for o, info in zip(out, infos):
+        for key, score in (("point_verdicts", o["reward_score"]), ("reference_verdicts", info["reference_score"])):
+            (verdict,) = json.loads(info[key])
+            assert verdict["source"] == "noisy:rule" and score == (1.0 if verdict["outcome"] == "met" else 0.0)
+    flips = sum(o["reward_score"] != info["truth_score"] for o, info in zip(out, infos))
+    assert 0 < flips < 12  # 12 verdicts at flip_prob 0.3: some flipped, not all

@@ -24,7 +24,7 @@ from setgrpo_verl.integration.estimator import (
     group_rows,
     setgrpo_step,
 )
-from setgrpo_verl.integration.trainer import compute_setgrpo_advantage, reference_scores_from
+from setgrpo_verl.integration.trainer import calibration_groups, compute_setgrpo_advantage, reference_scores_from
 
 K = 4
 M_SKETCH = 6
@@ -199,3 +199,26 @@ def test_reference_scores_from_reward_extra_info():
     extra[2] = {"reward_extra_info": {}}
     with pytest.raises(ValueError, match="missing for 1 of 4"):
         reference_scores_from({"extra_fields": extra}, "reference_score")
+
+
+def test_calibration_groups_carry_the_truth_when_the_grader_has_one():
+    """``truth_score`` of the noisy grader (docs/validation.md#noisy-grader) is grouped like the reference scores."""
+    from setgrpo_verl.integration.worker import SKETCH_KEY
+
+    uids = ["b", "a", "b", "a"]  # two groups of two, interleaved
+    extra = np.array([{"reward_extra_info": {"reference_score": 0.1 * i, "truth_score": float(i % 2)}}
+                      for i in range(4)], dtype=object)
+    data = {"uid": uids, "response_mask": torch.ones(4, 3, dtype=torch.long),
+            "rm_scores": torch.tensor([[0, 0, 1.0], [0, 0, 0.0], [0, 0, 0.5], [0, 0, 0.25]]),
+            "extra_fields": extra, SKETCH_KEY: torch.arange(8, dtype=torch.float32).reshape(4, 2)}
+    out = calibration_groups(data, "reference_score")
+    torch.testing.assert_close(out.point, torch.tensor([[1.0, 0.5], [0.0, 0.25]], dtype=torch.float64))
+    torch.testing.assert_close(out.reference, torch.tensor([[0.0, 0.2], [0.1, 0.3]], dtype=torch.float64))
+    torch.testing.assert_close(out.truth, torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=torch.float64))
+    assert out.gram.shape == (2, 2, 2)
+    for e in extra:
+        del e["reward_extra_info"]["truth_score"]
+    assert calibration_groups(data, "reference_score").truth is None
+    extra[1]["reward_extra_info"]["truth_score"] = 1.0
+    with pytest.raises(ValueError, match="'truth_score' of reward_extra_info is missing for 3 of 4"):
+        calibration_groups(data, "reference_score")

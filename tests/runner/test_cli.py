@@ -33,7 +33,7 @@ def _jsonl(path, rows) -> str:
 def test_python_dash_m_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "setgrpo_verl", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for command in ("calibrate", "train", "report", "quickstart", "inspect-record"):
+    for command in ("calibrate", "train", "report", "quickstart", "inspect-record", "validate"):
         assert command in out
 
 
@@ -144,3 +144,53 @@ def test_train_refuses_an_incomplete_calibration(capsys, tmp_path):
     err = _fail(capsys, ["train", "--profile", "smoke", "--run-dir", str(tmp_path / "run")])
     assert "incomplete" in err and "--overwrite" in err
     assert not (tmp_path / "run" / "train_setgrpo").exists()
+
+
+def test_validate_dry_run_uses_the_noisy_rules_grader_at_the_paper_levels(capsys, tmp_path):
+    run = tmp_path / "run"
+    assert cli.main(["validate", "--run-dir", str(run), "--dry-run", "--noise-seed", "4"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    cmd = shlex.split(line)
+    assert "+reward.reward_kwargs.grader={type:noisy,flip_prob:0.1,seed:4,base:{type:rules,seed:1}}" in cmd
+    for key, value in (("alpha", "0.05"), ("beta", "0.08"), ("delta", "0.05"), ("calibration.num_prompts", "144"),
+                       ("calibration.on_infeasible", "reject_all"), ("calibration.only", "true")):
+        assert f"algorithm.setgrpo.{key}={value}" in cmd
+    assert not any(a.startswith("algorithm.setgrpo.tau_grid") for a in cmd)  # the default 20 thresholds
+    assert "actor_rollout_ref.rollout.n=4" in cmd and not run.exists()
+
+
+def test_flip_prob_wraps_any_judge(capsys, tmp_path):
+    assert cli.main(["calibrate", "--run-dir", str(tmp_path / "run"), "--dry-run", "--flip-prob", "0.2"]) == 0
+    cmd = shlex.split(capsys.readouterr().out)
+    (grader,) = [a for a in cmd if a.startswith("+reward.reward_kwargs.grader=")]
+    assert grader.startswith("+reward.reward_kwargs.grader={type:noisy,flip_prob:0.2,seed:0,base:{type:local_hf,")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["calibrate", "--judge", "rules", "--judge-model", "x"], "--judge rules checks rule criteria by code"),
+    (["calibrate", "--flip-prob", "1.5"], "--flip-prob 1.5: must be in [0, 1)"),
+    (["calibrate", "--noise-seed", "3"], "give --flip-prob too"),
+    (["validate", "--ablation", "spherical_set"], "drop --ablation"),
+    (["validate", "--splits", "0"], "--splits 0"),
+    (["validate", "--holdout-fraction", "1"], "--holdout-fraction 1.0"),
+    (["validate", "--calib-groups", "50"], "leaves 38 calibration groups per split, but alpha=0.05"),
+])
+def test_invalid_noise_and_validate_settings(capsys, tmp_path, argv, needle):
+    err = _fail(capsys, [argv[0], "--run-dir", str(tmp_path / "run"), *argv[1:]])
+    assert needle in err and not (tmp_path / "run").exists()
+
+
+def test_rules_judge_refuses_judged_criteria_and_warns_on_beta(capsys, tmp_path):
+    rows = _rows(200)
+    for row in rows:
+        row["rubrics"] = [{"criterion": "Uses 3 to 5 words", "points": 1,
+                           "rule": {"id": "ifbench:count:word_count_range", "kwargs": {"min_words": 3, "max_words": 5}}}]
+    rows[3]["rubrics"].append({"criterion": "is polite", "points": 1})
+    assert cli.main(["validate", "--run-dir", str(tmp_path / "run"), "--calib-groups", "90", "--data",
+                     _jsonl(tmp_path / "d.jsonl", rows)]) == 2
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
+    # enough groups for alpha but not for beta: a warning (coverage is still checked), then the row check fails
+    assert "68 calibration groups per split cannot certify" in out and ">= 72 accepted risk groups" in out
+    assert "row-3" in err and "criterion 1 has no rule" in err
+    assert not (tmp_path / "run").exists()

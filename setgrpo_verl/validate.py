@@ -1,0 +1,578 @@
+"""Check SetGRPO's guarantees on held-out groups, against an independent re-scoring and the truth
+(docs/validation.md#validation).
+
+Input: the calibration stage's ``paired_scores.npz`` (point ``[G, K]``, reference ``[G, K]``, gram ``[G, K, K]`` and,
+with a noisy grader around a deterministic one, truth ``[G, K]``), all at the calibration policy. For each of R
+split seeds s, the G groups are split at random into calibration groups and held-out groups; :func:`calibrate`
+runs on the calibration groups (its own 50/50 coverage / risk split, seed s) and :func:`setgrpo_coefficients`
+applies the record to the held-out groups. On the held-out groups it measures
+
+* coverage: the share of non-degenerate groups whose re-scoring coefficients ``T(r')`` (and truth coefficients
+  ``T(r*)``) lie in the group's set (guaranteed: >= 1 - alpha for the re-scoring, on average over splits);
+* reversal: the share of accepted groups with ``b*^T M a < 0`` for ``a = T(r')`` and ``a = T(r*)``; the realised
+  risk of a split is the re-scoring reversal rate (guaranteed: conditional risk <= beta with probability >= 1 - delta
+  over calibration);
+* the accepted ratio and the mean recovery ratio of accepted groups;
+
+and the same reversal rates for plain GRPO (every non-degenerate group, ``b = T(r)``) and for the ablations
+``spherical_set``, ``identity_geometry`` and ``safe_anchor_only`` (each calibrated on the same groups).
+
+Only :mod:`setgrpo_verl.core`, torch, numpy and matplotlib (for the figure) are used; nothing here runs verl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .core import (
+    DEFAULT_TAU_GRID,
+    DEGENERATE_RTOL,
+    CalibrationRecord,
+    calibrate,
+    degenerate_groups,
+    grpo_coefficients,
+    nonconformity_scores,
+    setgrpo_coefficients,
+)
+
+__all__ = [
+    "ABLATION_METHODS",
+    "METHODS",
+    "ValidationLevels",
+    "ValidationResult",
+    "evaluate_grpo",
+    "evaluate_method",
+    "load_paired",
+    "plot_validation",
+    "run_validation",
+    "split_groups",
+    "summary_table",
+    "write_validation",
+]
+
+#: The ablations compared with the full method (docs/algorithm.md#6-diagnostics), as in the paper's Table 5.
+ABLATION_METHODS = ("spherical_set", "identity_geometry", "safe_anchor_only")
+#: Every method of a validation, in report order: plain GRPO, the full method, then the ablations.
+METHODS = ("grpo", "setgrpo") + ABLATION_METHODS
+
+
+@dataclass(frozen=True)
+class ValidationLevels:
+    """Calibration settings of every split (docs/algorithm.md#41-defaults; paper levels by default).
+
+    Attributes:
+        alpha, beta, delta: miscoverage, risk level and failure probability, each in (0, 1).
+        tau_grid: SRGO thresholds (default 0.00, 0.05, ..., 0.95).
+        rho: ridge of the set shape.
+        grid_size: recovery grid intervals N.
+        risk_fraction: share of a split's calibration groups used for risk calibration.
+        norm_by_std, eps: the coefficient map (GRPO / Dr.GRPO, verl's eps).
+    """
+
+    alpha: float = 0.05
+    beta: float = 0.08
+    delta: float = 0.05
+    tau_grid: tuple[float, ...] = DEFAULT_TAU_GRID
+    rho: float = 0.1
+    grid_size: int = 100
+    risk_fraction: float = 0.5
+    norm_by_std: bool = True
+    eps: float = 1e-6
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"alpha": self.alpha, "beta": self.beta, "delta": self.delta, "tau_grid": list(self.tau_grid),
+                "rho": self.rho, "grid_size": self.grid_size, "risk_fraction": self.risk_fraction,
+                "norm_by_std": self.norm_by_std, "eps": self.eps}
+
+    @classmethod
+    def from_record(cls, record: CalibrationRecord) -> "ValidationLevels":
+        """The levels a calibration record was made with (its 50/50 split is the default ``risk_fraction``)."""
+        return cls(alpha=record.alpha, beta=record.beta, delta=record.delta, tau_grid=tuple(record.tau_grid),
+                   rho=record.rho, grid_size=record.grid_size, norm_by_std=record.norm_by_std, eps=record.eps)
+
+
+def load_paired(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The arrays of a ``paired_scores.npz`` as float64 tensors: ``point``, ``reference`` ``[G, K]``, ``gram``
+    ``[G, K, K]`` and, when stored, ``truth`` ``[G, K]``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a missing array, shapes that disagree, or non-finite values.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no paired scores; run the calibration stage first")
+    with np.load(path) as z:
+        arrays = {name: torch.from_numpy(np.asarray(z[name], dtype=np.float64)) for name in z.files}
+    missing = [k for k in ("point", "reference", "gram") if k not in arrays]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}: it is not a calibration stage's paired_scores.npz")
+    g, k = arrays["point"].shape
+    want = {"point": (g, k), "reference": (g, k), "gram": (g, k, k), "truth": (g, k)}
+    for name, value in arrays.items():
+        if name in want and tuple(value.shape) != want[name]:
+            raise ValueError(f"{path}: {name} has shape {tuple(value.shape)}, expected {want[name]}")
+        if not torch.isfinite(value).all():
+            raise ValueError(f"{path}: {name} holds NaN or inf")
+    return {k: v for k, v in arrays.items() if k in want}
+
+
+def split_groups(degenerate: torch.Tensor, holdout_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random split of G groups into ``(calibration, held_out)`` int64 index tensors (sorted), stratified by
+    degeneracy.
+
+    Within the non-degenerate groups and within the degenerate ones separately, ``round(n * holdout_fraction)``
+    are held out, chosen by ``torch.randperm`` with a generator seeded with ``seed``. Every split then has the same
+    number of non-degenerate calibration groups (the ones calibration uses). Degeneracy depends only on a group's
+    own point scores, so the split keeps calibration and held-out groups exchangeable
+    (docs/algorithm.md#11-degenerate-groups).
+
+    Args:
+        degenerate: ``[G]`` bool, degenerate groups (:func:`~setgrpo_verl.core.degenerate_groups` of the point
+            scores).
+        holdout_fraction: in (0, 1).
+        seed: seed of the split.
+
+    Raises:
+        ValueError: ``holdout_fraction`` outside (0, 1), or no non-degenerate group left on either side.
+    """
+    if not 0.0 < holdout_fraction < 1.0:
+        raise ValueError(f"holdout_fraction must be in (0, 1), got {holdout_fraction}")
+    generator = torch.Generator().manual_seed(int(seed))
+    cal, hold = [], []
+    for stratum in (~degenerate, degenerate):
+        idx = stratum.nonzero().flatten()
+        idx = idx[torch.randperm(idx.numel(), generator=generator)]
+        n_hold = int(round(idx.numel() * holdout_fraction))
+        hold.append(idx[:n_hold])
+        cal.append(idx[n_hold:])
+    n_live = int((~degenerate).sum())
+    if hold[0].numel() < 1 or cal[0].numel() < 1:
+        raise ValueError(f"{n_live} non-degenerate groups with holdout_fraction={holdout_fraction} leave "
+                         f"{hold[0].numel()} held-out and {cal[0].numel()} calibration groups; both need at least one")
+    return torch.cat(cal).sort().values, torch.cat(hold).sort().values
+
+
+def _coefficients(scores: torch.Tensor, levels: ValidationLevels, degenerate_rtol: float) -> torch.Tensor:
+    """``T(scores)`` ``[G, K]`` float64 with degenerate rows set to exactly zero (no direction, never a reversal)."""
+    a = grpo_coefficients(scores, levels.norm_by_std, levels.eps)
+    return torch.where(degenerate_groups(scores, degenerate_rtol)[:, None], 0.0, a)
+
+
+def _rate(count: int, total: int) -> float | None:
+    return count / total if total else None
+
+
+def evaluate_method(
+    paired: Mapping[str, torch.Tensor],
+    calibration: torch.Tensor,
+    held_out: torch.Tensor,
+    *,
+    levels: ValidationLevels,
+    ablation: str | None = None,
+    split_seed: int = 0,
+    metadata: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]], CalibrationRecord]:
+    """Calibrate one method on ``calibration`` groups and measure it on ``held_out`` groups.
+
+    Implements docs/validation.md#what-is-measured for SetGRPO (``ablation=None``) or one ablation. The record is
+    made with ``on_infeasible="reject_all"``: a split without a risk-feasible threshold accepts no group, and the
+    summary shows it (``tau_sel`` None, ``n_accepted`` 0).
+
+    Args:
+        paired: float64 tensors ``point``, ``reference`` ``[G, K]``, ``gram`` ``[G, K, K]`` and optionally
+            ``truth`` ``[G, K]`` (see :func:`load_paired`).
+        calibration, held_out: int64 group indices (disjoint).
+        levels: calibration settings.
+        ablation: None (full method) or one of :data:`ABLATION_METHODS`.
+        split_seed: seed of the coverage / risk split inside :func:`calibrate`.
+        metadata: the record's ``loss_agg_mode``, ``sketch``, ``grader``, ``policy`` (copied into the record).
+
+    Returns:
+        ``(summary, rows, record)``: the split's figures (keys in docs/validation.md#outputs), one row per held-out
+        group (``group``: index into ``paired``; ``status``, ``accepted``, ``recovery_ratio``, ``covered_reference``,
+        ``covered_truth``, ``reversal_reference``, ``reversal_truth``, ``truth_degenerate``; coverage fields are None
+        for degenerate groups, truth fields None without truth) and the record.
+
+    Raises:
+        ValueError: too few calibration groups for alpha (from :func:`calibrate`), overlapping index sets or an
+            unknown ablation.
+    """
+    if ablation is not None and ablation not in ABLATION_METHODS:
+        raise ValueError(f"ablation must be None or one of {ABLATION_METHODS}, got {ablation!r}")
+    if set(calibration.tolist()) & set(held_out.tolist()):
+        raise ValueError("calibration and held-out groups overlap")
+    point, reference, gram = paired["point"], paired["reference"], paired["gram"]
+    truth = paired.get("truth")
+    record = calibrate(point[calibration], reference[calibration], gram[calibration], alpha=levels.alpha,
+                       beta=levels.beta, delta=levels.delta, tau_grid=levels.tau_grid, rho=levels.rho,
+                       split_seed=split_seed, risk_fraction=levels.risk_fraction, norm_by_std=levels.norm_by_std,
+                       eps=levels.eps, grid_size=levels.grid_size, ablation=ablation, on_infeasible="reject_all",
+                       metadata=dict(metadata or {}))
+    p, m = point[held_out], gram[held_out]
+    result = setgrpo_coefficients(p, m, record)
+    live = torch.tensor([s != "degenerate" for s in result.status], dtype=torch.bool)
+    shape = "spherical" if ablation == "spherical_set" else "jacobian"
+    targets = {"reference": reference[held_out]}
+    if truth is not None:
+        targets["truth"] = truth[held_out]
+    covered, reversal = {}, {}
+    for name, scores in targets.items():
+        cov = torch.zeros(len(held_out), dtype=torch.bool)
+        if live.any():
+            s = nonconformity_scores(p[live], scores[live], rho=record.rho, norm_by_std=record.norm_by_std,
+                                     eps=record.eps, shape=shape)
+            cov[live] = s <= record.q_alpha
+        covered[name] = cov
+        a = _coefficients(scores, levels, record.degenerate_rtol)
+        reversal[name] = result.accepted & (torch.einsum("gi,gij,gj->g", result.coefficients, m, a) < 0)
+    truth_degenerate = (degenerate_groups(targets["truth"], record.degenerate_rtol) if truth is not None
+                        else torch.zeros(len(held_out), dtype=torch.bool))
+    rows = []
+    for i, g in enumerate(held_out.tolist()):
+        is_live = bool(live[i])
+        rows.append({
+            "group": int(g),
+            "status": str(result.status[i]),
+            "accepted": bool(result.accepted[i]),
+            "recovery_ratio": float(result.recovery_ratio[i]),
+            "covered_reference": bool(covered["reference"][i]) if is_live else None,
+            "covered_truth": bool(covered["truth"][i]) if is_live and truth is not None else None,
+            "reversal_reference": bool(reversal["reference"][i]),
+            "reversal_truth": bool(reversal["truth"][i]) if truth is not None else None,
+            "truth_degenerate": bool(truth_degenerate[i]) if truth is not None else None,
+        })
+    summary = _summarise(rows, levels)
+    summary["record"] = {"q_alpha": record.q_alpha, "tau_sel": record.tau_sel, "n_cov": record.n_cov,
+                         "n_risk": record.n_risk, "n_degenerate": record.n_degenerate, "N": record.N, "F": record.F,
+                         "ucb_sel": record.ucb_sel, "U": record.U}
+    return summary, rows, record
+
+
+def evaluate_grpo(paired: Mapping[str, torch.Tensor], held_out: torch.Tensor, *,
+                  levels: ValidationLevels, degenerate_rtol: float | None = None) -> tuple[dict[str, Any], list[dict]]:
+    """Plain GRPO on the held-out groups: every non-degenerate group is updated with ``b = T(r)``.
+
+    Reversals are measured exactly as for SetGRPO (docs/validation.md#what-is-measured); GRPO has no set, so the
+    coverage fields are None, and its recovery ratio is 1.
+
+    Returns:
+        ``(summary, rows)`` in the format of :func:`evaluate_method` (status ``grpo`` or ``degenerate``).
+    """
+    rtol = DEGENERATE_RTOL if degenerate_rtol is None else degenerate_rtol
+    point, gram = paired["point"][held_out], paired["gram"][held_out]
+    truth = paired.get("truth")
+    live = ~degenerate_groups(point, rtol)
+    b = _coefficients(point, levels, rtol)
+    targets = {"reference": paired["reference"][held_out]}
+    if truth is not None:
+        targets["truth"] = truth[held_out]
+    reversal = {name: live & (torch.einsum("gi,gij,gj->g", b, gram, _coefficients(s, levels, rtol)) < 0)
+                for name, s in targets.items()}
+    truth_degenerate = degenerate_groups(targets["truth"], rtol) if truth is not None else None
+    rows = []
+    for i, g in enumerate(held_out.tolist()):
+        rows.append({
+            "group": int(g),
+            "status": "grpo" if bool(live[i]) else "degenerate",
+            "accepted": bool(live[i]),
+            "recovery_ratio": 1.0 if bool(live[i]) else 0.0,
+            "covered_reference": None,
+            "covered_truth": None,
+            "reversal_reference": bool(reversal["reference"][i]),
+            "reversal_truth": bool(reversal["truth"][i]) if truth is not None else None,
+            "truth_degenerate": bool(truth_degenerate[i]) if truth is not None else None,
+        })
+    return _summarise(rows, levels), rows
+
+
+def _summarise(rows: Sequence[Mapping[str, Any]], levels: ValidationLevels) -> dict[str, Any]:
+    """One split's figures from its per-group rows (docs/validation.md#outputs)."""
+    live = [r for r in rows if r["status"] != "degenerate"]
+    acc = [r for r in rows if r["accepted"]]
+    n_acc = len(acc)
+
+    def count(rs, key):
+        return sum(1 for r in rs if r[key])
+
+    has_cov = bool(live) and live[0]["covered_reference"] is not None
+    has_truth = bool(rows) and rows[0]["reversal_truth"] is not None
+    out: dict[str, Any] = {
+        "n_held_out": len(rows),
+        "n_live": len(live),
+        "n_accepted": n_acc,
+        "accepted_ratio": _rate(n_acc, len(rows)),
+        "accepted_ratio_live": _rate(n_acc, len(live)),
+        "mean_recovery_ratio": (sum(r["recovery_ratio"] for r in acc) / n_acc) if n_acc else None,
+        "coverage_reference": _rate(count(live, "covered_reference"), len(live)) if has_cov else None,
+        "coverage_truth": _rate(count(live, "covered_truth"), len(live)) if has_cov and has_truth else None,
+        "reversals_reference": count(acc, "reversal_reference"),
+        "reversal_rate_reference": _rate(count(acc, "reversal_reference"), n_acc),
+        "reversals_truth": count(acc, "reversal_truth") if has_truth else None,
+        # only groups whose truth has a direction can be reversed against it
+        "n_accepted_truth_live": n_acc - count(acc, "truth_degenerate") if has_truth else None,
+        "reversal_rate_truth": _rate(count(acc, "reversal_truth"), n_acc - count(acc, "truth_degenerate"))
+        if has_truth else None,
+        "accepted_truth_degenerate": count(acc, "truth_degenerate") if has_truth else None,
+        "noise_only_share": _rate(count(acc, "truth_degenerate"), n_acc) if has_truth else None,
+        # docs/algorithm.md#4-srgo (consistency): with tau >= 0 a covered group is never an accepted reversal
+        "covered_accepted_reversals": sum(1 for r in acc if r["covered_reference"] and r["reversal_reference"]),
+    }
+    rate = out["reversal_rate_reference"]
+    out["risk_at_most_beta"] = None if rate is None else bool(rate <= levels.beta)
+    return out
+
+
+@dataclass
+class ValidationResult:
+    """Everything a validation produced.
+
+    Attributes:
+        report: the JSON-serialisable figures (docs/validation.md#outputs).
+        rows: per-group rows, each with ``split`` and ``method`` added.
+        records: ``{(split index, method): CalibrationRecord}`` for every calibrated method.
+    """
+
+    report: dict[str, Any]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    records: dict[tuple[int, str], CalibrationRecord] = field(default_factory=dict)
+
+
+def _stats(values: Sequence[float | None]) -> dict[str, Any]:
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    arr = np.asarray(vals)
+    return {"mean": float(arr.mean()), "std": float(arr.std(ddof=1)) if len(arr) > 1 else 0.0,
+            "min": float(arr.min()), "max": float(arr.max()), "n": len(vals)}
+
+
+_STAT_KEYS = ("coverage_reference", "coverage_truth", "reversal_rate_reference", "reversal_rate_truth",
+              "noise_only_share", "accepted_ratio", "accepted_ratio_live", "mean_recovery_ratio")
+
+
+def _aggregate(per_split: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Figures of one method over the splits: mean / std / min / max per rate, pooled counts and shares."""
+    out: dict[str, Any] = {key: _stats([s[key] for s in per_split]) for key in _STAT_KEYS}
+    judged = [s["risk_at_most_beta"] for s in per_split if s["risk_at_most_beta"] is not None]
+    n_acc = sum(s["n_accepted"] for s in per_split)
+    out["splits"] = len(per_split)
+    out["splits_with_accepted"] = len(judged)
+    out["share_risk_at_most_beta"] = _rate(sum(judged), len(judged))
+    out["pooled_reversal_rate_reference"] = _rate(sum(s["reversals_reference"] for s in per_split), n_acc)
+    truth = [s["reversals_truth"] for s in per_split]
+    out["pooled_reversal_rate_truth"] = None if any(t is None for t in truth) else _rate(
+        sum(truth), sum(s["n_accepted_truth_live"] for s in per_split))
+    out["covered_accepted_reversals"] = sum(s["covered_accepted_reversals"] for s in per_split)
+    if "record" in per_split[0]:
+        out["splits_without_threshold"] = sum(1 for s in per_split if s["record"]["tau_sel"] is None)
+    return out
+
+
+def run_validation(
+    paired: Mapping[str, torch.Tensor],
+    *,
+    levels: ValidationLevels = ValidationLevels(),
+    n_splits: int = 20,
+    holdout_fraction: float = 0.5,
+    first_seed: int = 0,
+    methods: Sequence[str] = METHODS,
+    metadata: Mapping[str, Any] | None = None,
+) -> ValidationResult:
+    """Repeat calibration on random splits and measure every method on the held-out groups.
+
+    Implements docs/validation.md#validation. Split s (seed ``first_seed + s``) holds out a share
+    ``holdout_fraction`` of the non-degenerate and of the degenerate groups (:func:`split_groups`, with the
+    degeneracy of the point scores); each method in ``methods`` (``grpo``,
+    ``setgrpo`` and any of :data:`ABLATION_METHODS`) is calibrated on the rest (coverage / risk split with the same
+    seed) and evaluated on the held-out groups.
+
+    Args:
+        paired: see :func:`load_paired`.
+        levels: calibration settings (paper levels by default).
+        n_splits: R >= 1.
+        holdout_fraction: share of groups held out, in (0, 1).
+        first_seed: seed of the first split.
+        methods: methods to evaluate, a subset of :data:`METHODS` that includes ``setgrpo``.
+        metadata: record metadata (``loss_agg_mode``, ``sketch``, ``grader``, ``policy``).
+
+    Returns:
+        :class:`ValidationResult`.
+
+    Raises:
+        ValueError: ``n_splits < 1``, unknown methods or none for ``setgrpo``, or too few calibration groups
+            for alpha (the message of :func:`calibrate`, with the split named).
+    """
+    if n_splits < 1:
+        raise ValueError(f"n_splits must be >= 1, got {n_splits}")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or "setgrpo" not in methods:
+        raise ValueError(f"methods must include 'setgrpo' and come from {METHODS}, got {list(methods)}")
+    methods = [m for m in METHODS if m in methods]
+    g, k = paired["point"].shape
+    has_truth = "truth" in paired
+    degenerate = degenerate_groups(paired["point"], DEGENERATE_RTOL)
+    splits, rows, records = [], [], {}
+    per_method: dict[str, list[dict]] = {m: [] for m in methods}
+    for s in range(n_splits):
+        seed = first_seed + s
+        cal, hold = split_groups(degenerate, holdout_fraction, seed)
+        entry: dict[str, Any] = {"split": s, "seed": seed, "n_calibration": len(cal), "n_held_out": len(hold),
+                                 "methods": {}}
+        rtol = None
+        for method in methods:
+            if method == "grpo":
+                continue
+            ablation = None if method == "setgrpo" else method
+            try:
+                summary, method_rows, record = evaluate_method(paired, cal, hold, levels=levels, ablation=ablation,
+                                                               split_seed=seed, metadata=metadata)
+            except ValueError as exc:
+                raise ValueError(f"split {s} (seed {seed}, {len(cal)} calibration groups), {method}: {exc}") from None
+            rtol = record.degenerate_rtol
+            records[(s, method)] = record
+            entry["methods"][method] = summary
+            rows += [{"split": s, "method": method, **r} for r in method_rows]
+        if "grpo" in methods:
+            summary, method_rows = evaluate_grpo(paired, hold, levels=levels, degenerate_rtol=rtol)
+            entry["methods"]["grpo"] = summary
+            rows += [{"split": s, "method": "grpo", **r} for r in method_rows]
+        for method in methods:
+            per_method[method].append(entry["methods"][method])
+        splits.append(entry)
+    report = {
+        "levels": levels.to_dict(),
+        "nominal": {"coverage": 1 - levels.alpha, "risk": levels.beta, "share_risk_at_most_beta": 1 - levels.delta},
+        "data": {
+            "groups": g,
+            "K": k,
+            "degenerate_groups": int(degenerate.sum()),
+            "truth": has_truth,
+            "truth_degenerate_groups": int(degenerate_groups(paired["truth"], DEGENERATE_RTOL).sum())
+            if has_truth else None,
+            "mean_abs_point_minus_reference": float((paired["point"] - paired["reference"]).abs().mean()),
+        },
+        "n_splits": n_splits,
+        "holdout_fraction": holdout_fraction,
+        "first_seed": first_seed,
+        "methods": methods,
+        "metadata": dict(metadata or {}),
+        "summary": {m: _aggregate(per_method[m]) for m in methods},
+        "splits": splits,
+    }
+    return ValidationResult(report=report, rows=rows, records=records)
+
+
+def summary_table(report: Mapping[str, Any]) -> str:
+    """A plain-text table of the summary: one row per method, mean over splits (docs/validation.md#outputs)."""
+    def fmt(v, pct=True):
+        if v is None:
+            return "-"
+        return f"{100 * v:.1f}" if pct else f"{v:.3f}"
+
+    lv = report["levels"]
+    head = (f"alpha={lv['alpha']} beta={lv['beta']} delta={lv['delta']}, {report['n_splits']} splits, "
+            f"{report['data']['groups']} groups (K={report['data']['K']}), held out {report['holdout_fraction']:.3g}")
+    cols = ("method", "cov r' %", "cov r* %", "rev r' %", "rev r* %", "noise-only %", "risk<=beta", "accepted %",
+            "recovery", "no tau")
+    lines = [head, " | ".join(cols)]
+    for method in report["methods"]:
+        s = report["summary"][method]
+        share = s["share_risk_at_most_beta"]
+        lines.append(" | ".join([
+            method,
+            fmt(s["coverage_reference"]["mean"]), fmt(s["coverage_truth"]["mean"]),
+            fmt(s["reversal_rate_reference"]["mean"]), fmt(s["reversal_rate_truth"]["mean"]),
+            fmt(s["noise_only_share"]["mean"]),
+            "-" if share is None else f"{share:.2f} ({s['splits_with_accepted']})",
+            fmt(s["accepted_ratio"]["mean"]), fmt(s["mean_recovery_ratio"]["mean"], pct=False),
+            str(s.get("splits_without_threshold", "-")),
+        ]))
+    return "\n".join(lines)
+
+
+def plot_validation(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """PNG of coverage and realised risk per split against their nominal levels (docs/validation.md#outputs).
+
+    Left: SetGRPO's held-out coverage of the re-scoring (and of the truth) per split, with the line 1 - alpha.
+    Right: the reversal rate of accepted updates per split against the re-scoring (and the truth), with the line
+    beta, and plain GRPO's reversal rate for comparison.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    splits = report["splits"]
+    x = [s["split"] for s in splits]
+    lv = report["levels"]
+
+    def series(method, key):
+        return [np.nan if s["methods"][method][key] is None else s["methods"][method][key] for s in splits]
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(x, series("setgrpo", "coverage_reference"), "o", label="re-scoring r'")
+    if report["data"]["truth"]:
+        ax1.plot(x, series("setgrpo", "coverage_truth"), "s", mfc="none", label="truth r*")
+    ax1.axhline(1 - lv["alpha"], color="k", ls="--", label=f"1 - alpha = {1 - lv['alpha']:.2f}")
+    ax1.set(xlabel="split", ylabel="held-out coverage", title="coverage of the coefficient sets")
+    ax1.legend(loc="lower left")
+    ax2.plot(x, series("setgrpo", "reversal_rate_reference"), "o", label="SetGRPO vs r' (realised risk)")
+    if report["data"]["truth"]:
+        ax2.plot(x, series("setgrpo", "reversal_rate_truth"), "s", mfc="none", label="SetGRPO vs r*")
+    if "grpo" in report["methods"]:
+        ax2.plot(x, series("grpo", "reversal_rate_reference"), "x", color="gray", label="GRPO vs r'")
+    ax2.axhline(lv["beta"], color="k", ls="--", label=f"beta = {lv['beta']}")
+    if all(s["methods"]["setgrpo"]["n_accepted"] == 0 for s in splits):
+        ax2.text(0.5, 0.5, "SetGRPO accepted no held-out group in any split", transform=ax2.transAxes,
+                 ha="center", va="center", color="C0")
+    ax2.set(xlabel="split", ylabel="reversal rate of accepted updates", title="direction-reversal risk")
+    ax2.legend(loc="upper left")
+    grader = report.get("metadata", {}).get("grader", {})
+    noise = f", flip_prob {grader['flip_prob']}" if "flip_prob" in grader else ""
+    fig.suptitle(f"SetGRPO validation: {report['data']['groups']} groups, {report['n_splits']} splits{noise}")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_validation(result: ValidationResult, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write ``validation.json`` (figures), ``validation.png``, ``groups.jsonl`` (per split, method and held-out
+    group) and ``records/split<s>_<method>.json`` (each split's frozen record) into ``out_dir``.
+
+    Returns:
+        ``{"json", "png", "groups", "records"}`` paths.
+    """
+    out = Path(out_dir)
+    (out / "records").mkdir(parents=True, exist_ok=True)
+    for (s, method), record in result.records.items():
+        record.to_json(out / "records" / f"split{s}_{method}.json")
+    with open(out / "groups.jsonl", "w", encoding="utf-8") as fh:
+        for row in result.rows:
+            fh.write(json.dumps(row) + "\n")
+    path = out / "validation.json"
+    path.write_text(json.dumps(_finite(result.report), indent=1) + "\n", encoding="utf-8")
+    png = plot_validation(result.report, out / "validation.png")
+    return {"json": path, "png": png, "groups": out / "groups.jsonl", "records": out / "records"}
+
+
+def _finite(value):
+    """JSON-safe copy: NaN / inf floats become None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

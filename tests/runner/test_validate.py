@@ -1,0 +1,204 @@
+"""The offline analysis of ``setgrpo-verl validate`` (docs/validation.md#validation) on hand-computable and synthetic
+groups, and the command on a run directory holding a calibration stage."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from setgrpo_verl import cli
+from setgrpo_verl.core import CalibrationRecord, calibrate, degenerate_groups
+from setgrpo_verl.validate import (
+    ValidationLevels,
+    evaluate_grpo,
+    evaluate_method,
+    load_paired,
+    run_validation,
+    split_groups,
+    summary_table,
+    write_validation,
+)
+
+LOOSE = ValidationLevels(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3))
+
+
+def _synthetic(n: int, k: int = 4, noise: float = 0.05, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Exchangeable groups: truth mu ~ U(0, 1), two scorings mu + N(0, noise^2), correlated gradients."""
+    g = torch.Generator().manual_seed(seed)
+    mu = torch.rand(n, k, generator=g, dtype=torch.float64)
+    point = mu + noise * torch.randn(n, k, generator=g, dtype=torch.float64)
+    reference = mu + noise * torch.randn(n, k, generator=g, dtype=torch.float64)
+    grads = 0.8 * torch.randn(n, 1, 4, generator=g, dtype=torch.float64) + torch.randn(n, k, 4, generator=g,
+                                                                                       dtype=torch.float64)
+    return {"point": point, "reference": reference, "gram": grads @ grads.transpose(1, 2), "truth": mu}
+
+
+def test_split_groups_is_stratified_by_degeneracy():
+    degenerate = torch.tensor([False] * 9 + [True] * 6)
+    cal, hold = split_groups(degenerate, 1 / 3, seed=4)
+    assert sorted(cal.tolist() + hold.tolist()) == list(range(15))
+    assert int((~degenerate[hold]).sum()) == 3 and int(degenerate[hold].sum()) == 2  # a third of each stratum
+    again = split_groups(degenerate, 1 / 3, seed=4)
+    assert torch.equal(cal, again[0]) and torch.equal(hold, again[1])
+    assert not torch.equal(hold, split_groups(degenerate, 1 / 3, seed=5)[1])
+    for fraction in (0.0, 1.0, 0.01):
+        with pytest.raises(ValueError):
+            split_groups(degenerate, fraction, seed=0)
+
+
+def test_grpo_reversals_by_hand():
+    """K = 2, M = I: b^T M a < 0 exactly when the re-scoring (or truth) orders the two responses the other way."""
+    paired = {
+        "point": torch.tensor([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0], [0.5, 0.5]], dtype=torch.float64),
+        "reference": torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.2, 0.2], [0.0, 1.0]], dtype=torch.float64),
+        "truth": torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.3, 0.3], [0.0, 1.0]], dtype=torch.float64),
+        "gram": torch.eye(2, dtype=torch.float64).expand(4, 2, 2).clone(),
+    }
+    summary, rows = evaluate_grpo(paired, torch.arange(4), levels=LOOSE)
+    assert [r["status"] for r in rows] == ["grpo", "grpo", "grpo", "degenerate"]
+    assert [r["reversal_reference"] for r in rows] == [True, False, False, False]
+    assert [r["reversal_truth"] for r in rows] == [False, True, False, False]
+    assert [r["truth_degenerate"] for r in rows] == [False, False, True, False]
+    assert summary["n_accepted"] == 3 and summary["accepted_ratio"] == 0.75 and summary["accepted_ratio_live"] == 1.0
+    assert summary["reversal_rate_reference"] == pytest.approx(1 / 3)
+    # group 2's truth has no direction: it counts towards the noise-only share, not towards truth reversals
+    assert summary["n_accepted_truth_live"] == 2 and summary["reversal_rate_truth"] == 0.5
+    assert summary["noise_only_share"] == pytest.approx(1 / 3)
+    assert summary["risk_at_most_beta"] is True and summary["coverage_reference"] is None
+
+
+def test_zero_radius_is_grpo_and_flipped_held_out_groups_are_all_reversed():
+    """Calibration groups scored identically twice give Q_alpha = 0: SetGRPO = GRPO (docs/algorithm.md#24-set).
+    Held-out groups whose re-scoring reverses the ordering are then neither covered nor safe: every accepted group
+    reverses, coverage is 0, and realised risk 1 > beta."""
+    data = _synthetic(40, k=3)
+    data["reference"] = data["point"].clone()
+    hold = torch.arange(30, 40)
+    data["reference"][hold] = -data["point"][hold]
+    data["truth"] = data["point"].clone()
+    summary, rows, record = evaluate_method(data, torch.arange(30), hold, levels=LOOSE)
+    assert record.q_alpha == 0.0 and record.tau_sel == 0.3
+    assert summary["n_accepted"] == 10 and summary["mean_recovery_ratio"] == pytest.approx(1.0)
+    assert summary["coverage_reference"] == 0.0 and summary["coverage_truth"] == 1.0
+    assert summary["reversal_rate_reference"] == 1.0 and summary["reversal_rate_truth"] == 0.0
+    assert summary["risk_at_most_beta"] is False and summary["covered_accepted_reversals"] == 0
+    grpo, _ = evaluate_grpo(data, hold, levels=LOOSE)
+    assert grpo["reversal_rate_reference"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def synthetic_result():
+    data = _synthetic(240, noise=0.05)
+    return data, run_validation(data, levels=ValidationLevels(alpha=0.1, beta=0.1, delta=0.1,
+                                                              tau_grid=(0.0, 0.2, 0.4)),
+                                n_splits=6, holdout_fraction=0.5, first_seed=3)
+
+
+def test_summary_is_consistent_with_rows_and_records(synthetic_result):
+    data, result = synthetic_result
+    report = result.report
+    assert report["methods"] == ["grpo", "setgrpo", "spherical_set", "identity_geometry", "safe_anchor_only"]
+    assert [s["seed"] for s in report["splits"]] == list(range(3, 9))
+    for split in report["splits"]:
+        cal, hold = split_groups(degenerate_groups(data["point"]), 0.5, split["seed"])
+        for method, summary in split["methods"].items():
+            rows = [r for r in result.rows if r["split"] == split["split"] and r["method"] == method]
+            assert [r["group"] for r in rows] == hold.tolist()
+            acc = [r for r in rows if r["accepted"]]
+            live = [r for r in rows if r["status"] != "degenerate"]
+            assert summary["n_accepted"] == len(acc)
+            assert summary["reversals_reference"] == sum(r["reversal_reference"] for r in acc)
+            if method == "grpo":
+                continue
+            assert summary["coverage_reference"] == sum(r["covered_reference"] for r in live) / len(live)
+            record = result.records[(split["split"], method)]
+            refit = calibrate(data["point"][cal], data["reference"][cal], data["gram"][cal], alpha=0.1, beta=0.1,
+                              delta=0.1, tau_grid=(0.0, 0.2, 0.4), split_seed=split["seed"],
+                              ablation=None if method == "setgrpo" else method, on_infeasible="reject_all")
+            assert (refit.q_alpha, refit.tau_sel, refit.N) == (record.q_alpha, record.tau_sel, record.N)
+            assert summary["record"]["q_alpha"] == record.q_alpha and summary["record"]["tau_sel"] == record.tau_sel
+    for method, agg in report["summary"].items():
+        per_split = [s["methods"][method] for s in report["splits"]]
+        mean = np.mean([s["reversal_rate_reference"] for s in per_split if s["reversal_rate_reference"] is not None])
+        assert agg["reversal_rate_reference"]["mean"] == pytest.approx(mean)
+        assert agg["covered_accepted_reversals"] == 0  # docs/algorithm.md#4-srgo, consistency
+
+
+def test_guarantees_hold_on_exchangeable_synthetic_groups(synthetic_result):
+    """Split conformal coverage of the re-scoring, on average over splits, is >= 1 - alpha (up to the sampling
+    error of 6 splits x 120 held-out groups); the small grader noise lets SetGRPO accept most groups."""
+    _, result = synthetic_result
+    s = result.report["summary"]["setgrpo"]
+    assert s["coverage_reference"]["mean"] >= 0.9 - 0.03
+    assert s["coverage_truth"]["mean"] > 0.5
+    assert s["accepted_ratio"]["mean"] > 0.5 and s["splits_without_threshold"] == 0
+    assert s["share_risk_at_most_beta"] >= 0.9 - 1e-12
+
+
+def test_write_validation(tmp_path, synthetic_result):
+    _, result = synthetic_result
+    paths = write_validation(result, tmp_path / "v")
+    report = json.loads(paths["json"].read_text())
+    assert report["summary"]["setgrpo"]["accepted_ratio"]["n"] == 6
+    assert paths["png"].stat().st_size > 10_000
+    rows = [json.loads(x) for x in paths["groups"].read_text().splitlines()]
+    assert len(rows) == 6 * 5 * 120
+    assert CalibrationRecord.from_json(paths["records"] / "split0_setgrpo.json") == result.records[(0, "setgrpo")]
+    table = summary_table(report)
+    assert table.splitlines()[2].startswith("grpo |") and len(table.splitlines()) == 7
+
+
+def test_paper_levels_with_too_few_groups_name_the_split(synthetic_result):
+    data, _ = synthetic_result
+    small = {k: v[:30] for k, v in data.items()}
+    with pytest.raises(ValueError, match=r"split 0 \(seed 0, 15 calibration groups\), setgrpo: too few"):
+        run_validation(small, n_splits=1)
+
+
+def _run_dir(tmp_path, data, **record_kw) -> str:
+    """A run directory with a finished calibration stage made from ``data``."""
+    run = tmp_path / "run"
+    (run / "calibration").mkdir(parents=True)
+    np.savez(run / "calibration" / "paired_scores.npz", **{k: v.numpy() for k, v in data.items()})
+    record = calibrate(data["point"], data["reference"], data["gram"], on_infeasible="reject_all",
+                       metadata={"grader": {"name": "noisy+rubric+rules", "flip_prob": 0.1, "noise_seed": 0}},
+                       **record_kw)
+    record.to_json(run / "calibration" / "record.json")
+    (run / "calibration" / "COMPLETE").write_text("12.5 s\n")
+    return str(run)
+
+
+def test_command_analysis_only(tmp_path, capsys):
+    data = _synthetic(120)
+    run = _run_dir(tmp_path, data, alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.5))
+    assert cli.main(["validate", "--run-dir", run, "--analysis-only", "--splits", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "alpha=0.2 beta=0.4 delta=0.2, 3 splits, 120 groups (K=4)" in out and "setgrpo |" in out
+    report = json.loads((tmp_path / "run" / "validation" / "validation.json").read_text())
+    assert report["levels"]["tau_grid"] == [0.0, 0.5]  # from the stage's record
+    assert report["metadata"]["grader"]["flip_prob"] == 0.1 and report["calibration_stage_seconds"] == 12.5
+    assert cli.main(["validate", "--run-dir", run, "--analysis-only", "--splits", "3"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    # levels given as flags win over the record's
+    assert cli.main(["validate", "--run-dir", run, "--analysis-only", "--splits", "2", "--overwrite",
+                     "--beta", "0.3"]) == 0
+    report = json.loads((tmp_path / "run" / "validation" / "validation.json").read_text())
+    assert report["levels"]["beta"] == 0.3 and report["levels"]["alpha"] == 0.2 and report["n_splits"] == 2
+
+
+def test_command_needs_a_finished_calibration_stage(tmp_path, capsys):
+    assert cli.main(["validate", "--run-dir", str(tmp_path), "--analysis-only"]) == 2
+    assert "incomplete" in capsys.readouterr().err
+
+
+def test_load_paired_checks_shapes(tmp_path):
+    np.savez(tmp_path / "p.npz", point=np.zeros((3, 2)), reference=np.zeros((3, 2)), gram=np.zeros((3, 2, 2)),
+             truth=np.zeros((3, 3)))
+    with pytest.raises(ValueError, match="truth has shape"):
+        load_paired(tmp_path / "p.npz")
+    np.savez(tmp_path / "q.npz", point=np.zeros((3, 2)))
+    with pytest.raises(ValueError, match="lacks"):
+        load_paired(tmp_path / "q.npz")
