@@ -173,7 +173,7 @@ def test_flip_prob_wraps_any_judge(capsys, tmp_path):
     (["validate", "--ablation", "spherical_set"], "drop --ablation"),
     (["validate", "--splits", "0"], "--splits 0"),
     (["validate", "--holdout-fraction", "1"], "--holdout-fraction 1.0"),
-    (["validate", "--calib-groups", "50"], "leaves 38 calibration groups per split, but alpha=0.05"),
+    (["validate", "--calib-groups", "40"], "leaves 30 calibration groups per split, but alpha=0.05"),
 ])
 def test_invalid_noise_and_validate_settings(capsys, tmp_path, argv, needle):
     err = _fail(capsys, [argv[0], "--run-dir", str(tmp_path / "run"), *argv[1:]])
