@@ -101,7 +101,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "data.train_batch_size": 4,
         "data.max_prompt_length": 128,
         "data.max_response_length": 24,
-        "algorithm.setgrpo.calibration.num_prompts": 144,
+        "algorithm.setgrpo.calibration.num_prompts": 192,
         "algorithm.setgrpo.calibration.batch_size": 36,
         # 4 responses per sketch micro-batch: the actor worker peaks near 4 GB instead of 9 GB
         "algorithm.setgrpo.sketch.micro_batch_size_per_gpu": 4,

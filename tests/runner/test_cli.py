@@ -152,7 +152,7 @@ def test_validate_dry_run_uses_the_noisy_rules_grader_at_the_paper_levels(capsys
     (line,) = capsys.readouterr().out.strip().splitlines()
     cmd = shlex.split(line)
     assert "+reward.reward_kwargs.grader={type:noisy,flip_prob:0.1,seed:4,base:{type:rules,seed:1}}" in cmd
-    for key, value in (("alpha", "0.05"), ("beta", "0.08"), ("delta", "0.05"), ("calibration.num_prompts", "144"),
+    for key, value in (("alpha", "0.05"), ("beta", "0.08"), ("delta", "0.05"), ("calibration.num_prompts", "192"),
                        ("calibration.on_infeasible", "reject_all"), ("calibration.only", "true")):
         assert f"algorithm.setgrpo.{key}={value}" in cmd
     assert not any(a.startswith("algorithm.setgrpo.tau_grid") for a in cmd)  # the default 20 thresholds
