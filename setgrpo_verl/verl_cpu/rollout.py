@@ -69,7 +69,7 @@ def replica_seed(base_seed: int, replica_rank: int) -> int:
     served by different replicas could be identical), and runs with different base seeds differ too.
 
     Args:
-        base_seed: the run's rollout seed (``SETGRPO_ROLLOUT_SEED``), an int >= 0.
+        base_seed: the run's rollout seed (verl's ``actor_rollout_ref.rollout.seed``), an int >= 0.
         replica_rank: the replica's index, an int >= 0.
 
     Returns:
@@ -262,7 +262,7 @@ class TransformersReplica(RolloutReplica):
             model_path,
             self.config.response_length,
             self.config.max_num_seqs,
-            replica_seed(int(os.environ.get("SETGRPO_ROLLOUT_SEED", "0")), self.replica_rank),
+            replica_seed(int(self.config.seed), self.replica_rank),
             bool(getattr(self.model_config, "trust_remote_code", False)),
         )
         self.servers = [server]
