@@ -171,6 +171,47 @@ def _rate(count: int, total: int) -> float | None:
     return count / total if total else None
 
 
+def _targets(paired: Mapping[str, torch.Tensor], held_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The scores ``[H, K]`` a method's update is checked against: ``reference`` (r') and, when known, ``truth``."""
+    targets = {"reference": paired["reference"][held_out]}
+    if paired.get("truth") is not None:
+        targets["truth"] = paired["truth"][held_out]
+    return targets
+
+
+def _reversals(b: torch.Tensor, accepted: torch.Tensor, gram: torch.Tensor, targets: Mapping[str, torch.Tensor],
+               levels: ValidationLevels, degenerate_rtol: float) -> dict[str, torch.Tensor]:
+    """Per target, bool ``[H]``: the group is accepted and ``b^T M T(target) < 0`` (docs/validation.md#what-is-measured).
+    A target with constant scores has zero coefficients, so it is never a reversal."""
+    return {name: accepted & (torch.einsum("gi,gij,gj->g", b, gram, _coefficients(scores, levels, degenerate_rtol)) < 0)
+            for name, scores in targets.items()}
+
+
+def _group_rows(held_out: torch.Tensor, status: Sequence[str], accepted: torch.Tensor, recovery_ratio: torch.Tensor,
+                live: torch.Tensor | None, covered: Mapping[str, torch.Tensor] | None,
+                reversal: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor],
+                degenerate_rtol: float) -> list[dict[str, Any]]:
+    """One row per held-out group (the keys of :func:`evaluate_method`). ``covered`` is None for a method without a
+    set (coverage fields None); otherwise coverage fields are None for degenerate (not ``live``) groups."""
+    has_truth = "truth" in targets
+    truth_degenerate = degenerate_groups(targets["truth"], degenerate_rtol) if has_truth else None
+    rows = []
+    for i, g in enumerate(held_out.tolist()):
+        has_cov = covered is not None and bool(live[i])
+        rows.append({
+            "group": int(g),
+            "status": status[i],
+            "accepted": bool(accepted[i]),
+            "recovery_ratio": float(recovery_ratio[i]),
+            "covered_reference": bool(covered["reference"][i]) if has_cov else None,
+            "covered_truth": bool(covered["truth"][i]) if has_cov and has_truth else None,
+            "reversal_reference": bool(reversal["reference"][i]),
+            "reversal_truth": bool(reversal["truth"][i]) if has_truth else None,
+            "truth_degenerate": bool(truth_degenerate[i]) if has_truth else None,
+        })
+    return rows
+
+
 def evaluate_method(
     paired: Mapping[str, torch.Tensor],
     calibration: torch.Tensor,
@@ -211,7 +252,6 @@ def evaluate_method(
     if set(calibration.tolist()) & set(held_out.tolist()):
         raise ValueError("calibration and held-out groups overlap")
     point, reference, gram = paired["point"], paired["reference"], paired["gram"]
-    truth = paired.get("truth")
     record = calibrate(point[calibration], reference[calibration], gram[calibration], alpha=levels.alpha,
                        beta=levels.beta, delta=levels.delta, tau_grid=levels.tau_grid, rho=levels.rho,
                        split_seed=split_seed, risk_fraction=levels.risk_fraction, norm_by_std=levels.norm_by_std,
@@ -221,10 +261,8 @@ def evaluate_method(
     result = setgrpo_coefficients(p, m, record)
     live = torch.tensor([s != "degenerate" for s in result.status], dtype=torch.bool)
     shape = "spherical" if ablation == "spherical_set" else "jacobian"
-    targets = {"reference": reference[held_out]}
-    if truth is not None:
-        targets["truth"] = truth[held_out]
-    covered, reversal = {}, {}
+    targets = _targets(paired, held_out)
+    covered = {}
     for name, scores in targets.items():
         cov = torch.zeros(len(held_out), dtype=torch.bool)
         if live.any():
@@ -232,24 +270,9 @@ def evaluate_method(
                                      eps=record.eps, shape=shape)
             cov[live] = s <= record.q_alpha
         covered[name] = cov
-        a = _coefficients(scores, levels, record.degenerate_rtol)
-        reversal[name] = result.accepted & (torch.einsum("gi,gij,gj->g", result.coefficients, m, a) < 0)
-    truth_degenerate = (degenerate_groups(targets["truth"], record.degenerate_rtol) if truth is not None
-                        else torch.zeros(len(held_out), dtype=torch.bool))
-    rows = []
-    for i, g in enumerate(held_out.tolist()):
-        is_live = bool(live[i])
-        rows.append({
-            "group": int(g),
-            "status": str(result.status[i]),
-            "accepted": bool(result.accepted[i]),
-            "recovery_ratio": float(result.recovery_ratio[i]),
-            "covered_reference": bool(covered["reference"][i]) if is_live else None,
-            "covered_truth": bool(covered["truth"][i]) if is_live and truth is not None else None,
-            "reversal_reference": bool(reversal["reference"][i]),
-            "reversal_truth": bool(reversal["truth"][i]) if truth is not None else None,
-            "truth_degenerate": bool(truth_degenerate[i]) if truth is not None else None,
-        })
+    reversal = _reversals(result.coefficients, result.accepted, m, targets, levels, record.degenerate_rtol)
+    rows = _group_rows(held_out, [str(s) for s in result.status], result.accepted, result.recovery_ratio, live,
+                       covered, reversal, targets, record.degenerate_rtol)
     summary = _summarise(rows, levels)
     summary["record"] = {"q_alpha": record.q_alpha, "tau_sel": record.tau_sel, "n_cov": record.n_cov,
                          "n_risk": record.n_risk, "n_degenerate": record.n_degenerate, "N": record.N, "F": record.F,
@@ -269,28 +292,11 @@ def evaluate_grpo(paired: Mapping[str, torch.Tensor], held_out: torch.Tensor, *,
     """
     rtol = DEGENERATE_RTOL if degenerate_rtol is None else degenerate_rtol
     point, gram = paired["point"][held_out], paired["gram"][held_out]
-    truth = paired.get("truth")
     live = ~degenerate_groups(point, rtol)
-    b = _coefficients(point, levels, rtol)
-    targets = {"reference": paired["reference"][held_out]}
-    if truth is not None:
-        targets["truth"] = truth[held_out]
-    reversal = {name: live & (torch.einsum("gi,gij,gj->g", b, gram, _coefficients(s, levels, rtol)) < 0)
-                for name, s in targets.items()}
-    truth_degenerate = degenerate_groups(targets["truth"], rtol) if truth is not None else None
-    rows = []
-    for i, g in enumerate(held_out.tolist()):
-        rows.append({
-            "group": int(g),
-            "status": "grpo" if bool(live[i]) else "degenerate",
-            "accepted": bool(live[i]),
-            "recovery_ratio": 1.0 if bool(live[i]) else 0.0,
-            "covered_reference": None,
-            "covered_truth": None,
-            "reversal_reference": bool(reversal["reference"][i]),
-            "reversal_truth": bool(reversal["truth"][i]) if truth is not None else None,
-            "truth_degenerate": bool(truth_degenerate[i]) if truth is not None else None,
-        })
+    targets = _targets(paired, held_out)
+    reversal = _reversals(_coefficients(point, levels, rtol), live, gram, targets, levels, rtol)
+    status = ["grpo" if is_live else "degenerate" for is_live in live.tolist()]
+    rows = _group_rows(held_out, status, live, live.to(torch.float64), None, None, reversal, targets, rtol)
     return _summarise(rows, levels), rows
 
 
