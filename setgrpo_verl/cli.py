@@ -257,8 +257,13 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.judge == "rules" and (args.judge_model or args.judge_base_url or args.judge_temperature is not None):
         raise LaunchError("--judge rules checks rule criteria by code: it takes no --judge-model, --judge-base-url or "
                           "--judge-temperature")
-    if args.flip_prob is not None and not 0.0 <= args.flip_prob < 1.0:
-        raise LaunchError(f"--flip-prob {args.flip_prob}: must be in [0, 1)")
+    if args.flip_prob is not None:
+        from .grading.noisy import check_flip_prob
+
+        try:
+            check_flip_prob(args.flip_prob)
+        except ValueError:
+            raise LaunchError(f"--flip-prob {args.flip_prob}: must be in [0, 1)") from None
     if args.noise_seed is not None and args.flip_prob is None:
         raise LaunchError("--noise-seed seeds the noisy grader: give --flip-prob too")
     if (args.judge == "function") != (args.reward_function is not None):

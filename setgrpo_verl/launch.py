@@ -362,6 +362,16 @@ def _last_error(lines: Sequence[str]) -> str:
     return next((t.strip()[-400:] for t in reversed(lines) if t.strip()), "no output")
 
 
+def _requested_levels(values: Mapping[str, Any]) -> tuple[float, float, float, Sequence[float]]:
+    """``(alpha, beta, delta, tau_grid)`` of ``values`` (``algorithm.setgrpo.*``), schema defaults where missing."""
+    from .core import DEFAULT_TAU_GRID
+    from .integration.config import SetGRPOConfig
+
+    alpha, beta, delta = (float(values.get(f"algorithm.setgrpo.{k}", getattr(SetGRPOConfig, k)))
+                          for k in ("alpha", "beta", "delta"))
+    return alpha, beta, delta, values.get("algorithm.setgrpo.tau_grid") or DEFAULT_TAU_GRID
+
+
 def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:
     """``(coverage groups, risk groups)`` the requested levels need at the least (docs/algorithm.md#2-jrsc, #4-srgo).
 
@@ -371,14 +381,9 @@ def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:
     Args:
         values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
     """
-    from .core import DEFAULT_TAU_GRID, clopper_pearson_upper, min_calibration_groups
-    from .integration.config import SetGRPOConfig
+    from .core import clopper_pearson_upper, min_calibration_groups
 
-    def get(key, default):
-        return values.get(f"algorithm.setgrpo.{key}", default)
-
-    alpha, beta, delta = (float(get(k, getattr(SetGRPOConfig, k))) for k in ("alpha", "beta", "delta"))
-    grid = get("tau_grid", None) or DEFAULT_TAU_GRID
+    alpha, beta, delta, grid = _requested_levels(values)
     need_risk = 1
     while clopper_pearson_upper([0], [need_risk], 1 - delta / len(grid))[0] > beta and need_risk < 100000:
         need_risk += 1
@@ -386,13 +391,8 @@ def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def _levels(values: Mapping[str, Any]) -> str:
-    from .core import DEFAULT_TAU_GRID
-    from .integration.config import SetGRPOConfig
-
-    alpha, beta, delta = (values.get(f"algorithm.setgrpo.{k}", getattr(SetGRPOConfig, k)) for k in
-                          ("alpha", "beta", "delta"))
-    m = len(values.get("algorithm.setgrpo.tau_grid") or DEFAULT_TAU_GRID)
-    return f"alpha={alpha}, beta={beta}, delta={delta} over {m} thresholds"
+    alpha, beta, delta, grid = _requested_levels(values)
+    return f"alpha={alpha}, beta={beta}, delta={delta} over {len(grid)} thresholds"
 
 
 def _calibration_prompts(values: Mapping[str, Any]) -> int:

@@ -27,11 +27,11 @@ SETGRPO_NAME = "setgrpo"
 #: The override that switches verl's v1 trainer to the SetGRPO trainer mode.
 TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 
-#: Ablations of docs/algorithm.md#6-diagnostics (``None`` is the full method).
 #: ``reward_extra_info`` key of the noise-free score, present when the grader knows it
 #: (docs/validation.md#noisy-grader); the calibration stage stores it as ``truth`` in ``paired_scores.npz``.
 TRUTH_SCORE_KEY = "truth_score"
 
+#: Ablations of docs/algorithm.md#6-diagnostics (``None`` is the full method).
 ABLATIONS = ("spherical_set", "identity_geometry", "safe_anchor_only", "fixed_threshold", "random_discard")
 
 
