@@ -458,12 +458,12 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any]) -> str:
 
         shutil.rmtree(out)
     record = CalibrationRecord.from_json(calibration / "record.json")
-    levels = ValidationLevels.from_record(record)
     explicit = {"alpha": args.alpha, "beta": args.beta, "delta": args.delta, "rho": args.rho,
                 "tau_grid": None if args.tau_grid is None else tuple(args.tau_grid)}
-    import dataclasses
-
-    levels = dataclasses.replace(levels, **{k: v for k, v in explicit.items() if v is not None})
+    try:
+        levels = ValidationLevels.from_record(record, **{k: v for k, v in explicit.items() if v is not None})
+    except ValueError as exc:
+        raise LaunchError(f"validate --analysis-only: {exc}") from None
     t0 = time.perf_counter()
     try:
         paired = load_paired(calibration / "paired_scores.npz")

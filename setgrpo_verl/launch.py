@@ -258,11 +258,12 @@ def stage_overrides(stage: str, run_dir: str | os.PathLike, *, record: str | os.
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
     ]
-    if stage == "grpo":  # verl's stock config, with the same rubric-validating dataset class as setgrpo_trainer
+    if stage == "grpo":  # verl's stock config, with the same rubric-validating dataset class and pre-Ray check
         return common + [
             "algorithm.adv_estimator=grpo",
             "data.custom_cls.path=pkg://setgrpo_verl.grading.verl_dataset",
             "data.custom_cls.name=RubricRLHFDataset",
+            "+hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.config.SetGRPOConfigCheck",
         ]
     common += [
         format_override("algorithm.setgrpo.calibration.files", str(data / "calibration.parquet")),

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from .core import (
-    DEFAULT_TAU_GRID,
     DEGENERATE_RTOL,
     CalibrationRecord,
+    CalibrationSettings,
     calibrate,
     degenerate_groups,
     grpo_coefficients,
@@ -64,39 +64,9 @@ ABLATION_METHODS = ("spherical_set", "identity_geometry", "safe_anchor_only")
 METHODS = ("grpo", "setgrpo") + ABLATION_METHODS
 
 
-@dataclass(frozen=True)
-class ValidationLevels:
-    """Calibration settings of every split (docs/algorithm.md#41-defaults; paper levels by default).
-
-    Attributes:
-        alpha, beta, delta: miscoverage, risk level and failure probability, each in (0, 1).
-        tau_grid: SRGO thresholds (default 0.00, 0.05, ..., 0.95).
-        rho: ridge of the set shape.
-        grid_size: recovery grid intervals N.
-        risk_fraction: share of a split's calibration groups used for risk calibration.
-        norm_by_std, eps: the coefficient map (GRPO / Dr.GRPO, verl's eps).
-    """
-
-    alpha: float = 0.05
-    beta: float = 0.08
-    delta: float = 0.05
-    tau_grid: tuple[float, ...] = DEFAULT_TAU_GRID
-    rho: float = 0.1
-    grid_size: int = 100
-    risk_fraction: float = 0.5
-    norm_by_std: bool = True
-    eps: float = 1e-6
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"alpha": self.alpha, "beta": self.beta, "delta": self.delta, "tau_grid": list(self.tau_grid),
-                "rho": self.rho, "grid_size": self.grid_size, "risk_fraction": self.risk_fraction,
-                "norm_by_std": self.norm_by_std, "eps": self.eps}
-
-    @classmethod
-    def from_record(cls, record: CalibrationRecord) -> "ValidationLevels":
-        """The levels a calibration record was made with (its 50/50 split is the default ``risk_fraction``)."""
-        return cls(alpha=record.alpha, beta=record.beta, delta=record.delta, tau_grid=tuple(record.tau_grid),
-                   rho=record.rho, grid_size=record.grid_size, norm_by_std=record.norm_by_std, eps=record.eps)
+#: Calibration settings of every split (docs/algorithm.md#41-defaults; paper levels by default): core's one validated
+#: settings object, so a level, grid or rho that calibration would refuse is refused when the levels are built.
+ValidationLevels = CalibrationSettings
 
 
 def load_paired(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -252,11 +222,9 @@ def evaluate_method(
     if set(calibration.tolist()) & set(held_out.tolist()):
         raise ValueError("calibration and held-out groups overlap")
     point, reference, gram = paired["point"], paired["reference"], paired["gram"]
-    record = calibrate(point[calibration], reference[calibration], gram[calibration], alpha=levels.alpha,
-                       beta=levels.beta, delta=levels.delta, tau_grid=levels.tau_grid, rho=levels.rho,
-                       split_seed=split_seed, risk_fraction=levels.risk_fraction, norm_by_std=levels.norm_by_std,
-                       eps=levels.eps, grid_size=levels.grid_size, ablation=ablation, on_infeasible="reject_all",
-                       metadata=dict(metadata or {}))
+    settings = levels.replace(ablation=ablation, fixed_tau=None, on_infeasible="reject_all")
+    record = calibrate(point[calibration], reference[calibration], gram[calibration], **settings.as_kwargs(),
+                       split_seed=split_seed, metadata=dict(metadata or {}))
     p, m = point[held_out], gram[held_out]
     result = setgrpo_coefficients(p, m, record)
     live = torch.tensor([s != "degenerate" for s in result.status], dtype=torch.bool)

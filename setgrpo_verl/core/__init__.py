@@ -5,6 +5,7 @@ Public API::
     grpo_coefficients(scores [G,K], norm_by_std=True, eps=1e-6) -> [G,K]
     grpo_jacobian(scores [G,K], norm_by_std=True, eps=1e-6)     -> [G,K,K]
     calibrate(point, reference, gram, *, alpha, beta, delta, ...) -> CalibrationRecord
+    CalibrationSettings(alpha, beta, delta, tau_grid, rho, ...)  -> the one validated settings object
     setgrpo_coefficients(point, gram, record, *, ablation=None) -> SetGRPOResult
     OnlineRiskMonitor(record).update(result, reference, gram)   -> metrics dict
 
@@ -17,12 +18,13 @@ from ._api import STATUSES, OnlineRiskMonitor, SetGRPOResult, calibrate, setgrpo
 from ._ggsr import path_point, projections, recovery_ratios, safe_anchor
 from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients, grpo_jacobian
 from ._jrsc import CoefficientSets, conformal_radius, min_calibration_groups, nonconformity_scores, set_shape
-from ._record import ABLATIONS, SCHEMA_VERSION, CalibrationRecord
+from ._record import SCHEMA_VERSION, CalibrationRecord
+from ._settings import ABLATIONS, ON_INFEASIBLE, CalibrationSettings
 from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, select_threshold
 
 __all__ = [
-    "ABLATIONS", "DEFAULT_TAU_GRID", "DEGENERATE_RTOL", "SCHEMA_VERSION", "STATUSES",
-    "CalibrationRecord", "CoefficientSets", "OnlineRiskMonitor", "SetGRPOResult",
+    "ABLATIONS", "DEFAULT_TAU_GRID", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",
+    "CalibrationRecord", "CalibrationSettings", "CoefficientSets", "OnlineRiskMonitor", "SetGRPOResult",
     "calibrate", "clopper_pearson_upper", "conformal_radius", "degenerate_groups", "grpo_coefficients",
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "path_point", "projections",
     "recovery_ratios", "safe_anchor", "select_threshold", "set_shape", "setgrpo_coefficients",

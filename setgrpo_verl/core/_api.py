@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from ._checks import check_gram, check_pair, check_scores, check_unit_interval
+from ._checks import check_gram, check_pair, check_scores
 from ._ggsr import NULL_TOL, path_point, projections, recovery_ratios, safe_anchor
 from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients
 from ._jrsc import (
@@ -24,7 +24,8 @@ from ._jrsc import (
     nonconformity_scores,
     set_shape,
 )
-from ._record import ABLATIONS, CalibrationRecord
+from ._record import CalibrationRecord
+from ._settings import ABLATIONS, CalibrationSettings
 from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, select_threshold
 
 logger = logging.getLogger(__name__)
@@ -135,29 +136,26 @@ def calibrate(
         A frozen, validated :class:`CalibrationRecord`.
 
     Raises:
-        ValueError: bad shapes/values (see checks), alpha/beta/delta outside (0, 1), too few
-            non-degenerate groups for alpha, unknown ablation or metadata keys, or no risk-feasible
-            threshold with ``on_infeasible="error"`` (the message gives the smallest UCB reached).
+        ValueError: bad shapes/values (see checks), settings that :class:`CalibrationSettings` refuses
+            (the one validation of alpha, beta, delta, tau_grid, rho, grid_size, ablation, fixed_tau,
+            risk_fraction, eps, on_infeasible), too few non-degenerate groups for alpha, unknown metadata
+            keys, or no risk-feasible threshold with ``on_infeasible="error"`` (the message gives the
+            smallest UCB reached).
     """
     check_pair(point, reference)
-    for name, value in (("alpha", alpha), ("beta", beta), ("delta", delta), ("risk_fraction", risk_fraction)):
-        check_unit_interval(name, value)
-    _check_ablation(ablation)
-    if on_infeasible not in ("error", "reject_all"):
-        raise ValueError(f"on_infeasible must be 'error' or 'reject_all', got {on_infeasible!r}")
-    if (ablation == "fixed_threshold") != (fixed_tau is not None):
-        raise ValueError("fixed_tau must be given exactly when ablation='fixed_threshold'")
+    settings = CalibrationSettings(alpha=alpha, beta=beta, delta=delta,
+                                   tau_grid=DEFAULT_TAU_GRID if tau_grid is None else tau_grid, rho=rho,
+                                   grid_size=grid_size, ablation=ablation, fixed_tau=fixed_tau,
+                                   risk_fraction=risk_fraction, norm_by_std=norm_by_std, eps=eps,
+                                   on_infeasible=on_infeasible)
+    alpha, beta, delta, rho = settings.alpha, settings.beta, settings.delta, settings.rho
+    risk_fraction, eps, grid = settings.risk_fraction, settings.eps, list(settings.tau_grid)
     metadata = dict(metadata or {})
     unknown = set(metadata) - set(_METADATA_KEYS)
     if unknown:
         raise ValueError(f"unknown metadata keys {sorted(unknown)}; allowed: {_METADATA_KEYS}")
     g, k = point.shape
     m_true = check_gram(gram, g, k)
-    grid = [float(t) for t in (DEFAULT_TAU_GRID if tau_grid is None else tau_grid)]
-    if fixed_tau is not None and float(fixed_tau) not in grid:
-        grid = sorted(grid + [float(fixed_tau)])
-    if not grid or any(b <= a for a, b in zip(grid, grid[1:])) or not all(-1 < t < 1 for t in grid):
-        raise ValueError(f"tau_grid must be non-empty, strictly increasing and inside (-1, 1), got {grid}")
 
     p64, r64 = point.to(torch.float64), reference.to(torch.float64)
     keep = (~degenerate_groups(point, degenerate_rtol)).nonzero().flatten()

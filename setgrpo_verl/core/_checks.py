@@ -75,8 +75,3 @@ def check_gram(gram: torch.Tensor, groups: int, k: int, rtol: float = 1e-6) -> t
         )
     return m
 
-
-def check_unit_interval(name: str, value: float) -> None:
-    """alpha, beta, delta and similar levels must lie strictly inside (0, 1)."""
-    if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0):
-        raise ValueError(f"{name} must be a number in the open interval (0, 1), got {value!r}")

@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 
 from ._grpo import DEGENERATE_RTOL
+from ._settings import ABLATIONS, ON_INFEASIBLE
 from ._srgo import select_threshold
 
 #: Version 2 added ``degenerate_rtol`` (the degeneracy tolerance that calibration used and training applies).
 SCHEMA_VERSION = 2
-ABLATIONS = ("spherical_set", "identity_geometry", "safe_anchor_only", "fixed_threshold", "random_discard")
 _HASH_KEY = "content_sha256"
 
 
@@ -239,8 +239,8 @@ def _validate(r: CalibrationRecord) -> None:
         fail("ucb values are not the Clopper-Pearson bounds of (n_reversals, n_accepted) at 1 - delta/m")
     if r.ablation is not None and r.ablation not in ABLATIONS:
         fail(f"ablation={r.ablation!r} is not one of {ABLATIONS}")
-    if r.on_infeasible not in ("error", "reject_all"):
-        fail(f"on_infeasible={r.on_infeasible!r} must be 'error' or 'reject_all'")
+    if r.on_infeasible not in ON_INFEASIBLE:
+        fail(f"on_infeasible={r.on_infeasible!r} must be one of {ON_INFEASIBLE}")
     if r.tau_sel is not None and r.tau_sel not in r.tau_grid:
         fail(f"tau_sel={r.tau_sel} is not on tau_grid")
     if r.ablation == "fixed_threshold":

@@ -9,17 +9,19 @@ Every key's meaning and default is documented in the YAML file; this module only
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from hydra.experimental.callback import Callback
 
 from verl.base_config import BaseConfig
 from verl.trainer.config.algorithm import AlgoConfig
 
+from setgrpo_verl.core import ABLATIONS, DEFAULT_TAU_GRID, CalibrationRecord, CalibrationSettings
 from setgrpo_verl.sketch import SketchConfig
+
+from .reward_config import REWARD_MANAGER_NAME, TRUTH_SCORE_KEY, grader_identity, reference_score_key
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
 SETGRPO_NAME = "setgrpo"
@@ -27,12 +29,11 @@ SETGRPO_NAME = "setgrpo"
 #: The override that switches verl's v1 trainer to the SetGRPO trainer mode.
 TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 
-#: ``reward_extra_info`` key of the noise-free score, present when the grader knows it
-#: (docs/validation.md#noisy-grader); the calibration stage stores it as ``truth`` in ``paired_scores.npz``.
-TRUTH_SCORE_KEY = "truth_score"
-
-#: Ablations of docs/algorithm.md#6-diagnostics (``None`` is the full method).
-ABLATIONS = ("spherical_set", "identity_geometry", "safe_anchor_only", "fixed_threshold", "random_discard")
+__all__ = [
+    "ABLATIONS", "SETGRPO_NAME", "TRAINER_MODE_OVERRIDE", "TRUTH_SCORE_KEY", "SetGRPOAlgoConfig", "SetGRPOConfig",
+    "SetGRPOConfigCheck", "check_record", "check_run_config", "check_sketch_micro_batch", "field_doc",
+    "render_yaml", "run_identity", "setgrpo_config_from", "sketch_micro_batch_error",
+]
 
 
 def _field(default: Any = None, doc: str = "", *, factory: Any = None) -> Any:
@@ -166,25 +167,33 @@ class SetGRPOConfig(BaseConfig):
                                            factory=SetGRPOMonitorConfig)
 
     def __post_init__(self):
-        for key in ("alpha", "beta", "delta"):
-            value = getattr(self, key)
-            if not (0.0 < value < 1.0):
-                raise ValueError(f"algorithm.setgrpo.{key}={value} must lie in the open interval (0, 1)")
-        if not (math.isfinite(self.rho) and self.rho >= 0.0):
-            raise ValueError(f"algorithm.setgrpo.rho={self.rho} must be a finite number >= 0")
-        if self.recovery_grid < 1:
-            raise ValueError(f"algorithm.setgrpo.recovery_grid={self.recovery_grid} must be >= 1")
-        if self.tau_grid is not None:
-            grid = [float(t) for t in self.tau_grid]
-            if not grid or any(not (-1.0 <= t <= 1.0) for t in grid):
-                raise ValueError(f"algorithm.setgrpo.tau_grid={grid} must be a non-empty list of values in [-1, 1]")
-        if self.ablation is not None and self.ablation not in ABLATIONS:
-            raise ValueError(f"algorithm.setgrpo.ablation={self.ablation!r}: choose null or one of {ABLATIONS}")
-        if (self.ablation == "fixed_threshold") != (self.fixed_tau is not None):
-            raise ValueError(
-                "algorithm.setgrpo.fixed_tau must be set exactly when algorithm.setgrpo.ablation=fixed_threshold "
-                f"(got ablation={self.ablation!r}, fixed_tau={self.fixed_tau!r})"
+        # the levels, grid, rho, ablation and grid size: the one validation of core's CalibrationSettings; rho = 0
+        # is refused again by check_run_config for the GRPO map (it needs algorithm.norm_adv_by_std_in_grpo)
+        self.calibration_settings(norm_by_std=False)
+
+    def calibration_settings(self, norm_by_std: bool = True) -> CalibrationSettings:
+        """The validated :class:`setgrpo_verl.core.CalibrationSettings` of this block: what ``calibrate`` receives.
+
+        Args:
+            norm_by_std: verl's ``algorithm.norm_adv_by_std_in_grpo`` (True: GRPO, False: Dr.GRPO).
+
+        Raises:
+            ValueError: ``algorithm.setgrpo.<key>=<value>`` and the admissible range (docs/algorithm.md#41-defaults).
+        """
+        cal = self.calibration  # a plain mapping while verl's instantiation builds the nested blocks
+        on_infeasible = cal.get("on_infeasible", "error") if isinstance(cal, Mapping) else cal.on_infeasible
+        try:
+            return CalibrationSettings(
+                alpha=self.alpha, beta=self.beta, delta=self.delta,
+                tau_grid=DEFAULT_TAU_GRID if self.tau_grid is None else tuple(self.tau_grid), rho=self.rho,
+                grid_size=self.recovery_grid, ablation=self.ablation, fixed_tau=self.fixed_tau,
+                norm_by_std=bool(norm_by_std), on_infeasible=on_infeasible,
             )
+        except ValueError as exc:
+            text = str(exc)
+            if text.startswith("grid_size="):
+                text = "recovery_grid=" + text.removeprefix("grid_size=")
+            raise ValueError(f"algorithm.setgrpo.{text}") from None
 
 
 def _documented_fields(cls: Any) -> list[dataclasses.Field]:
@@ -275,12 +284,10 @@ def setgrpo_config_from(algorithm_config: Any) -> SetGRPOConfig:
 def run_identity(config: Any, setgrpo: SetGRPOConfig) -> dict[str, Any]:
     """The record fields that identify a run (docs/record.md#fields): loss aggregation, sketch, grader and policy.
 
-    One format for every run: ``grader`` is :func:`setgrpo_verl.integration.reward_manager.grader_identity` for the
+    One format for every run: ``grader`` is :func:`setgrpo_verl.integration.reward_config.grader_identity` for the
     ``setgrpo_dual`` reward manager (``{"name": "reward_manager:<name>"}`` otherwise); ``policy`` is the model path
     and the sampling settings that shape the responses (temperature, top_p, response length).
     """
-    from .reward_manager import REWARD_MANAGER_NAME, grader_identity
-
     name = str(config.reward.reward_manager.name)
     grader = grader_identity(config) if name == REWARD_MANAGER_NAME else {"name": f"reward_manager:{name}"}
     rollout = config.actor_rollout_ref.rollout
@@ -321,8 +328,96 @@ def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
     )
 
 
+def sketch_micro_batch_error(*, k: int, prompts: Mapping[str, int], ranks: int, micro: int, source: str) -> Optional[str]:
+    """Why a fixed sketch micro-batch cannot split the batches a rank sees, or None (docs/sketch.md).
+
+    verl's ``prepare_micro_batches`` (used by the sketch pass) needs every rank's share of a batch to be a multiple
+    of the micro-batch size; a batch of ``p`` prompts is ``p * k`` responses over ``ranks`` data-parallel ranks,
+    ``ceil(p * k / ranks)`` per rank (verl pads an uneven batch to a multiple of the ranks).
+
+    Args:
+        k: responses per prompt (``actor_rollout_ref.rollout.n``).
+        prompts: a description of each batch (e.g. ``"a training step (data.train_batch_size=4)"``) -> its prompts.
+        ranks: data-parallel actor ranks.
+        micro: the fixed micro-batch size, in responses per rank.
+        source: the key that set ``micro`` (named in the message).
+
+    Returns:
+        None when every batch splits evenly, else the message naming the batch, the sizes and the fix.
+    """
+    for what, count in prompts.items():
+        responses = int(count) * int(k)
+        if count < 1:
+            continue
+        per_rank = -(-responses // ranks)  # an uneven batch is padded to a multiple of the ranks by verl's dispatch
+        if per_rank % micro:
+            fits = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+            return (f"{source}={micro} does not divide the {per_rank} responses that each of the {ranks} actor "
+                    f"rank(s) gets in {what} ({count} prompts x actor_rollout_ref.rollout.n={k}): verl's "
+                    f"micro-batching needs equal chunks; use a divisor of {per_rank} (e.g. {fits}), null, or batch "
+                    "sizes that are multiples of it")
+    return None
+
+
+def check_sketch_micro_batch(config: Any, setgrpo: SetGRPOConfig) -> None:
+    """Refuse, before Ray, a fixed micro-batch of the sketch pass that does not divide the batches a rank sees.
+
+    The sketch pass uses ``algorithm.setgrpo.sketch.micro_batch_size_per_gpu`` or, when neither it nor
+    ``max_token_len_per_gpu`` is set and verl's dynamic batching is off, the actor's
+    ``actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu`` (docs/sketch.md). The batches are a training
+    step (``data.train_batch_size`` prompts; not for a calibration-only run) and, when the run calibrates, the
+    calibration batches (``calibration.batch_size`` prompts and the last, smaller one of ``calibration.num_prompts``).
+
+    Raises:
+        ValueError: naming the micro-batch key, the batch and the sizes (:func:`sketch_micro_batch_error`).
+    """
+    sketch = setgrpo.sketch
+    if sketch.max_token_len_per_gpu is not None:
+        return
+    micro, source = sketch.micro_batch_size_per_gpu, "algorithm.setgrpo.sketch.micro_batch_size_per_gpu"
+    arr = config.actor_rollout_ref
+    if micro is None:
+        if arr.actor.get("use_dynamic_bsz", False):
+            return
+        micro = arr.rollout.get("log_prob_micro_batch_size_per_gpu", None)
+        source = ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu (the sketch pass's micro-batch when "
+                  "algorithm.setgrpo.sketch.micro_batch_size_per_gpu is null)")
+        if micro is None:
+            return
+    ranks = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    ranks //= max(1, int(arr.actor.get("ulysses_sequence_parallel_size", 1) or 1))
+    train = int(config.data.train_batch_size)
+    batches: dict[str, int] = {}
+    if not setgrpo.calibration.only:
+        batches[f"a training step (data.train_batch_size={train})"] = train
+    if not setgrpo.record_path:
+        cal = setgrpo.calibration
+        size = int(cal.batch_size or train)
+        batches[f"a calibration batch (algorithm.setgrpo.calibration.batch_size={size})"] = min(size, cal.num_prompts)
+        if cal.num_prompts > size and cal.num_prompts % size:
+            batches[f"the last calibration batch ({cal.num_prompts} calibration prompts in batches of {size})"] = (
+                cal.num_prompts % size)
+    error = sketch_micro_batch_error(k=int(arr.rollout.n), prompts=batches, ranks=max(ranks, 1), micro=int(micro),
+                                     source=source)
+    if error:
+        raise ValueError(error)
+
+
+def _check_reward(config: Any) -> None:
+    """The dual-reward manager's grader and reference-score key, as verl's reward worker will read them."""
+    reward = config.get("reward", None) if hasattr(config, "get") else None
+    manager = reward.get("reward_manager", None) if reward is not None else None
+    if manager is None or str(manager.get("name", "")) != REWARD_MANAGER_NAME:
+        return
+    try:
+        grader_identity(config)
+    except ValueError as exc:
+        raise ValueError(f"reward.reward_kwargs.grader: {exc}") from None
+    reference_score_key(config)
+
+
 def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
-    """Fail fast on a run config that mixes SetGRPO and verl settings inconsistently.
+    """Fail fast on a run config that mixes SetGRPO and verl settings inconsistently (before Ray starts).
 
     Args:
         config: the composed verl config (``main_ppo``'s).
@@ -332,9 +427,14 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
 
     Raises:
         ValueError: ``algorithm.adv_estimator=setgrpo`` without ``trainer.v1.trainer_mode=setgrpo`` (the message
-            names the missing override) or the reverse, ``actor_rollout_ref.rollout.n < 2``, an invalid
-            ``algorithm.setgrpo`` block, or an ``algorithm.setgrpo.record_path`` that is missing, does not validate
-            or does not match the run (:func:`check_record`).
+            names the missing override) or the reverse; with the ``setgrpo_dual`` reward manager (any trainer mode),
+            a grader config that verl's reward worker could not build (unknown type, misspelled or missing key) or
+            a ``reward.reward_kwargs.reference_score_key``; ``actor_rollout_ref.rollout.n < 2``, an invalid
+            ``algorithm.setgrpo`` block (the levels, grid, rho, ablation and recovery grid as
+            :class:`setgrpo_verl.core.CalibrationSettings` validates them for ``calibrate``), a fixed sketch
+            micro-batch that does not divide a rank's batch (:func:`check_sketch_micro_batch`), or an
+            ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run
+            (:func:`check_record`).
     """
     estimator = config.algorithm.adv_estimator
     trainer_mode = config.trainer.v1.trainer_mode
@@ -344,19 +444,21 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             f"trainer mode computes, but trainer.v1.trainer_mode={trainer_mode}: add the override "
             f"`{TRAINER_MODE_OVERRIDE}` (or use algorithm.adv_estimator=grpo for plain GRPO)"
         )
-    if trainer_mode != SETGRPO_NAME:
-        return None
-    if estimator != SETGRPO_NAME:
+    if trainer_mode == SETGRPO_NAME and estimator != SETGRPO_NAME:
         raise ValueError(
             f"{TRAINER_MODE_OVERRIDE} computes SetGRPO advantages: set algorithm.adv_estimator={SETGRPO_NAME} "
             f"(got {estimator!r})"
         )
+    if trainer_mode != SETGRPO_NAME:
+        _check_reward(config)
+        return None
     if config.actor_rollout_ref.rollout.n < 2:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
     setgrpo = setgrpo_config_from(config.algorithm)
+    setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
+    check_sketch_micro_batch(config, setgrpo)
+    _check_reward(config)
     if setgrpo.record_path:
-        from setgrpo_verl.core import CalibrationRecord
-
         path = os.path.expanduser(setgrpo.record_path)
         if not os.path.isfile(path):
             raise ValueError(f"algorithm.setgrpo.record_path={setgrpo.record_path}: no such file; pass the record a "

@@ -7,7 +7,8 @@ grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-
 
 * ``reward_score`` = the point score r (verl puts it on the last response token of ``rm_scores``);
 * ``reward_extra_info`` (one value per response, every key always present) carries
-  ``reference_score`` (r', the key the SetGRPO trainer reads, see ``algorithm.setgrpo.reference_score_key``),
+  ``reference_score`` (r', under the key ``algorithm.setgrpo.reference_score_key``, which the SetGRPO trainer
+  reads back; the one source of that key),
   ``score`` (= r), ``point_verdicts`` / ``reference_verdicts`` (JSON lists of per-criterion verdicts),
   ``unparsed`` (number of unparsed judge verdicts in both scorings) and ``judged_disagreement`` (fraction of
   judged criteria whose verdicts differ between the two scorings);
@@ -43,16 +44,20 @@ import json
 import logging
 from typing import Any, Mapping
 
-from omegaconf import DictConfig, OmegaConf
-
 from verl import DataProto
 from verl.experimental.reward_loop.reward_manager import register as _verl_register
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
 
 from ..grading import DualScorer, GradingItem, Rubric, RubricRowError, build_grader
-from ..grading import grader_identity as _grader_identity
-from .config import TRUTH_SCORE_KEY
+from .reward_config import (
+    REFERENCE_SCORE_KEY,
+    REWARD_MANAGER_NAME,
+    TRUTH_SCORE_KEY,
+    grader_config,
+    grader_identity,
+    reference_score_key,
+)
 
 __all__ = [
     "REFERENCE_SCORE_KEY",
@@ -66,50 +71,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Name under which the manager is registered (``reward.reward_manager.name``).
-REWARD_MANAGER_NAME = "setgrpo_dual"
-#: ``reward_extra_info`` key of the reference score r' (default of ``algorithm.setgrpo.reference_score_key``).
-REFERENCE_SCORE_KEY = "reference_score"
-
-
-def grader_config(config: DictConfig) -> dict:
-    """The grader mapping from a verl config (``reward.reward_kwargs.grader``), as a plain dict.
-
-    ``type: function`` without ``path`` takes ``reward.custom_reward_function.{path,name}``.
-
-    Raises:
-        ValueError: no ``reward.reward_kwargs.grader`` block (the message shows one to add).
-    """
-    reward = config.get("reward") or {}
-    kwargs = reward.get("reward_kwargs") or {}
-    cfg = kwargs.get("grader")
-    if not cfg:
-        raise ValueError(
-            f"reward manager {REWARD_MANAGER_NAME!r} needs a grader: add e.g. "
-            "+reward.reward_kwargs.grader.type=local_hf (embedded SmolLM2 judge) or "
-            "+reward.reward_kwargs.grader={type:openai,base_url:http://127.0.0.1:8000/v1,model:<name>}"
-        )
-    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    if cfg.get("type") == "function" and not cfg.get("path"):
-        custom = reward.get("custom_reward_function") or {}
-        if not custom.get("path"):
-            raise ValueError("grader type 'function' needs grader.path or reward.custom_reward_function.path")
-        cfg["path"] = custom.get("path")
-        cfg.setdefault("name", custom.get("name") or "compute_score")
-    return cfg
-
-
-def grader_identity(config: DictConfig) -> dict:
-    """Grader identity ``{name, model, temperature, template_hash}`` of a verl config, without building the grader
-    (for the calibration record, docs/algorithm.md#7-record)."""
-    return _grader_identity(grader_config(config))
-
 
 class SetGRPODualRewardManager(RewardManagerBase):
     """verl reward manager that scores every response twice (point + reference) with one rubric grader.
 
     Constructed by verl (``load_reward_manager``) as ``cls(config, tokenizer, compute_score, **kwargs)``; the
-    grader comes from :func:`grader_config`. One scorer is shared by all instances in a process with the same
+    grader comes from :func:`grader_config`, the reference score's key from :func:`reference_score_key`
+    (``algorithm.setgrpo.reference_score_key``). One scorer is shared by all instances in a process with the same
     grader config (a local judge model is loaded once per reward worker).
     """
 
@@ -118,8 +86,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
     def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
         super().__init__(config, tokenizer, compute_score)
         self.grader_cfg = grader_config(config)
-        reward_kwargs = (config.get("reward") or {}).get("reward_kwargs") or {}
-        self.reference_key = str(reward_kwargs.get("reference_score_key", REFERENCE_SCORE_KEY))
+        self.reference_key = reference_score_key(config)
         key = json.dumps(self.grader_cfg, sort_keys=True, default=str)
         scorer = self._scorers.get(key)
         if scorer is None:

@@ -362,21 +362,14 @@ class SetGRPOTrainer(PPOTrainerSync):
         paired = {"point": torch.cat(points), "reference": torch.cat(refs), "gram": torch.cat(grams)}
         if truths[0] is not None:
             paired["truth"] = torch.cat(truths)
+        norm_by_std = bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True))
+        settings = cfg.calibration_settings(norm_by_std=norm_by_std)
         record = calibrate(
             paired["point"],
             paired["reference"],
             paired["gram"],
-            alpha=cfg.alpha,
-            beta=cfg.beta,
-            delta=cfg.delta,
-            tau_grid=cfg.tau_grid,
-            rho=cfg.rho,
+            **settings.as_kwargs(),
             split_seed=cfg.calibration.split_seed,
-            norm_by_std=bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True)),
-            grid_size=cfg.recovery_grid,
-            ablation=cfg.ablation,
-            fixed_tau=cfg.fixed_tau,
-            on_infeasible=cfg.calibration.on_infeasible,
             metadata=self._run_identity(),
         )
         out = self._record_out()

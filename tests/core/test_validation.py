@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from setgrpo_verl.core import calibrate, grpo_coefficients
+from setgrpo_verl.core import CalibrationSettings, calibrate, grpo_coefficients
 
 from .synthetic import make_groups
 
@@ -49,7 +49,7 @@ def test_gram_errors(data):
 @pytest.mark.parametrize("value", [0.0, 1.0, -0.1, 1.5])
 def test_levels_outside_unit_interval(data, name, value):
     p, r, m = data
-    with pytest.raises(ValueError, match=f"{name} must be a number in the open interval"):
+    with pytest.raises(ValueError, match=rf"{name}={value!r} must be a number in the open interval \(0, 1\)"):
         calibrate(p, r, m, **{name: value})
 
 
@@ -57,7 +57,7 @@ def test_too_few_groups_and_bad_options(data):
     p, r, m = data
     with pytest.raises(ValueError, match="at least 19 coverage groups"):
         calibrate(p[:30], r[:30], m[:30], alpha=0.05)
-    with pytest.raises(ValueError, match="ablation must be"):
+    with pytest.raises(ValueError, match="ablation='nope': choose None"):
         calibrate(p, r, m, ablation="nope")
     with pytest.raises(ValueError, match="fixed_tau"):
         calibrate(p, r, m, ablation="fixed_threshold")
@@ -67,3 +67,42 @@ def test_too_few_groups_and_bad_options(data):
         calibrate(p, r, m, tau_grid=[0.5, 0.2])
     with pytest.raises(ValueError, match="on_infeasible"):
         calibrate(p, r, m, on_infeasible="ignore")
+
+
+@pytest.mark.parametrize("grid", [[0.5, 0.2], [0.0, 0.0, 0.3], [0.0, 1.0], [-1.0, 0.2], [], [0.1, float("nan")]])
+def test_tau_grid_ordered_and_strictly_inside(data, grid):
+    """Unordered grids and thresholds reaching +-1 are refused by the settings object, with calibrate's message."""
+    p, r, m = data
+    with pytest.raises(ValueError, match="tau_grid=") as from_settings:
+        CalibrationSettings(tau_grid=grid)
+    with pytest.raises(ValueError, match="tau_grid=") as from_calibrate:
+        calibrate(p, r, m, tau_grid=grid)
+    assert str(from_settings.value) == str(from_calibrate.value)
+
+
+def test_rho_zero_needs_dr_grpo_or_spherical_set(data):
+    """rho = 0 leaves the GRPO Jacobian's set shape singular: refused up front; Dr.GRPO and the spherical set accept it."""
+    p, r, m = data
+    with pytest.raises(ValueError, match=r"rho=0.0 must be > 0") as exc:
+        CalibrationSettings(rho=0.0)
+    with pytest.raises(ValueError, match=r"rho=0.0 must be > 0") as again:
+        calibrate(p, r, m, rho=0.0)
+    assert str(exc.value) == str(again.value)
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="rho="):
+            CalibrationSettings(rho=bad)
+    assert CalibrationSettings(rho=0.0, norm_by_std=False).rho == 0.0
+    assert CalibrationSettings(rho=0.0, ablation="spherical_set").rho == 0.0
+    record = calibrate(p, r, m, rho=0.0, norm_by_std=False, alpha=0.2, beta=0.5, delta=0.2, on_infeasible="reject_all")
+    assert record.rho == 0.0 and record.norm_by_std is False
+
+
+def test_settings_normalise_and_insert_fixed_tau():
+    s = CalibrationSettings(tau_grid=[0, 0.5], ablation="fixed_threshold", fixed_tau=0.25, grid_size=7)
+    assert s.tau_grid == (0.0, 0.25, 0.5) and s.fixed_tau == 0.25
+    assert s.replace(grid_size=3).grid_size == 3
+    with pytest.raises(ValueError, match="grid_size=0 must be an integer >= 1"):
+        s.replace(grid_size=0)
+    with pytest.raises(ValueError, match="fixed_tau=1.0 must be a number strictly inside"):
+        CalibrationSettings(ablation="fixed_threshold", fixed_tau=1.0)
+    assert CalibrationSettings().to_dict()["tau_grid"][-1] == 0.95

@@ -197,7 +197,7 @@ def test_prepare_rubrichub_writes_disjoint_verl_splits(tmp_path):
     ("override", "message"),
     [("trainer.v1.trainer_mode=sync", "add the override `trainer.v1.trainer_mode=setgrpo`"),
      ("algorithm.adv_estimator=grpo", "set algorithm.adv_estimator=setgrpo"),
-     ("algorithm.setgrpo.alpha=2", r"algorithm.setgrpo.alpha=2.0 must lie")],
+     ("algorithm.setgrpo.alpha=2", r"algorithm.setgrpo.alpha=2.0 must be a number in the open interval (0, 1)")],
 )
 def test_main_ppo_stops_before_ray_on_inconsistent_setgrpo_settings(override, message):
     """The Hydra callback of setgrpo_trainer.yaml runs before main_ppo's task (validate_config, Ray)."""

@@ -1,0 +1,100 @@
+"""Names and config readers of the dual reward shared by the reward manager, the trainer and the run check.
+
+A leaf module (no import of the rest of :mod:`setgrpo_verl.integration`): :mod:`.reward_manager` (which imports
+verl's reward loop) and :mod:`.config` (the pre-Ray check) both read the grader and the reference-score key
+through these functions, so that the check before Ray reads exactly what verl's reward worker will build
+(docs/verl_integration.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..grading import grader_identity as _grader_identity
+
+__all__ = [
+    "REFERENCE_SCORE_KEY",
+    "REWARD_MANAGER_NAME",
+    "TRUTH_SCORE_KEY",
+    "grader_config",
+    "grader_identity",
+    "reference_score_key",
+]
+
+#: Name under which the dual-reward manager is registered (``reward.reward_manager.name``).
+REWARD_MANAGER_NAME = "setgrpo_dual"
+#: ``reward_extra_info`` key of the reference score r' (default of ``algorithm.setgrpo.reference_score_key``).
+REFERENCE_SCORE_KEY = "reference_score"
+#: ``reward_extra_info`` key of the noise-free score, present when the grader knows it
+#: (docs/validation.md#noisy-grader); the calibration stage stores it as ``truth`` in ``paired_scores.npz``.
+TRUTH_SCORE_KEY = "truth_score"
+
+
+def _get(node: Any, key: str) -> Any:
+    if node is None:
+        return None
+    if isinstance(node, (DictConfig, Mapping)):
+        return node.get(key)
+    return getattr(node, key, None)
+
+
+def grader_config(config: Any) -> dict:
+    """The grader mapping from a verl config (``reward.reward_kwargs.grader``), as a plain dict.
+
+    ``type: function`` without ``path`` takes ``reward.custom_reward_function.{path,name}``.
+
+    Raises:
+        ValueError: no ``reward.reward_kwargs.grader`` block (the message shows one to add).
+    """
+    reward = _get(config, "reward") or {}
+    kwargs = _get(reward, "reward_kwargs") or {}
+    cfg = _get(kwargs, "grader")
+    if not cfg:
+        raise ValueError(
+            f"reward manager {REWARD_MANAGER_NAME!r} needs a grader: add e.g. "
+            "+reward.reward_kwargs.grader.type=local_hf (embedded SmolLM2 judge) or "
+            "+reward.reward_kwargs.grader={type:openai,base_url:http://127.0.0.1:8000/v1,model:<name>}"
+        )
+    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    if cfg.get("type") == "function" and not cfg.get("path"):
+        custom = _get(reward, "custom_reward_function") or {}
+        if not _get(custom, "path"):
+            raise ValueError("grader type 'function' needs grader.path or reward.custom_reward_function.path")
+        cfg["path"] = _get(custom, "path")
+        cfg.setdefault("name", _get(custom, "name") or "compute_score")
+    return cfg
+
+
+def grader_identity(config: Any) -> dict:
+    """Grader identity ``{name, model, temperature, template_hash}`` of a verl config, without building the grader
+    (no model load, no connection; for the calibration record, docs/algorithm.md#7-record).
+
+    Raises:
+        ValueError: no grader block, or a grader config that :func:`setgrpo_verl.grading.build_grader` would refuse
+            (unknown type, unknown or missing key, named).
+    """
+    return _grader_identity(grader_config(config))
+
+
+def reference_score_key(config: Any) -> str:
+    """The ``reward_extra_info`` key of the reference score: ``algorithm.setgrpo.reference_score_key`` when the run
+    has that block (SetGRPO's config), else :data:`REFERENCE_SCORE_KEY` (verl's stock config, the GRPO baseline).
+
+    The key has this one source: the reward manager writes the score under it and the trainer reads it back.
+
+    Raises:
+        ValueError: ``reward.reward_kwargs.reference_score_key`` is set (the key is configured once, under
+            ``algorithm.setgrpo``).
+    """
+    reward_kwargs = _get(_get(config, "reward"), "reward_kwargs") or {}
+    if _get(reward_kwargs, "reference_score_key") is not None:
+        raise ValueError(
+            "reward.reward_kwargs.reference_score_key is not read: the reference-score key is set once, as "
+            "algorithm.setgrpo.reference_score_key (the reward manager writes and the trainer reads that key); "
+            "remove the reward_kwargs entry"
+        )
+    setgrpo = _get(_get(config, "algorithm"), "setgrpo")
+    key = _get(setgrpo, "reference_score_key")
+    return REFERENCE_SCORE_KEY if key is None else str(key)

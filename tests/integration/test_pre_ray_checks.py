@@ -1,0 +1,105 @@
+"""Settings that would fail after Ray started (in core after the calibration rollouts, in verl's reward worker, in the
+sketch pass) are refused by the pre-Ray check `check_run_config`, on configs composed by verl's own `main_ppo`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+import verl.trainer.main_ppo as main_ppo
+
+import setgrpo_verl
+from setgrpo_verl import launch
+from setgrpo_verl.core import CalibrationSettings
+from setgrpo_verl.integration.config import check_run_config, sketch_micro_batch_error
+
+CONFIG_DIR = os.path.join(os.path.dirname(setgrpo_verl.__file__), "hydra_configs")
+LOCAL = "+reward.reward_kwargs.grader.type=local_hf"
+SKETCH_4 = ("actor_rollout_ref.rollout.n=3", "data.train_batch_size=3", "algorithm.setgrpo.calibration.batch_size=35",
+            "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4")
+OPENAI_TYPO = "+reward.reward_kwargs.grader={type:openai,base_url:'http://127.0.0.1:9/v1',model:m,max_token:2048}"
+
+
+def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job"):
+    """verl's `main_ppo --cfg job` in this process (composition only: no callback, no Ray)."""
+    old = sys.argv
+    path = ["--config-path", CONFIG_DIR] if config == "setgrpo_trainer" else []  # ppo_trainer: main_ppo's own
+    sys.argv = ["main_ppo", *path, "--config-name", config, *overrides, "--cfg", cfg]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            main_ppo.main()
+    except SystemExit as exc:
+        assert not exc.code, exc.code
+    finally:
+        sys.argv = old
+    return OmegaConf.create(out.getvalue())
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ((OPENAI_TYPO,), "reward.reward_kwargs.grader: unknown keys for a openai grader: ['max_token']"),
+    ((LOCAL, "+reward.reward_kwargs.grader.temprature=0.5"), "unknown keys for a local_hf grader: ['temprature']"),
+    ((LOCAL, "algorithm.setgrpo.rho=0"), "algorithm.setgrpo.rho=0.0 must be > 0"),
+    ((LOCAL, "algorithm.setgrpo.tau_grid=[0.5,0.2]"), "algorithm.setgrpo.tau_grid=[0.5, 0.2] must be non-empty, "
+                                                       "strictly increasing and strictly inside (-1, 1)"),
+    ((LOCAL, "algorithm.setgrpo.tau_grid=[0.0,1.0]"), "strictly inside (-1, 1)"),
+    ((LOCAL, "algorithm.setgrpo.recovery_grid=0"), "algorithm.setgrpo.recovery_grid=0 must be an integer >= 1"),
+    ((LOCAL, "+reward.reward_kwargs.reference_score_key=r2"), "the reference-score key is set once, as "
+                                                              "algorithm.setgrpo.reference_score_key"),
+    ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1"),
+     "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 9 responses that each of the 1 actor "
+     "rank(s) gets in a training step (data.train_batch_size=3)"),
+    ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1", "algorithm.setgrpo.calibration.only=true"),
+     "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 105 responses that each of the 1 actor "
+     "rank(s) gets in a calibration batch (algorithm.setgrpo.calibration.batch_size=35)"),
+    ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1", "algorithm.setgrpo.calibration.only=true",
+      "algorithm.setgrpo.calibration.batch_size=36", "algorithm.setgrpo.calibration.num_prompts=50"),
+     "does not divide the 42 responses that each of the 1 actor rank(s) gets in the last calibration batch"),
+])
+def test_check_before_ray_refuses(overrides, message):
+    """Each of these passed the pre-Ray check and failed later, after Ray and the models had started."""
+    cfg = _compose(*overrides)
+    with pytest.raises(ValueError) as exc:
+        check_run_config(cfg)
+    assert message in str(exc.value), str(exc.value)
+
+
+def test_rho_zero_is_admissible_for_dr_grpo():
+    cfg = _compose(LOCAL, "algorithm.setgrpo.rho=0", "algorithm.norm_adv_by_std_in_grpo=false")
+    setgrpo = check_run_config(cfg)
+    assert setgrpo.calibration_settings(norm_by_std=False) == CalibrationSettings(rho=0.0, norm_by_std=False)
+
+
+def test_reference_score_key_has_one_source():
+    """The reward manager writes r' under the key the trainer reads: algorithm.setgrpo.reference_score_key."""
+    from setgrpo_verl.integration.reward_config import reference_score_key
+
+    cfg = _compose(LOCAL, "algorithm.setgrpo.reference_score_key=r_prime")
+    assert check_run_config(cfg).reference_score_key == reference_score_key(cfg) == "r_prime"
+    assert reference_score_key(_compose(LOCAL, config="ppo_trainer")) == "reference_score"
+
+
+def test_grpo_stage_runs_the_same_check_before_ray():
+    """verl's stock ppo_trainer has no callback: the GRPO stage adds ours, so a grader typo stops it before Ray."""
+    overrides = [o for o in launch.stage_overrides("grpo", "/tmp/run") if o.startswith("+hydra.")]
+    hydra = _compose(*overrides, config="ppo_trainer", cfg="hydra")
+    assert hydra.hydra.callbacks.setgrpo_check._target_ == "setgrpo_verl.integration.config.SetGRPOConfigCheck"
+    cfg = _compose(OPENAI_TYPO, "reward.reward_manager.name=setgrpo_dual", config="ppo_trainer")
+    with pytest.raises(ValueError, match=r"unknown keys for a openai grader: \['max_token'\]"):
+        check_run_config(cfg)
+
+
+def test_sketch_micro_batch_arithmetic():
+    fits = dict(k=3, ranks=1, micro=3, source="m")
+    assert sketch_micro_batch_error(prompts={"a step": 4, "a calibration batch": 12}, **fits) is None
+    text = sketch_micro_batch_error(prompts={"a step": 3, "the last calibration batch": 5}, k=3, ranks=1, micro=4,
+                                    source="m")
+    assert text.startswith("m=4 does not divide the 9 responses") and "e.g. 3" in text
+    # two ranks: 4 prompts x 3 = 12 responses, 6 per rank; micro 4 does not divide 6, micro 3 does
+    assert "6 responses" in sketch_micro_batch_error(prompts={"a step": 4}, k=3, ranks=2, micro=4, source="m")
+    assert sketch_micro_batch_error(prompts={"a step": 4}, k=3, ranks=2, micro=3, source="m") is None
