@@ -363,14 +363,44 @@ def _last_error(lines: Sequence[str]) -> str:
     return next((t.strip()[-400:] for t in reversed(lines) if t.strip()), "no output")
 
 
-def _requested_levels(values: Mapping[str, Any]) -> tuple[float, float, float, Sequence[float]]:
-    """``(alpha, beta, delta, tau_grid)`` of ``values`` (``algorithm.setgrpo.*``), schema defaults where missing."""
-    from .core import DEFAULT_TAU_GRID
-    from .integration.config import SetGRPOConfig
+#: The command-line flag (or key) of each field of :class:`setgrpo_verl.core.CalibrationSettings`.
+_SETTING_FLAGS = {"alpha": "--alpha", "beta": "--beta", "delta": "--delta", "tau_grid": "--tau-grid", "rho": "--rho",
+                  "ablation": "--ablation", "fixed_tau": "--fixed-tau", "on_infeasible": "--on-infeasible",
+                  "grid_size": "algorithm.setgrpo.recovery_grid", "norm_by_std": "algorithm.norm_adv_by_std_in_grpo"}
 
-    alpha, beta, delta = (float(values.get(f"algorithm.setgrpo.{k}", getattr(SetGRPOConfig, k)))
-                          for k in ("alpha", "beta", "delta"))
-    return alpha, beta, delta, values.get("algorithm.setgrpo.tau_grid") or DEFAULT_TAU_GRID
+
+def requested_settings(values: Mapping[str, Any]) -> Any:
+    """The :class:`setgrpo_verl.core.CalibrationSettings` of ``values`` (``algorithm.setgrpo.*``, schema defaults
+    where missing): the same validation as the run's check before Ray and as ``calibrate``.
+
+    Raises:
+        LaunchError: naming the flag and the admissible range.
+    """
+    from .core import CalibrationSettings
+    from .integration.config import SetGRPOCalibrationConfig, SetGRPOConfig
+
+    def get(key: str, default: Any) -> Any:
+        return values.get(f"algorithm.setgrpo.{key}", default)
+
+    grid = get("tau_grid", None)
+    try:
+        return CalibrationSettings(
+            alpha=get("alpha", SetGRPOConfig.alpha), beta=get("beta", SetGRPOConfig.beta),
+            delta=get("delta", SetGRPOConfig.delta), tau_grid=CalibrationSettings.tau_grid if grid is None else grid,
+            rho=get("rho", SetGRPOConfig.rho), grid_size=get("recovery_grid", SetGRPOConfig.recovery_grid),
+            ablation=get("ablation", None), fixed_tau=get("fixed_tau", None),
+            norm_by_std=bool(values.get("algorithm.norm_adv_by_std_in_grpo", True)),
+            on_infeasible=get("calibration.on_infeasible", SetGRPOCalibrationConfig.on_infeasible),
+        )
+    except ValueError as exc:
+        field = str(exc).split("=", 1)[0]
+        raise LaunchError(f"{_SETTING_FLAGS.get(field, field)}: {exc}") from None
+
+
+def _requested_levels(values: Mapping[str, Any]) -> tuple[float, float, float, Sequence[float]]:
+    """``(alpha, beta, delta, tau_grid)`` of :func:`requested_settings`."""
+    settings = requested_settings(values)
+    return settings.alpha, settings.beta, settings.delta, settings.tau_grid
 
 
 def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -92,21 +93,28 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False) -> str:
     Raises:
         ReportError: no record at ``path`` or the record does not validate (edited, wrong schema).
     """
-    from .core import CalibrationRecord
+    from .core import CalibrationRecord, RecordVersionWarning
 
     p = _record_path(path)
     try:
-        rec = CalibrationRecord.from_json(p)
+        with warnings.catch_warnings():  # the version warning is printed once, below
+            warnings.simplefilter("ignore", RecordVersionWarning)
+            rec = CalibrationRecord.from_json(p)
     except ValueError as exc:
         raise ReportError(str(exc)) from None
     label = policy_label(rec)
+    versions = "  ".join(f"{k} {v}" for k, v in rec.package_versions.items()) or "not recorded"
     lines = [format_table4(rec, label), "",
              f"alpha={rec.alpha}  beta={rec.beta}  delta={rec.delta}  rho={rec.rho}  K={rec.K}  "
              f"norm_by_std={rec.norm_by_std}  loss_agg_mode={rec.loss_agg_mode}  ablation={rec.ablation}",
              f"UCB at tau_sel={rec.ucb_sel:.4f} (<= beta={rec.beta})  coverage on risk groups="
              f"{rec.coverage_risk_set:.3f} (target >= {1 - rec.alpha:.2f})  degenerate groups dropped="
              f"{rec.n_degenerate}",
-             f"grader: {rec.grader}", f"policy: {rec.policy}", f"created {rec.created_at}, file {p}"]
+             f"grader: {rec.grader}", f"policy: {rec.policy}", f"created {rec.created_at}, file {p}",
+             f"written by: {versions}; {len(rec.calibration_prompts)} calibration prompts recorded"]
+    mismatch = rec.version_mismatch()
+    if mismatch:
+        lines.append(f"warning: {mismatch}")
     if thresholds:
         lines += ["", f"{'tau':>6} {'N_j':>5} {'F_j':>5} {'UCB_j':>8} {'U_j':>7}"]
         for t, nj, fj, u, uu in zip(rec.tau_grid, rec.n_accepted, rec.n_reversals, rec.ucb, rec.utility):

@@ -18,14 +18,23 @@ from ._api import STATUSES, OnlineRiskMonitor, SetGRPOResult, calibrate, setgrpo
 from ._ggsr import path_point, projections, recovery_ratios, safe_anchor
 from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients, grpo_jacobian
 from ._jrsc import CoefficientSets, conformal_radius, min_calibration_groups, nonconformity_scores, set_shape
-from ._record import SCHEMA_VERSION, CalibrationRecord
+from ._record import (
+    SCHEMA_VERSION,
+    CalibrationRecord,
+    RecordVersionWarning,
+    package_versions,
+    prompt_fingerprint,
+    question_key,
+)
 from ._settings import ABLATIONS, ON_INFEASIBLE, CalibrationSettings
 from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, select_threshold
 
 __all__ = [
     "ABLATIONS", "DEFAULT_TAU_GRID", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",
-    "CalibrationRecord", "CalibrationSettings", "CoefficientSets", "OnlineRiskMonitor", "SetGRPOResult",
+    "CalibrationRecord", "CalibrationSettings", "CoefficientSets", "OnlineRiskMonitor", "RecordVersionWarning",
+    "SetGRPOResult",
     "calibrate", "clopper_pearson_upper", "conformal_radius", "degenerate_groups", "grpo_coefficients",
-    "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "path_point", "projections",
-    "recovery_ratios", "safe_anchor", "select_threshold", "set_shape", "setgrpo_coefficients",
+    "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "package_versions", "path_point",
+    "projections", "prompt_fingerprint", "question_key", "recovery_ratios", "safe_anchor", "select_threshold", "set_shape",
+    "setgrpo_coefficients",
 ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import math
 import time
@@ -24,14 +23,14 @@ from ._jrsc import (
     nonconformity_scores,
     set_shape,
 )
-from ._record import CalibrationRecord
+from ._record import CalibrationRecord, package_versions
 from ._settings import ABLATIONS, CalibrationSettings
 from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, select_threshold
 
 logger = logging.getLogger(__name__)
 
 STATUSES = ("accepted", "infeasible", "null_anchor", "degenerate", "discarded")
-_METADATA_KEYS = ("loss_agg_mode", "sketch", "grader", "policy")
+_METADATA_KEYS = ("loss_agg_mode", "sketch", "grader", "policy", "calibration_prompts")
 
 
 @dataclass(frozen=True)
@@ -63,16 +62,6 @@ def _geometry(point: torch.Tensor, gram: torch.Tensor, *, q: float, rho: float, 
 def _check_ablation(ablation: str | None) -> None:
     if ablation is not None and ablation not in ABLATIONS:
         raise ValueError(f"ablation must be None or one of {ABLATIONS}, got {ablation!r}")
-
-
-def _package_versions() -> dict[str, str]:
-    out = {}
-    for name in ("setgrpo-verl", "torch", "scipy", "verl"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 def calibrate(
@@ -128,7 +117,8 @@ def calibrate(
         fixed_tau: the threshold of the ``fixed_threshold`` ablation (added to the grid if absent).
         on_infeasible: ``"error"`` (default) or ``"reject_all"`` when no threshold is risk-feasible.
         metadata: optional dict with keys ``loss_agg_mode`` (str), ``sketch``, ``grader``, ``policy``
-            (dicts) stored in the record for later compatibility checks.
+            (dicts) stored in the record for later compatibility checks, and ``calibration_prompts``
+            (one :func:`prompt_fingerprint` per calibration prompt: what the record was calibrated on).
         degenerate_rtol: relative tolerance of the degeneracy test (stored in the record; training
             applies the same value, so a group is degenerate in both phases or in neither).
 
@@ -209,8 +199,9 @@ def calibrate(
         split_seed=int(split_seed), grid_size=int(grid_size), ablation=ablation, on_infeasible=on_infeasible,
         loss_agg_mode=str(metadata.get("loss_agg_mode", "token-mean")), sketch=dict(metadata.get("sketch", {})),
         grader=dict(metadata.get("grader", {})), policy=dict(metadata.get("policy", {})),
-        package_versions=_package_versions(), created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        package_versions=package_versions(), created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         degenerate_rtol=float(degenerate_rtol),
+        calibration_prompts=tuple(dict(p) for p in metadata.get("calibration_prompts", ())),
     )
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +18,55 @@ from ._grpo import DEGENERATE_RTOL
 from ._settings import ABLATIONS, ON_INFEASIBLE
 from ._srgo import select_threshold
 
-#: Version 2 added ``degenerate_rtol`` (the degeneracy tolerance that calibration used and training applies).
-SCHEMA_VERSION = 2
+#: Version 2 added ``degenerate_rtol`` (the degeneracy tolerance that calibration used and training applies);
+#: version 3 added ``calibration_prompts`` (what the record was calibrated on).
+SCHEMA_VERSION = 3
 _HASH_KEY = "content_sha256"
+_PROMPT_KEYS = ("id", "question_sha256", "rubric_sha256")
+#: Packages whose major.minor a record is compared against when it is read (others are informative only).
+_VERSIONED = ("setgrpo-verl", "verl")
+_RECORDED = ("setgrpo-verl", "torch", "scipy", "verl")
+
+
+class RecordVersionWarning(UserWarning):
+    """A record written by another major.minor version of setgrpo-verl or verl (read, but worth a look)."""
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions of setgrpo-verl, torch, scipy and verl (``{name: version}``, missing ones left out)."""
+    out = {}
+    for name in _RECORDED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(str(version).split("+")[0].split(".")[:2])
+
+
+def question_key(question: str) -> str:
+    """A question's text as prompts are compared: whitespace runs collapsed to one space, case folded."""
+    return " ".join(str(question).split()).casefold()
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def prompt_fingerprint(prompt_id: Any, question: str, rubric: Any) -> dict[str, str]:
+    """``{"id", "question_sha256", "rubric_sha256"}`` of one calibration prompt (docs/record.md#fields).
+
+    Args:
+        prompt_id: the prompt's id (stored as a string).
+        question: its question text; hashed after :func:`question_key`, so that a training row with the same
+            question up to whitespace and case is recognised.
+        rubric: its rubric (any JSON value, e.g. the list of criteria); hashed as canonical JSON.
+    """
+    body = json.dumps(rubric, sort_keys=True, ensure_ascii=True, default=str)
+    return {"id": str(prompt_id), "question_sha256": _sha256(question_key(question)), "rubric_sha256": _sha256(body)}
 
 
 @dataclass(frozen=True)
@@ -37,6 +85,9 @@ class CalibrationRecord:
     applies the same value, so a group's status never changes between the phases.
     ``tau_sel`` is None only when calibration found no risk-feasible threshold and the user chose
     ``on_infeasible="reject_all"``: such a record rejects every group.
+    ``calibration_prompts`` names what the record was calibrated on: one :func:`prompt_fingerprint`
+    (id, question hash, rubric hash) per calibration prompt, empty when the caller gave none;
+    :meth:`check_disjoint` refuses training prompts among them.
 
     The paper's Table 4 columns are the properties ``N``, ``F``, ``ecr`` and ``U`` together with
     ``n_cov``, ``n_risk``, ``q_alpha`` and ``tau_sel`` (see :meth:`table4_row`).
@@ -71,6 +122,7 @@ class CalibrationRecord:
     package_versions: dict = field(default_factory=dict)
     created_at: str = ""
     degenerate_rtol: float = DEGENERATE_RTOL
+    calibration_prompts: tuple = ()
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -143,6 +195,50 @@ class CalibrationRecord:
                     "recalibrate for this setting or run with the record's value"
                 )
 
+    def check_disjoint(self, prompts: Any, *, source: str = "the training data") -> None:
+        """Refuse training prompts that the record was calibrated on (docs/record.md#compatibility-with-a-run).
+
+        Args:
+            prompts: iterable of ``(id, question)`` pairs of the training prompts (id may be None).
+            source: where they come from, for the message (e.g. a file name).
+
+        Raises:
+            ValueError: naming the first calibration prompt found in ``prompts`` (by id or by question text), how
+                many there are, and the fix.
+        """
+        if not self.calibration_prompts:
+            return
+        ids = {p["id"]: p for p in self.calibration_prompts}
+        questions = {p["question_sha256"]: p for p in self.calibration_prompts}
+        found = []
+        for prompt_id, question in prompts:
+            by_id = ids.get(str(prompt_id)) if prompt_id is not None else None
+            by_text = questions.get(_sha256(question_key(question))) if question is not None else None
+            if by_id is not None or by_text is not None:
+                found.append((prompt_id, question, "id" if by_id is not None else "question text",
+                              (by_id or by_text)["id"]))
+        if found:
+            prompt_id, question, how, cal_id = found[0]
+            text = " ".join(str(question).split())
+            raise ValueError(
+                f"{source} contains {len(found)} prompt(s) this record was calibrated on, the first {prompt_id!r} "
+                f"(same {how} as calibration prompt {cal_id!r}: {text[:80]!r}); calibration prompts must stay out "
+                "of training (their groups certify the guarantees for fresh prompts): remove them from the "
+                "training data or recalibrate on disjoint prompts"
+            )
+
+    def version_mismatch(self, installed: dict[str, str] | None = None) -> str | None:
+        """Why this record comes from another major.minor of setgrpo-verl or verl than ``installed`` (default: the
+        installed packages), naming both versions; None when they agree or a version is unknown."""
+        installed = package_versions() if installed is None else installed
+        diffs = [f"{name} {self.package_versions[name]} (installed {installed[name]})" for name in _VERSIONED
+                 if name in self.package_versions and name in installed
+                 and _major_minor(self.package_versions[name]) != _major_minor(installed[name])]
+        if not diffs:
+            return None
+        return (f"calibration record written by {', '.join(diffs)}: its math and run identity are checked, but "
+                "the calibration may differ from what this version would compute; recalibrate to be sure")
+
     # ----------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict: all fields, the Table 4 summary, and a content hash."""
@@ -164,10 +260,16 @@ class CalibrationRecord:
     def from_dict(cls, data: dict[str, Any]) -> CalibrationRecord:
         """Rebuild and validate a record from :meth:`to_dict` output.
 
+        Warns:
+            RecordVersionWarning: the record comes from another major.minor of setgrpo-verl or verl
+                (:meth:`version_mismatch`).
+
         Raises:
             ValueError: unknown schema version, missing/unknown fields, a content hash that does not
                 match (the file was edited), or values that violate the record's invariants.
         """
+        if not isinstance(data, dict):
+            raise ValueError(f"a calibration record is a JSON object, got a JSON {type(data).__name__}")
         data = dict(data)
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(
@@ -185,11 +287,14 @@ class CalibrationRecord:
         missing, unknown = names - set(data), set(data) - names
         if missing or unknown:
             raise ValueError(f"calibration record fields wrong: missing {sorted(missing)}, unknown {sorted(unknown)}")
-        for key in ("tau_grid", "n_accepted", "n_reversals", "ucb", "utility"):
+        for key in ("tau_grid", "n_accepted", "n_reversals", "ucb", "utility", "calibration_prompts"):
             data[key] = tuple(data[key])
         record = cls(**data)
         if summary is not None and (summary.get("N"), summary.get("F")) != (record.N, record.F):
             raise ValueError("calibration record summary (N, F) disagrees with its per-threshold counts")
+        mismatch = record.version_mismatch()
+        if mismatch:
+            warnings.warn(mismatch, RecordVersionWarning, stacklevel=2)
         return record
 
     @classmethod
@@ -241,6 +346,9 @@ def _validate(r: CalibrationRecord) -> None:
         fail(f"ablation={r.ablation!r} is not one of {ABLATIONS}")
     if r.on_infeasible not in ON_INFEASIBLE:
         fail(f"on_infeasible={r.on_infeasible!r} must be one of {ON_INFEASIBLE}")
+    if any(not isinstance(p, dict) or set(p) != set(_PROMPT_KEYS) or not all(isinstance(p[k], str) for k in p)
+           for p in r.calibration_prompts):
+        fail(f"calibration_prompts must be {{{', '.join(_PROMPT_KEYS)}}} string mappings (prompt_fingerprint)")
     if r.tau_sel is not None and r.tau_sel not in r.tau_grid:
         fail(f"tau_sel={r.tau_sel} is not on tau_grid")
     if r.ablation == "fixed_threshold":

@@ -7,7 +7,10 @@
   sketches every step, SetGRPO advantages, diagnostics and the online monitor.
 * :mod:`.worker` -- the actor worker with the ``compute_sketches`` RPC.
 * :mod:`.reward_manager` -- the dual-reward manager ``setgrpo_dual``.
-* :mod:`.config` -- typed ``algorithm.setgrpo`` config (``hydra_configs/setgrpo_trainer.yaml``).
+* :mod:`.config` -- typed ``algorithm.setgrpo`` config (``hydra_configs/setgrpo_trainer.yaml``) and the pre-Ray
+  check of a run.
+* :mod:`.reward_config` -- the grader and reference-score key as the reward worker and the check read them.
+* :mod:`.prompts` -- which prompt a verl row is (the record's calibration prompts, the overlap check).
 
 ``import verl`` comes first so that verl's own initialisation (which loads this package's plugin) completes
 before any submodule body runs, whichever submodule a program imports first.

@@ -21,6 +21,7 @@ from verl.trainer.config.algorithm import AlgoConfig
 from setgrpo_verl.core import ABLATIONS, DEFAULT_TAU_GRID, CalibrationRecord, CalibrationSettings
 from setgrpo_verl.sketch import SketchConfig
 
+from .prompts import read_prompt_identities
 from .reward_config import REWARD_MANAGER_NAME, TRUTH_SCORE_KEY, grader_identity, reference_score_key
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
@@ -31,7 +32,8 @@ TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 
 __all__ = [
     "ABLATIONS", "SETGRPO_NAME", "TRAINER_MODE_OVERRIDE", "TRUTH_SCORE_KEY", "SetGRPOAlgoConfig", "SetGRPOConfig",
-    "SetGRPOConfigCheck", "check_record", "check_run_config", "check_sketch_micro_batch", "field_doc",
+    "SetGRPOConfigCheck", "check_record", "check_run_config", "check_sketch_micro_batch", "check_training_data",
+    "field_doc",
     "render_yaml", "run_identity", "setgrpo_config_from", "sketch_micro_batch_error",
 ]
 
@@ -434,7 +436,8 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             :class:`setgrpo_verl.core.CalibrationSettings` validates them for ``calibrate``), a fixed sketch
             micro-batch that does not divide a rank's batch (:func:`check_sketch_micro_batch`), or an
             ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run
-            (:func:`check_record`).
+            (:func:`check_record`), or training data holding one of its calibration prompts
+            (:func:`check_training_data`).
     """
     estimator = config.algorithm.adv_estimator
     trainer_mode = config.trainer.v1.trainer_mode
@@ -463,8 +466,29 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
         if not os.path.isfile(path):
             raise ValueError(f"algorithm.setgrpo.record_path={setgrpo.record_path}: no such file; pass the record a "
                              "calibration run wrote, or null to calibrate first")
-        check_record(CalibrationRecord.from_json(path), config, setgrpo)
+        record = CalibrationRecord.from_json(path)
+        check_record(record, config, setgrpo)
+        if not setgrpo.calibration.only:
+            prompt_key = str(config.data.get("prompt_key", "prompt"))
+            check_training_data(record, config.data.train_files, prompt_key=prompt_key)
     return setgrpo
+
+
+def check_training_data(record: CalibrationRecord, train_files: Any, *, prompt_key: str = "prompt") -> None:
+    """Refuse training files that contain a prompt the record was calibrated on, by id or by question text
+    (docs/record.md#compatibility-with-a-run).
+
+    Args:
+        record: the calibration record.
+        train_files: ``data.train_files`` (a parquet path or a list of them).
+        prompt_key: verl's ``data.prompt_key``.
+
+    Raises:
+        ValueError: naming the file(s), the first overlapping prompt and how many there are.
+    """
+    files = [train_files] if isinstance(train_files, (str, os.PathLike)) else list(train_files)
+    record.check_disjoint(read_prompt_identities(files, prompt_key=prompt_key),
+                          source=f"data.train_files ({', '.join(str(f) for f in files)})")
 
 
 class SetGRPOConfigCheck(Callback):

@@ -52,11 +52,12 @@ from verl.utils.debug import marked_timer
 from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
 
-from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor, calibrate
+from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor, calibrate, prompt_fingerprint
 from setgrpo_verl.sketch import SketchConfig
 
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
+from .prompts import prompt_identity
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
 
 logger = logging.getLogger(__name__)
@@ -323,6 +324,10 @@ class SetGRPOTrainer(PPOTrainerSync):
             collate_fn=collate_fn,
         )
         for batch_dict in loader:
+            # what the record is calibrated on: one fingerprint per calibration prompt, in rollout order
+            self._calibration_prompts += [prompt_fingerprint(*prompt_identity(rm, info, raw)) for rm, info, raw in
+                                          zip(batch_dict["reward_model"], batch_dict["extra_info"],
+                                              batch_dict["raw_prompt"])]
             batch_dict["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch_dict["raw_prompt"]))], dtype=object)
             batch = tu.get_tensordict(batch_dict)
             tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
@@ -332,6 +337,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         """Calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): rollouts of the initial policy, two scorings, sketches."""
         cfg, key = self.setgrpo, self.setgrpo.reference_score_key
         points, refs, grams, truths = [], [], [], []
+        self._calibration_prompts: list[dict] = []
         t0 = time.perf_counter()
         for i, prompts in enumerate(self._calibration_batches()):
             if i > 0:  # wake the rollout replicas again (weights unchanged: no update happens during calibration)
@@ -370,7 +376,7 @@ class SetGRPOTrainer(PPOTrainerSync):
             paired["gram"],
             **settings.as_kwargs(),
             split_seed=cfg.calibration.split_seed,
-            metadata=self._run_identity(),
+            metadata={**self._run_identity(), "calibration_prompts": self._calibration_prompts},
         )
         out = self._record_out()
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -1,0 +1,95 @@
+"""Prompt identity of verl RL rows: which prompt a row is, for the record and the calibration/training overlap check.
+
+A leaf module (no verl import). A row's identity is ``(id, question, rubric)``: from the rubric that our converters
+put in ``reward_model.ground_truth`` (a RubricHub row as JSON, docs/verl_integration.md), else from
+``extra_info.id`` and the last user turn of the prompt. The positional ``extra_info.index`` is never an id (it
+restarts at 0 in every split). :func:`setgrpo_verl.core.prompt_fingerprint` turns an identity into the record's
+entry (docs/record.md#fields).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = ["prompt_identity", "read_prompt_identities"]
+
+
+def _as_mapping(value: Any) -> Mapping | None:
+    if isinstance(value, Mapping):
+        return value
+    if isinstance(value, (str, bytes)):
+        text = value.strip()
+        if text[:1] in ("{", b"{"):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return None
+            return value if isinstance(value, Mapping) else None
+    return None
+
+
+def _last_user_turn(prompt: Any) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        turns = list(prompt)
+    except TypeError:
+        return None
+    for turn in reversed(turns):
+        if isinstance(turn, Mapping) and turn.get("role") == "user":
+            return str(turn.get("content"))
+    return None
+
+
+def prompt_identity(reward_model: Any, extra_info: Any, prompt: Any) -> tuple[str | None, str | None, Any]:
+    """``(id, question, rubric)`` of one verl RL row (its ``reward_model``, ``extra_info`` and ``prompt`` columns).
+
+    ``id``: ``extra_info.id``, else the rubric row's ``id``, else None. ``question``: the rubric row's
+    ``question``, else the last user turn of ``prompt``. ``rubric``: the rubric row's ``rubrics`` list, else the
+    raw ground truth.
+    """
+    reward_model = reward_model if isinstance(reward_model, Mapping) else {}
+    extra_info = extra_info if isinstance(extra_info, Mapping) else {}
+    truth = reward_model.get("ground_truth")
+    row = _as_mapping(truth)
+    rubric_row = row is not None and "rubrics" in row
+    prompt_id = extra_info.get("id")
+    if prompt_id is None and rubric_row:
+        prompt_id = row.get("id")
+    question = row.get("question") if rubric_row else None
+    if question is None:
+        question = _last_user_turn(prompt)
+    rubric = row.get("rubrics") if rubric_row else truth
+    if hasattr(rubric, "tolist"):  # parquet lists arrive as numpy arrays
+        rubric = rubric.tolist()
+    return (None if prompt_id is None else str(prompt_id)), question, rubric
+
+
+def read_prompt_identities(files: str | os.PathLike | Sequence[str | os.PathLike], *,
+                           prompt_key: str = "prompt") -> Iterable[tuple[str | None, str | None]]:
+    """``(id, question)`` of every row of verl RL parquet file(s) (missing files are skipped: verl reports them).
+
+    Raises:
+        ValueError: a file that is not readable parquet (the message names it).
+    """
+    import pyarrow.parquet as pq
+
+    paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    for path in paths:
+        path = os.path.expanduser(os.fspath(path))
+        if not os.path.isfile(path):
+            continue
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow raises its own ArrowInvalid / OSError types
+            raise ValueError(f"{path}: not a readable parquet file of verl RL rows ({exc})") from None
+        columns = set(table.column_names)
+        n = table.num_rows
+        rm = table.column("reward_model").to_pylist() if "reward_model" in columns else [None] * n
+        ei = table.column("extra_info").to_pylist() if "extra_info" in columns else [None] * n
+        pr = table.column(prompt_key).to_pylist() if prompt_key in columns else [None] * n
+        for reward_model, extra_info, prompt in zip(rm, ei, pr):
+            prompt_id, question, _ = prompt_identity(reward_model, extra_info, prompt)
+            yield prompt_id, question
