@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import shlex
+import shutil
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["FLAGS", "PROFILES", "build_parser", "main", "overrides_from_args"]
+__all__ = ["FLAGS", "HANDLERS", "PROFILES", "build_parser", "main", "overrides_from_args"]
 
 
 def _float_list(text: str) -> list[float]:
@@ -284,8 +289,6 @@ def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 1
     Raises:
         LaunchError: the batches cannot be split evenly over ``ranks``.
     """
-    import math
-
     from .launch import LaunchError
 
     k = int(values.get("actor_rollout_ref.rollout.n", 8))
@@ -328,12 +331,28 @@ def _base_grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return grader
 
 
-def _run(args: argparse.Namespace) -> str | None:
-    from . import launch
-    from .launch import format_override
+@dataclass
+class _Plan:
+    """What every training command needs: config values, the policy model, the grader and the shared overrides."""
 
-    values = overrides_from_args(args)
-    run_dir: Path = args.run_dir
+    values: dict[str, Any]
+    model: Path
+    grader: dict[str, Any]
+    seed: int
+    common: list[str] = field(default_factory=list)
+
+
+def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _Plan:
+    """Flags -> config values (``defaults`` where neither a flag nor the profile sets a key), checked before anything
+    is read or written (levels, grid, rho, micro-batches).
+
+    Raises:
+        LaunchError: a bad flag, model directory, setting or micro-batch size.
+    """
+    from . import launch
+    from .integration.config import sketch_micro_batch_error
+
+    values = {**(defaults or {}), **overrides_from_args(args)}
     seed = int(values.get("data.seed", 1))
     if args.model is not None:
         model = Path(args.model).expanduser().resolve()
@@ -344,84 +363,207 @@ def _run(args: argparse.Namespace) -> str | None:
 
         model = embedded_model_dir()
     values["actor_rollout_ref.model.path"] = str(model)
+    launch.requested_settings(values)
     values.setdefault("actor_rollout_ref.actor.ppo_mini_batch_size", values.get("data.train_batch_size"))
     micro = _micro_batch_size(values, args.actor_ranks)
     values.setdefault("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", micro)
     values.setdefault("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", micro)
+    sketch_key = "algorithm.setgrpo.sketch.micro_batch_size_per_gpu"
+    if values.get(sketch_key) is not None:
+        k, train = int(values["actor_rollout_ref.rollout.n"]), int(values["data.train_batch_size"])
+        batches = {f"a training step (--groups-per-step {train})": train} if args.command in ("train",
+                                                                                              "quickstart") else {}
+        if args.command != "train":
+            size = int(values.get("algorithm.setgrpo.calibration.batch_size") or train)
+            prompts = int(values["algorithm.setgrpo.calibration.num_prompts"])
+            batches[f"a calibration batch (--calib-batch-size {size})"] = min(size, prompts)
+            if prompts > size and prompts % size:
+                batches[f"the last calibration batch (--calib-groups {prompts} in batches of {size})"] = prompts % size
+        error = sketch_micro_batch_error(k=k, prompts=batches, ranks=args.actor_ranks, micro=int(values[sketch_key]),
+                                         source=sketch_key)
+        if error:
+            raise launch.LaunchError(error)
     grader = _grader(args, seed)
-    if args.command == "validate":
-        _check_validate(args, values)
-        if args.analysis_only:
-            return _analyse(args, values)
-        # the stage's own record is not what validate measures: each split calibrates again (reject_all there too)
-        values.setdefault("algorithm.setgrpo.calibration.on_infeasible", "reject_all")
-    common = [format_override(k, v) for k, v in values.items() if v is not None]
-    common += launch.cpu_overrides(args.actor_ranks) + [format_override("+reward.reward_kwargs.grader", grader)]
+    common = [launch.format_override(k, v) for k, v in values.items() if v is not None]
+    common += launch.cpu_overrides(args.actor_ranks) + [launch.format_override("+reward.reward_kwargs.grader", grader)]
     common += ["reward.reward_manager.name=setgrpo_dual"]
+    return _Plan(values=values, model=model, grader=grader, seed=seed, common=common)
 
-    stages: list[str]
-    if args.command in ("calibrate", "validate"):
-        stages = ["calibrate"]
-    elif args.command == "train":
-        stages = ["train" if args.estimator == "setgrpo" else "grpo"]
-    else:
-        stages = ["calibrate_train"] + (["grpo"] if args.baseline else [])
-    record = (args.record if args.command == "train" and args.record is not None
-              else run_dir / launch.STAGES["calibrate"] / "record.json")
+
+def _commands(args: argparse.Namespace, plan: _Plan, stages: list[str], record: Path) -> list[tuple[str, list[str]]]:
+    """The verl command line of each stage."""
+    from . import launch
 
     commands = []
     for stage in stages:
-        overrides = common + launch.stage_overrides(stage, run_dir, record=record) + list(args.overrides)
+        overrides = plan.common + launch.stage_overrides(stage, args.run_dir, record=record) + list(args.overrides)
         config = "ppo_trainer" if stage == "grpo" else "setgrpo_trainer"
         if stage == "grpo":  # verl's stock config has no algorithm.setgrpo block
             overrides = [o for o in overrides if not o.startswith("algorithm.setgrpo")]
         commands.append((stage, launch.main_ppo_command(overrides, config_name=config)))
-    if args.dry_run:
-        import shlex
+    return commands
 
-        return "\n".join(" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands)
 
-    if args.command == "validate":
-        if (run_dir / "validation").exists() and not args.overwrite:
-            raise launch.LaunchError(f"{run_dir / 'validation'} already exists; pass --overwrite to replace it")
-        warning = launch.check_validation_size(values, args.holdout_fraction)
-        if warning:
-            print(f"[setgrpo-verl] warning: {warning}", flush=True)
-    elif args.command != "train":
-        launch.check_calibration_size(values)
-    if args.command == "train":
-        calibration = run_dir / launch.STAGES["calibrate"]
-        if args.record is None and not (calibration / launch.COMPLETE).is_file():
-            raise launch.LaunchError(f"{calibration} is incomplete (no {launch.COMPLETE} marker): rerun `setgrpo-verl "
-                                     f"calibrate --run-dir {run_dir} --overwrite` or pass --record")
-    split = None
-    if args.command != "train":  # validate every row before anything else runs
-        split = launch.split_data(data=args.data, model_path=model,
-                                  max_prompt_length=int(values["data.max_prompt_length"]),
-                                  calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
-                                  seed=seed, rules_only=args.judge == "rules")
-    if args.judge == "openai":
-        launch.probe_judge(grader)
-    if split is not None:
-        launch.write_data(run_dir, split)
-        print(f"[setgrpo-verl] data: {len(split['calibration'])} calibration and {len(split['train'])} training "
-              f"prompts from {split['source']}", flush=True)
-    elif not (run_dir / "data" / "train.parquet").is_file():
-        raise launch.LaunchError(f"{run_dir}/data/train.parquet is missing: run `setgrpo-verl calibrate --run-dir "
-                                 f"{run_dir}` first (it writes the data split and the record)")
-    if "train" in stages and args.command == "train" and not Path(record).is_file():
-        raise launch.LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
-                                 f"{run_dir}` first or pass --record")
+def _dry_run(commands: list[tuple[str, list[str]]]) -> str:
+    return "\n".join(" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands)
+
+
+def _split(args: argparse.Namespace, plan: _Plan, stages: list[str]) -> dict[str, Any] | None:
+    """Check every stage directory and split the data (nothing written); None when the run's split is kept as is.
+
+    Raises:
+        LaunchError: an existing stage directory or another existing split without --overwrite, or bad data.
+    """
+    from . import launch
+
+    launch.check_stage_dirs(args.run_dir, stages, overwrite=args.overwrite)
+    values = plan.values
+    split = launch.split_data(data=args.data, model_path=plan.model,
+                              max_prompt_length=int(values["data.max_prompt_length"]),
+                              calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
+                              seed=plan.seed, rules_only=args.judge == "rules")
+    return split if launch.check_data_split(args.run_dir, split, overwrite=args.overwrite) else None
+
+
+def _write_split(args: argparse.Namespace, split: dict[str, Any] | None) -> None:
+    from . import launch
+
+    if split is None:
+        print(f"[setgrpo-verl] data: {args.run_dir / 'data'} already holds this split; kept", flush=True)
+        return
+    launch.write_data(args.run_dir, split)
+    print(f"[setgrpo-verl] data: {len(split['calibration'])} calibration and {len(split['train'])} training prompts "
+          f"from {split['source']}", flush=True)
+    if split["duplicates"]:
+        print(f"[setgrpo-verl] data: removed {split['duplicates']} duplicate prompts (same id or same question text)",
+              flush=True)
+
+
+def _run_stages(args: argparse.Namespace, plan: _Plan, commands: list[tuple[str, list[str]]]) -> None:
+    from . import launch
+
     env = launch.cpu_environment()
     for stage, cmd in commands:
-        launch.run_stage(run_dir, stage, cmd, env=env, overwrite=args.overwrite)
-    if args.command == "quickstart":
-        from .report import make_report
+        launch.run_stage(args.run_dir, stage, cmd, env=env, overwrite=args.overwrite)
 
-        return make_report(run_dir)
-    if args.command == "validate":
-        return _analyse(args, values)
+
+def _cmd_calibrate(args: argparse.Namespace) -> str | None:
+    """``calibrate``: split the data, then the calibration stage (the frozen record)."""
+    from . import launch
+
+    plan = _plan(args)
+    commands = _commands(args, plan, ["calibrate"], args.run_dir / launch.STAGES["calibrate"] / "record.json")
+    if args.dry_run:
+        return _dry_run(commands)
+    launch.check_calibration_size(plan.values)
+    split = _split(args, plan, ["calibrate"])
+    if args.judge == "openai":
+        launch.probe_judge(plan.grader)
+    _write_split(args, split)
+    _run_stages(args, plan, commands)
     return None
+
+
+def _cmd_quickstart(args: argparse.Namespace) -> str | None:
+    """``quickstart``: calibrate and train in one verl process, the GRPO baseline, then the report."""
+    from . import launch
+
+    plan = _plan(args)
+    stages = ["calibrate_train"] + (["grpo"] if args.baseline else [])
+    commands = _commands(args, plan, stages, args.run_dir / launch.STAGES["calibrate"] / "record.json")
+    if args.dry_run:
+        return _dry_run(commands)
+    launch.check_calibration_size(plan.values)
+    split = _split(args, plan, stages)
+    if args.judge == "openai":
+        launch.probe_judge(plan.grader)
+    _write_split(args, split)
+    _run_stages(args, plan, commands)
+    from .report import make_report
+
+    return make_report(args.run_dir)
+
+
+def _cmd_train(args: argparse.Namespace) -> str | None:
+    """``train``: SetGRPO with the run's record (or ``--estimator grpo``) on the split ``calibrate`` wrote."""
+    from . import launch
+
+    plan = _plan(args)
+    run_dir = args.run_dir
+    stage = "train" if args.estimator == "setgrpo" else "grpo"
+    record = args.record if args.record is not None else run_dir / launch.STAGES["calibrate"] / "record.json"
+    commands = _commands(args, plan, [stage], record)
+    if args.dry_run:
+        return _dry_run(commands)
+    calibration = run_dir / launch.STAGES["calibrate"]
+    if args.record is None and not (calibration / launch.COMPLETE).is_file():
+        raise launch.LaunchError(f"{calibration} is incomplete (no {launch.COMPLETE} marker): rerun `setgrpo-verl "
+                                 f"calibrate --run-dir {run_dir} --overwrite` or pass --record")
+    if not (run_dir / "data" / "train.parquet").is_file():
+        raise launch.LaunchError(f"{run_dir}/data/train.parquet is missing: run `setgrpo-verl calibrate --run-dir "
+                                 f"{run_dir}` first (it writes the data split and the record)")
+    launch.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
+    if stage == "train":
+        if not Path(record).is_file():
+            raise launch.LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
+                                     f"{run_dir}` first or pass --record")
+        launch.check_training_prompts(record, run_dir)
+    launch.check_stage_dirs(run_dir, [stage], overwrite=args.overwrite)
+    if args.judge == "openai":
+        launch.probe_judge(plan.grader)
+    _run_stages(args, plan, commands)
+    return None
+
+
+def _cmd_validate(args: argparse.Namespace) -> str | None:
+    """``validate``: a calibration stage with a grader of known noise, then the held-out analysis."""
+    from . import launch
+
+    # the stage's own record is not what validate measures: each split calibrates again (reject_all there too)
+    plan = _plan(args, defaults={} if args.analysis_only else {"algorithm.setgrpo.calibration.on_infeasible":
+                                                                 "reject_all"})
+    _check_validate(args, plan.values)
+    if args.analysis_only:
+        return _analyse(args, plan.values)
+    commands = _commands(args, plan, ["calibrate"], args.run_dir / launch.STAGES["calibrate"] / "record.json")
+    if args.dry_run:
+        return _dry_run(commands)
+    if (args.run_dir / "validation").exists() and not args.overwrite:
+        raise launch.LaunchError(f"{args.run_dir / 'validation'} already exists; pass --overwrite to replace it")
+    warning = launch.check_validation_size(plan.values, args.holdout_fraction)
+    if warning:
+        print(f"[setgrpo-verl] warning: {warning}", flush=True)
+    split = _split(args, plan, ["calibrate"])
+    if args.judge == "openai":
+        launch.probe_judge(plan.grader)
+    _write_split(args, split)
+    _run_stages(args, plan, commands)
+    return _analyse(args, plan.values)
+
+
+def _cmd_report(args: argparse.Namespace) -> str:
+    """``report``: PNG plots and a text summary of a run directory."""
+    from .report import make_report
+
+    return make_report(args.run_dir)
+
+
+def _cmd_inspect_record(args: argparse.Namespace) -> str:
+    """``inspect-record``: a record as the paper's Table 4 row, its levels, identities and package versions."""
+    from .report import inspect_record
+
+    return inspect_record(args.record, thresholds=args.thresholds)
+
+
+#: The handler of each subcommand: ``handler(args) -> text to print or None``.
+HANDLERS: dict[str, Callable[[argparse.Namespace], str | None]] = {
+    "calibrate": _cmd_calibrate,
+    "train": _cmd_train,
+    "quickstart": _cmd_quickstart,
+    "validate": _cmd_validate,
+    "report": _cmd_report,
+    "inspect-record": _cmd_inspect_record,
+}
 
 
 def _check_validate(args: argparse.Namespace, values: dict[str, Any]) -> None:
@@ -440,8 +582,6 @@ def _check_validate(args: argparse.Namespace, values: dict[str, Any]) -> None:
 
 def _analyse(args: argparse.Namespace, values: dict[str, Any]) -> str:
     """The offline part of ``validate``: repeated splits of the stage's paired scores, JSON + PNG + table."""
-    import time
-
     from .core import CalibrationRecord
     from .launch import COMPLETE, STAGES, LaunchError
     from .validate import ValidationLevels, load_paired, run_validation, summary_table, write_validation
@@ -454,8 +594,6 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any]) -> str:
     if out.exists():
         if not args.overwrite and args.analysis_only:
             raise LaunchError(f"{out} already exists; pass --overwrite to replace it")
-        import shutil
-
         shutil.rmtree(out)
     record = CalibrationRecord.from_json(calibration / "record.json")
     explicit = {"alpha": args.alpha, "beta": args.beta, "delta": args.delta, "rho": args.rho,
@@ -487,17 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     from .report import ReportError
 
     try:
-        if args.command == "inspect-record":
-            from .report import inspect_record
-
-            print(inspect_record(args.record, thresholds=args.thresholds))
-            return 0
-        if args.command == "report":
-            from .report import make_report
-
-            print(make_report(args.run_dir))
-            return 0
-        text = _run(args)
+        text = HANDLERS[args.command](args)
         if text:
             print(text)
         return 0

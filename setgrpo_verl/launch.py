@@ -27,6 +27,7 @@ Run directory::
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shlex
@@ -42,9 +43,16 @@ __all__ = [
     "FAILED",
     "STAGES",
     "LaunchError",
+    "SPLIT_FILE",
+    "check_data_split",
+    "check_split_flags",
+    "check_stage_dirs",
+    "check_training_prompts",
     "cpu_overrides",
+    "existing_split",
     "format_override",
     "main_ppo_command",
+    "requested_settings",
     "split_data",
     "write_data",
     "run_stage",
@@ -189,8 +197,12 @@ def split_data(
     reuses them). Prompts whose chat-formatted length exceeds ``max_prompt_length`` tokens are dropped, as verl's
     ``data.filter_overlong_prompts`` would, but before the split so that the counts are exact.
 
+    A prompt that appears more than once (the same id, or the same question text up to whitespace and case,
+    :func:`setgrpo_verl.core.question_key`) is kept once, at its first row, so the two parts stay disjoint.
+
     Returns:
-        ``{"calibration": [rows], "train": [rows], "source": str}`` for :func:`write_data`.
+        ``{"calibration": [rows], "train": [rows], "source": str, "duplicates": int (rows removed),
+        "settings": dict (the arguments)}`` for :func:`write_data`.
 
     Raises:
         LaunchError: unreadable file, an invalid row (the message names the row, criterion and field), a criterion
@@ -200,11 +212,25 @@ def split_data(
 
     from .grading import as_rubric, rubrics_to_verl_rows
 
+    from .core import question_key
+
     rows, source = _rubric_rows(data, rules_only)
     try:
         rubrics = [as_rubric(row) for row in rows]
     except (ValueError, TypeError) as exc:
         raise LaunchError(f"{source}: {exc}; fix or remove that row") from None
+    # a prompt that appears twice (same id, or same question text) would land in both parts of the split
+    seen_ids: set[str] = set()
+    seen_questions: set[str] = set()
+    unique = []
+    for rubric in rubrics:
+        text = question_key(rubric.question)
+        if str(rubric.id) in seen_ids or text in seen_questions:
+            continue
+        seen_ids.add(str(rubric.id))
+        seen_questions.add(text)
+        unique.append(rubric)
+    duplicates, rubrics = len(rubrics) - len(unique), unique
     for rubric in rubrics:
         if not any(c.points > 0 for c in rubric.criteria):
             raise LaunchError(f"{source}: rubric row {rubric.id!r} has no criterion with positive points, so its score "
@@ -221,23 +247,134 @@ def split_data(
         if len(ids) <= max_prompt_length:
             kept.append(row)
     if len(kept) <= calibration_prompts:
-        raise LaunchError(f"{source}: {len(kept)} of {len(rows)} prompts fit in {max_prompt_length} prompt tokens, but "
-                          f"calibration needs {calibration_prompts} and training at least one more; raise "
+        raise LaunchError(f"{source}: {len(kept)} of {len(rubrics)} prompts fit in {max_prompt_length} prompt tokens, "
+                          f"but calibration needs {calibration_prompts} and training at least one more; raise "
                           "--max-prompt-length, lower --calib-groups or pass more prompts with --data")
     random.Random(seed).shuffle(kept)
     calibration, train = kept[:calibration_prompts], kept[calibration_prompts:]
     for split, part in (("calibration", calibration), ("train", train)):
         for i, row in enumerate(part):
             row["extra_info"] = {**row["extra_info"], "index": i, "split": split}
-    return {"calibration": calibration, "train": train, "source": source}
+    settings = {"data": None if data is None else str(Path(data).expanduser().resolve()),
+                "calibration_prompts": int(calibration_prompts), "seed": int(seed),
+                "max_prompt_length": int(max_prompt_length), "rules_only": bool(rules_only)}
+    return {"calibration": calibration, "train": train, "source": source, "duplicates": duplicates,
+            "settings": settings}
+
+
+#: The data split's settings file (what :func:`split_data` was called with), next to the parquet files.
+SPLIT_FILE = "split.json"
+
+
+def _split_ids(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [str(row["extra_info"]["id"]) for row in rows]
 
 
 def write_data(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> dict[str, Path]:
-    """Write :func:`split_data`'s rows as ``<run_dir>/data/{calibration,train}.parquet``; returns both paths."""
+    """Write :func:`split_data`'s rows as ``<run_dir>/data/{calibration,train}.parquet`` and its settings and prompt
+    ids as ``data/split.json``; returns the two parquet paths."""
     from .grading import write_verl_parquet
 
     out = Path(run_dir) / "data"
-    return {name: write_verl_parquet(split[name], out / f"{name}.parquet") for name in ("calibration", "train")}
+    paths = {name: write_verl_parquet(split[name], out / f"{name}.parquet") for name in ("calibration", "train")}
+    meta = {**split.get("settings", {}), "source": split["source"], "duplicates_removed": split.get("duplicates", 0),
+            "ids": {name: _split_ids(split[name]) for name in ("calibration", "train")}}
+    (out / SPLIT_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    return paths
+
+
+def existing_split(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``data/split.json`` of a run directory, or None when it has no data split.
+
+    Raises:
+        LaunchError: parquet files without a readable ``split.json`` (a run directory of an older version).
+    """
+    data = Path(run_dir) / "data"
+    if not any((data / f"{n}.parquet").exists() for n in ("calibration", "train")):
+        return None
+    try:
+        return json.loads((data / SPLIT_FILE).read_text())
+    except (OSError, ValueError):
+        raise LaunchError(f"{data} holds a data split without a readable {SPLIT_FILE}: pass --overwrite to split the "
+                          "data again, or choose another --run-dir") from None
+
+
+def check_data_split(run_dir: str | os.PathLike, split: Mapping[str, Any], *, overwrite: bool) -> bool:
+    """Whether :func:`write_data` must write ``split`` into ``run_dir``: True for a run directory without a split,
+    False when the existing split holds exactly these prompts (it stays untouched).
+
+    Raises:
+        LaunchError: without ``overwrite``, an existing split of other prompts (the message names how many
+            calibration prompts would move and the fix).
+    """
+    if overwrite:
+        return True
+    old = existing_split(run_dir)
+    if old is None:
+        return True
+    new = {name: _split_ids(split[name]) for name in ("calibration", "train")}
+    if old.get("ids") == new:
+        return False
+    moved = len(set(old.get("ids", {}).get("calibration", [])) - set(new["calibration"]))
+    raise LaunchError(f"{Path(run_dir) / 'data'} already holds another data split (from {old.get('source')}, "
+                      f"seed {old.get('seed')}, {old.get('calibration_prompts')} calibration prompts); these settings "
+                      f"would move {moved} of its calibration prompts: pass --overwrite to replace the run, or choose "
+                      "another --run-dir")
+
+
+def check_split_flags(run_dir: str | os.PathLike, *, data: str | os.PathLike | None, calib_groups: int | None) -> None:
+    """``train`` uses the split that ``calibrate`` wrote: ``--data`` / ``--calib-groups`` must name that split.
+
+    Raises:
+        LaunchError: a flag that differs from the run directory's ``data/split.json`` (both values named).
+    """
+    if data is None and calib_groups is None:
+        return
+    old = existing_split(run_dir) or {}
+    given = {"--data": (None if data is None else str(Path(data).expanduser().resolve()), old.get("data")),
+             "--calib-groups": (calib_groups, old.get("calibration_prompts"))}
+    for flag, (value, recorded) in given.items():
+        if value is not None and value != recorded:
+            raise LaunchError(f"train {flag} {value}: the run directory's data split was made with {flag} "
+                              f"{recorded} ({Path(run_dir) / 'data' / SPLIT_FILE}), and train uses that split; drop "
+                              f"{flag}, or rerun `setgrpo-verl calibrate --run-dir {run_dir} {flag} {value} "
+                              "--overwrite`")
+
+
+def check_stage_dirs(run_dir: str | os.PathLike, stages: Sequence[str], *, overwrite: bool) -> None:
+    """Refuse, before anything is written, stage directories that already exist (``--overwrite`` replaces them).
+
+    ``calibrate_train`` also writes ``calibration/``.
+
+    Raises:
+        LaunchError: the first existing stage directory, with the fix.
+    """
+    if overwrite:
+        return
+    dirs = []
+    for stage in stages:
+        dirs += [STAGES[stage]] + ([STAGES["calibrate"]] if stage == "calibrate_train" else [])
+    for name in dict.fromkeys(dirs):
+        path = Path(run_dir) / name
+        if path.exists():
+            raise LaunchError(f"{path} already exists; pass --overwrite to replace it or choose another --run-dir")
+
+
+def check_training_prompts(record: str | os.PathLike, run_dir: str | os.PathLike) -> None:
+    """Refuse a training split that holds a prompt the record was calibrated on (by id or question text).
+
+    Raises:
+        LaunchError: naming the first such prompt (:meth:`setgrpo_verl.core.CalibrationRecord.check_disjoint`), or a
+            record that does not validate.
+    """
+    from .core import CalibrationRecord
+    from .integration.prompts import read_prompt_identities
+
+    train = Path(run_dir) / "data" / "train.parquet"
+    try:
+        CalibrationRecord.from_json(record).check_disjoint(read_prompt_identities(train), source=str(train))
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def stage_overrides(stage: str, run_dir: str | os.PathLike, *, record: str | os.PathLike | None = None) -> list[str]:
