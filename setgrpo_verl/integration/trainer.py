@@ -325,9 +325,9 @@ class SetGRPOTrainer(PPOTrainerSync):
         )
         for batch_dict in loader:
             # what the record is calibrated on: one fingerprint per calibration prompt, in rollout order
-            self._calibration_prompts += [prompt_fingerprint(*prompt_identity(rm, info, raw)) for rm, info, raw in
-                                          zip(batch_dict["reward_model"], batch_dict["extra_info"],
-                                              batch_dict["raw_prompt"])]
+            n = len(batch_dict["raw_prompt"])
+            columns = [batch_dict.get(key, [None] * n) for key in ("reward_model", "extra_info", "raw_prompt")]
+            self._calibration_prompts += [prompt_fingerprint(*prompt_identity(*row)) for row in zip(*columns)]
             batch_dict["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch_dict["raw_prompt"]))], dtype=object)
             batch = tu.get_tensordict(batch_dict)
             tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)

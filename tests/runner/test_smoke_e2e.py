@@ -76,6 +76,21 @@ def test_run_directory_is_complete(smoke_run):
         assert m["actor/update_skipped"] == float(not any(g["accepted"] for g in step))
 
 
+def test_record_names_its_calibration_prompts(smoke_run):
+    """Inside verl the calibration rows' ids and rubrics reach the record: exactly data/calibration.parquet's."""
+    import pandas as pd
+
+    from setgrpo_verl.core import prompt_fingerprint
+    from setgrpo_verl.integration.prompts import prompt_identity
+
+    run, _ = smoke_run
+    rec = CalibrationRecord.from_json(run / "calibration" / "record.json")
+    rows = pd.read_parquet(run / "data" / "calibration.parquet").to_dict("records")
+    expected = [prompt_fingerprint(*prompt_identity(r["reward_model"], r["extra_info"], r["prompt"])) for r in rows]
+    assert sorted(rec.calibration_prompts, key=lambda p: p["id"]) == sorted(expected, key=lambda p: p["id"])
+    assert len({p["id"] for p in rec.calibration_prompts}) == len(rows) == 12
+
+
 def test_record_is_consistent(smoke_run):
     run, stdout = smoke_run
     rec = CalibrationRecord.from_json(run / "calibration" / "record.json")
