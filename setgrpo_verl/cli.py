@@ -371,8 +371,8 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
     sketch_key = "algorithm.setgrpo.sketch.micro_batch_size_per_gpu"
     if values.get(sketch_key) is not None:
         k, train = int(values["actor_rollout_ref.rollout.n"]), int(values["data.train_batch_size"])
-        batches = {f"a training step (--groups-per-step {train})": train} if args.command in ("train",
-                                                                                              "quickstart") else {}
+        trains = args.command == "quickstart" or (args.command == "train" and args.estimator == "setgrpo")
+        batches = {f"a training step (--groups-per-step {train})": train} if trains else {}
         if args.command != "train":
             size = int(values.get("algorithm.setgrpo.calibration.batch_size") or train)
             prompts = int(values["algorithm.setgrpo.calibration.num_prompts"])

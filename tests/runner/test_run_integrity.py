@@ -138,3 +138,21 @@ def test_training_data_holding_a_calibration_prompt_is_refused(capsys, finished)
     with pytest.raises(ValueError, match=r"first 'fresh-id' \(same question text as calibration prompt"):
         check_training_data(loaded, str(train))
     assert len(pd.read_parquet(train)) == len(split["train"]) + 1
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["calibrate", "--rho", "0"], "--rho: rho=0.0 must be > 0 (default 0.1) for the GRPO coefficient map"),
+    (["calibrate", "--tau-grid", "0.5,0.2"], "--tau-grid: tau_grid=[0.5, 0.2] must be non-empty, strictly increasing"),
+    (["calibrate", "--tau-grid", "0,1"], "strictly inside (-1, 1)"),
+    (["calibrate", "--ablation", "fixed_threshold"], "--fixed-tau: fixed_tau=None must be set exactly when"),
+    (["validate", "-K", "3", "--calib-batch-size", "35", "--groups-per-step", "3"],
+     "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 105 responses that each of the 1 actor "
+     "rank(s) gets in a calibration batch (--calib-batch-size 35)"),
+])
+def test_settings_core_would_refuse_stop_the_command_line_first(capsys, tmp_path, argv, needle):
+    """Even --dry-run stops: the command line builds the same CalibrationSettings and micro-batch check as verl's run."""
+    run = tmp_path / "run"
+    assert cli.main([*argv, "--run-dir", str(run), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert not run.exists()
