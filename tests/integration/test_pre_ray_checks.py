@@ -103,3 +103,14 @@ def test_sketch_micro_batch_arithmetic():
     # two ranks: 4 prompts x 3 = 12 responses, 6 per rank; micro 4 does not divide 6, micro 3 does
     assert "6 responses" in sketch_micro_batch_error(prompts={"a step": 4}, k=3, ranks=2, micro=4, source="m")
     assert sketch_micro_batch_error(prompts={"a step": 4}, k=3, ranks=2, micro=3, source="m") is None
+
+
+def test_reward_manager_writes_the_reference_score_under_the_trainers_key():
+    from setgrpo_verl.integration.reward_manager import SetGRPODualRewardManager
+
+    cfg = OmegaConf.create({"algorithm": {"setgrpo": {"reference_score_key": "r_prime"}},
+                            "reward": {"reward_kwargs": {"grader": {"type": "rules"}}}})
+    assert SetGRPODualRewardManager(cfg, tokenizer=None).reference_key == "r_prime"
+    cfg.reward.reward_kwargs.reference_score_key = "r2"  # the second source it used to read
+    with pytest.raises(ValueError, match="reward.reward_kwargs.reference_score_key is not read"):
+        SetGRPODualRewardManager(cfg, tokenizer=None)
