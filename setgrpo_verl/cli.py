@@ -439,7 +439,7 @@ def _write_split(args: argparse.Namespace, split: dict[str, Any] | None) -> None
               flush=True)
 
 
-def _run_stages(args: argparse.Namespace, plan: _Plan, commands: list[tuple[str, list[str]]]) -> None:
+def _run_stages(args: argparse.Namespace, commands: list[tuple[str, list[str]]]) -> None:
     from . import launch
 
     env = launch.cpu_environment()
@@ -460,7 +460,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> str | None:
     if args.judge == "openai":
         launch.probe_judge(plan.grader)
     _write_split(args, split)
-    _run_stages(args, plan, commands)
+    _run_stages(args, commands)
     return None
 
 
@@ -478,7 +478,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
     if args.judge == "openai":
         launch.probe_judge(plan.grader)
     _write_split(args, split)
-    _run_stages(args, plan, commands)
+    _run_stages(args, commands)
     from .report import make_report
 
     return make_report(args.run_dir)
@@ -511,7 +511,7 @@ def _cmd_train(args: argparse.Namespace) -> str | None:
     launch.check_stage_dirs(run_dir, [stage], overwrite=args.overwrite)
     if args.judge == "openai":
         launch.probe_judge(plan.grader)
-    _run_stages(args, plan, commands)
+    _run_stages(args, commands)
     return None
 
 
@@ -537,7 +537,7 @@ def _cmd_validate(args: argparse.Namespace) -> str | None:
     if args.judge == "openai":
         launch.probe_judge(plan.grader)
     _write_split(args, split)
-    _run_stages(args, plan, commands)
+    _run_stages(args, commands)
     return _analyse(args, plan.values)
 
 

@@ -16,6 +16,7 @@ On a machine without accelerators (the default of the embedded profiles) :func:`
 Run directory::
 
     <run-dir>/data/{calibration,train}.parquet   verl RL rows (prompt, rubric as reward_model.ground_truth)
+    <run-dir>/data/split.json                     the split's settings and prompt ids (what train checks against)
     <run-dir>/<stage>/command.sh                  the exact verl command line (copy it to a cluster)
     <run-dir>/<stage>/main_ppo.log                everything verl printed
     <run-dir>/<stage>/metrics.jsonl               verl's file logger (one line per step)
