@@ -114,3 +114,35 @@ def test_reward_manager_writes_the_reference_score_under_the_trainers_key():
     cfg.reward.reward_kwargs.reference_score_key = "r2"  # the second source it used to read
     with pytest.raises(ValueError, match="reward.reward_kwargs.reference_score_key is not read"):
         SetGRPODualRewardManager(cfg, tokenizer=None)
+
+
+def test_verls_calibration_batches_carry_each_rows_identity(tmp_path):
+    """The trainer fingerprints calibration prompts from verl's own dataset batches (reward_model, extra_info,
+    raw_prompt): they give back exactly the ids and questions of data/calibration.parquet."""
+    import json
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from transformers import AutoTokenizer
+
+    from verl.trainer.ppo.utils import create_rl_dataset
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    from setgrpo_verl.integration.prompts import prompt_identity, read_prompt_identities
+    from setgrpo_verl.models import embedded_model_dir
+
+    rows = [{"id": f"q{i}", "question": f"Say the number {i}.", "rubrics": [{"criterion": "Says it.", "points": 1}]}
+            for i in range(8)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    split = launch.split_data(data=str(data), model_path=embedded_model_dir(), max_prompt_length=64,
+                              calibration_prompts=5, seed=0)
+    paths = launch.write_data(tmp_path / "run", split)
+    cfg = _compose(LOCAL, f"data.train_files={paths['train']}", "data.max_prompt_length=64")
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    dataset = create_rl_dataset(str(paths["calibration"]), cfg.data, tokenizer, None, is_train=True, max_samples=5)
+    seen = []
+    for batch in StatefulDataLoader(dataset=dataset, batch_size=2, collate_fn=collate_fn):
+        seen += [prompt_identity(rm, info, raw)[:2] for rm, info, raw in
+                 zip(batch["reward_model"], batch["extra_info"], batch["raw_prompt"])]
+    expected = [(r["extra_info"]["id"], rows[int(r["extra_info"]["id"][1:])]["question"]) for r in split["calibration"]]
+    assert sorted(seen) == sorted(expected) == sorted(read_prompt_identities(paths["calibration"]))
