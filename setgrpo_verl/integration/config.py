@@ -33,8 +33,7 @@ TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 __all__ = [
     "ABLATIONS", "SETGRPO_NAME", "TRAINER_MODE_OVERRIDE", "TRUTH_SCORE_KEY", "SetGRPOAlgoConfig", "SetGRPOConfig",
     "SetGRPOConfigCheck", "check_record", "check_run_config", "check_sketch_micro_batch", "check_training_data",
-    "field_doc",
-    "render_yaml", "run_identity", "setgrpo_config_from", "sketch_micro_batch_error",
+    "field_doc", "render_yaml", "run_identity", "setgrpo_config_from", "sketch_micro_batch_error",
 ]
 
 
@@ -330,12 +329,13 @@ def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
     )
 
 
-def sketch_micro_batch_error(*, k: int, prompts: Mapping[str, int], ranks: int, micro: int, source: str) -> Optional[str]:
+def sketch_micro_batch_error(*, k: int, prompts: Mapping[str, int], ranks: int, micro: int,
+                             source: str) -> Optional[str]:
     """Why a fixed sketch micro-batch cannot split the batches a rank sees, or None (docs/sketch.md).
 
     verl's ``prepare_micro_batches`` (used by the sketch pass) needs every rank's share of a batch to be a multiple
     of the micro-batch size; a batch of ``p`` prompts is ``p * k`` responses over ``ranks`` data-parallel ranks,
-    ``ceil(p * k / ranks)`` per rank (verl pads an uneven batch to a multiple of the ranks).
+    ``ceil(p * k / ranks)`` on the fullest rank when they do not split evenly.
 
     Args:
         k: responses per prompt (``actor_rollout_ref.rollout.n``).
@@ -351,7 +351,7 @@ def sketch_micro_batch_error(*, k: int, prompts: Mapping[str, int], ranks: int, 
         responses = int(count) * int(k)
         if count < 1:
             continue
-        per_rank = -(-responses // ranks)  # an uneven batch is padded to a multiple of the ranks by verl's dispatch
+        per_rank = -(-responses // ranks)  # the fullest rank's share
         if per_rank % micro:
             fits = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
             return (f"{source}={micro} does not divide the {per_rank} responses that each of the {ranks} actor "
