@@ -331,7 +331,14 @@ def check_split_flags(run_dir: str | os.PathLike, *, data: str | os.PathLike | N
     """
     if data is None and calib_groups is None:
         return
-    old = existing_split(run_dir) or {}
+    try:
+        old = existing_split(run_dir) or {}
+    except LaunchError:
+        old = {}
+    if not old:
+        raise LaunchError(f"train uses the data split in {Path(run_dir) / 'data'}, which records no settings (no "
+                          f"{SPLIT_FILE}), so --data / --calib-groups cannot be checked against it: drop them, or rerun "
+                          f"`setgrpo-verl calibrate --run-dir {run_dir} --overwrite` with them")
     given = {"--data": (None if data is None else str(Path(data).expanduser().resolve()), old.get("data")),
              "--calib-groups": (calib_groups, old.get("calibration_prompts"))}
     for flag, (value, recorded) in given.items():

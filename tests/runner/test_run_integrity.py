@@ -100,6 +100,9 @@ def test_train_refuses_flags_that_would_change_the_split(capsys, finished, tmp_p
     assert needle in err and "--overwrite" in err and not (run / "train_setgrpo").exists()
     # the flags that name the split it was made with are consistent, hence accepted
     launch.check_split_flags(run, data=data, calib_groups=12)
+    (run / "data" / launch.SPLIT_FILE).unlink()  # a split that records no settings cannot be checked
+    with pytest.raises(launch.LaunchError, match="records no settings"):
+        launch.check_split_flags(run, data=data, calib_groups=None)
 
 
 def test_split_removes_duplicates_by_id_or_question_text(tmp_path):
