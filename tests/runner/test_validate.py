@@ -148,7 +148,11 @@ def test_write_validation(tmp_path, synthetic_result):
     assert len(rows) == 6 * 5 * 120
     assert CalibrationRecord.from_json(paths["records"] / "split0_setgrpo.json") == result.records[(0, "setgrpo")]
     table = summary_table(report)
-    assert table.splitlines()[2].startswith("grpo |") and len(table.splitlines()) == 7
+    lines = table.splitlines()
+    assert lines[2].startswith("grpo |") and lines[6].startswith("safe_anchor_only |")
+    # below the table: SetGRPO's coverage band and realised-risk share (docs/record.md#reading-the-guarantees)
+    assert lines[7].startswith("setgrpo held-out coverage: mean") and "5-95 % band" in lines[7]
+    assert lines[8].startswith("setgrpo realised risk <= beta in 1.00 of splits") and len(lines) == 9
 
 
 def test_paper_levels_with_too_few_groups_name_the_split(synthetic_result):
