@@ -479,12 +479,15 @@ def _band_lines(report: Mapping[str, Any]) -> list[str]:
     """SetGRPO's per-split coverage and risk against their bands under exchangeability
     (docs/record.md#reading-the-guarantees); a figure outside its band gets a ``WARNING:`` line."""
     lv, splits = report["levels"], [s["methods"]["setgrpo"] for s in report["splits"]]
-    judged = [s for s in splits if s["coverage_reference"] is not None]
-    if not judged:
+    numbered = [(e["split"], e["methods"]["setgrpo"]) for e in report["splits"]
+                if e["methods"]["setgrpo"]["coverage_reference"] is not None]
+    if not numbered:
         return []
+    judged = [s for _, s in numbered]
     bands = [coverage_band(s["record"]["n_cov"], s["n_live"], lv["alpha"]) for s in judged]
-    below = [i for i, (s, b) in enumerate(zip(judged, bands)) if b.position(s["coverage_reference"]) == "below"]
-    above = [i for i, (s, b) in enumerate(zip(judged, bands)) if b.position(s["coverage_reference"]) == "above"]
+    where = [b.position(s["coverage_reference"]) for s, b in zip(judged, bands)]
+    below = [i for (i, _), w in zip(numbered, where) if w == "below"]
+    above = [i for (i, _), w in zip(numbered, where) if w == "above"]
     b0, mean = bands[0], float(np.mean([s["coverage_reference"] for s in judged]))
     lines = [f"setgrpo held-out coverage: mean {mean:.3f} over {len(judged)} splits; under exchangeability "
              f"mean {b0.mean:.2f}, single splits in {b0.lo:.2f}-{b0.hi:.2f} (5-95 % band, n_cov={b0.n_cov}, "
