@@ -63,6 +63,14 @@ class CoverageBand:
             return "above"
         return "inside"
 
+    def tail(self, coverage: float) -> float:
+        """Share of exchangeable splits as far out as ``coverage`` (a share): ``P(X <= count)`` at or below the mean,
+        ``P(X >= count)`` above it, X the beta-binomial count of covered held-out groups."""
+        k = _conformal_index(self.n_cov, self.alpha)
+        dist = betabinom(self.n_held_out, k, self.n_cov + 1 - k)
+        count = round(coverage * self.n_held_out)
+        return float(dist.cdf(count) if coverage <= self.mean else dist.sf(count - 1))
+
 
 def coverage_band(n_cov: int, n_held_out: int, alpha: float, *, level: float = BAND_LEVEL) -> CoverageBand:
     """Band of the held-out coverage of one split-conformal split (docs/record.md#reading-the-guarantees).
@@ -232,7 +240,7 @@ def guarantee_lines(record: CalibrationRecord, resplits: Resplits | None = None,
 
     The held-out coverage comes with its :func:`coverage_band` and, when ``resplits`` is given, the mean and spread
     over re-splits and the share of risk re-splits with realised risk <= beta (against :func:`risk_share_floor`).
-    A figure outside its band gets a line starting with ``WARNING:`` that says what it means.
+    A figure outside its band gets an indented ``WARNING:`` line that says what it means.
 
     Args:
         record: the frozen record.
@@ -246,25 +254,27 @@ def guarantee_lines(record: CalibrationRecord, resplits: Resplits | None = None,
     pct = f"{100 * (1 - level) / 2:g}-{100 * (1 + level) / 2:g} %"
     cov = record.coverage_risk_set
     where = band.position(cov)
-    lines = [f"held-out coverage {cov:.3f} on {record.n_risk} held-out groups (guarantee: >= {1 - record.alpha:.2f} "
-             f"on average over splits); expected under exchangeability: mean {band.mean:.2f}, single splits "
-             f"{band.lo:.2f}-{band.hi:.2f} ({pct} band for n_cov={record.n_cov}) -> {where} the band"]
+    lines = [f"held-out coverage {cov:.3f} on {record.n_risk} held-out groups ({round(cov * record.n_risk)} covered; "
+             f"guarantee: >= {1 - record.alpha:.2f} on average over splits)",
+             f"  expected under exchangeability: mean {band.mean:.2f}, single splits {band.lo:.2f}-{band.hi:.2f} "
+             f"({pct} band, n_cov={record.n_cov}) -> {where} the band"]
     if where == "below":
-        lines.append(f"WARNING: held-out coverage {cov:.3f} is below its {pct} band [{band.lo:.2f}, {band.hi:.2f}]: "
-                     "fewer than 5 % of exchangeable splits go this low. If the re-split mean is near "
+        lines.append(f"  WARNING: held-out coverage {cov:.3f} is below its {pct} band [{band.lo:.2f}, {band.hi:.2f}]: "
+                     f"{100 * band.tail(cov):.2g} % of exchangeable splits go this low. If the re-split mean is near "
                      f"{band.mean:.2f} this split was unlucky; if not, calibration and held-out groups are not "
                      "exchangeable (the two scorings differ in kind, or groups are duplicated)")
     elif where == "above":
-        lines.append(f"WARNING: held-out coverage {cov:.3f} is above its {pct} band [{band.lo:.2f}, {band.hi:.2f}]: "
-                     "ties among the nonconformity scores (coarse rubric scores) make the sets cover more than "
-                     "1 - alpha, i.e. they are wider than needed; not a failure of the guarantee")
+        lines.append(f"  WARNING: held-out coverage {cov:.3f} is above its {pct} band [{band.lo:.2f}, {band.hi:.2f}]: "
+                     f"{100 * band.tail(cov):.2g} % of exchangeable splits go this high, and ties among the "
+                     "nonconformity scores (coarse rubric scores) raise coverage further: the sets may be wider than "
+                     "needed, which costs accepted updates but does not break the guarantee")
     if resplits is not None:
         q5, q95 = np.quantile(resplits.coverage, [(1 - level) / 2, (1 + level) / 2])
         mean = resplits.coverage_mean
-        lines.append(f"over {resplits.seeds} re-splits of the stored paired scores: held-out coverage mean "
-                     f"{mean:.3f} ({pct} of re-splits {q5:.2f}-{q95:.2f})")
+        lines.append(f"  over {resplits.seeds} re-splits of the stored paired scores: held-out coverage mean "
+                     f"{mean:.3f}, {pct} of re-splits {q5:.2f}-{q95:.2f}")
         if band.position(mean) != "inside":
-            lines.append(f"WARNING: the mean held-out coverage over re-splits {mean:.3f} is outside the {pct} band "
+            lines.append(f"  WARNING: the mean held-out coverage over re-splits {mean:.3f} is outside the {pct} band "
                          f"[{band.lo:.2f}, {band.hi:.2f}] of a single split: "
                          + ("calibration and held-out groups do not behave as exchangeable"
                             if mean < band.lo else "the sets are wider than 1 - alpha needs (tied scores)"))
@@ -276,12 +286,12 @@ def guarantee_lines(record: CalibrationRecord, resplits: Resplits | None = None,
         else:
             floor = risk_share_floor(resplits.n_accepted, record.beta, record.delta)
             lines.append(f"risk: realised risk <= beta={record.beta} in {share:.2f} of the {judged} re-splits with an "
-                         f"accepted held-out group (calibrated on half the groups, {resplits.n_held_out} held out; "
-                         f"guarantee >= {1 - record.delta:.2f} for the true risk, >= {floor:.2f} expected for the "
-                         f"realised rate on {np.mean(resplits.n_accepted[resplits.n_accepted > 0]):.1f} accepted "
-                         "groups)")
+                         "accepted held-out group")
+            lines.append(f"  (each calibrated on half the groups, {resplits.n_held_out} held out; guarantee >= "
+                         f"{1 - record.delta:.2f} for the true risk, >= {floor:.2f} expected for the realised rate on "
+                         f"{np.mean(resplits.n_accepted[resplits.n_accepted > 0]):.1f} accepted groups)")
             if share < floor:
-                lines.append(f"WARNING: realised risk <= beta in only {share:.2f} of re-splits, below the {floor:.2f} "
+                lines.append(f"  WARNING: realised risk <= beta in only {share:.2f} of re-splits, below the {floor:.2f} "
                              "expected if the risk guarantee holds: reversals are more frequent than beta allows; "
                              "use more calibration groups or a smaller beta, and check the grader")
     return lines

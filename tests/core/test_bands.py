@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from scipy.stats import binom
+from scipy.stats import betabinom, binom
 
 from setgrpo_verl.core import (
     calibrate,
@@ -51,6 +51,8 @@ def test_coverage_band_of_the_issue_example_and_positions():
     assert (band.lo, band.hi, round(band.mean, 2)) == (7 / 24, 18 / 24, 0.52)
     assert band.position(3 / 24) == "below" and band.position(7 / 24) == "inside"
     assert band.position(18 / 24) == "inside" and band.position(19 / 24) == "above"
+    assert band.tail(3 / 24) == pytest.approx(betabinom(24, 13, 12).cdf(3)) and band.tail(3 / 24) < 0.003
+    assert band.tail(20 / 24) == pytest.approx(betabinom(24, 13, 12).sf(19))
 
 
 def test_coverage_band_refuses_bad_input():
@@ -111,7 +113,7 @@ def test_guarantee_lines_flag_a_split_outside_its_band():
     assert "risk: realised risk <= beta=0.65 in" in text
     low = "\n".join(guarantee_lines(dataclasses.replace(rec, coverage_risk_set=3 / 24), rs))
     assert "held-out coverage 0.125 on 24 held-out groups" in low and "below the band" in low
-    assert "WARNING: held-out coverage 0.125 is below its 5-95 % band [0.29, 0.75]" in low
+    assert "WARNING: held-out coverage 0.125 is below its 5-95 % band [0.29, 0.75]: 0.25 % of exchangeable" in low
     high = "\n".join(guarantee_lines(dataclasses.replace(rec, coverage_risk_set=1.0)))
     assert "WARNING: held-out coverage 1.000 is above" in high and "re-splits" not in high
 
