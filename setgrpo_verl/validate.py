@@ -493,10 +493,10 @@ def _band_lines(report: Mapping[str, Any]) -> list[str]:
              f"mean {b0.mean:.2f}, single splits in {b0.lo:.2f}-{b0.hi:.2f} (5-95 % band, n_cov={b0.n_cov}, "
              f"{b0.n_held_out} held-out groups); splits below the band: {below or 'none'}, above: {above or 'none'}"]
     if b0.position(mean) != "inside":
+        why = ("calibration and held-out groups do not behave as exchangeable" if mean < b0.lo
+               else "tied scores make the sets wider than 1 - alpha needs")
         lines.append(f"WARNING: the mean held-out coverage {mean:.3f} is outside the band of a single split "
-                     f"[{b0.lo:.2f}, {b0.hi:.2f}]: " + ("calibration and held-out groups do not behave as exchangeable"
-                                                        if mean < b0.lo else "tied scores make the sets wider than "
-                                                        "1 - alpha needs"))
+                     f"[{b0.lo:.2f}, {b0.hi:.2f}]: {why}")
     floor = risk_share_floor([s["n_accepted"] for s in splits], lv["beta"], lv["delta"])
     share = report["summary"]["setgrpo"]["share_risk_at_most_beta"]
     if floor is not None and share is not None:

@@ -281,8 +281,9 @@ def guarantee_lines(record: CalibrationRecord, resplits: Resplits | None = None,
         share = resplits.share_risk_at_most(record.beta)
         judged = int((~np.isnan(resplits.risk)).sum())
         if share is None:
-            lines.append(f"risk: no accepted held-out group in any of {resplits.seeds} re-splits (calibrated on half "
-                         f"the groups, {resplits.n_held_out} held out): the realised risk is not measurable here")
+            lines.append(f"risk: none of {resplits.seeds} re-splits accepted a held-out group (each calibrated on half "
+                         f"the groups, {resplits.n_held_out} held out; too few for a risk-feasible threshold): the "
+                         "realised risk is not measurable on these paired scores")
         else:
             floor = risk_share_floor(resplits.n_accepted, record.beta, record.delta)
             lines.append(f"risk: realised risk <= beta={record.beta} in {share:.2f} of the {judged} re-splits with an "
@@ -291,7 +292,8 @@ def guarantee_lines(record: CalibrationRecord, resplits: Resplits | None = None,
                          f"{1 - record.delta:.2f} for the true risk, >= {floor:.2f} expected for the realised rate on "
                          f"{np.mean(resplits.n_accepted[resplits.n_accepted > 0]):.1f} accepted groups)")
             if share < floor:
-                lines.append(f"  WARNING: realised risk <= beta in only {share:.2f} of re-splits, below the {floor:.2f} "
+                lines.append(f"  WARNING: realised risk <= beta in only {share:.2f} of re-splits, below the "
+                             f"{floor:.2f} "
                              "expected if the risk guarantee holds: reversals are more frequent than beta allows; "
                              "use more calibration groups or a smaller beta, and check the grader")
     return lines
