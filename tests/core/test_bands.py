@@ -92,8 +92,12 @@ def test_risk_share_floor_is_the_binomial_chance_at_beta():
 def test_resplit_repeats_the_records_split_and_refuses_other_scores():
     p, r, m = make_groups(48, k=4, noise=0.3, seed=3)
     rec = calibrate(p, r, m, alpha=0.5, beta=0.65, delta=0.05, split_seed=0)
-    rs = resplit(p, r, m, rec, seeds=12)
-    assert rs.coverage[0] == rec.coverage_risk_set and rs.coverage.shape == (12,) and len(set(rs.coverage)) > 2
+    rs = resplit(p, r, m, rec, seeds=100)
+    assert rs.coverage[0] == rec.coverage_risk_set and rs.coverage.shape == (100,) and len(set(rs.coverage)) > 2
+    # each group's score depends on that group alone: re-splits of one continuous data set follow the band too
+    band = coverage_band(rec.n_cov, rec.n_risk, rec.alpha)
+    assert np.mean([band.position(c) == "below" for c in rs.coverage]) <= 0.05 + 3 * math.sqrt(0.0475 / 100)
+    assert rs.coverage_mean == pytest.approx(band.mean, abs=3 * rs.coverage.std() / 10)
     assert rs.n_held_out == 24 and ((rs.n_accepted > 0) == ~np.isnan(rs.risk)).all()
     assert np.nanmax(rs.risk) <= 1 and rs.share_risk_at_most(0.65) is not None
     with pytest.raises(ValueError, match="not the ones this record was calibrated on"):
