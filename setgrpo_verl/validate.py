@@ -491,7 +491,8 @@ def _band_lines(report: Mapping[str, Any]) -> list[str]:
     b0, mean = bands[0], float(np.mean([s["coverage_reference"] for s in judged]))
     lines = [f"setgrpo held-out coverage: mean {mean:.3f} over {len(judged)} splits; under exchangeability "
              f"mean {b0.mean:.2f}, single splits in {b0.lo:.2f}-{b0.hi:.2f} (5-95 % band, n_cov={b0.n_cov}, "
-             f"{b0.n_held_out} held-out groups); splits below the band: {below or 'none'}, above: {above or 'none'}"]
+             f"{b0.n_held_out} held-out groups); splits below the band: {below or 'none'}, above: {above or 'none'} "
+             "(about 5 % of splits on each side by chance)"]
     if b0.position(mean) != "inside":
         why = ("calibration and held-out groups do not behave as exchangeable" if mean < b0.lo
                else "tied scores make the sets wider than 1 - alpha needs")
