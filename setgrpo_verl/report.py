@@ -87,8 +87,25 @@ def _record_path(path: str | os.PathLike) -> Path:
     return p
 
 
-def inspect_record(path: str | os.PathLike, *, thresholds: bool = False) -> str:
-    """Text view of a frozen record: its Table 4 row, levels and identities (and, optionally, the threshold grid).
+def _guarantees(record, paired_path: Path, seeds: int) -> list[str]:
+    """The record's coverage and risk against their bands under exchangeability (docs/record.md#reading-the-guarantees),
+    with ``seeds`` re-splits of the paired scores at ``paired_path`` when that file exists."""
+    from .core import guarantee_lines, resplit
+
+    if not paired_path.is_file():
+        return guarantee_lines(record) + [f"(no {paired_path.name} next to the record: no re-splits)"]
+    with np.load(paired_path) as z:
+        arrays = [z[name] for name in ("point", "reference", "gram")]
+    try:
+        return guarantee_lines(record, resplit(*arrays, record, seeds=seeds))
+    except ValueError as exc:
+        raise ReportError(f"{paired_path}: {exc}") from None
+
+
+def inspect_record(path: str | os.PathLike, *, thresholds: bool = False, resplits: int = 200) -> str:
+    """Text view of a frozen record: its Table 4 row, levels and identities (and, optionally, the threshold grid),
+    and its coverage and risk against their bands, with ``resplits`` re-splits of the ``paired_scores.npz`` next to
+    the record when there is one (docs/record.md#reading-the-guarantees).
 
     Raises:
         ReportError: no record at ``path`` or the record does not validate (edited, wrong schema).
@@ -107,9 +124,8 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False) -> str:
     lines = [format_table4(rec, label), "",
              f"alpha={rec.alpha}  beta={rec.beta}  delta={rec.delta}  rho={rec.rho}  K={rec.K}  "
              f"norm_by_std={rec.norm_by_std}  loss_agg_mode={rec.loss_agg_mode}  ablation={rec.ablation}",
-             f"UCB at tau_sel={rec.ucb_sel:.4f} (<= beta={rec.beta})  coverage on risk groups="
-             f"{rec.coverage_risk_set:.3f} (target >= {1 - rec.alpha:.2f})  degenerate groups dropped="
-             f"{rec.n_degenerate}",
+             f"UCB at tau_sel={rec.ucb_sel:.4f} (<= beta={rec.beta})  degenerate groups dropped={rec.n_degenerate}",
+             *_guarantees(rec, p.parent / "paired_scores.npz", resplits),
              f"grader: {rec.grader}", f"policy: {rec.policy}", f"created {rec.created_at}, file {p}",
              f"written by: {versions}; {len(rec.calibration_prompts)} calibration prompts recorded"]
     mismatch = rec.version_mismatch()
@@ -338,9 +354,10 @@ def _fmt(x, spec: str = ".3f") -> str:
     return "  n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def make_report(run_dir: str | os.PathLike) -> str:
+def make_report(run_dir: str | os.PathLike, *, resplits: int = 200) -> str:
     """Write ``<run_dir>/report/`` (PNG figures, ``table4.txt``, ``summary.txt``, ``COMPLETE``) and return the
-    summary text.
+    summary text; coverage and risk come with their bands and ``resplits`` re-splits of the stored paired scores
+    (docs/record.md#reading-the-guarantees).
 
     Raises:
         ReportError: ``run_dir`` has no finished calibration stage.
@@ -375,11 +392,12 @@ def make_report(run_dir: str | os.PathLike) -> str:
         fn(out / fname)
     label = policy_label(record)
     table = format_table4(record, label)
-    (out / "table4.txt").write_text(table + "\n")
+    guarantees = _guarantees(record, calib / "paired_scores.npz", resplits)
+    (out / "table4.txt").write_text(table + "\n\n" + "\n".join(guarantees) + "\n")
 
     lines = ["Table 4 row (frozen calibration record):", table, "",
-             f"alpha={record.alpha} beta={record.beta} delta={record.delta}; UCB at tau_sel = {record.ucb_sel:.4f}; "
-             f"held-out coverage {record.coverage_risk_set:.3f} (target >= {1 - record.alpha:.2f})", ""]
+             f"alpha={record.alpha} beta={record.beta} delta={record.delta}; UCB at tau_sel = {record.ucb_sel:.4f}",
+             *guarantees, ""]
     if runs["setgrpo"]:
         lines.append("SetGRPO per step: accepted-group ratio, mean recovery ratio, reward (point), entropy")
         lines.append(f"{'step':>4} {'accepted':>9} {'recovery':>9} {'reward':>8} {'entropy':>8} {'online cov':>10}")

@@ -37,9 +37,11 @@ from .core import (
     CalibrationRecord,
     CalibrationSettings,
     calibrate,
+    coverage_band,
     degenerate_groups,
     grpo_coefficients,
     nonconformity_scores,
+    risk_share_floor,
     setgrpo_coefficients,
 )
 
@@ -470,7 +472,41 @@ def summary_table(report: Mapping[str, Any]) -> str:
             fmt(s["accepted_ratio"]["mean"]), fmt(s["mean_recovery_ratio"]["mean"], pct=False),
             str(s.get("splits_without_threshold", "-")),
         ]))
-    return "\n".join(lines)
+    return "\n".join(lines + _band_lines(report))
+
+
+def _band_lines(report: Mapping[str, Any]) -> list[str]:
+    """SetGRPO's per-split coverage and risk against their bands under exchangeability
+    (docs/record.md#reading-the-guarantees); a figure outside its band gets a ``WARNING:`` line."""
+    lv, splits = report["levels"], [s["methods"]["setgrpo"] for s in report["splits"]]
+    numbered = [(e["split"], e["methods"]["setgrpo"]) for e in report["splits"]
+                if e["methods"]["setgrpo"]["coverage_reference"] is not None]
+    if not numbered:
+        return []
+    judged = [s for _, s in numbered]
+    bands = [coverage_band(s["record"]["n_cov"], s["n_live"], lv["alpha"]) for s in judged]
+    where = [b.position(s["coverage_reference"]) for s, b in zip(judged, bands)]
+    below = [i for (i, _), w in zip(numbered, where) if w == "below"]
+    above = [i for (i, _), w in zip(numbered, where) if w == "above"]
+    b0, mean = bands[0], float(np.mean([s["coverage_reference"] for s in judged]))
+    lines = [f"setgrpo held-out coverage: mean {mean:.3f} over {len(judged)} splits; under exchangeability "
+             f"mean {b0.mean:.2f}, single splits in {b0.lo:.2f}-{b0.hi:.2f} (5-95 % band, n_cov={b0.n_cov}, "
+             f"{b0.n_held_out} held-out groups); splits below the band: {below or 'none'}, above: {above or 'none'} "
+             "(about 5 % of splits on each side by chance)"]
+    if b0.position(mean) != "inside":
+        why = ("calibration and held-out groups do not behave as exchangeable" if mean < b0.lo
+               else "tied scores make the sets wider than 1 - alpha needs")
+        lines.append(f"WARNING: the mean held-out coverage {mean:.3f} is outside the band of a single split "
+                     f"[{b0.lo:.2f}, {b0.hi:.2f}]: {why}")
+    floor = risk_share_floor([s["n_accepted"] for s in splits], lv["beta"], lv["delta"])
+    share = report["summary"]["setgrpo"]["share_risk_at_most_beta"]
+    if floor is not None and share is not None:
+        lines.append(f"setgrpo realised risk <= beta in {share:.2f} of splits with an accepted group (guarantee >= "
+                     f"{1 - lv['delta']:.2f} for the true risk, >= {floor:.2f} expected for the realised rate)")
+        if share < floor:
+            lines.append(f"WARNING: realised risk <= beta in only {share:.2f} of splits, below the {floor:.2f} "
+                         "expected if the risk guarantee holds")
+    return lines
 
 
 def plot_validation(report: Mapping[str, Any], path: str | os.PathLike) -> Path:

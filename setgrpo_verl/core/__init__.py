@@ -12,9 +12,13 @@ Public API::
 Building blocks (for diagnostics and tests): ``degenerate_groups``, ``set_shape``,
 ``nonconformity_scores``, ``conformal_radius``, ``CoefficientSets``, ``safe_anchor``,
 ``projections``, ``recovery_ratios``, ``clopper_pearson_upper``, ``select_threshold``.
+
+Reading a record's figures (docs/record.md#reading-the-guarantees): ``coverage_band``, ``risk_share_floor``,
+``resplit`` and ``guarantee_lines``.
 """
 
 from ._api import STATUSES, OnlineRiskMonitor, SetGRPOResult, calibrate, setgrpo_coefficients
+from ._bands import CoverageBand, Resplits, coverage_band, guarantee_lines, resplit, risk_share_floor
 from ._ggsr import path_point, projections, recovery_ratios, safe_anchor
 from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients, grpo_jacobian
 from ._jrsc import CoefficientSets, conformal_radius, min_calibration_groups, nonconformity_scores, set_shape
@@ -31,9 +35,10 @@ from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, select_threshold
 
 __all__ = [
     "ABLATIONS", "DEFAULT_TAU_GRID", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",
-    "CalibrationRecord", "CalibrationSettings", "CoefficientSets", "OnlineRiskMonitor", "RecordVersionWarning",
-    "SetGRPOResult",
-    "calibrate", "clopper_pearson_upper", "conformal_radius", "degenerate_groups", "grpo_coefficients",
+    "CalibrationRecord", "CalibrationSettings", "CoefficientSets", "CoverageBand", "OnlineRiskMonitor",
+    "RecordVersionWarning", "Resplits", "SetGRPOResult",
+    "calibrate", "clopper_pearson_upper", "conformal_radius", "coverage_band", "guarantee_lines", "resplit",
+    "risk_share_floor", "degenerate_groups", "grpo_coefficients",
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "package_versions", "path_point",
     "projections", "prompt_fingerprint", "question_key", "recovery_ratios", "safe_anchor", "select_threshold", "set_shape",
     "setgrpo_coefficients",

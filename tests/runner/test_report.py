@@ -50,7 +50,7 @@ def run_dir(tmp_path):
 
 def test_report_writes_figures_and_table4(run_dir):
     path, record = run_dir
-    text = report.make_report(path)
+    text = report.make_report(path, resplits=20)
     for name in ("risk_vs_threshold.png", "coverage.png", "training_dynamics.png", "projections.png"):
         png = path / "report" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
@@ -72,3 +72,40 @@ def test_coverage_curve_is_calibrated_on_exchangeable_groups():
     assert [round(c[0], 2) for c in curve] == [0.9, 0.7, 0.5]
     for nominal, mean, _ in curve:
         assert abs(mean - nominal) < 0.08
+
+
+
+def test_report_and_inspect_record_show_the_coverage_band_and_flag_a_split_below_it(run_dir, capsys):
+    """A held-out coverage below its 5-95 % band under exchangeability is flagged in summary.txt, table4.txt and
+    `setgrpo-verl inspect-record`; the re-split mean and the realised-risk share come with it
+    (docs/record.md#reading-the-guarantees)."""
+    import dataclasses
+
+    from setgrpo_verl import cli
+    from setgrpo_verl.core import CalibrationRecord, coverage_band
+
+    path, record = run_dir
+    band = coverage_band(record.n_cov, record.n_risk, record.alpha)
+    assert (record.n_cov, record.n_risk) == (40, 40) and band.position(record.coverage_risk_set) == "inside"
+    expected = f"expected under exchangeability: mean {band.mean:.2f}, single splits {band.lo:.2f}-{band.hi:.2f}"
+    text = report.inspect_record(path, resplits=10)
+    assert expected in text and "over 10 re-splits of the stored paired scores" in text and "WARNING" not in text
+    assert "risk: realised risk <= beta=0.3 in" in text
+
+    low = dataclasses.replace(record, coverage_risk_set=24 / 40)  # 24 of 40 held-out groups, far below 1 - alpha
+    assert band.position(low.coverage_risk_set) == "below"
+    low.to_json(path / "calibration" / "record.json")
+    assert CalibrationRecord.from_json(path / "calibration" / "record.json").coverage_risk_set == 0.6
+    text = report.make_report(path, resplits=10)
+    warning = f"WARNING: held-out coverage 0.600 is below its 5-95 % band [{band.lo:.2f}, {band.hi:.2f}]"
+    assert expected in text and warning in text and "over 10 re-splits" in text
+    assert warning in (path / "report" / "summary.txt").read_text()
+    table4 = (path / "report" / "table4.txt").read_text()
+    assert expected in table4 and warning in table4
+    assert cli.main(["inspect-record", str(path)]) == 0  # the command's default: 200 re-splits
+    out = capsys.readouterr().out
+    assert warning in out and expected in out and "over 200 re-splits" in out
+
+    (path / "calibration" / "paired_scores.npz").unlink()
+    bare = report.inspect_record(path / "calibration" / "record.json")
+    assert warning in bare and "no paired_scores.npz next to the record: no re-splits" in bare

@@ -148,7 +148,40 @@ def test_write_validation(tmp_path, synthetic_result):
     assert len(rows) == 6 * 5 * 120
     assert CalibrationRecord.from_json(paths["records"] / "split0_setgrpo.json") == result.records[(0, "setgrpo")]
     table = summary_table(report)
-    assert table.splitlines()[2].startswith("grpo |") and len(table.splitlines()) == 7
+    lines = table.splitlines()
+    assert lines[2].startswith("grpo |") and lines[6].startswith("safe_anchor_only |")
+    # below the table: SetGRPO's coverage band and realised-risk share (docs/record.md#reading-the-guarantees)
+    assert lines[7].startswith("setgrpo held-out coverage: mean") and "5-95 % band" in lines[7]
+    assert lines[8].startswith("setgrpo realised risk <= beta in 1.00 of splits") and len(lines) == 9
+
+
+
+def test_summary_table_shows_the_coverage_band_and_flags_splits_outside_it(synthetic_result):
+    """docs/record.md#reading-the-guarantees: each split's held-out coverage against the beta-binomial band of its
+    n_cov and held-out groups; splits outside it are named, a mean or risk share outside its band is a WARNING."""
+    import copy
+
+    from setgrpo_verl.core import coverage_band
+
+    _, result = synthetic_result
+    report = copy.deepcopy(result.report)
+    first = report["splits"][0]["methods"]["setgrpo"]
+    band = coverage_band(first["record"]["n_cov"], first["n_live"], report["levels"]["alpha"])
+    assert (band.n_cov, band.n_held_out) == (60, 120)
+    line = summary_table(report).splitlines()[7]
+    assert f"single splits in {band.lo:.2f}-{band.hi:.2f} (5-95 % band, n_cov=60, 120 held-out groups)" in line
+    inside = [s["methods"]["setgrpo"]["coverage_reference"] for s in report["splits"]]
+    assert all(band.position(c) == "inside" for c in inside) and "below the band: none, above: none" in line
+    assert "WARNING" not in summary_table(report)
+    report["splits"][2]["methods"]["setgrpo"]["coverage_reference"] = 0.5
+    assert "splits below the band: [2], above: none" in summary_table(report)
+    for s in report["splits"]:
+        s["methods"]["setgrpo"]["coverage_reference"] = 0.5
+    report["summary"]["setgrpo"]["share_risk_at_most_beta"] = 0.0
+    text = summary_table(report)
+    assert "splits below the band: [0, 1, 2, 3, 4, 5]" in text
+    assert f"WARNING: the mean held-out coverage 0.500 is outside the band of a single split [{band.lo:.2f}" in text
+    assert "WARNING: realised risk <= beta in only 0.00 of splits" in text
 
 
 def test_paper_levels_with_too_few_groups_name_the_split(synthetic_result):
