@@ -23,7 +23,7 @@ from setgrpo_verl.integration.config import SetGRPOAlgoConfig, SetGRPOConfig, se
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith(("_", "prepare")))
 MODES = ("calibrate", "train", "grpo")
-CONFIG_DIR = os.path.join(os.path.dirname(setgrpo_verl.__file__), "hydra_configs")
+CONFIG_DIR = str(REPO / "hydra_configs")  # the YAML sources (installed as the package setgrpo_verl.hydra_configs)
 TABLE3 = {  # the paper's Table 3, as verl keys
     "actor_rollout_ref.rollout.n": 8,
     "data.max_prompt_length": 2048,
