@@ -10,6 +10,8 @@ wheel's copy of the package and cannot see the repository.
 
 from __future__ import annotations
 
+import email
+import importlib.metadata as md
 import json
 import os
 import shutil
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 #: Folders of a checkout that are not the repository's content (build outputs, environments, run outputs).
@@ -74,6 +77,26 @@ def test_wheel_carries_every_module_and_the_hydra_configs(wheel):
     assert not any(n.startswith("hydra_configs/") for n in names)  # not a top-level package of its own
     text = zipfile.ZipFile(wheel).read("setgrpo_verl/hydra_configs/setgrpo_trainer.yaml").decode()
     assert text == (REPO / "hydra_configs" / "setgrpo_trainer.yaml").read_text()
+
+
+#: What verl 0.9.1's ``vllm`` extra pins: the GPU set verl is tested with.
+VERL_VLLM_PINS = {"vllm": "==0.24.0", "torch": "==2.11.0", "torchvision": "==0.26.0", "torchaudio": "==2.11.0",
+                  "transformers": "==5.9.0"}
+
+
+def _extra_requirements(requires: list[str], extra: str) -> list[Requirement]:
+    reqs = [Requirement(r) for r in requires]
+    return [r for r in reqs if r.marker is not None and r.marker.evaluate({"extra": extra})]
+
+
+def test_gpu_extra_installs_the_set_verl_is_tested_with(wheel):
+    metadata = email.message_from_bytes(zipfile.ZipFile(wheel).read(f"setgrpo_verl-{wheel.name.split('-')[1]}.dist-info/METADATA"))
+    (gpu,) = _extra_requirements(metadata.get_all("Requires-Dist"), "gpu")
+    assert (gpu.name, gpu.extras, str(gpu.specifier)) == ("verl", {"vllm"}, "==0.9.1")
+    # and that extra of the installed verl 0.9.1 pins exactly these (a verl upgrade that moves them fails here)
+    assert md.version("verl") == "0.9.1"
+    pins = {r.name: str(r.specifier) for r in _extra_requirements(md.requires("verl"), "vllm") if r.specifier}
+    assert {name: pins.get(name) for name in VERL_VLLM_PINS} == VERL_VLLM_PINS
 
 
 _WHERE = ("import json, importlib.resources as r, setgrpo_verl, hydra_plugins.setgrpo_verl_searchpath as p; "
