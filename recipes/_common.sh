@@ -18,7 +18,9 @@
 #   SKETCH_TOKENS_PER_GPU  token budget of the sketch pass's micro-batches (6144 = one full-length sequence)
 #   RECORD            calibration record (default: $RUN_ROOT/<model>-setgrpo-calibrate/setgrpo_calibration.json)
 # Runs: <model>-setgrpo-calibrate (record only), <model>-setgrpo (training), <model>-grpo (baseline), in $RUN_ROOT.
-# Extra arguments to the recipe after the mode are appended as Hydra overrides.
+# Extra arguments to the recipe after the mode are appended as Hydra overrides (the last value of a key wins).
+# calibrate skips verl's validation before training (it trains nothing); pass trainer.val_before_train=true after
+# the mode to run it anyway. train and grpo validate first.
 
 set -euo pipefail
 
@@ -106,6 +108,7 @@ run_recipe() {
             exec "$PYTHON" -m verl.trainer.main_ppo --config-name setgrpo_trainer \
                 "${args[@]}" \
                 "${setgrpo_args[@]}" \
+                trainer.val_before_train=false \
                 algorithm.setgrpo.calibration.files="$DATA_DIR/calib.parquet" \
                 algorithm.setgrpo.calibration.num_prompts=4096 \
                 algorithm.setgrpo.calibration.only=true \

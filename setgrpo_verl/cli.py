@@ -175,6 +175,10 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
                    "'{\"enable_thinking\": false}' to switch a Qwen3 judge's thinking off "
                    "[reward.reward_kwargs.grader.chat_template_kwargs]")
     g.add_argument("--actor-ranks", type=int, default=1, help="FSDP2 actor ranks on this machine (gloo)")
+    from .launch import CPU_PRECISIONS
+
+    g.add_argument("--precision", choices=CPU_PRECISIONS, default=None,
+                   help="CPU compute precision: bf16 (the GPU recipes', default where the CPU has bf16 units) or fp32")
     g.add_argument("--dry-run", action="store_true", help="print the verl command line(s) and exit")
     c = p.add_argument_group("configuration keys (docs/algorithm.md; any other key: pass key=value)")
     for flag, key, typ, text in FLAGS:
@@ -385,7 +389,7 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
             raise launch.LaunchError(error)
     grader = _grader(args, seed)
     common = [launch.format_override(k, v) for k, v in values.items() if v is not None]
-    common += launch.cpu_overrides(args.actor_ranks) + [launch.format_override("+reward.reward_kwargs.grader", grader)]
+    common += launch.cpu_overrides(args.actor_ranks, args.precision) + [launch.format_override("+reward.reward_kwargs.grader", grader)]
     common += ["reward.reward_manager.name=setgrpo_dual"]
     return _Plan(values=values, model=model, grader=grader, seed=seed, common=common)
 

@@ -28,7 +28,9 @@ Run directory::
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import random
 import shlex
@@ -37,19 +39,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 __all__ = [
     "COMPLETE",
     "FAILED",
     "STAGES",
     "LaunchError",
+    "CPU_PRECISIONS",
     "SPLIT_FILE",
     "check_data_split",
     "check_split_flags",
     "check_stage_dirs",
     "check_training_prompts",
+    "cpu_bf16_units",
     "cpu_overrides",
+    "cpu_precision",
     "existing_split",
     "format_override",
     "main_ppo_command",
@@ -100,17 +105,67 @@ def _hydra_value(value: Any) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def cpu_overrides(actor_ranks: int = 1) -> list[str]:
+#: Precisions of the CPU backend: ``bf16`` is the GPU recipes' (bf16 parameters and compute, float32 gradient
+#: reductions and buffers over float32 master weights, a bf16 rollout), ``fp32`` runs everything in float32.
+CPU_PRECISIONS = ("bf16", "fp32")
+
+#: ``/proc/cpuinfo`` flags of CPU units that compute in bf16 (AVX-512 BF16, AMX BF16 tiles).
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_bf16_units(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The bf16 compute units this CPU reports (``avx512_bf16``, ``amx_bf16``), empty where it has none or the
+    file does not exist (a system without ``/proc/cpuinfo`` is treated as having none)."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return ()
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return tuple(f for f in _BF16_FLAGS if f in flags)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_precision() -> str:
+    """The CPU backend's default precision on this machine: ``bf16`` where the CPU has bf16 units
+    (:func:`cpu_bf16_units`), else ``fp32``, saying so in one log line (per process)."""
+    if cpu_bf16_units():
+        return "bf16"
+    logger.warning("this CPU has no bf16 units (AVX-512 BF16 or AMX): the CPU backend runs in float32, not in the "
+                   "GPU recipes' bf16 (bf16 emulation would be several times slower)")
+    return "fp32"
+
+
+def cpu_overrides(actor_ranks: int = 1, precision: Optional[str] = None) -> list[str]:
     """verl settings of a CPU run on one machine (with ``VERL_PLATFORM=cpu`` in the environment).
 
     A new local Ray instance for every run (``ray.init`` would otherwise join any Ray instance already running on
     the machine, e.g. another run's, and wait for its logical GPUs). ``actor_ranks`` FSDP2 ranks on gloo, each
     holding one logical Ray ``GPU`` (Ray's CPU count is logical too:
-    verl asks several CPUs per worker, more than a small machine has); float32 compute (CPU bf16 is slow and
-    would make the actor's log-probs differ from the rollout's); eager attention and no remove-padding (no
+    verl asks several CPUs per worker, more than a small machine has); eager attention and no remove-padding (no
     flash-attention kernels); the ``transformers`` rollout, kept resident (no sleep / wake-up), decoding at most 64
     sequences at once (its key-value cache lives in host memory) and synced with full weights; one agent-loop worker, one reward worker and one TransferQueue storage unit.
+
+    Precision (docs/verl_integration.md#cpu-backend): ``bf16`` is what the GPU recipes run, verl's FSDP mixed
+    precision (float32 master weights, bf16 parameters and autocast compute, float32 gradient reductions and
+    buffers) for the actor and reference, and a bf16 rollout; ``fp32`` runs all of them in float32.
+
+    Args:
+        actor_ranks: FSDP2 ranks, an int >= 1.
+        precision: ``"bf16"``, ``"fp32"`` or None for :func:`cpu_precision` (bf16 where the CPU has bf16 units).
+
+    Raises:
+        LaunchError: ``precision`` is not one of :data:`CPU_PRECISIONS`.
     """
+    precision = cpu_precision() if precision is None else precision
+    if precision not in CPU_PRECISIONS:
+        raise LaunchError(f"CPU precision {precision!r}: use one of {', '.join(CPU_PRECISIONS)}")
+    compute, rollout_dtype = ("bf16", "bfloat16") if precision == "bf16" else ("fp32", "float32")
+    mixed = f"{{param_dtype:{compute},reduce_dtype:fp32,buffer_dtype:fp32}}"
     return [
         "trainer.device=cpu",
         f"trainer.n_gpus_per_node={actor_ranks}",
@@ -123,10 +178,13 @@ def cpu_overrides(actor_ranks: int = 1) -> list[str]:
         "+actor_rollout_ref.model.override_config.attn_implementation=eager",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
         "actor_rollout_ref.actor.strategy=fsdp2",
-        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={mixed}",
         "actor_rollout_ref.ref.strategy=fsdp2",
+        f"+actor_rollout_ref.ref.fsdp_config.mixed_precision={mixed}",
         "actor_rollout_ref.actor.use_torch_compile=false",
         "actor_rollout_ref.rollout.name=transformers",
+        f"actor_rollout_ref.rollout.dtype={rollout_dtype}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.free_cache_engine=false",
         "actor_rollout_ref.rollout.max_num_seqs=64",

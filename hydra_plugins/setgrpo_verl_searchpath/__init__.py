@@ -5,7 +5,8 @@ Hydra imports every module of the ``hydra_plugins`` namespace package and calls 
 
     python -m verl.trainer.main_ppo --config-name setgrpo_trainer algorithm.setgrpo.beta=0.1 ...
 
-finds ``setgrpo_verl/hydra_configs/setgrpo_trainer.yaml`` without ``--config-path``. The entry is appended, so
+finds ``setgrpo_trainer.yaml`` (edited in the repository's top-level ``hydra_configs/``, installed as the package
+``setgrpo_verl.hydra_configs``) without ``--config-path``. The entry is appended, so
 the application's own config directory (verl's ``verl/trainer/config``) keeps precedence for every name it has.
 This module imports only Hydra.
 """

@@ -193,6 +193,44 @@ def compute_setgrpo_advantage(
     return data, context.output
 
 
+def calibration_chunk_prompts(config: Any) -> Optional[int]:
+    """Most calibration prompts whose rollouts the calibration phase holds in TransferQueue at once, or None.
+
+    The phase rolls out every calibration batch before it scores and sketches them (one weight sync,
+    docs/verl_integration.md#trainer-mode), so all ``rollout.n`` responses of every prompt sit in
+    TransferQueue together. verl's SimpleStorage backend refuses entries beyond
+    ``transfer_queue.backend.SimpleStorage.total_storage_size`` (spread over its storage units by index); half
+    of it is left for the uneven spread and other partitions.
+
+    Args:
+        config: the composed verl config.
+
+    Returns:
+        ``total_storage_size // (2 * rollout.n)`` (at least 1) for the SimpleStorage backend with a size; None
+        (no limit) for an unlimited SimpleStorage or another backend.
+    """
+    backend = (config.get("transfer_queue") or {}).get("backend")
+    if backend is None or backend.get("storage_backend", "SimpleStorage") != "SimpleStorage":
+        return None
+    size = (backend.get("SimpleStorage") or {}).get("total_storage_size")
+    if size is None:
+        return None
+    return max(1, int(size) // (2 * int(config.actor_rollout_ref.rollout.n)))
+
+
+def _chunks(batches, limit: Optional[int]):
+    """Consecutive calibration batches grouped into lists of at most ``limit`` prompts (one batch at least)."""
+    chunk, held = [], 0
+    for batch in batches:
+        if chunk and limit is not None and held + len(batch) > limit:
+            yield chunk
+            chunk, held = [], 0
+        chunk.append(batch)
+        held += len(batch)
+    if chunk:
+        yield chunk
+
+
 def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]:
     """One JSON object per group of a step: status, recovery ratio, projections, point scores."""
     result = step.result
@@ -334,32 +372,50 @@ class SetGRPOTrainer(PPOTrainerSync):
             yield batch
 
     def _calibrate(self) -> CalibrationRecord:
-        """Calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): rollouts of the initial policy, two scorings, sketches."""
+        """Calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): rollouts of the initial policy, two scorings, sketches.
+
+        The policy does not change during calibration, so the rollout keeps the weights verl synced at start-up:
+        every calibration batch is rolled out first, then the rollout sleeps once (freeing its memory, as verl's
+        sync trainer does before its actor passes) for the reward and sketch passes. Only a calibration set larger
+        than :func:`calibration_chunk_prompts` allows in TransferQueue at once is split into chunks, each chunk
+        after the first waking the rollout with one weight sync. When training follows, one more sync wakes the
+        rollout for the first step; ``calibration.only=true`` stops without it.
+
+        Raises:
+            ValueError: an empty calibration set, or a grader that gives the truth for some batches only.
+        """
         cfg, key = self.setgrpo, self.setgrpo.reference_score_key
         points, refs, grams, truths = [], [], [], []
         self._calibration_prompts: list[dict] = []
         t0 = time.perf_counter()
-        for i, prompts in enumerate(self._calibration_batches()):
-            if i > 0:  # wake the rollout replicas again (weights unchanged: no update happens during calibration)
+        limit = calibration_chunk_prompts(self.config)
+        for chunk_index, chunk in enumerate(_chunks(self._calibration_batches(), limit)):
+            if chunk_index > 0:  # the rollout slept through the previous chunk's passes: wake it, same weights
                 self.checkpoint_manager.update_weights(self.global_steps)
-            self._submit_batch_to_rollout(prompts)
-            batch, _ = self.replay_buffer.sample(global_steps=self.global_steps, partition_id="train", batch_size=len(prompts))
+            rollouts = []
+            for prompts in chunk:
+                self._submit_batch_to_rollout(prompts)
+                batch, _ = self.replay_buffer.sample(
+                    global_steps=self.global_steps, partition_id="train", batch_size=len(prompts)
+                )
+                rollouts.append(batch)
             self.on_sample_end()
-            metrics: dict = {}
-            if self.reward_loop_manager.reward_loop_worker_handles is None:
-                batch = self._compute_reward_colocate(batch, metrics=metrics)
-            batch = self._balance_batch(batch, metrics=metrics)
-            self._compute_sketches(batch)
-            fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-            fields += [k for k in (key, TRUTH_SCORE_KEY) if batch.fields and k in batch.fields]
-            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-            groups = calibration_groups(data, key)
-            points.append(groups.point)
-            refs.append(groups.reference)
-            grams.append(groups.gram)
-            truths.append(groups.truth)
-            tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
-            logger.warning("SetGRPO calibration: %d groups so far", sum(p.shape[0] for p in points))
+            for batch in rollouts:
+                metrics: dict = {}
+                if self.reward_loop_manager.reward_loop_worker_handles is None:
+                    batch = self._compute_reward_colocate(batch, metrics=metrics)
+                batch = self._balance_batch(batch, metrics=metrics)
+                self._compute_sketches(batch)
+                fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
+                fields += [k for k in (key, TRUTH_SCORE_KEY) if batch.fields and k in batch.fields]
+                data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+                groups = calibration_groups(data, key)
+                points.append(groups.point)
+                refs.append(groups.reference)
+                grams.append(groups.gram)
+                truths.append(groups.truth)
+                tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+                logger.warning("SetGRPO calibration: %d groups so far", sum(p.shape[0] for p in points))
         if not points:
             raise ValueError("the calibration prompt set is empty (algorithm.setgrpo.calibration.files / num_prompts)")
         if any(t is None for t in truths) and not all(t is None for t in truths):
@@ -385,8 +441,8 @@ class SetGRPOTrainer(PPOTrainerSync):
                  **{name: value.numpy() for name, value in paired.items()})
         self._log_record(record, timing_s=time.perf_counter() - t0)
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
-        # the first training step wakes the replicas through the regular path
-        self.checkpoint_manager.update_weights(self.global_steps)
+        if not cfg.calibration.only:  # training follows: verl's sync trainer starts a step with the rollout awake
+            self.checkpoint_manager.update_weights(self.global_steps)
         return record
 
     # ------------------------------------------------------------------ per step

@@ -8,8 +8,10 @@ decoded by one ``model.generate`` call. :class:`TransformersReplica` launches on
 actor worker and pushes the actor's full weights to the server on verl's weight-sync path (every step), so the
 rollout always samples from the current policy.
 
-Log-probabilities, when verl asks for them (``rollout.calculate_log_probs``), are those of the sampled tokens under
-``softmax(logits / temperature)`` of the unprocessed logits: the quantity verl's actor computes.
+The model runs in verl's ``rollout.dtype`` (bf16 in the GPU recipes and on CPUs with bf16 units, see
+:func:`setgrpo_verl.launch.cpu_overrides`). Log-probabilities, when verl asks for them
+(``rollout.calculate_log_probs``), are those of the sampled tokens under ``softmax(logits / temperature)`` of the
+unprocessed logits, taken in float32: the quantity verl's actor computes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Optional
 import ray
 import torch
 
+from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
@@ -89,16 +92,17 @@ class TransformersRolloutServer:
         max_batch_size: most requests decoded together (``rollout.max_num_seqs``).
         seed: torch seed of the server process (sampling).
         trust_remote_code: passed to ``from_pretrained``.
+        dtype: the model's dtype (verl's ``rollout.dtype``), ``torch.bfloat16`` or ``torch.float32``.
     """
 
     def __init__(self, model_path: str, response_length: int, max_batch_size: int, seed: int = 0,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.manual_seed(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, torch_dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation="eager"
+            model_path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="eager"
         )
         self.model.eval()
         self.response_length = int(response_length)
@@ -264,6 +268,7 @@ class TransformersReplica(RolloutReplica):
             self.config.max_num_seqs,
             replica_seed(int(self.config.seed), self.replica_rank),
             bool(getattr(self.model_config, "trust_remote_code", False)),
+            PrecisionType.to_dtype(self.config.dtype),
         )
         self.servers = [server]
         self._server_handle = server
@@ -285,6 +290,7 @@ class TransformersRolloutAdapter(BaseRollout):
         self.replica_rank = rank // world
         self.is_leader = rank % world == 0
         self._server = None
+        self.dtype = PrecisionType.to_dtype(self.config.dtype)  # the server model's dtype: weights travel in it
 
     async def resume(self, tags: list[str]):
         return None
@@ -307,7 +313,7 @@ class TransformersRolloutAdapter(BaseRollout):
         for name, tensor in weights:
             if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: every rank takes part in the gather
                 tensor = tensor.full_tensor()
-            state[name] = tensor.detach().to("cpu", dtype=torch.float32, copy=True)
+            state[name] = tensor.detach().to("cpu", dtype=self.dtype, copy=True)
         if not self.is_leader:
             return None
         if self._server is None:

@@ -23,7 +23,7 @@ from setgrpo_verl.integration.config import SetGRPOAlgoConfig, SetGRPOConfig, ch
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith(("_", "prepare")))
 MODES = ("calibrate", "train", "grpo")
-CONFIG_DIR = os.path.join(os.path.dirname(setgrpo_verl.__file__), "hydra_configs")
+CONFIG_DIR = str(REPO / "hydra_configs")  # the YAML sources (installed as the package setgrpo_verl.hydra_configs)
 TABLE3 = {  # the paper's Table 3, as verl keys
     "actor_rollout_ref.rollout.n": 8,
     "data.max_prompt_length": 2048,
@@ -50,7 +50,7 @@ def _compose(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def _recipe_argv(recipe: Path, mode: str, tmp: Path) -> list[str]:
+def _recipe_argv(recipe: Path, mode: str, tmp: Path, *extra: str) -> list[str]:
     """The exact arguments a recipe passes to `python -m verl.trainer.main_ppo` (captured by a python shim)."""
     shim, captured = tmp / "python", tmp / f"{recipe.stem}-{mode}.args"
     shim.write_text(
@@ -61,7 +61,7 @@ def _recipe_argv(recipe: Path, mode: str, tmp: Path) -> list[str]:
     )
     shim.chmod(0o755)
     env = {**os.environ, "PYTHON": str(shim), "SHIM_OUT": str(captured), "HOME": str(tmp)}
-    subprocess.run(["bash", str(recipe), mode], env=env, check=True, capture_output=True, timeout=120)
+    subprocess.run(["bash", str(recipe), mode, *extra], env=env, check=True, capture_output=True, timeout=120)
     return captured.read_text().split("\0")[:-1]
 
 
@@ -89,6 +89,8 @@ def test_every_recipe_composes(compositions):
     for (name, mode), (argv, cfg) in compositions.items():
         for key, value in TABLE3.items():
             assert OmegaConf.select(cfg, key) == value, (name, mode, key)
+        # calibration trains nothing: no validation pass before it (train and grpo validate the initial policy)
+        assert cfg.trainer.val_before_train is (mode != "calibrate"), (name, mode)
         assert cfg.reward.reward_manager.name == "setgrpo_dual" and cfg.reward.reward_kwargs.grader.type == "openai"
         if mode != "train":  # the pre-Ray check passes (train needs the record file the calibrate run writes)
             check_run_config(cfg)
@@ -105,6 +107,14 @@ def test_every_recipe_composes(compositions):
             assert setgrpo.calibration.files.endswith("calib.parquet")
         else:
             assert not setgrpo.calibration.only and setgrpo.record_path.endswith("setgrpo_calibration.json")
+
+
+def test_calibrate_validates_first_only_when_asked(tmp_path):
+    recipe = REPO / "recipes" / "qwen3_4b.sh"
+    for extra, expected in (((), False), (("trainer.val_before_train=true",), True)):
+        code, out, err = _compose(_recipe_argv(recipe, "calibrate", tmp_path, *extra))
+        assert code == 0, err[-3000:]
+        assert OmegaConf.create(out).trainer.val_before_train is expected, extra
 
 
 @pytest.mark.slow

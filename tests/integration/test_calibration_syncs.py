@@ -1,0 +1,135 @@
+"""The calibration phase syncs the rollout's weights once, not once per batch (the policy does not change).
+
+The trainer's calibration phase runs against recording stand-ins for verl's checkpoint manager (weight syncs,
+sleeps), rollout, replay buffer, sketch RPC and TransferQueue; the calibration itself (``calibrate`` and the
+record) is the real one. What must hold: every calibration batch is rolled out while the rollout is awake, every
+sketch pass runs while it sleeps (the memory verl frees before its actor passes), and the weights are synced
+once per chunk after the first (none within a chunk), plus once to wake the rollout when training follows.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transfer_queue.metadata import KVBatchMeta
+
+from verl.utils import tensordict_utils as tu
+
+import setgrpo_verl.integration.trainer as trainer_module
+from setgrpo_verl.integration.trainer import calibration_chunk_prompts
+from setgrpo_verl.integration.worker import SKETCH_KEY
+
+from .test_plugin import _record_trainer
+
+K = 4  # rollout.n of _record_trainer
+
+
+class _Rollout:
+    """Stand-ins for the checkpoint manager, the rollout + replay buffer, the sketch RPC and TransferQueue."""
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.awake = True  # verl's on_init_end synced the initial weights and left the rollout awake
+        self.store: dict[str, dict] = {}
+        self.ready: list[str] = []
+        self.gen = torch.Generator().manual_seed(0)
+
+    # checkpoint manager
+    def update_weights(self, global_steps=None):
+        self.events.append("sync")
+        self.awake = True
+
+    def sleep_replicas(self):
+        self.events.append("sleep")
+        self.awake = False
+
+    # rollout and replay buffer
+    def submit(self, prompts):
+        assert self.awake, "a calibration batch was rolled out while the rollout slept"
+        self.events.append("rollout")
+        for uid in prompts:
+            scores = torch.rand(K, generator=self.gen)
+            for k in range(K):
+                rm = torch.zeros(3)
+                rm[-1] = scores[k]
+                noise = 0.1 * float(torch.randn(1, generator=self.gen))
+                self.store[f"{uid}_{k}_0"] = {"uid": uid, "response_mask": torch.ones(3, dtype=torch.int64),
+                                              "rm_scores": rm,
+                                              "extra_fields": {"reward_extra_info": {"reference_score":
+                                                                                     float(scores[k]) + noise}}}
+            self.ready.append(uid)
+        return len(prompts)
+
+    def sample(self, global_steps, partition_id, batch_size):
+        uids, self.ready = self.ready[:batch_size], self.ready[batch_size:]
+        keys = [k for k in self.store if k.split("_")[0] in uids]
+        return KVBatchMeta(partition_id=partition_id, keys=keys, tags=[{"status": "success"} for _ in keys]), {}
+
+    def sketch(self, batch, fused=False):
+        assert not self.awake, "a sketch pass ran while the rollout held its memory"
+        self.events.append("sketch")
+        for key in batch.keys:
+            self.store[key][SKETCH_KEY] = torch.randn(5, generator=self.gen)
+
+    # TransferQueue
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        return tu.list_of_dict_to_tensordict([{f: self.store[k][f] for f in select_fields} for k in keys])
+
+    def kv_clear(self, keys, partition_id):
+        for k in keys:
+            del self.store[k]
+
+
+def _calibrate(tmp_path, monkeypatch, batches: int, per_batch: int, *, only: bool, storage: int | None = None):
+    trainer = _record_trainer(tmp_path, calibration={"only": only, "on_infeasible": "reject_all"})
+    if storage is not None:
+        trainer.config.transfer_queue = {"backend": {"storage_backend": "SimpleStorage",
+                                                     "SimpleStorage": {"total_storage_size": storage}}}
+    fake = _Rollout()
+    monkeypatch.setattr(trainer_module, "tq", fake)
+    trainer.checkpoint_manager = fake
+    trainer.replay_buffer = SimpleNamespace(sample=fake.sample)
+    trainer.reward_loop_manager = SimpleNamespace(reward_loop_worker_handles=["reward worker"])  # scored in rollout
+    trainer.curr_step_profile = False
+    trainer.logger = SimpleNamespace(log=lambda data, step: None)
+    trainer._submit_batch_to_rollout = fake.submit
+    trainer._compute_sketches = fake.sketch
+    trainer._balance_batch = lambda batch, metrics: batch
+    trainer._calibration_batches = lambda: iter([[f"p{b}x{i}" for i in range(per_batch)] for b in range(batches)])
+    record = trainer._calibrate()
+    assert not fake.store  # every calibration rollout was cleared from TransferQueue
+    return record, fake.events
+
+
+@pytest.mark.parametrize("only", [True, False])
+def test_one_phase_rolls_out_every_batch_then_sleeps_once_without_a_sync(tmp_path, monkeypatch, only):
+    record, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=only)
+    assert events == ["rollout"] * 3 + ["sleep"] + ["sketch"] * 3 + ([] if only else ["sync"])
+    paired = np.load(tmp_path / "paired_scores.npz")
+    assert paired["point"].shape == (24, K) and paired["gram"].shape == (24, K, K)
+    assert record.K == K
+
+
+def test_a_set_larger_than_transfer_queue_holds_is_chunked_with_one_sync_per_further_chunk(tmp_path, monkeypatch):
+    # room for 2 * K * 8 responses: chunks of at most 8 prompts, i.e. two batches of 4
+    _, events = _calibrate(tmp_path, monkeypatch, batches=5, per_batch=4, only=True, storage=2 * K * 8)
+    chunk = ["rollout", "rollout", "sleep", "sketch", "sketch"]
+    assert events == chunk + ["sync"] + chunk + ["sync", "rollout", "sleep", "sketch"]
+    assert events.count("sync") == 2  # against 4 when every batch after the first syncs
+
+
+def test_chunk_size_from_transfer_queue_capacity():
+    def config(backend):
+        return OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 8}}, "transfer_queue": {"backend": backend}})
+
+    assert calibration_chunk_prompts(config({"storage_backend": "SimpleStorage",
+                                             "SimpleStorage": {"total_storage_size": 100000}})) == 6250
+    assert calibration_chunk_prompts(config({"storage_backend": "SimpleStorage",
+                                             "SimpleStorage": {"total_storage_size": None}})) is None
+    assert calibration_chunk_prompts(config({"storage_backend": "MooncakeStore"})) is None
+    assert calibration_chunk_prompts(config({"storage_backend": "SimpleStorage",
+                                             "SimpleStorage": {"total_storage_size": 4}})) == 1

@@ -1,0 +1,138 @@
+"""The wheel carries the one copy of the Hydra config, and verl's ``main_ppo`` finds it there without --config-path.
+
+The YAML is edited in the repository's top-level ``hydra_configs/`` and installed as the package
+``setgrpo_verl.hydra_configs`` (``package-dir`` in ``pyproject.toml``). The wheel is built from a copy of the
+source tree (so no stale ``build/`` folder of the checkout can leak into it) and installed without dependencies
+into a fresh virtualenv whose only other import path is this environment's site-packages folder: that folder's
+``.pth`` files (among them the editable install's finder) are not processed, so the fresh interpreter imports the
+wheel's copy of the package and cannot see the repository.
+"""
+
+from __future__ import annotations
+
+import email
+import importlib.metadata as md
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+#: Folders of a checkout that are not the repository's content (build outputs, environments, run outputs).
+NOT_SOURCE = (".git", ".venv", "build", "dist", "runs", "outputs", "__pycache__", ".pytest_cache", "*.egg-info")
+#: Source folder -> the folder it is installed as.
+INSTALLED_AS = {"setgrpo_verl": "setgrpo_verl", "hydra_plugins": "hydra_plugins",
+                "hydra_configs": "setgrpo_verl/hydra_configs"}
+
+
+def _source_files(folder: str, suffixes: tuple[str, ...]) -> list[Path]:
+    return sorted(p for p in (REPO / folder).rglob("*") if p.suffix in suffixes and "__pycache__" not in p.parts)
+
+
+def expected_wheel_files() -> set[str]:
+    """Every module of the source tree and every file of ``hydra_configs/``, at its installed path."""
+    out = set()
+    for folder, target in INSTALLED_AS.items():
+        suffixes = (".py", ".yaml") if folder == "hydra_configs" else (".py",)
+        out |= {f"{target}/{p.relative_to(REPO / folder).as_posix()}" for p in _source_files(folder, suffixes)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp / "dist"),
+                           str(src)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (whl,) = (tmp / "dist").glob("setgrpo_verl-*.whl")
+    return whl
+
+
+def test_no_second_copy_of_any_yaml():
+    found = []
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if not any(Path(d).match(p) for p in NOT_SOURCE)]
+        found += [Path(root, f).relative_to(REPO) for f in files if f.endswith((".yaml", ".yml"))]
+    assert found, "no YAML found: the Hydra configs moved?"
+    assert all(p.parts[0] == "hydra_configs" for p in found), f"YAML outside hydra_configs/: {found}"
+    assert not (REPO / "setgrpo_verl" / "hydra_configs").exists()
+    texts = [(REPO / p).read_text() for p in found]
+    assert len(set(texts)) == len(texts), f"two YAML files with the same content: {found}"
+
+
+def test_wheel_carries_every_module_and_the_hydra_configs(wheel):
+    names = {n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in n}
+    assert "setgrpo_verl/hydra_configs/setgrpo_trainer.yaml" in names
+    assert names == expected_wheel_files()
+    assert not any(n.startswith("hydra_configs/") for n in names)  # not a top-level package of its own
+    text = zipfile.ZipFile(wheel).read("setgrpo_verl/hydra_configs/setgrpo_trainer.yaml").decode()
+    assert text == (REPO / "hydra_configs" / "setgrpo_trainer.yaml").read_text()
+
+
+#: What verl 0.9.1's ``vllm`` extra pins: the GPU set verl is tested with.
+VERL_VLLM_PINS = {"vllm": "==0.24.0", "torch": "==2.11.0", "torchvision": "==0.26.0", "torchaudio": "==2.11.0",
+                  "transformers": "==5.9.0"}
+
+
+def _extra_requirements(requires: list[str], extra: str) -> list[Requirement]:
+    reqs = [Requirement(r) for r in requires]
+    return [r for r in reqs if r.marker is not None and r.marker.evaluate({"extra": extra})]
+
+
+def test_gpu_extra_installs_the_set_verl_is_tested_with(wheel):
+    metadata = email.message_from_bytes(zipfile.ZipFile(wheel).read(f"setgrpo_verl-{wheel.name.split('-')[1]}.dist-info/METADATA"))
+    (gpu,) = _extra_requirements(metadata.get_all("Requires-Dist"), "gpu")
+    assert (gpu.name, gpu.extras, str(gpu.specifier)) == ("verl", {"vllm"}, "==0.9.1")
+    # and that extra of the installed verl 0.9.1 pins exactly these (a verl upgrade that moves them fails here)
+    assert md.version("verl") == "0.9.1"
+    pins = {r.name: str(r.specifier) for r in _extra_requirements(md.requires("verl"), "vllm") if r.specifier}
+    assert {name: pins.get(name) for name in VERL_VLLM_PINS} == VERL_VLLM_PINS
+
+
+_WHERE = ("import json, importlib.resources as r, setgrpo_verl, hydra_plugins.setgrpo_verl_searchpath as p; "
+          "print(json.dumps([setgrpo_verl.__file__, p.__file__, "
+          "str(r.files('setgrpo_verl.hydra_configs') / 'setgrpo_trainer.yaml')]))")
+
+
+@pytest.mark.slow
+def test_installed_wheel_resolves_config_name_without_config_path(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                           "--quiet", str(wheel)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # the dependencies (verl, Hydra, torch, ...) from this environment, listed after the wheel's own folder
+    (site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    run = tmp_path / "run"  # a working directory without any config or package
+    run.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+    where = subprocess.run([str(python), "-c", _WHERE], cwd=run, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert where.returncode == 0, where.stderr[-3000:]
+    for path in json.loads(where.stdout):
+        assert Path(path).resolve().is_relative_to(site.resolve()), (path, site)
+        assert not Path(path).resolve().is_relative_to(REPO), path
+    assert Path(json.loads(where.stdout)[2]).is_file()
+
+    proc = subprocess.run([str(python), "-m", "verl.trainer.main_ppo", "--config-name", "setgrpo_trainer",
+                           "algorithm.setgrpo.alpha=0.1", "--cfg", "job"], cwd=run, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.algorithm.setgrpo.alpha == 0.1 and cfg.algorithm.setgrpo.beta == 0.08
+    assert cfg.algorithm.adv_estimator == "setgrpo" and cfg.trainer.v1.trainer_mode == "setgrpo"
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 256  # verl's own ppo_trainer underneath
