@@ -195,10 +195,10 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 #: A trainable parameter outside nn.Linear / embedding / norm modules is "per-channel" (left out like the norm
-#: weights) when all its dimensions but the largest multiply to at most this: 1-D vectors (Gated DeltaNet's
-#: ``A_log``, ``dt_bias``) and depthwise convolution kernels [C, 1, k] with k <= 16 (its ``conv1d``).  Anything
-#: larger (3-D MoE expert tensors, a 2-D ``nn.Parameter`` matrix) is refused.
-PER_CHANNEL_MAX_FANIN = 16
+#: weights) when it is a 1-D vector (Gated DeltaNet's ``A_log``, ``dt_bias``) or a depthwise convolution kernel
+#: [C, 1, k] with k <= this (its ``conv1d``).  Anything else (3-D MoE expert tensors, an MoE router's 2-D
+#: ``nn.Parameter``) is refused.
+PER_CHANNEL_MAX_KERNEL = 16
 
 #: How many parameter names an error message lists.
 _NAMES_SHOWN = 6
@@ -217,7 +217,7 @@ class SketchCoverage:
             weights and biases of the text model (LM head and LoRA adapters included), plus the input
             embedding and norm weights when ``include_embeddings`` / ``include_norms`` are on.
         left_out: trainable text-model parameters left out by design: the input embedding and norm weights when
-            their option is off, and per-channel parameters (:data:`PER_CHANNEL_MAX_FANIN`).
+            their option is off, and per-channel parameters (:data:`PER_CHANNEL_MAX_KERNEL`).
         outside_text: trainable parameters outside the text model (the vision tower of a vision-language model,
             whose gradient in a text-only update is zero: verl adds its dummy-image output with weight 0).
         refused: trainable text-model parameters the sketch cannot cover (e.g. 3-D MoE expert tensors).
@@ -289,7 +289,7 @@ def _text_modules(model: nn.Module, embedding: nn.Module, head: nn.Module | None
 
 
 def _is_per_channel(p: torch.Tensor) -> bool:
-    return p.dim() <= 1 or math.prod(sorted(p.shape)[:-1]) <= PER_CHANNEL_MAX_FANIN
+    return p.dim() <= 1 or (p.dim() == 3 and p.shape[1] == 1 and p.shape[2] <= PER_CHANNEL_MAX_KERNEL)
 
 
 def _select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> _Selection:
