@@ -21,6 +21,8 @@ from verl.trainer.config.algorithm import AlgoConfig
 
 from setgrpo_verl.sketch import SketchConfig
 
+from .support import check_sketch_support
+
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
 SETGRPO_NAME = "setgrpo"
 
@@ -354,6 +356,7 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
     if config.actor_rollout_ref.rollout.n < 2:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
     setgrpo = setgrpo_config_from(config.algorithm)
+    check_sketch_support(config, setgrpo.sketch.to_sketch_config())
     if setgrpo.record_path:
         from setgrpo_verl.core import CalibrationRecord
 

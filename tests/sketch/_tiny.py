@@ -204,3 +204,21 @@ class verl_monkey_patch:
                 if current.get(key, None) is not value and key not in ("__dict__", "__weakref__"):
                     setattr(obj, key, value)
         return False
+
+
+def qwen3_config(*, vocab=96, tie=False):
+    """The configuration of :func:`tiny_qwen3`."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=tie, pad_token_id=0,
+    )
+
+
+def save_config_dir(config, architecture: str, out):
+    """A model directory holding only ``config.json`` (what a meta-device build reads), ``architectures`` set as
+    ``save_pretrained`` sets it (verl's ``get_hf_auto_model_class`` reads it)."""
+    config.architectures = [architecture]
+    config.save_pretrained(out)
+    return out
