@@ -347,17 +347,14 @@ def _select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> _Selec
             emb_block = _Block(_normalise_name(_module_name(model, embedding)), "embedding",
                                embedding.num_embeddings, embedding.embedding_dim)
             blocks.append(emb_block)
-    text_params = None
-    if text is not None:
-        text_params = {id(p) for m in model.modules() if id(m) in text for p in m.parameters(recurse=False)}
     groups: dict[str, list[str]] = {"sketched": [], "left_out": [], "outside_text": [], "refused": []}
     numel = {"sketched": 0, "left_out": 0}
-    for raw_name, p in model.named_parameters():
-        if not p.requires_grad:
+    for raw_name, p, trainable, owner in _logical_parameters(model):
+        if not trainable:
             continue
         if id(p) in sketched:
             group = "sketched"
-        elif text_params is not None and id(p) not in text_params:
+        elif text is not None and id(owner) not in text:
             group = "outside_text"
         elif id(p) in optional or _is_per_channel(p):
             group = "left_out"
@@ -370,6 +367,28 @@ def _select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> _Selec
         **{k: tuple(v) for k, v in groups.items()}, sketched_numel=numel["sketched"], left_out_numel=numel["left_out"]
     )
     return _Selection(blocks, linears, norms, embedding, emb_block, coverage)
+
+
+def _logical_parameters(model: nn.Module):
+    """(name, tensor, trainable, owning module) of every parameter as the model defines it, each once.
+
+    FSDP1 without ``use_orig_params`` replaces a wrapped module's parameters by one flat parameter and sets the
+    original names as plain tensor views; those are listed through the flat parameter's ``_param_infos``
+    (torch 2.x FSDP1 ``FlatParameter``), so names and coverage are the model's own under FSDP1 too."""
+    seen: set[int] = set()
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            infos = getattr(p, "_param_infos", None)
+            if infos is None:
+                yield (f"{mname}.{pname}" if mname else pname), p, bool(p.requires_grad), module
+                continue
+            for info in infos:  # tied copies sit in _shared_param_infos and are the same parameter
+                view = getattr(info.module, info.param_name)
+                name = ".".join(x for x in (mname, info.module_name, info.param_name) if x)
+                yield name.replace("_flat_param.", ""), view, bool(p.requires_grad), info.module
 
 
 def _module_name(model: nn.Module, target: nn.Module) -> str:

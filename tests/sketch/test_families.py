@@ -142,3 +142,48 @@ def test_moe_with_lora_on_attention_only_is_sketched():
     cov = sketch_coverage(model)
     assert not cov.refused and set(cov.sketched) == _trainable(model)
     _assert_identity_is_exact(model, SketchConfig(identity=True))
+
+
+_FSDP1_SCRIPT = r'''
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from verl.utils.fsdp_utils import get_fsdp_wrap_policy
+from setgrpo_verl.sketch import SketchConfig, compute_sketches, sketch_coverage
+from tests.sketch._tiny import tiny_llama, verl_batch
+ids, am, rm = verl_batch()
+cfg = SketchConfig(include_embeddings=True)
+plain = tiny_llama(tie=True).float()
+ref, ref_cov = compute_sketches(plain, ids, am, rm, cfg), sketch_coverage(plain, cfg)
+for orig in (False, True):
+    model = tiny_llama(tie=True).float()
+    wrapped = FSDP(model, auto_wrap_policy=get_fsdp_wrap_policy(model, config={"min_num_params": 0}),
+                   device_id=torch.device("cpu"), use_orig_params=orig)
+    cov = sketch_coverage(wrapped, cfg)
+    for group in ("sketched", "left_out", "outside_text", "refused"):
+        assert sorted(getattr(cov, group)) == sorted(getattr(ref_cov, group)), (orig, group, getattr(cov, group))
+    assert (cov.sketched_numel, cov.left_out_numel) == (ref_cov.sketched_numel, ref_cov.left_out_numel)
+    out = compute_sketches(wrapped, ids, am, rm, cfg)
+    assert out.block_names == ref.block_names
+    torch.testing.assert_close(out.sketches, ref.sketches, rtol=0, atol=1e-6 * ref.sketches.abs().max().item())
+print("ok")
+'''
+
+
+@pytest.mark.slow
+def test_fsdp1_flat_parameters_have_the_models_coverage():
+    """FSDP1 without use_orig_params flattens the parameters; coverage and sketches are still the model's own."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([sys.executable, "-c", _FSDP1_SCRIPT, port], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
