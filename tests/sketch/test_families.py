@@ -9,6 +9,12 @@ model with trainable parameters the sketch cannot cover (3-D MoE experts) is ref
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -174,12 +180,6 @@ print("ok")
 @pytest.mark.slow
 def test_fsdp1_flat_parameters_have_the_models_coverage():
     """FSDP1 without use_orig_params flattens the parameters; coverage and sketches are still the model's own."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
