@@ -293,11 +293,31 @@ def _is_per_channel(p: torch.Tensor) -> bool:
     return p.dim() <= 1 or (p.dim() == 3 and p.shape[1] == 1 and p.shape[2] <= PER_CHANNEL_MAX_KERNEL)
 
 
+def _not_sketchable(model: nn.Module) -> tuple[set[int], set[int]]:
+    """(ids of nn.Linear modules whose weight is used without calling them, ids of parameters that must be refused).
+
+    peft's LoRA on parameters (``ParamWrapper``, ``target_parameters``, e.g. on 3-D MoE experts) holds its adapters
+    as nn.Linear modules but only reads their weights; DoRA's magnitude modules also read lora_A / lora_B's weights
+    outside their forward (the weight norm). Hooks would miss those gradients, so these are refused."""
+    modules: set[int] = set()
+    params: set[int] = set()
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind == "ParamWrapper":
+            for part in (getattr(module, "lora_A", None), getattr(module, "lora_B", None)):
+                if isinstance(part, nn.Module):
+                    modules.update(id(m) for m in part.modules())
+        elif kind.startswith("Dora") or kind.endswith("DoraLayer"):
+            params.update(id(p) for p in module.parameters())
+    return modules, params
+
+
 def _select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> _Selection:
     """The blocks to hook and the coverage of every trainable parameter (docs/sketch.md#what-is-sketched)."""
     head_getter = getattr(model, "get_output_embeddings", None)
     head = head_getter() if callable(head_getter) else None
     text = _text_modules(model, embedding, head)
+    unhookable, forced = _not_sketchable(model)
     by_param: dict[int, _Block] = {}
     blocks, linears, norms = [], [], []
     sketched: set[int] = set()
@@ -306,7 +326,7 @@ def _select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> _Selec
         if text is not None and id(module) not in text:
             continue
         name = _normalise_name(raw_name) or "<root>"
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and id(module) not in unhookable:
             weight, bias = module.weight, module.bias
             train_w = bool(weight.requires_grad)
             train_b = bias is not None and bool(bias.requires_grad)
@@ -352,10 +372,12 @@ def _select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> _Selec
     for raw_name, p, trainable, owner in _logical_parameters(model):
         if not trainable:
             continue
-        if id(p) in sketched:
-            group = "sketched"
-        elif text is not None and id(owner) not in text:
+        if text is not None and id(owner) not in text:
             group = "outside_text"
+        elif id(p) in forced:
+            group = "refused"
+        elif id(p) in sketched:
+            group = "sketched"
         elif id(p) in optional or _is_per_channel(p):
             group = "left_out"
         else:

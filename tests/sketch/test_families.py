@@ -187,3 +187,18 @@ def test_fsdp1_flat_parameters_have_the_models_coverage():
     proc = subprocess.run([sys.executable, "-c", _FSDP1_SCRIPT, port], cwd=root, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_lora_on_parameters_is_refused():
+    """peft's LoRA on parameters (``target_parameters``, e.g. the 3-D experts) reads its adapters' weights without
+    calling them, so no hook would see their gradients: refused, naming them."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    model = get_peft_model(tiny_qwen3_moe(), LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]))
+    cov = sketch_coverage(model)
+    assert cov.refused and all("mlp.experts" in n and (".lora_A." in n or ".lora_B." in n) for n in cov.refused)
+    assert cov.sketched and all("q_proj" in n for n in cov.sketched)
+    with pytest.raises(ValueError, match=r"mlp\.experts\.lora_A"):
+        with GradientSketcher(model):
+            pass
