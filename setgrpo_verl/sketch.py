@@ -31,8 +31,9 @@ bounded by the micro-batch: per hooked call we keep one [tokens, r_in] float32 m
 Public API: :class:`SketchConfig`, :class:`GradientSketcher` (context manager over any module),
 :func:`compute_sketches` (one call in verl's batch layout, padded or remove-padding/packed),
 :class:`SketchOutput`, :func:`sketch_coverage` / :class:`SketchCoverage` (which trainable parameters are
-sketched: the text model's trainable nn.Linear layers, docs/sketch.md#what-is-sketched).  No verl import: the layouts follow verl 0.9.1 conventions (left-padded
-prompt + right-padded response, ``position_ids = clip(cumsum(attention_mask) - 1, 0)`` as in
+sketched: the text model's trainable nn.Linear layers, docs/sketch.md#what-is-sketched).  No verl import: the
+layouts follow verl 0.9.1 conventions (left-padded prompt + right-padded response,
+``position_ids = clip(cumsum(attention_mask) - 1, 0)`` as in
 ``verl.utils.model.compute_position_id_with_mask``, packed tokens with ``attention_mask=None`` and
 per-sequence restarting ``position_ids`` as in ``FSDPEngineWithLMHead.prepare_model_inputs``).
 """
