@@ -158,3 +158,16 @@ def test_main_ppo_command_line_refuses_moe_before_ray(dirs, tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("setgrpo_verl config error: ") and "mlp.experts.gate_up_proj" in last, proc.stderr[-3000:]
     assert "Ray instance" not in proc.stderr and time.monotonic() - start < 120
+
+
+def test_lora_adapter_path_gives_its_adapters(dirs, tmp_path):
+    """``lora_adapter_path``: verl loads the adapter (trainable); the meta build reads its adapter_config.json."""
+    from peft import LoraConfig, TaskType
+
+    LoraConfig(task_type=TaskType.CAUSAL_LM, r=2, target_modules=["q_proj", "v_proj"]).save_pretrained(tmp_path)
+    cfg = _config(path=str(dirs["qwen3"]), lora_rank=8, lora_adapter_path=str(tmp_path))
+    coverage = check_sketch_support(cfg, SketchConfig())
+    assert coverage.sketched and all(n.split(".")[-4] in ("q_proj", "v_proj") for n in coverage.sketched)
+    with pytest.raises(ValueError, match="cannot read the LoRA adapter configuration"):
+        check_sketch_support(_config(path=str(dirs["qwen3"]), lora_rank=8, lora_adapter_path=str(tmp_path / "no")),
+                             SketchConfig())
