@@ -30,8 +30,10 @@ bounded by the micro-batch: per hooked call we keep one [tokens, r_in] float32 m
 
 Public API: :class:`SketchConfig`, :class:`GradientSketcher` (context manager over any module),
 :func:`compute_sketches` (one call in verl's batch layout, padded or remove-padding/packed),
-:class:`SketchOutput`.  No verl import: the layouts follow verl 0.9.1 conventions (left-padded
-prompt + right-padded response, ``position_ids = clip(cumsum(attention_mask) - 1, 0)`` as in
+:class:`SketchOutput`, :func:`sketch_coverage` / :class:`SketchCoverage` (which trainable parameters are
+sketched: the text model's trainable nn.Linear layers, docs/sketch.md#what-is-sketched).  No verl import: the
+layouts follow verl 0.9.1 conventions (left-padded prompt + right-padded response,
+``position_ids = clip(cumsum(attention_mask) - 1, 0)`` as in
 ``verl.utils.model.compute_position_id_with_mask``, packed tokens with ``attention_mask=None`` and
 per-sequence restarting ``position_ids`` as in ``FSDPEngineWithLMHead.prepare_model_inputs``).
 """
@@ -49,7 +51,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["SketchConfig", "SketchOutput", "GradientSketcher", "compute_sketches", "LOSS_AGG_MODES"]
+__all__ = [
+    "SketchConfig", "SketchOutput", "SketchCoverage", "GradientSketcher", "compute_sketches", "sketch_coverage",
+    "LOSS_AGG_MODES",
+]
 
 #: verl 0.9.1 ``core_algos.agg_loss`` modes and whether each response's tokens are weighted
 #: 1/|o_i| (True) or 1 (False); the global constant of each mode does not change the geometry.
@@ -155,8 +160,10 @@ class _Block:
     name: str
     kind: str  # "linear" | "embedding" | "norm"
     rows: int  # output rows of the parameter matrix (norm: 1)
-    cols: int  # input columns (+1 for a Linear bias; norm: total 1-D parameter size)
+    cols: int  # input columns (+1 for a trainable Linear bias; norm: total trainable 1-D parameter size)
     is_head: bool = False
+    weight_cols: int = 0  # Linear: in_features when the weight is trainable, else 0
+    bias: bool = False  # Linear: the bias is trainable (its column follows the weight's)
     offset: int = 0
     size: int = 0
     shape: tuple = (1, 1, 1)  # (r_out, r_in, k)
@@ -189,6 +196,270 @@ def _is_norm(module: nn.Module) -> bool:
     )
 
 
+#: A trainable parameter outside nn.Linear / embedding / norm modules is "per-channel" (left out like the norm
+#: weights) when it is a 1-D vector (Gated DeltaNet's ``A_log``, ``dt_bias``) or a depthwise convolution kernel
+#: [C, 1, k] with k <= this (its ``conv1d``).  Anything else (3-D MoE expert tensors, an MoE router's 2-D
+#: ``nn.Parameter``) is refused.
+PER_CHANNEL_MAX_KERNEL = 16
+
+#: How many parameter names an error message lists.
+_NAMES_SHOWN = 6
+
+
+@dataclass(frozen=True)
+class SketchCoverage:
+    """Which trainable parameters of a model the sketch covers (docs/sketch.md#what-is-sketched).
+
+    Every parameter with ``requires_grad`` falls in exactly one group (names as in ``named_parameters()``,
+    wrapper prefixes of FSDP1 / activation checkpointing / torch.compile removed); frozen parameters (LoRA base
+    weights, a frozen vision tower) are in none.
+
+    Attributes:
+        sketched: parameters whose per-response gradient the sketch estimates: trainable ``nn.Linear``
+            weights and biases of the text model (LM head and LoRA adapters included), plus the input
+            embedding and norm weights when ``include_embeddings`` / ``include_norms`` are on.
+        left_out: trainable text-model parameters left out by design: the input embedding and norm weights when
+            their option is off, and per-channel parameters (:data:`PER_CHANNEL_MAX_KERNEL`).
+        outside_text: trainable parameters outside the text model (the vision tower of a vision-language model,
+            whose gradient in a text-only update is zero: verl adds its dummy-image output with weight 0).
+        refused: trainable text-model parameters the sketch cannot cover (e.g. 3-D MoE expert tensors).
+        sketched_numel, left_out_numel: their element counts (``left_out_numel / (sketched_numel +
+            left_out_numel)`` is the share of the trained parameters the Gram matrix does not see).
+    """
+
+    sketched: tuple[str, ...]
+    left_out: tuple[str, ...]
+    outside_text: tuple[str, ...]
+    refused: tuple[str, ...]
+    sketched_numel: int
+    left_out_numel: int
+
+    def check(self, what: str = "the model") -> None:
+        """Refuse a model whose trained parameters the sketch cannot cover.
+
+        Raises:
+            ValueError: naming the refused parameters (first few and the count), or saying that nothing
+                trainable is sketched.
+        """
+        if self.refused:
+            shown = ", ".join(self.refused[:_NAMES_SHOWN])
+            more = f" and {len(self.refused) - _NAMES_SHOWN} more" if len(self.refused) > _NAMES_SHOWN else ""
+            raise ValueError(
+                f"SetGRPO's gradient sketch cannot cover {len(self.refused)} trainable parameter(s) of {what}: "
+                f"{shown}{more}. It sketches nn.Linear weights (and, by option, the input embedding and norm "
+                "weights); parameters used outside nn.Linear (e.g. 3-D MoE expert tensors) would go unsketched, "
+                "so the Gram matrix would not be the trained parameters'. Use a dense model, or train LoRA "
+                "adapters on its nn.Linear layers only (actor_rollout_ref.model.lora_rank > 0 without "
+                "target_parameters)"
+            )
+        if not self.sketched:
+            raise ValueError(
+                f"SetGRPO's gradient sketch found no trainable nn.Linear weight in the text model of {what}: "
+                "nothing the update trains can be sketched (frozen model, or only parameters outside nn.Linear "
+                "are trainable)"
+            )
+
+
+@dataclass
+class _Selection:
+    blocks: list  # distinct blocks in module order (a separate input-embedding block last)
+    linears: list  # (module, block) in module order; tied weights share one block
+    norms: list  # (module, block, trainable 1-D parameter names)
+    embedding: nn.Module
+    embedding_block: "_Block | None"
+    coverage: SketchCoverage
+
+
+def _text_modules(model: nn.Module, embedding: nn.Module, head: nn.Module | None) -> set[int] | None:
+    """ids of the text model's modules: ``model.get_decoder()`` (HF: the language model of a vision-language
+    model, the base model of a causal LM) plus the input and output embeddings; None (every module) for a
+    model without ``get_decoder``."""
+    getter = getattr(model, "get_decoder", None)
+    if not callable(getter):
+        return None
+    decoder = getter()
+    if not isinstance(decoder, nn.Module):
+        raise ValueError(
+            f"{type(model).__name__}.get_decoder() returned {type(decoder).__name__}, not a module: cannot tell "
+            "its text model from other towers"
+        )
+    ids = {id(m) for m in decoder.modules()}
+    for extra in (embedding, head):
+        if extra is not None:
+            ids.update(id(m) for m in extra.modules())
+    return ids
+
+
+def _is_per_channel(p: torch.Tensor) -> bool:
+    return p.dim() <= 1 or (p.dim() == 3 and p.shape[1] == 1 and p.shape[2] <= PER_CHANNEL_MAX_KERNEL)
+
+
+def _not_sketchable(model: nn.Module) -> tuple[set[int], set[int]]:
+    """(ids of nn.Linear modules whose weight is used without calling them, ids of parameters that must be refused).
+
+    peft's LoRA on parameters (``ParamWrapper``, ``target_parameters``, e.g. on 3-D MoE experts) holds its adapters
+    as nn.Linear modules but only reads their weights; DoRA's magnitude modules also read lora_A / lora_B's weights
+    outside their forward (the weight norm). Hooks would miss those gradients, so these are refused."""
+    modules: set[int] = set()
+    params: set[int] = set()
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind == "ParamWrapper":
+            for part in (getattr(module, "lora_A", None), getattr(module, "lora_B", None)):
+                if isinstance(part, nn.Module):
+                    modules.update(id(m) for m in part.modules())
+        elif kind.startswith("Dora") or kind.endswith("DoraLayer"):
+            params.update(id(p) for p in module.parameters())
+    return modules, params
+
+
+def _select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> _Selection:
+    """The blocks to hook and the coverage of every trainable parameter (docs/sketch.md#what-is-sketched)."""
+    head_getter = getattr(model, "get_output_embeddings", None)
+    head = head_getter() if callable(head_getter) else None
+    text = _text_modules(model, embedding, head)
+    unhookable, forced = _not_sketchable(model)
+    by_param: dict[int, _Block] = {}
+    blocks, linears, norms = [], [], []
+    sketched: set[int] = set()
+    optional: set[int] = set()  # trainable text parameters that an option would sketch
+    for raw_name, module in model.named_modules():
+        if text is not None and id(module) not in text:
+            continue
+        name = _normalise_name(raw_name) or "<root>"
+        if isinstance(module, nn.Linear) and id(module) not in unhookable:
+            weight, bias = module.weight, module.bias
+            train_w = bool(weight.requires_grad)
+            train_b = bias is not None and bool(bias.requires_grad)
+            if not (train_w or train_b):
+                continue
+            block = by_param.get(id(weight))
+            if block is None:
+                cols = (module.in_features if train_w else 0) + (1 if train_b else 0)
+                block = _Block(name, "linear", module.out_features, cols, is_head=module is head,
+                               weight_cols=module.in_features if train_w else 0, bias=train_b)
+                by_param[id(weight)] = block
+                blocks.append(block)
+            linears.append((module, block))
+            sketched.update(id(p) for p in (weight, bias) if p is not None and p.requires_grad)
+        elif module is embedding:
+            if module.weight.requires_grad:
+                (sketched if cfg.include_embeddings else optional).add(id(module.weight))
+        elif _is_norm(module):
+            params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 1 and p.requires_grad]
+            if not params:
+                continue
+            if not cfg.include_norms:
+                optional.update(id(p) for _, p in params)
+                continue
+            block = _Block(name, "norm", 1, sum(p.numel() for _, p in params))
+            norms.append((module, block, [n for n, _ in params]))
+            blocks.append(block)
+            sketched.update(id(p) for _, p in params)
+    emb_block = None
+    if cfg.include_embeddings and embedding.weight.requires_grad:
+        if embedding.scale_grad_by_freq or embedding.max_norm is not None:
+            raise ValueError(
+                f"include_embeddings: the input embedding uses scale_grad_by_freq/max_norm, whose gradient is not "
+                "a sum of per-token terms; set include_embeddings=False"
+            )
+        emb_block = by_param.get(id(embedding.weight))  # tied to the LM head: one block, one parameter
+        if emb_block is None:
+            emb_block = _Block(_normalise_name(_module_name(model, embedding)), "embedding",
+                               embedding.num_embeddings, embedding.embedding_dim)
+            blocks.append(emb_block)
+    groups: dict[str, list[str]] = {"sketched": [], "left_out": [], "outside_text": [], "refused": []}
+    numel = {"sketched": 0, "left_out": 0}
+    for raw_name, p, trainable, owner in _logical_parameters(model):
+        if not trainable:
+            continue
+        if text is not None and id(owner) not in text:
+            group = "outside_text"
+        elif id(p) in forced:
+            group = "refused"
+        elif id(p) in sketched:
+            group = "sketched"
+        elif id(p) in optional or _is_per_channel(p):
+            group = "left_out"
+        else:
+            group = "refused"
+        groups[group].append(_normalise_name(raw_name))
+        if group in numel:
+            numel[group] += p.numel()
+    coverage = SketchCoverage(
+        **{k: tuple(v) for k, v in groups.items()}, sketched_numel=numel["sketched"], left_out_numel=numel["left_out"]
+    )
+    return _Selection(blocks, linears, norms, embedding, emb_block, coverage)
+
+
+def _logical_parameters(model: nn.Module):
+    """(name, tensor, trainable, owning module) of every parameter as the model defines it, each once.
+
+    FSDP1 without ``use_orig_params`` replaces a wrapped module's parameters by one flat parameter and sets the
+    original names as plain tensor views; those are listed through the flat parameter's ``_param_infos``
+    (torch 2.x FSDP1 ``FlatParameter``), so names and coverage are the model's own under FSDP1 too."""
+    seen: set[int] = set()
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            infos = getattr(p, "_param_infos", None)
+            if infos is None:
+                yield (f"{mname}.{pname}" if mname else pname), p, bool(p.requires_grad), module
+                continue
+            for info in infos:  # tied copies sit in _shared_param_infos and are the same parameter
+                view = getattr(info.module, info.param_name)
+                name = ".".join(x for x in (mname, info.module_name, info.param_name) if x)
+                yield name.replace("_flat_param.", ""), view, bool(p.requires_grad), info.module
+
+
+def _module_name(model: nn.Module, target: nn.Module) -> str:
+    for name, module in model.named_modules():
+        if module is target:
+            return name
+    return "embedding"
+
+
+def _input_embedding(model: nn.Module) -> nn.Module:
+    getter = getattr(model, "get_input_embeddings", None)
+    emb = getter() if callable(getter) else None
+    if emb is None:
+        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        if len(embs) != 1:
+            raise ValueError(
+                f"GradientSketcher needs the model's input embedding: the model has no "
+                f"get_input_embeddings() and {len(embs)} nn.Embedding modules (need exactly 1)"
+            )
+        emb = embs[0]
+    return emb
+
+
+def sketch_coverage(model: nn.Module, config: SketchConfig | None = None) -> SketchCoverage:
+    """Which trainable parameters of ``model`` the sketch covers, without hooking or running it
+    (docs/sketch.md#what-is-sketched).  Works on a model built on the meta device (no weights needed).
+
+    The text model is ``model.get_decoder()`` plus the input and output embeddings (the whole model when it has no
+    ``get_decoder``); only its trainable parameters are sketched.  Call ``.check()`` on the result to refuse a model
+    with parameters the sketch cannot cover.
+
+    Args:
+        model: an ``nn.Module`` (HF model, PEFT model, or FSDP-wrapped) with ``get_input_embeddings()`` or exactly
+            one ``nn.Embedding``.
+        config: :class:`SketchConfig` (defaults if None): ``include_embeddings`` / ``include_norms`` move those
+            parameters from ``left_out`` to ``sketched``.
+
+    Returns:
+        :class:`SketchCoverage`.
+
+    Raises:
+        ValueError: no unique input embedding; ``get_decoder()`` not returning a module; ``include_embeddings``
+            with an embedding that uses ``scale_grad_by_freq`` / ``max_norm``.
+    """
+    cfg = config if config is not None else SketchConfig()
+    return _select(model, cfg, _input_embedding(model)).coverage
+
+
 class GradientSketcher:
     """Context manager that sketches per-response gradients of ``model`` (docs/algorithm.md#5-sketches).
 
@@ -206,9 +477,10 @@ class GradientSketcher:
     not under sequence parallelism, where each rank would sketch its slice and the partial sketches
     of a response must be summed over the SP group by the caller).
 
-    On enter, forward hooks are registered on every ``nn.Linear`` (plus embeddings/norms by config)
-    and on ``model.get_input_embeddings()``; on exit they are removed, also when an exception is
-    raised.  Projections are built once per enter from (config.seed, module name) on CPU and moved
+    On enter, forward hooks are registered on the text model's ``nn.Linear`` layers whose weight or bias
+    is trainable (plus the input embedding / norms by config; :func:`sketch_coverage` says which
+    parameters: never a vision tower or a frozen weight, with LoRA the adapters) and on
+    ``model.get_input_embeddings()``; on exit they are removed, also when an exception is raised.  Projections are built once per enter from (config.seed, module name) on CPU and moved
     to the activations' device; none is larger than r x max(out, in).
 
     Args:
@@ -217,8 +489,9 @@ class GradientSketcher:
         config: :class:`SketchConfig` (default settings if None).
 
     Raises (on enter):
-        ValueError: no ``nn.Linear`` layer to hook; no unique input embedding;
-            ``include_embeddings`` with an embedding that uses ``scale_grad_by_freq``/``max_norm``.
+        ValueError: a trainable text-model parameter the sketch cannot cover (e.g. 3-D MoE experts;
+            :meth:`SketchCoverage.check`, naming them); no trainable ``nn.Linear`` layer; no unique input
+            embedding; ``include_embeddings`` with an embedding that uses ``scale_grad_by_freq``/``max_norm``.
     """
 
     def __init__(self, model: nn.Module, config: SketchConfig | None = None):
@@ -241,84 +514,26 @@ class GradientSketcher:
         """m, the number of float32 entries of one response's sketch."""
         return sum(b.size for b in self.blocks)
 
-    def _input_embedding(self) -> nn.Module:
-        getter = getattr(self.model, "get_input_embeddings", None)
-        emb = getter() if callable(getter) else None
-        if emb is None:
-            embs = [m for m in self.model.modules() if isinstance(m, nn.Embedding)]
-            if len(embs) != 1:
-                raise ValueError(
-                    f"GradientSketcher needs the model's input embedding: the model has no "
-                    f"get_input_embeddings() and {len(embs)} nn.Embedding modules (need exactly 1)"
-                )
-            emb = embs[0]
-        return emb
-
     def __enter__(self) -> "GradientSketcher":
-        cfg = self.config
         try:
-            self._emb_module = self._input_embedding()
-            head_getter = getattr(self.model, "get_output_embeddings", None)
-            head = head_getter() if callable(head_getter) else None
-            by_param: dict[int, _Block] = {}
-            hooked: list[tuple[nn.Module, _Block, str]] = []
-            for raw_name, module in self.model.named_modules():
-                name = _normalise_name(raw_name)
-                if isinstance(module, nn.Linear):
-                    block = by_param.get(id(module.weight))
-                    if block is None:
-                        cols = module.in_features + (1 if module.bias is not None else 0)
-                        block = _Block(name or "<root>", "linear", module.out_features, cols, is_head=module is head)
-                        by_param[id(module.weight)] = block
-                        self.blocks.append(block)
-                    hooked.append((module, block, "linear"))
-                elif isinstance(module, nn.Embedding) and cfg.include_embeddings and module is self._emb_module:
-                    if module.scale_grad_by_freq or module.max_norm is not None:
-                        raise ValueError(
-                            f"include_embeddings: embedding {name!r} uses scale_grad_by_freq/max_norm, whose "
-                            "gradient is not a sum of per-token terms; set include_embeddings=False"
-                        )
-                    hooked.append((module, None, "embedding"))
-                elif cfg.include_norms and _is_norm(module):
-                    params = [p for p in module.parameters(recurse=False) if p.dim() == 1]
-                    block = _Block(name, "norm", 1, sum(p.numel() for p in params))
-                    self.blocks.append(block)
-                    hooked.append((module, block, "norm"))
-            if not any(kind == "linear" for _, _, kind in hooked):
-                raise ValueError(
-                    f"GradientSketcher found no nn.Linear layer in {type(self.model).__name__}: nothing to "
-                    "sketch (the sketch covers nn.Linear blocks, LM head included)"
-                )
-            # The embedding block: shares the LM head's block when tied, else its own block.
-            for module, block, kind in hooked:
-                if kind == "embedding":
-                    emb_block = by_param.get(id(module.weight))
-                    if emb_block is None:
-                        emb_block = _Block(
-                            _normalise_name(self._module_name(module)), "embedding",
-                            module.num_embeddings, module.embedding_dim,
-                        )
-                        self.blocks.append(emb_block)
-                    self._emb_block = emb_block
-            if not cfg.include_embeddings:
-                self._emb_block = None
+            sel = _select(self.model, self.config, _input_embedding(self.model))
+            sel.coverage.check(type(self.model).__name__)
+            self._emb_module = sel.embedding
+            self._emb_block = sel.embedding_block
+            self.blocks.extend(sel.blocks)
             self._layout_blocks()
-            for module, block, kind in hooked:
-                if kind == "linear":
-                    self._handles.append(module.register_forward_hook(partial(self._linear_forward, block)))
-                elif kind == "norm":
-                    self._handles.append(module.register_forward_hook(partial(self._norm_forward, block)))
+            for module, block in sel.linears:
+                self._handles.append(module.register_forward_hook(partial(self._linear_forward, block)))
+            for module, block, pnames in sel.norms:
+                self._handles.append(
+                    module.register_forward_hook(partial(self._norm_forward, block, pnames), with_kwargs=True)
+                )
             self._handles.append(self._emb_module.register_forward_hook(self._embedding_forward))
         except BaseException:
             self._remove_hooks()
+            self.blocks.clear()
             raise
         return self
-
-    def _module_name(self, target: nn.Module) -> str:
-        for name, module in self.model.named_modules():
-            if module is target:
-                return name
-        return "embedding"
 
     def _layout_blocks(self):
         cfg = self.config
@@ -455,14 +670,17 @@ class GradientSketcher:
         onehot = self._onehot if rows is None else self._onehot[rows]
         self._out[:, block.offset : block.offset + block.size] += onehot.T @ outer
 
-    def _project_in(self, block: _Block, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+    def _project_in(self, block: _Block, x: torch.Tensor) -> torch.Tensor:
+        """P_in [x, 1] of the block's trainable input columns (x for a trainable weight, 1 for a trainable bias)."""
         x = x.float()
+        w = block.weight_cols
         if block.p_in is None:  # identity
-            return torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if with_bias else x
+            parts = ([x] if w else []) + ([x.new_ones(x.shape[0], 1)] if block.bias else [])
+            return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
         p_in = block.p_in = block.p_in.to(x.device)
-        y = x @ p_in[:, : x.shape[1]].T
-        if with_bias:
-            y = y + p_in[:, x.shape[1]]
+        y = x @ p_in[:, :w].T if w else x.new_zeros(x.shape[0], p_in.shape[0])
+        if block.bias:
+            y = y + p_in[:, w]
         return y
 
     def _linear_forward(self, block: _Block, module: nn.Linear, args, output):
@@ -474,7 +692,7 @@ class GradientSketcher:
                 "torch.no_grad(), or reentrant activation checkpointing: use use_reentrant=False as verl does)"
             )
         x = self._rows(args[0].detach(), block.name)
-        b = self._project_in(block, x, module.bias is not None)
+        b = self._project_in(block, x)
         key = id(b)
         self._pending[key] = block.name
         output.register_hook(partial(self._linear_backward, block, b, key))
@@ -520,32 +738,41 @@ class GradientSketcher:
             b = g @ block.p_in.to(g.device)[:, : g.shape[1]].T
         self._accumulate(block, a, b)
 
-    def _norm_forward(self, block: _Block, module: nn.Module, args, output):
+    def _token_groups(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """[N, m, width] view of a norm's input/output whose rows are m per token (m = 1, or the heads of a
+        per-head norm such as Gated DeltaNet's, which sees [tokens * heads, head_dim])."""
+        flat = t.reshape(-1, t.shape[-1])
+        n = self._segments.numel()
+        if flat.shape[0] % n:
+            raise ValueError(
+                f"norm {name!r} sees {flat.shape[0]} rows, not a multiple of the {n} token rows of segment_ids"
+            )
+        return flat.reshape(n, -1, t.shape[-1])
+
+    def _norm_forward(self, block: _Block, pnames: list, module: nn.Module, args, kwargs, output):
         if self._phase != "forward" or self._in_jvp:
             return None
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             raise RuntimeError(f"norm {block.name!r}: output does not require grad during the sketch forward")
-        params = dict(module.named_parameters(recurse=False))
-        frozen = {k: v.detach() for k, v in params.items()}
-        x = args[0].detach()
+        frozen = {k: v.detach() for k, v in module.named_parameters(recurse=False)}
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         parts = []
         self._in_jvp = True
         try:
             with torch.no_grad():
-                for pname, p in params.items():
-                    if p.dim() != 1:
-                        continue
+                for pname in pnames:
 
                     def f(v, pname=pname):
-                        return torch.func.functional_call(module, {**frozen, pname: v}, (x,))
+                        return torch.func.functional_call(module, {**frozen, pname: v}, args, kwargs)
 
                     _, h = torch.func.jvp(f, (frozen[pname],), (torch.ones_like(frozen[pname]),))
-                    if h.shape[-1] != p.numel():
+                    if h.shape[-1] != frozen[pname].numel():
                         raise ValueError(
                             f"include_norms: {block.name!r} output width {h.shape[-1]} != parameter {pname!r} "
-                            f"size {p.numel()}; only elementwise-affine norms are supported"
+                            f"size {frozen[pname].numel()}; only elementwise-affine norms are supported"
                         )
-                    parts.append(self._rows(h, block.name).float())
+                    parts.append(self._token_groups(h, block.name).float())
         finally:
             self._in_jvp = False
         key = id(parts[0])
@@ -557,8 +784,8 @@ class GradientSketcher:
         if self._phase != "backward" or key not in self._pending:
             return None
         del self._pending[key]
-        d = self._rows(grad.detach(), block.name).float()
-        per_token = torch.cat([d * h for h in parts], 1)  # [N, cols]: per-token parameter gradient
+        d = self._token_groups(grad.detach(), block.name).float()
+        per_token = torch.cat([(d * h).sum(1) for h in parts], 1)  # [N, cols]: per-token parameter gradient
         if block.p_out is not None:
             per_token = per_token @ block.p_out.to(d.device).T
         ones = per_token.new_ones(per_token.shape[0], 1)

@@ -23,6 +23,7 @@ from setgrpo_verl.sketch import SketchConfig
 
 from .prompts import read_prompt_identities
 from .reward_config import REWARD_MANAGER_NAME, TRUTH_SCORE_KEY, grader_identity, reference_score_key
+from .support import check_sketch_support
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
 SETGRPO_NAME = "setgrpo"
@@ -460,6 +461,7 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
     setgrpo = setgrpo_config_from(config.algorithm)
     setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
     check_sketch_micro_batch(config, setgrpo)
+    check_sketch_support(config, setgrpo.sketch.to_sketch_config())
     _check_reward(config)
     if setgrpo.record_path:
         path = os.path.expanduser(setgrpo.record_path)

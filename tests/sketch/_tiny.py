@@ -53,11 +53,11 @@ def verl_batch(*, seed=1, bsz=4, t_prompt=6, t_resp=5, vocab=96):
 def block_gradient(model, name):
     """Flattened gradient of one sketch block, in the layout of SketchConfig(identity=True)."""
     module = model.get_submodule(name)
-    if isinstance(module, torch.nn.Linear):
-        grad = module.weight.grad
-        if module.bias is not None:
-            grad = torch.cat([grad, module.bias.grad[:, None]], 1)
-        return grad.flatten()
+    if isinstance(module, torch.nn.Linear):  # the trainable weight's columns, then the trainable bias's column
+        cols = [module.weight.grad] if module.weight.requires_grad else []
+        if module.bias is not None and module.bias.requires_grad:
+            cols.append(module.bias.grad[:, None])
+        return torch.cat(cols, 1).flatten()
     if isinstance(module, torch.nn.Embedding):
         return module.weight.grad.flatten()
     return torch.cat([p.grad.flatten() for p in module.parameters(recurse=False) if p.dim() == 1])
@@ -87,3 +87,138 @@ def exact_gradients(model, input_ids, attention_mask, response_mask, block_names
 def cosine(gram):
     d = gram.diagonal().sqrt()
     return gram / d[:, None] / d[None, :]
+
+
+# ---------------------------------------------------------------------- the recipes' model families
+def _perturb_vectors(model, seed):
+    """Non-trivial 1-D parameters (norm weights, Gated DeltaNet's A_log / dt_bias) so their gradients differ."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def tiny_qwen3(*, seed=0, tie=False, vocab=96, dtype=torch.float64):
+    """Randomly initialised Qwen3ForCausalLM (dense, q/k norms): the Qwen3 recipes' family."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=tie, pad_token_id=0,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return _perturb_vectors(Qwen3ForCausalLM(cfg).to(dtype), seed).eval()
+
+
+def qwen35_vl_config(*, vocab=96):
+    """A tiny Qwen3_5Config: 3 Gated DeltaNet layers + 1 full-attention layer, and a 2-block vision tower."""
+    from transformers import Qwen3_5Config
+
+    text = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=128, pad_token_id=0,
+    )
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    return Qwen3_5Config(text_config=text, vision_config=vision)
+
+
+def tiny_qwen35_vl(*, seed=0, vocab=96, dtype=torch.float64):
+    """Randomly initialised Qwen3_5ForConditionalGeneration, the class verl 0.9.1 loads Qwen3.5-4B/9B as."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(qwen35_vl_config(vocab=vocab)).to(dtype)
+    return _perturb_vectors(model, seed).eval()
+
+
+def qwen3_moe_config(*, vocab=96):
+    """A tiny Qwen3MoeConfig: experts stored as 3-D parameters (transformers 5), which are not nn.Linear."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, pad_token_id=0,
+    )
+
+
+def tiny_qwen3_moe(*, seed=0, vocab=96, dtype=torch.float32):
+    """Randomly initialised Qwen3MoeForCausalLM (float32: the experts' grouped matmul has no float64 kernel)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(qwen3_moe_config(vocab=vocab)).to(dtype).eval()
+
+
+def with_lora(model, *, rank=4, target_modules="all-linear", seed=0):
+    """``model`` wrapped as verl 0.9.1's ``FSDPEngine._build_lora_module`` does (peft, task CAUSAL_LM, no bias),
+    with random adapter weights (peft's default zero lora_B would make lora_A's gradient zero)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    model.enable_input_require_grads()
+    torch.manual_seed(seed)
+    cfg = LoraConfig(task_type=TaskType.CAUSAL_LM, r=rank, lora_alpha=2 * rank, target_modules=target_modules,
+                     bias="none", init_lora_weights=False)
+    return get_peft_model(model, cfg)
+
+
+class verl_monkey_patch:
+    """Context manager: verl 0.9.1's ``apply_monkey_patch(model, **kwargs)`` (what ``FSDPEngine._build_module``
+    runs), undone on exit. verl patches classes, so every class of the model's modeling modules (and the ones the
+    Qwen3.5 branch patches) is restored, keeping other tests unpatched."""
+
+    def __init__(self, model, **kwargs):
+        self.model, self.kwargs = model, kwargs
+
+    def __enter__(self):
+        import sys
+
+        from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+        names = {type(self.model).__module__, "transformers.models.qwen3_5.modeling_qwen3_5",
+                 "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "transformers.integrations.flash_attention"}
+        self._saved = []
+        for name in names:
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            self._saved.append((module, dict(vars(module))))
+            for obj in list(vars(module).values()):
+                if isinstance(obj, type) and obj.__module__ == name:
+                    self._saved.append((obj, dict(vars(obj))))
+        apply_monkey_patch(self.model, **self.kwargs)
+        return self.model
+
+    def __exit__(self, *exc):
+        for obj, saved in self._saved:
+            current = vars(obj)
+            for key in [k for k in current if k not in saved]:
+                delattr(obj, key)
+            for key, value in saved.items():
+                if current.get(key, None) is not value and key not in ("__dict__", "__weakref__"):
+                    setattr(obj, key, value)
+        return False
+
+
+def qwen3_config(*, vocab=96, tie=False):
+    """The configuration of :func:`tiny_qwen3`."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=tie, pad_token_id=0,
+    )
+
+
+def save_config_dir(config, architecture: str, out):
+    """A model directory holding only ``config.json`` (what a meta-device build reads), ``architectures`` set as
+    ``save_pretrained`` sets it (verl's ``get_hf_auto_model_class`` reads it)."""
+    config.architectures = [architecture]
+    config.save_pretrained(out)
+    return out

@@ -149,10 +149,25 @@ def test_non_reentrant_checkpointing_and_frozen_parameters():
     torch.testing.assert_close(ckpt, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
     model.gradient_checkpointing_disable()
     model.eval()
+    # A frozen layer is not trained, so it is not sketched; the other blocks' slices are unchanged.
+    same = SketchConfig(head_rank_out=1, head_rank_in=2, head_copies=64)  # every block 128 floats
+    full = compute_sketches(model, ids, am, rm, same)
+    for p in model.model.layers[0].parameters():
+        p.requires_grad_(False)
+    part = compute_sketches(model, ids, am, rm, same)
+    assert part.block_names == [n for n in full.block_names if not n.startswith("model.layers.0.")]
+    cols = torch.cat([torch.arange(o, o + s) for o, s in _block_slices(full, part.block_names)])
+    torch.testing.assert_close(part.sketches, full.sketches[:, cols], rtol=0, atol=0)
     for p in model.parameters():
         p.requires_grad_(False)
-    frozen = compute_sketches(model, ids, am, rm).sketches
-    torch.testing.assert_close(frozen, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    with pytest.raises(ValueError, match="no trainable nn.Linear"):
+        compute_sketches(model, ids, am, rm)
+
+
+def _block_slices(out, names):
+    """(offset, size) of the named blocks in ``out``'s rows when all its blocks have the same size."""
+    size = out.sketches.shape[1] // len(out.block_names)
+    return [(out.block_names.index(n) * size, size) for n in names]
 
 
 def test_reentrant_checkpointing_is_rejected():
@@ -200,7 +215,7 @@ def test_error_no_linear_layer():
         def get_input_embeddings(self):
             return self.emb
 
-    with pytest.raises(ValueError, match="no nn.Linear"):
+    with pytest.raises(ValueError, match="no trainable nn.Linear"):
         with GradientSketcher(EmbOnly()):
             pass
 

@@ -1,0 +1,204 @@
+"""The sketch covers exactly the parameters the update trains, on every recipe family (docs/sketch.md#what-is-sketched).
+
+Identity sketches are the exact per-response gradients, so on tiny random models of each family they must equal
+autograd's gradients of the trainable text-model parameters, one response at a time: Qwen3 dense, Qwen3.5
+(``Qwen3_5ForConditionalGeneration`` under verl 0.9.1's own monkey patch, which runs the vision tower on a dummy
+image in every forward), Llama-3.2 with tied embeddings, and LoRA adapters (peft, wrapped as verl wraps them). A
+model with trainable parameters the sketch cannot cover (3-D MoE experts) is refused, naming them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from setgrpo_verl.sketch import GradientSketcher, SketchConfig, compute_sketches, sketch_coverage
+from tests.sketch._tiny import (
+    exact_gradients,
+    tiny_llama,
+    tiny_qwen3,
+    tiny_qwen3_moe,
+    tiny_qwen35_vl,
+    verl_batch,
+    verl_monkey_patch,
+    with_lora,
+)
+
+FULL = SketchConfig(identity=True, include_embeddings=True, include_norms=True)
+
+#: Gated DeltaNet's per-channel parameters, outside nn.Linear / norm modules (left out like norm weights).
+DELTANET_PER_CHANNEL = ("linear_attn.conv1d.weight", "linear_attn.A_log", "linear_attn.dt_bias")
+
+
+def _trainable(model):
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_identity_is_exact(model, config, atol_rel=1e-5):  # sketches accumulate in float32
+    ids, am, rm = verl_batch(vocab=96)
+    out = compute_sketches(model, ids, am, rm, config)
+    exact = exact_gradients(model, ids, am, rm, out.block_names)
+    assert out.sketches.shape == exact.shape
+    assert exact.abs().max() > 0
+    torch.testing.assert_close(out.sketches.double(), exact, rtol=0, atol=atol_rel * exact.abs().max().item())
+    assert all(p.grad is None for p in model.parameters())
+    return out
+
+
+def test_qwen3_dense_every_trainable_parameter():
+    model = tiny_qwen3()
+    cov = sketch_coverage(model, FULL)
+    assert set(cov.sketched) == _trainable(model) and not (cov.left_out or cov.outside_text or cov.refused)
+    _assert_identity_is_exact(model, FULL)
+
+
+def test_llama32_tied_embeddings_one_parameter_both_uses():
+    model = tiny_llama(tie=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    cov = sketch_coverage(model, FULL)
+    assert set(cov.sketched) == _trainable(model) and not (cov.left_out or cov.refused)
+    out = _assert_identity_is_exact(model, FULL)
+    assert "model.embed_tokens" not in out.block_names  # the tied parameter is one block (named by the LM head)
+    # default: nn.Linear blocks; the tied parameter's input-embedding use and the norms are left out
+    cov = sketch_coverage(model)
+    assert "lm_head.weight" in cov.sketched or "model.embed_tokens.weight" in cov.sketched
+    assert all("norm" in n for n in cov.left_out)
+
+
+def test_qwen35_vision_language_under_verls_monkey_patch():
+    model = tiny_qwen35_vl()
+    vision = {n for n in _trainable(model) if n.startswith("model.visual.")}
+    assert vision
+    with verl_monkey_patch(model, use_remove_padding=False):
+        assert "forward_with_normal_backend" in type(model).forward.__qualname__
+        cov = sketch_coverage(model, FULL)
+        assert set(cov.outside_text) == vision
+        assert not cov.refused
+        assert set(cov.left_out) == {
+            n for n in _trainable(model) if n.startswith("model.language_model.layers.") and
+            n.endswith(DELTANET_PER_CHANNEL)
+        }
+        assert set(cov.sketched) == _trainable(model) - vision - set(cov.left_out)
+        assert cov.left_out_numel / (cov.left_out_numel + cov.sketched_numel) < 0.05
+        out = _assert_identity_is_exact(model, FULL)
+        assert not any("visual" in n for n in out.block_names)
+        assert any(n.endswith("linear_attn.norm") for n in out.block_names)  # per-head gated norm, 2 inputs
+
+
+def test_qwen35_patched_sketches_equal_unpatched_text_model():
+    """verl's patched forward (vision tower on a dummy image, added with weight 0) and the plain forward give the
+    same sketches of the text model: the vision tower is neither hooked nor sketched."""
+    model = tiny_qwen35_vl(dtype=torch.float32)
+    ids, am, rm = verl_batch(vocab=96)
+    plain = compute_sketches(model, ids, am, rm, SketchConfig())
+    with verl_monkey_patch(model, use_remove_padding=False):
+        patched = compute_sketches(model, ids, am, rm, SketchConfig())
+    assert patched.block_names == plain.block_names
+    assert not any("visual" in n for n in patched.block_names)
+    torch.testing.assert_close(patched.sketches, plain.sketches, rtol=1e-4, atol=1e-5 * plain.sketches.abs().max())
+    torch.testing.assert_close(patched.log_probs, plain.log_probs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen35_vl"])
+def test_lora_sketches_the_adapters_only(family):
+    base = tiny_qwen3() if family == "qwen3" else tiny_qwen35_vl()
+    with verl_monkey_patch(base, use_remove_padding=False):
+        model = with_lora(base)  # verl applies the patch first, then peft
+        adapters = {n for n in _trainable(model) if ".lora_A." in n or ".lora_B." in n}
+        assert adapters == _trainable(model)
+        cov = sketch_coverage(model, FULL)
+        text = {n for n in adapters if ".visual." not in n}
+        assert set(cov.sketched) == text and set(cov.outside_text) == adapters - text
+        assert not cov.left_out and not cov.refused
+        for config in (FULL, SketchConfig(identity=True)):
+            out = _assert_identity_is_exact(model, config)
+            assert out.block_names and all(n.split(".")[-2] in ("lora_A", "lora_B") for n in out.block_names)
+
+
+def test_trainable_bias_without_its_weight():
+    model = tiny_llama(bias=True)
+    for name, p in model.named_parameters():
+        if name.endswith("q_proj.weight"):
+            p.requires_grad_(False)
+    _assert_identity_is_exact(model, SketchConfig(identity=True))
+
+
+def test_moe_experts_are_refused_naming_them():
+    model = tiny_qwen3_moe()
+    cov = sketch_coverage(model)
+    assert set(cov.refused) == {n for n in _trainable(model) if ".mlp.experts." in n or n.endswith(".mlp.gate.weight")}
+    ids, am, rm = verl_batch(vocab=96)
+    with pytest.raises(ValueError, match=r"cannot cover 6 trainable parameter\(s\).*model\.layers\.0\.mlp\.gate"):
+        compute_sketches(model, ids, am, rm)
+    with pytest.raises(ValueError, match="3-D MoE expert"):
+        with GradientSketcher(model):
+            pass
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+
+
+def test_moe_with_lora_on_attention_only_is_sketched():
+    """Frozen experts are not trained, so LoRA on the attention projections of an MoE model is fully sketched."""
+    model = with_lora(tiny_qwen3_moe(), target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    cov = sketch_coverage(model)
+    assert not cov.refused and set(cov.sketched) == _trainable(model)
+    _assert_identity_is_exact(model, SketchConfig(identity=True))
+
+
+_FSDP1_SCRIPT = r'''
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from verl.utils.fsdp_utils import get_fsdp_wrap_policy
+from setgrpo_verl.sketch import SketchConfig, compute_sketches, sketch_coverage
+from tests.sketch._tiny import tiny_llama, verl_batch
+ids, am, rm = verl_batch()
+cfg = SketchConfig(include_embeddings=True)
+plain = tiny_llama(tie=True).float()
+ref, ref_cov = compute_sketches(plain, ids, am, rm, cfg), sketch_coverage(plain, cfg)
+for orig in (False, True):
+    model = tiny_llama(tie=True).float()
+    wrapped = FSDP(model, auto_wrap_policy=get_fsdp_wrap_policy(model, config={"min_num_params": 0}),
+                   device_id=torch.device("cpu"), use_orig_params=orig)
+    cov = sketch_coverage(wrapped, cfg)
+    for group in ("sketched", "left_out", "outside_text", "refused"):
+        assert sorted(getattr(cov, group)) == sorted(getattr(ref_cov, group)), (orig, group, getattr(cov, group))
+    assert (cov.sketched_numel, cov.left_out_numel) == (ref_cov.sketched_numel, ref_cov.left_out_numel)
+    out = compute_sketches(wrapped, ids, am, rm, cfg)
+    assert out.block_names == ref.block_names
+    torch.testing.assert_close(out.sketches, ref.sketches, rtol=0, atol=1e-6 * ref.sketches.abs().max().item())
+print("ok")
+'''
+
+
+@pytest.mark.slow
+def test_fsdp1_flat_parameters_have_the_models_coverage():
+    """FSDP1 without use_orig_params flattens the parameters; coverage and sketches are still the model's own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([sys.executable, "-c", _FSDP1_SCRIPT, port], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_lora_on_parameters_is_refused():
+    """peft's LoRA on parameters (``target_parameters``, e.g. the 3-D experts) reads its adapters' weights without
+    calling them, so no hook would see their gradients: refused, naming them."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    model = get_peft_model(tiny_qwen3_moe(), LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]))
+    cov = sketch_coverage(model)
+    assert cov.refused and all("mlp.experts" in n and (".lora_A." in n or ".lora_B." in n) for n in cov.refused)
+    assert cov.sketched and all("q_proj" in n for n in cov.sketched)
+    with pytest.raises(ValueError, match=r"mlp\.experts\.lora_A"):
+        with GradientSketcher(model):
+            pass
