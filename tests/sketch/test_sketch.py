@@ -232,3 +232,30 @@ def test_segment_ids_must_match_token_rows():
         sk.begin(torch.zeros(ids.shape[0], ids.shape[1] + 1, dtype=torch.long))
         with pytest.raises(ValueError, match="token rows"):
             model(input_ids=ids, attention_mask=am)
+
+
+def test_activation_checkpointing_acts_in_eval_mode_and_keeps_the_sketches():
+    """The sketch pass runs in eval mode, where transformers does not checkpoint: ``activation_checkpointing`` turns
+    it on for the checkpointed layers only; the hooks still fire once per forward call (the recomputation in the
+    backward is not sketched twice) and the sketches are unchanged."""
+    from setgrpo_verl.sketch import activation_checkpointing
+
+    model = tiny_llama().float()
+    ids, am, rm = verl_batch()
+    ref = compute_sketches(model, ids, am, rm).sketches
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.eval()
+    calls = []
+    mlp = model.model.layers[0].mlp
+    forward = mlp.forward
+    mlp.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)  # counts recomputations too
+    compute_sketches(model, ids, am, rm)
+    assert len(calls) == 1  # eval mode: transformers skips checkpointing
+    calls.clear()
+    with activation_checkpointing(model):
+        assert model.model.layers[0].training and not model.model.layers[0].mlp.training
+        ckpt = compute_sketches(model, ids, am, rm).sketches
+    del mlp.forward
+    assert len(calls) == 2  # forward + recomputation in the backward
+    assert not any(m.training for m in model.modules())
+    torch.testing.assert_close(ckpt, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
