@@ -50,6 +50,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, _runtime_utils
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "token_weights",
     "activation_checkpointing",
     "packed_needs_cu_seqlens",
+    "fsdp1_reshard_in_backward",
     "LOSS_AGG_MODES",
 ]
 
@@ -689,6 +691,40 @@ def activation_checkpointing(model: nn.Module):
             m.training = False
 
 
+@contextlib.contextmanager
+def fsdp1_reshard_in_backward(model: nn.Module):
+    """Reshard every FSDP1 unit as soon as the activation-only sketch backward has passed it (docs/sketch.md#memory).
+
+    FSDP1 (``FullyShardedDataParallel``) reshards a unit's parameters in a hook on their ``AccumulateGrad`` nodes,
+    which the sketch backward (``torch.autograd.grad`` to the input-embedding output) never runs: every unit would
+    stay unsharded from its pre-backward unshard until the end of the backward, i.e. the whole model unsharded at
+    once.  Inside this context each FSDP1 unit whose forward inputs require grad gets, per forward, a multi-grad hook
+    on those inputs that runs FSDP1's own reshard-only post-backward hook (the one FSDP1 uses for frozen parameters;
+    ``torch.distributed.fsdp._runtime_utils._post_backward_reshard_only_hook``, torch 2.13, fingerprinted by
+    tests/sketch/test_sketch.py).  FSDP2 needs nothing: it reshards from the gradient of the units' inputs.  A no-op
+    for a model without FSDP1 units.
+
+    Args:
+        model: the (possibly FSDP1-wrapped) model of the sketch pass.
+    """
+    def pre_forward(unit, args, kwargs):
+        if not torch.is_grad_enabled() or unit._handle is None:
+            return None
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            hook = partial(_runtime_utils._post_backward_reshard_only_hook, unit, unit._handle)
+            torch.autograd.graph.register_multi_grad_hook(inputs, hook)
+        return None
+
+    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    handles = [u.register_forward_pre_hook(pre_forward, with_kwargs=True) for u in units]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _scaled_by_temperature(logits: torch.Tensor, temperature) -> torch.Tensor:
     """logits / temperature in the logits' dtype (verl 0.9.1 ``_scale_logits_by_temperature``); temperature is a
     float or a float tensor broadcastable to logits."""
@@ -863,7 +899,7 @@ def compute_sketches(
     bsz, t_resp = response_mask.shape
     step = micro_batch_size or bsz
     sketches, log_probs = [], []
-    with GradientSketcher(model, config) as sk:
+    with GradientSketcher(model, config) as sk, fsdp1_reshard_in_backward(model):
         for start in range(0, bsz, step):
             sl = slice(start, start + step)
             temp = temperature[sl] if isinstance(temperature, torch.Tensor) and temperature.dim() else temperature

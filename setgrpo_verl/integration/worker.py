@@ -39,6 +39,7 @@ from setgrpo_verl.sketch import (
     GradientSketcher,
     SketchConfig,
     activation_checkpointing,
+    fsdp1_reshard_in_backward,
     packed_needs_cu_seqlens,
     token_weights,
 )
@@ -159,7 +160,8 @@ def sketch_batch(engine: Any, data: TensorDict, config: SketchConfig, *, loss_ag
     ``restore_dynamic_batch`` to return rows in input order, and the engine's own model inputs and outputs
     (:func:`_sketch_micro_batch`).  One :class:`~setgrpo_verl.sketch.GradientSketcher` serves all micro-batches, so
     the projections go to the device once per call; activation checkpointing acts when the actor enables it
-    (:func:`~setgrpo_verl.sketch.activation_checkpointing`).
+    (:func:`~setgrpo_verl.sketch.activation_checkpointing`), and FSDP1 units reshard during the sketch backward
+    (:func:`~setgrpo_verl.sketch.fsdp1_reshard_in_backward`).
 
     Args:
         engine: verl's ``FSDPEngineWithLMHead`` of the actor (``engine.module`` plain, FSDP1 or FSDP2 wrapped).
@@ -199,7 +201,8 @@ def sketch_and_log_probs(
         data=data, dp_group=engine.get_data_parallel_group(), same_micro_num_in_dp=True
     )
     parts, rows = [], []
-    with GradientSketcher(engine.module, config) as sk, activation_checkpointing(engine.module):
+    module = engine.module
+    with GradientSketcher(module, config) as sk, activation_checkpointing(module), fsdp1_reshard_in_backward(module):
         for mb in micro_batches:
             sketches, log_probs = _sketch_micro_batch(engine, sk, mb, loss_agg_mode)
             parts.append(sketches.cpu())

@@ -259,3 +259,20 @@ def test_activation_checkpointing_acts_in_eval_mode_and_keeps_the_sketches():
     assert len(calls) == 2  # forward + recomputation in the backward
     assert not any(m.training for m in model.modules())
     torch.testing.assert_close(ckpt, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+#: sha256 of torch 2.13's ``torch.distributed.fsdp._runtime_utils._post_backward_reshard_only_hook`` source, which
+#: ``setgrpo_verl.sketch.fsdp1_reshard_in_backward`` calls.
+RESHARD_ONLY_HOOK_SHA256 = "911e4e0bfaf5a0a91ee59ac91b1a670ea5bb9b9b641fadeca0e1917ef0d8805f"
+
+
+def test_the_fsdp1_reshard_hook_the_sketch_calls_is_unchanged():
+    import hashlib
+    import inspect
+
+    from torch.distributed.fsdp import _runtime_utils
+
+    source = inspect.getsource(_runtime_utils._post_backward_reshard_only_hook)
+    assert hashlib.sha256(source.encode()).hexdigest() == RESHARD_ONLY_HOOK_SHA256, (
+        "torch's FSDP1 _post_backward_reshard_only_hook changed: re-check setgrpo_verl.sketch.fsdp1_reshard_in_backward"
+    )
