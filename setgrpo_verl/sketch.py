@@ -25,15 +25,18 @@ Mechanics: ONE forward of the whole micro-batch with forward hooks that store P_
 call and register a tensor hook on the call's output, then ONE ``torch.autograd.grad`` of the
 objective w.r.t. the input-embedding output.  Autograd only runs the nodes on the path to that
 tensor, so no parameter gradient is computed (``.grad`` stays None, FSDP/FSDP2 gradient state is
-not touched); the tensor hooks receive delta and accumulate the sketch per response.  Memory is
-bounded by the micro-batch: per hooked call we keep one [tokens, r_in] float32 matrix.
+not touched); the tensor hooks receive delta and accumulate the sketch per response.  Per hooked call
+one [tokens, k r_in] float32 matrix is kept; model-dtype tensors are promoted to float32 in row chunks only
+(docs/sketch.md#memory: checkpointing, FSDP1 resharding, measured peak).
 
 Public API: :class:`SketchConfig`, :class:`GradientSketcher` (context manager over any module),
 :func:`compute_sketches` (one call in verl's batch layout, padded or remove-padding/packed),
 :class:`SketchOutput`.  No verl import: the layouts follow verl 0.9.1 conventions (left-padded
 prompt + right-padded response, ``position_ids = clip(cumsum(attention_mask) - 1, 0)`` as in
 ``verl.utils.model.compute_position_id_with_mask``, packed tokens with ``attention_mask=None`` and
-per-sequence restarting ``position_ids`` as in ``FSDPEngineWithLMHead.prepare_model_inputs``).
+per-sequence restarting ``position_ids`` as in ``FSDPEngineWithLMHead.prepare_model_inputs``, plus ``cu_seqlens``
+where the forward takes them).  The trainer's worker runs the engine's own input/output preparation
+(``setgrpo_verl.integration.worker``); :func:`compute_sketches` is the same pass for a plain module.
 """
 
 from __future__ import annotations
