@@ -168,3 +168,32 @@ def test_the_copied_autocast_of_verls_forward_step_is_unchanged():
     assert hashlib.sha256(source.encode()).hexdigest() == FORWARD_STEP_SHA256, (
         "verl's FSDPEngineWithLMHead.forward_step changed: re-check setgrpo_verl.integration.worker._forward_autocast"
     )
+
+
+class _WithCuSeqlens(torch.nn.Module):
+    """A causal LM whose forward takes ``cu_seqlens`` (as verl's Qwen3.5 forward does) and hands them to its layers."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        self.config = lm.config
+
+    def get_input_embeddings(self):
+        return self.lm.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.lm.get_output_embeddings()
+
+    def forward(self, input_ids=None, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        extra = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        return self.lm(input_ids=input_ids, **extra, **kwargs)
+
+
+def test_compute_sketches_passes_cu_seqlens_to_a_forward_that_takes_them(verl_qwen35_patch):
+    model = _WithCuSeqlens(tiny_qwen35_text())
+    ids, am, rm = padded_layout(_ragged(model.config.vocab_size))
+    cfg = SketchConfig(rank_out=2, rank_in=2, copies=4, seed=5)
+    padded = compute_sketches(model, ids, am, rm, cfg, temperature=0.7)
+    packed = compute_sketches(model, ids, am, rm, cfg, temperature=0.7, use_remove_padding=True)
+    assert _rel(packed.sketches, padded.sketches) <= 1e-4
+    torch.testing.assert_close(packed.log_probs, padded.log_probs, rtol=1e-4, atol=1e-5)
