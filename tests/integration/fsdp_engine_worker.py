@@ -5,8 +5,8 @@ Each rank builds the same tiny random Llama, computes single-process reference s
 (plain module), then wraps a copy as verl wraps the actor (FSDP1: ``FullyShardedDataParallel`` with verl's
 ``get_fsdp_wrap_policy``, full shard; FSDP2: ``apply_fsdp2``) and reruns the sketch pass.  It also records how many
 FSDP1 units are unsharded when the backward reaches the input embedding (the end of the sketch backward): FSDP1
-reshards in AccumulateGrad hooks, which the activation-only backward does not run.  Writes ``rank<r>.json`` into
-argv[1]; exits non-zero on failure.
+reshards in AccumulateGrad hooks, which the activation-only backward does not run; FSDP2 units are counted
+the same way.  Writes ``rank<r>.json`` into argv[1]; exits non-zero on failure.
 """
 
 from __future__ import annotations
@@ -55,6 +55,17 @@ def _unsharded_fsdp1_units(model) -> int:
     return count
 
 
+def _unsharded_fsdp2_groups(model) -> int:
+    from torch.distributed.fsdp import FSDPModule
+
+    count = 0
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            count += int(group is not None and group.is_unsharded)
+    return count
+
+
 def main(out_dir: str) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -87,26 +98,27 @@ def main(out_dir: str) -> int:
                 worker.fsdp1_reshard_in_backward = lambda module: contextlib.nullcontext()
             wrapped = copy.deepcopy(model)
             wrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            seen = []
             if strategy.startswith("fsdp-") or strategy == "fsdp":
                 fp32 = MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                       buffer_dtype=torch.float32)
                 wrapped = FSDP(wrapped, auto_wrap_policy=get_fsdp_wrap_policy(wrapped, config=None),
                                sharding_strategy=ShardingStrategy.FULL_SHARD, mixed_precision=fp32,
                                use_orig_params=False, device_id=torch.device("cpu"))  # verl: get_device_id()
-                seen = []
-                embed = wrapped.get_input_embeddings()
-
-                def probe(module, args, output, seen=seen, wrapped=wrapped):
-                    if output.requires_grad:
-                        output.register_hook(lambda g: seen.append(_unsharded_fsdp1_units(wrapped)))
-
-                embed.register_forward_hook(probe)
+                count = _unsharded_fsdp1_units
             else:
                 mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
                 mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                           cast_forward_inputs=True)
                 apply_fsdp2(wrapped, {"mesh": mesh, "mp_policy": mp, "offload_policy": None,
                                       "reshard_after_forward": True}, {})
+                count = _unsharded_fsdp2_groups
+
+            def probe(module, args, output, seen=seen, wrapped=wrapped, count=count):
+                if output.requires_grad:  # fires when the backward reaches the input embedding
+                    output.register_hook(lambda g: seen.append(count(wrapped)))
+
+            wrapped.get_input_embeddings().register_forward_hook(probe)
             engine = BareEngine(wrapped)
             for packed in (False, True):
                 sk, lp = sketch_and_log_probs(engine, _data(rows, mine, packed), cfg, loss_agg_mode="token-mean")
@@ -115,10 +127,10 @@ def main(out_dir: str) -> int:
                     max((a - b).abs().max() for a, b in zip(lp.unbind(), ref_lp.unbind())))
             worker.fsdp1_reshard_in_backward = reshard
             result[f"{strategy}/grad_none"] = all(p.grad is None for p in wrapped.parameters())
-            if strategy != "fsdp2":
-                unsharded[strategy] = seen
+            unsharded[strategy] = seen
+            unsharded[f"{strategy}/after"] = count(wrapped)
+            if strategy == "fsdp":
                 unsharded["fsdp_units"] = sum(1 for m in wrapped.modules() if isinstance(m, FSDP))
-                unsharded[f"{strategy}/after"] = _unsharded_fsdp1_units(wrapped)
         result["errors"] = errors
         result["unsharded_at_embedding"] = unsharded
         result["ok"] = (all(v <= 1e-4 for v in errors.values()) and result["fsdp/grad_none"]
