@@ -33,9 +33,8 @@ import resource
 import subprocess
 import sys
 import time
-from inspect import signature
 
-os.environ.setdefault("VERL_PLATFORM", "cpu")  # before verl: its platform answers get_device_id() with "cpu"
+from _engine import PlainEngine  # before verl: selects verl's CPU platform
 
 import torch  # noqa: E402
 
@@ -82,23 +81,6 @@ def _model(layers: int):
     return model
 
 
-def _engine(module):
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-    class Engine(FSDPEngineWithLMHead):  # verl's engine code paths on a plain module, no FSDP/optimizer setup
-        def __init__(self):
-            self.module = module
-            self.pad_to_length, self.pad_to_length_bucket = False, 0
-            self.ulysses_sequence_parallel_size, self.use_ulysses_sp = 1, False
-            self._autocast_dtype = torch.bfloat16
-            self.pass_packed_cu_seqlens = "cu_seqlens" in signature(module.forward).parameters
-
-        def get_data_parallel_group(self):
-            return None
-
-    return Engine()
-
-
 def _batch(args, vocab: int):
     from tensordict import TensorDict
 
@@ -133,12 +115,11 @@ def _pg_loss(model_output, data, dp_group=None):
 
 def child(args) -> dict:
     torch.set_num_threads(args.threads)
-    import setgrpo_verl.verl_cpu.platform  # noqa: F401  (registers verl's "cpu" platform)
     from setgrpo_verl.integration.worker import sketch_and_log_probs
     from setgrpo_verl.sketch import SketchConfig
 
     model = _model(args.layers)
-    engine = _engine(model)
+    engine = PlainEngine(model, torch.bfloat16)
     data = _batch(args, QWEN3_4B["vocab"])
     setup_peak = _peak_gb()
     _reset_peak()
