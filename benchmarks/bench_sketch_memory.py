@@ -15,12 +15,13 @@ verl's ``FSDPEngineWithLMHead`` input/output preparation with remove-padding (pa
 Memory: each pass runs in a fresh subprocess that builds the same model and batch and then runs that one pass
 (nothing else precedes it); the peak resident set (``VmHWM``, which includes the weights, as a GPU's
 ``max_memory_allocated`` does) is reset to the current resident set just before the pass (``/proc/self/clear_refs``)
-so that the construction's transient peak does not mask the pass's; the resident set before the pass is printed.  The last line is
-``sketch/update peak memory: R`` (target R <= 1.10).  A projection for the 4B and 14B recipes per GPU (8 GPUs,
-FSDP full shard, 6,144 sketch tokens per micro-batch) follows from the same accounting terms.
+so that the construction's transient peak does not mask the pass's; the resident set before the pass is printed.
+The last line is ``sketch/update peak memory: R`` (target R <= 1.10).  A projection of both passes per GPU for the
+4B and 14B recipes (8 GPUs, FSDP full shard, 6,144 sketch tokens per micro-batch) is a count of named terms
+(:func:`projection`), not a measurement.
 
 Run: ``python benchmarks/bench_sketch_memory.py [--layers 2 --prompt 256 --response 2048 --responses 1]``
-(about 2-4 minutes and 6 GB on 2 CPU cores).
+(about 2 minutes and 5.5 GB on 2 CPU cores; measured 0.99, docs/sketch.md#memory).
 """
 
 from __future__ import annotations
