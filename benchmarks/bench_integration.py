@@ -2,8 +2,8 @@
 
 Prints (no assertions; timings on a shared CPU are noisy):
 * sketch pass / log-prob forward: the worker's ``sketch_batch`` (one forward + one activation-only backward per
-  micro-batch, verl's micro-batching) vs a no-grad forward computing the same response log-probs, on the embedded
-  SmolLM2-135M-Instruct;
+  micro-batch, verl's micro-batching and engine code) vs verl's own no-grad log-prob forward (the engine's
+  ``forward_step``), on the embedded SmolLM2-135M-Instruct;
 * driver glue: ``setgrpo_step`` (grouping, Gram matrices, coefficients) for the paper's batch (64 groups x K=8)
   with SmolLM2-sized sketches.
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from _engine import PlainEngine  # before verl: selects verl's CPU platform
+
 import torch
 from tensordict import TensorDict
 
@@ -22,7 +24,7 @@ from verl.utils import tensordict_utils as tu
 
 from setgrpo_verl.core import calibrate
 from setgrpo_verl.integration.estimator import setgrpo_step
-from setgrpo_verl.integration.worker import _padded_layout, sketch_batch
+from setgrpo_verl.integration.worker import sketch_batch
 from setgrpo_verl.models import load_causal_lm
 from setgrpo_verl.sketch import SketchConfig
 
@@ -34,19 +36,19 @@ def _batch(b: int, p: int, r: int, vocab: int) -> TensorDict:
     nested = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
     ids = [torch.cat([x, y]) for x, y in zip(prompts, responses)]
     td = TensorDict({"prompts": nested(prompts), "responses": nested(responses),
-                     "response_mask": nested([torch.ones_like(y) for y in responses]), "input_ids": nested(ids)},
+                     "response_mask": nested([torch.ones_like(y) for y in responses]), "input_ids": nested(ids),
+                     "position_ids": nested([torch.arange(i.numel()) for i in ids])},
                     batch_size=[b])
-    tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=b, use_remove_padding=False)
+    tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=b, use_remove_padding=False,
+                         temperature=1.0)
     return td
 
 
-def _log_prob_forward(model, data: TensorDict) -> torch.Tensor:
-    ids, am, rm = _padded_layout(data)
-    t = rm.shape[1]
+def _log_prob_forward(engine: PlainEngine, data: TensorDict) -> torch.Tensor:
+    """verl's own log-prob pass on the batch (the engine's forward_step without a loss, no grad)."""
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0),
-                       use_cache=False).logits[:, -t - 1 : -1].float()
-        return torch.log_softmax(logits, -1).gather(-1, ids[:, -t:, None]).squeeze(-1)
+        _, out = engine.forward_step(data, loss_function=None, forward_only=True)
+    return out["model_output"]["log_probs"]
 
 
 def _best(fn, repeats: int) -> float:
@@ -71,9 +73,10 @@ def main() -> None:
     model.eval()
     data = _batch(args.batch, args.prompt, args.response, model.config.vocab_size)
     cfg = SketchConfig()
-    forward = _best(lambda: _log_prob_forward(model, data), args.repeats)
-    sketch = _best(lambda: sketch_batch(model, data, cfg, loss_agg_mode="token-mean"), args.repeats)
-    m = sketch_batch(model, data, cfg, loss_agg_mode="token-mean").shape[1]
+    engine = PlainEngine(model, torch.float32)
+    forward = _best(lambda: _log_prob_forward(engine, data), args.repeats)
+    sketch = _best(lambda: sketch_batch(engine, data, cfg, loss_agg_mode="token-mean"), args.repeats)
+    m = sketch_batch(engine, data, cfg, loss_agg_mode="token-mean").shape[1]
     print(f"SmolLM2-135M, {args.batch} x ({args.prompt}+{args.response}) tokens, sketch dim m={m}")
     print(f"  log-prob forward (no grad):          {forward:7.2f} s")
     print(f"  sketch pass (fwd + act.-only bwd):    {sketch:7.2f} s")

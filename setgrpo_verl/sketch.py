@@ -25,8 +25,9 @@ Mechanics: ONE forward of the whole micro-batch with forward hooks that store P_
 call and register a tensor hook on the call's output, then ONE ``torch.autograd.grad`` of the
 objective w.r.t. the input-embedding output.  Autograd only runs the nodes on the path to that
 tensor, so no parameter gradient is computed (``.grad`` stays None, FSDP/FSDP2 gradient state is
-not touched); the tensor hooks receive delta and accumulate the sketch per response.  Memory is
-bounded by the micro-batch: per hooked call we keep one [tokens, r_in] float32 matrix.
+not touched); the tensor hooks receive delta and accumulate the sketch per response.  Per hooked call
+one [tokens, k r_in] float32 matrix is kept; model-dtype tensors are promoted to float32 in row chunks only
+(docs/sketch.md#memory: checkpointing, FSDP1 resharding, measured peak).
 
 Public API: :class:`SketchConfig`, :class:`GradientSketcher` (context manager over any module),
 :func:`compute_sketches` (one call in verl's batch layout, padded or remove-padding/packed),
@@ -35,13 +36,17 @@ sketched: the text model's trainable nn.Linear layers, docs/sketch.md#what-is-sk
 layouts follow verl 0.9.1 conventions (left-padded prompt + right-padded response,
 ``position_ids = clip(cumsum(attention_mask) - 1, 0)`` as in
 ``verl.utils.model.compute_position_id_with_mask``, packed tokens with ``attention_mask=None`` and
-per-sequence restarting ``position_ids`` as in ``FSDPEngineWithLMHead.prepare_model_inputs``).
+per-sequence restarting ``position_ids`` as in ``FSDPEngineWithLMHead.prepare_model_inputs``, plus ``cu_seqlens``
+where the forward takes them).  The trainer's worker runs the engine's own input/output preparation
+(``setgrpo_verl.integration.worker``); :func:`compute_sketches` is the same pass for a plain module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import inspect
 import math
 import re
 from dataclasses import dataclass
@@ -50,9 +55,20 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, _runtime_utils
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
-    "SketchConfig", "SketchOutput", "SketchCoverage", "GradientSketcher", "compute_sketches", "sketch_coverage",
+    "SketchConfig",
+    "SketchOutput",
+    "SketchCoverage",
+    "GradientSketcher",
+    "compute_sketches",
+    "sketch_coverage",
+    "token_weights",
+    "activation_checkpointing",
+    "packed_needs_cu_seqlens",
+    "fsdp1_reshard_in_backward",
     "LOSS_AGG_MODES",
 ]
 
@@ -69,6 +85,34 @@ LOSS_AGG_MODES = {
 # Wrapper prefixes that FSDP1 / activation checkpointing / torch.compile insert into module names;
 # stripped so that projection seeds depend on the model's own module names only.
 _WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+# Float32 working-set bound of one chunk when activations, gradients or logits of the model dtype are promoted
+# to float32: no float32 copy of a whole [tokens, width] tensor (logits: [tokens, V]) is ever made.
+_CHUNK_BYTES = 1 << 26
+
+
+def _chunk_rows(width: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * max(1, width)))
+
+
+def _project_f32(x: torch.Tensor, weight_t: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``x[rows] @ weight_t`` ([n, width] x [width, r] -> [n, r]), promoting x chunk by chunk."""
+    n = x.shape[0] if rows is None else rows.numel()
+    if rows is None and x.dtype == torch.float32:
+        return x @ weight_t
+    out = torch.empty(n, weight_t.shape[1], dtype=torch.float32, device=x.device)
+    step = _chunk_rows(x.shape[1])
+    for start in range(0, n, step):
+        part = x[start : start + step] if rows is None else x[rows[start : start + step]]
+        out[start : start + step] = part.float() @ weight_t
+    return out
+
+
+def _nonzero_rows(x: torch.Tensor) -> torch.Tensor:
+    """int64 indices of the rows of x [n, width] with a nonzero entry, without an [n, width] mask of x."""
+    step = _chunk_rows(x.shape[1])
+    parts = [x[s : s + step].ne(0).any(-1).nonzero().squeeze(1) + s for s in range(0, x.shape[0], step)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=x.device)
 
 
 @dataclass(frozen=True)
@@ -672,13 +716,13 @@ class GradientSketcher:
 
     def _project_in(self, block: _Block, x: torch.Tensor) -> torch.Tensor:
         """P_in [x, 1] of the block's trainable input columns (x for a trainable weight, 1 for a trainable bias)."""
-        x = x.float()
         w = block.weight_cols
         if block.p_in is None:  # identity
+            x = x.float()
             parts = ([x] if w else []) + ([x.new_ones(x.shape[0], 1)] if block.bias else [])
             return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
         p_in = block.p_in = block.p_in.to(x.device)
-        y = x @ p_in[:, :w].T if w else x.new_zeros(x.shape[0], p_in.shape[0])
+        y = _project_f32(x, p_in[:, :w].T) if w else p_in.new_zeros(x.shape[0], p_in.shape[0])
         if block.bias:
             y = y + p_in[:, w]
         return y
@@ -702,17 +746,17 @@ class GradientSketcher:
         if self._phase != "backward" or key not in self._pending:
             return None
         del self._pending[key]
-        d = self._rows(grad.detach(), block.name).float()
+        d = self._rows(grad.detach(), block.name)  # model dtype; promoted to float32 chunk by chunk
         rows = None
-        if block.is_head and block.p_out is not None:
-            # logits get a gradient only at loss positions: project those rows only (the costliest projection)
-            rows = d.ne(0).any(-1).nonzero().squeeze(1)
-            d, b = d[rows], b[rows]
-        if block.p_out is None:
-            a = d
+        if block.p_out is None:  # identity
+            a = d.float()
         else:
-            block.p_out = block.p_out.to(d.device)
-            a = d @ block.p_out.T
+            if block.is_head:
+                # logits get a gradient only at loss positions: project those rows only (the costliest projection)
+                rows = _nonzero_rows(d)
+                b = b[rows]
+            p_out = block.p_out = block.p_out.to(d.device)
+            a = _project_f32(d, p_out.T, rows)
         self._accumulate(block, a, b, rows)
         return None
 
@@ -794,13 +838,147 @@ class GradientSketcher:
 
 
 # ---------------------------------------------------------------------- one-call API
-def _token_weights(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+def token_weights(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """Token weights w of the response-level objective sum_t w_it log pi(o_it) (docs/algorithm.md#0-notation).
+
+    Args:
+        response_mask: 0/1 [B, T_resp] (any dtype), 1 = token in the loss.
+        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
+
+    Returns:
+        float32 [B, T_resp]: the mask, divided per row by its token count for ``seq-mean-token-mean``.
+
+    Raises:
+        ValueError: unknown ``loss_agg_mode``.
+    """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; verl 0.9.1 modes: {sorted(LOSS_AGG_MODES)}")
     w = response_mask.float()
     if LOSS_AGG_MODES[loss_agg_mode]:
         w = w / w.sum(-1, keepdim=True).clamp(min=1.0)
     return w
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    while hasattr(model, "_fsdp_wrapped_module"):  # FSDP1 keeps the HF module one attribute down
+        model = model._fsdp_wrapped_module
+    return model
+
+
+def _forward_takes(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(_unwrapped(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def packed_needs_cu_seqlens(model: nn.Module) -> bool:
+    """True when the packed layout ([1, nnz], ``attention_mask=None``) is only correct with sequence boundaries
+    passed as ``cu_seqlens`` (docs/sketch.md#mechanics).
+
+    Attention layers find the boundaries from the restarting ``position_ids``; linear-attention (recurrent)
+    layers, e.g. Qwen3.5's Gated DeltaNet (config ``layer_types`` entry ``"linear_attention"``), do not and carry
+    their state from one packed sequence into the next unless the forward receives ``cu_seqlens`` (verl's monkey
+    patch of ``Qwen3_5ForConditionalGeneration`` adds that argument).
+
+    Args:
+        model: the HF model (plain, FSDP1 or FSDP2 wrapped).
+
+    Returns:
+        bool: the model has linear-attention layers (so ``cu_seqlens`` is required for packed inputs).
+    """
+    config = getattr(_unwrapped(model), "config", None)
+    if config is None:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or ()
+    return any("linear" in str(t) for t in layer_types)
+
+
+@contextlib.contextmanager
+def activation_checkpointing(model: nn.Module):
+    """Let the model's activation checkpointing act in the sketch pass, which runs in eval mode
+    (docs/sketch.md#memory).
+
+    transformers checkpoints a decoder layer only when the layer's own ``training`` flag is set
+    (``GradientCheckpointingLayer``), and verl's sketch and log-prob passes run in eval mode.  Inside this
+    context the ``training`` flag is set on exactly the layers with ``gradient_checkpointing`` enabled, not on
+    their submodules, so dropout and every other eval-mode behaviour stay as they are while the layers'
+    activations are recomputed in the backward (non-reentrant checkpointing, as verl enables it).  A no-op for a
+    model without checkpointing.  The flags are restored on exit, also on an exception.
+
+    Args:
+        model: an HF model (plain, FSDP1 or FSDP2 wrapped).
+    """
+    switched = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and not m.training]
+    for m in switched:
+        m.training = True
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.training = False
+
+
+@contextlib.contextmanager
+def fsdp1_reshard_in_backward(model: nn.Module):
+    """Reshard every FSDP1 unit as soon as the activation-only sketch backward has passed it (docs/sketch.md#memory).
+
+    FSDP1 (``FullyShardedDataParallel``) reshards a unit's parameters in a hook on their ``AccumulateGrad`` nodes,
+    which the sketch backward (``torch.autograd.grad`` to the input-embedding output) never runs: every unit would
+    stay unsharded from its pre-backward unshard until the end of the backward, i.e. the whole model unsharded at
+    once.  Inside this context each FSDP1 unit whose forward inputs require grad gets, per forward, a multi-grad hook
+    on those inputs that runs FSDP1's own reshard-only post-backward hook (the one FSDP1 uses for frozen parameters;
+    ``torch.distributed.fsdp._runtime_utils._post_backward_reshard_only_hook``, torch 2.13, fingerprinted by
+    tests/sketch/test_sketch.py).  FSDP2 needs nothing: it reshards from the gradient of the units' inputs.  A no-op
+    for a model without FSDP1 units.
+
+    Args:
+        model: the (possibly FSDP1-wrapped) model of the sketch pass.
+    """
+    def pre_forward(unit, args, kwargs):
+        if not torch.is_grad_enabled() or unit._handle is None:
+            return None
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            hook = partial(_runtime_utils._post_backward_reshard_only_hook, unit, unit._handle)
+            torch.autograd.graph.register_multi_grad_hook(inputs, hook)
+        return None
+
+    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    handles = [u.register_forward_pre_hook(pre_forward, with_kwargs=True) for u in units]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _scaled_by_temperature(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """logits / temperature in the logits' dtype (verl 0.9.1 ``_scale_logits_by_temperature``); temperature is a
+    float or a float tensor broadcastable to logits."""
+    if not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0:
+        return logits
+    t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
+    return logits / t.to(torch.float32).clamp(min=1e-8).to(device=logits.device, dtype=logits.dtype)
+
+
+def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 kept
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[targets] per row ([n, V], [n] -> float [n]) in row chunks; each chunk is recomputed in
+    the backward (non-reentrant checkpoint), so no [n, V] float32 tensor is kept for the backward."""
+    step = _chunk_rows(logits.shape[-1])
+    if logits.shape[0] <= step or not logits.requires_grad:
+        return _chunk_log_probs(logits, targets)
+    parts = [
+        checkpoint(_chunk_log_probs, logits[s : s + step], targets[s : s + step], use_reentrant=False)
+        for s in range(0, logits.shape[0], step)
+    ]
+    return torch.cat(parts)
 
 
 def _validate(input_ids, attention_mask, response_mask, position_ids, temperature):
@@ -860,6 +1038,16 @@ def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remo
         logit_rows = (k - 1).clamp(min=0)
         targets = model_ids[0][k.clamp(min=0)]
         model_kwargs = dict(input_ids=model_ids, position_ids=model_pos, attention_mask=None)
+        if _forward_takes(model, "cu_seqlens"):  # verl 0.9.1's rule (FSDPEngine.pass_packed_cu_seqlens)
+            cu_seqlens = torch.nn.functional.pad(am.sum(-1).cumsum(0), (1, 0))
+            model_kwargs.update(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens.cpu())
+        elif packed_needs_cu_seqlens(model):
+            raise ValueError(
+                f"use_remove_padding=True on {type(_unwrapped(model)).__name__}, a model with linear-attention layers "
+                "whose forward takes no cu_seqlens: the packed sequences would run as one sequence through those "
+                "layers. Use the padded layout (use_remove_padding=False) or a forward that takes cu_seqlens "
+                "(verl's monkey patch of Qwen3_5ForConditionalGeneration)"
+            )
     else:
         segments = torch.where(am.bool(), rows[:, None], torch.full_like(ids, -1))
         logit_rows = rows[:, None] * seqlen + resp_cols[None, :] - 1
@@ -868,11 +1056,10 @@ def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remo
     sk.begin(segments, bsz)
     with torch.enable_grad():
         logits = model(**model_kwargs, use_cache=False).logits
-        logits = logits.reshape(-1, logits.shape[-1])[logit_rows.reshape(-1)]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 kept
-        temp = temperature if not isinstance(temperature, torch.Tensor) else temperature.float().reshape(-1, 1, 1)
-        logits = logits.reshape(bsz, t_resp, -1) / temp
-        log_probs = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        logits = logits.reshape(-1, logits.shape[-1])[logit_rows.reshape(-1)]  # [B * T_resp, V], model dtype
+        temp = temperature if not isinstance(temperature, torch.Tensor) else temperature.reshape(-1, 1, 1)
+        logits = _scaled_by_temperature(logits.reshape(bsz, t_resp, -1), temp).reshape(bsz * t_resp, -1)
+        log_probs = _token_log_probs(logits, targets.reshape(-1)).reshape(bsz, t_resp)
         log_probs = torch.where(valid_resp, log_probs, torch.zeros_like(log_probs))
         if not torch.isfinite(log_probs).all():
             bad = (~torch.isfinite(log_probs)).any(-1).nonzero().squeeze(1).tolist()
@@ -934,14 +1121,14 @@ def compute_sketches(
     _validate(input_ids, attention_mask, response_mask, position_ids, temperature)
     if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
         raise ValueError(f"micro_batch_size must be a positive int or None, got {micro_batch_size!r}")
-    weights = _token_weights(response_mask, loss_agg_mode)
+    weights = token_weights(response_mask, loss_agg_mode)
     attention_mask = attention_mask.long()
     if position_ids is None:
         position_ids = torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
     bsz, t_resp = response_mask.shape
     step = micro_batch_size or bsz
     sketches, log_probs = [], []
-    with GradientSketcher(model, config) as sk:
+    with GradientSketcher(model, config) as sk, fsdp1_reshard_in_backward(model):
         for start in range(0, bsz, step):
             sl = slice(start, start + step)
             temp = temperature[sl] if isinstance(temperature, torch.Tensor) and temperature.dim() else temperature

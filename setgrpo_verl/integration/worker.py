@@ -9,7 +9,9 @@ included) and remove-padding setting, and the driver receives float32 ``[B, m]``
 under the key :data:`SKETCH_KEY`.
 
 The sketch pass is one forward plus one activation-only backward per micro-batch (``setgrpo_verl.sketch``),
-under the engine's eval mode and forward autocast. By default it runs after verl's own old-log-prob pass;
+under the engine's eval mode, through the engine's own ``prepare_model_inputs`` / ``prepare_model_outputs`` and
+forward autocast, so the model sees exactly the inputs (``cu_seqlens`` included) and the log-probs are computed the
+way verl's ``compute_log_prob`` computes them. By default it runs after verl's own old-log-prob pass;
 ``compute_log_prob_and_sketches`` is the fused variant (``algorithm.setgrpo.sketch.fuse_old_log_prob=true``) that
 also returns verl's ``old_log_probs`` from the same forward, so the only extra cost over plain GRPO is the
 activation-only backward. Ulysses sequence parallelism is not supported (the sketch hook needs whole sequences
@@ -27,11 +29,20 @@ from tensordict import TensorDict
 
 from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
 from verl.utils.seqlen_balancing import restore_dynamic_batch
 from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.engine_workers import ActorRolloutRefWorker
+from verl.workers.utils.padding import no_padding_2_padding, response_from_nested
 
-from setgrpo_verl.sketch import SketchConfig, compute_sketches
+from setgrpo_verl.sketch import (
+    GradientSketcher,
+    SketchConfig,
+    activation_checkpointing,
+    fsdp1_reshard_in_backward,
+    packed_needs_cu_seqlens,
+    token_weights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,122 +51,168 @@ SKETCH_KEY = "setgrpo_sketch"
 #: Non-tensor input field carrying ``dataclasses.asdict(SketchConfig)`` from the driver.
 SKETCH_CONFIG_KEY = "setgrpo_sketch_config"
 
-
-def _padded_layout(mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """verl batch -> ``(input_ids [B, P+R] left-padded prompt + right-padded response, attention_mask, response_mask)``.
-
-    Accepts verl v1's nested (jagged, no padding) ``prompts`` / ``responses`` / ``response_mask`` and the
-    legacy padded layout (``input_ids``, ``attention_mask``, ``responses``, ``response_mask`` as dense tensors).
-    """
-    for key in ("responses", "response_mask"):
-        if key not in mb.keys():
-            raise ValueError(f"the sketch RPC needs the batch field {key!r} (verl rollout output); got {list(mb.keys())}")
-    if not mb["responses"].is_nested:
-        if "input_ids" not in mb.keys() or "attention_mask" not in mb.keys():
-            raise ValueError("padded batches need 'input_ids' and 'attention_mask' for the sketch RPC")
-        return mb["input_ids"], mb["attention_mask"], mb["response_mask"]
-    if "prompts" not in mb.keys():
-        raise ValueError("nested (remove-padding) batches need the 'prompts' field for the sketch RPC")
-    prompts, responses, rmask = mb["prompts"].unbind(), mb["responses"].unbind(), mb["response_mask"].unbind()
-    bsz = len(prompts)
-    p_len = max(int(p.numel()) for p in prompts)
-    r_len = max(int(r.numel()) for r in responses)
-    ids = torch.zeros(bsz, p_len + r_len, dtype=torch.long)
-    am = torch.zeros(bsz, p_len + r_len, dtype=torch.long)
-    rm = torch.zeros(bsz, r_len, dtype=torch.long)
-    for i, (p, r, m) in enumerate(zip(prompts, responses, rmask, strict=True)):
-        ids[i, p_len - p.numel() : p_len] = p
-        ids[i, p_len : p_len + r.numel()] = r
-        am[i, p_len - p.numel() : p_len + r.numel()] = 1
-        rm[i, : m.numel()] = m
-    return ids, am, rm
+#: Outputs of ``prepare_model_outputs`` the sketch pass does not use: switched off so that it builds no entropy
+#: (or sum pi^2) graph over the [tokens, V] logits.
+_NO_EXTRA_OUTPUTS = dict(calculate_entropy=False, calculate_sum_pi_squared=False)
 
 
-def sketch_batch(
-    module: torch.nn.Module,
-    data: TensorDict,
-    config: SketchConfig,
-    *,
-    loss_agg_mode: str,
-    dp_group: Any = None,
-) -> torch.Tensor:
+def _nested_layout(data: TensorDict) -> TensorDict:
+    """Check that the batch is in verl's no-padding layout (nested ``input_ids`` / ``position_ids`` /
+    ``response_mask``, the v1 trainer's layout), which is what ``FSDPEngineWithLMHead.prepare_model_inputs`` reads."""
+    for key in ("input_ids", "position_ids", "prompts", "responses", "response_mask"):
+        if key not in data.keys():
+            raise ValueError(
+                f"the sketch RPC needs the batch field {key!r} (verl rollout output, as compute_log_prob reads it); "
+                f"got {sorted(data.keys())}"
+            )
+        if not data[key].is_nested:
+            raise ValueError(
+                f"the sketch RPC needs verl's no-padding layout (nested tensors, as verl's v1 trainer sends), but "
+                f"{key!r} is a dense tensor: convert the batch with verl.workers.utils.padding.left_right_2_no_padding"
+            )
+    if "temperature" not in data.keys():
+        raise ValueError(
+            "the sketch RPC needs the rollout temperature as the non-tensor field 'temperature' (verl's "
+            "compute_log_prob reads the same field)"
+        )
+    tu.maybe_fix_3d_position_ids(data)
+    return data
+
+
+def _token_segments(mb: TensorDict, model_inputs: dict) -> torch.Tensor:
+    """int64 tensor with the token shape of ``model_inputs['input_ids']``: the row of the micro-batch each position
+    belongs to, -1 for padding (packed: [1, nnz + pad] with the bucket/SP pad at the tail; padded: [B, T] right-padded
+    as ``prepare_model_inputs`` builds it)."""
+    ids = model_inputs["input_ids"]
+    lengths = mb["input_ids"].offsets().diff().to(ids.device)
+    rows = torch.arange(lengths.numel(), device=ids.device)
+    if model_inputs.get("attention_mask") is None:  # packed
+        seg = torch.repeat_interleave(rows, lengths)
+        pad = ids.shape[-1] - seg.numel()
+        return torch.cat([seg, seg.new_full((pad,), -1)])[None]
+    mask = model_inputs["attention_mask"].bool()
+    return torch.where(mask, rows[:, None], torch.full_like(mask, -1, dtype=torch.long))
+
+
+def _forward_autocast(engine: Any):
+    """verl 0.9.1 ``FSDPEngineWithLMHead.forward_step``'s autocast around the model forward and
+    ``prepare_model_outputs``: ``engine._autocast_dtype`` (mixed_precision.param_dtype, bf16 by default), none for
+    float32.  Copied (5 lines) because forward_step also runs the loss and detaches the outputs;
+    tests/integration/test_worker_unit.py fingerprints the original."""
+    autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    if autocast_dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=get_device_name(), dtype=autocast_dtype)
+
+
+def _check_engine(engine: Any, mb: TensorDict) -> None:
+    if tu.get_non_tensor_data(mb, "use_fused_kernels", False):
+        raise NotImplementedError(
+            "SetGRPO sketches need the LM head's logits, which fused kernels do not build: set "
+            "actor_rollout_ref.model.use_fused_kernels=False"
+        )
+    packed = tu.get_non_tensor_data(mb, "use_remove_padding", True)
+    if packed and not getattr(engine, "pass_packed_cu_seqlens", False) and packed_needs_cu_seqlens(engine.module):
+        raise NotImplementedError(
+            f"use_remove_padding=True on {type(engine.module).__name__}, a model with linear-attention layers whose "
+            "forward takes no cu_seqlens: verl would run the packed responses as one sequence through those layers. "
+            "Set actor_rollout_ref.model.use_remove_padding=False (or load the model as "
+            "Qwen3_5ForConditionalGeneration, whose verl forward takes cu_seqlens)"
+        )
+
+
+def _sketch_micro_batch(
+    engine: Any, sk: GradientSketcher, mb: TensorDict, loss_agg_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch through the engine's own forward path: ``prepare_model_inputs`` (packed inputs with
+    ``cu_seqlens`` where the model takes them, or padded), the module forward under the engine's autocast,
+    ``prepare_model_outputs`` (temperature scaling in the logits' dtype and verl's ``logprobs_from_logits``), then the
+    activation-only sketch backward of sum_i sum_t w_it log pi(o_it).  Returns ``(float32 [b, m] sketches,
+    nested [b, j] response log-probs in verl's dtype, detached)``."""
+    _check_engine(engine, mb)
+    mb = mb.to(get_device_id())  # the engine's device (parameters may be offloaded to the host)
+    tu.assign_non_tensor(mb, **_NO_EXTRA_OUTPUTS)
+    model_inputs, output_args = engine.prepare_model_inputs(micro_batch=mb)
+    sk.begin(_token_segments(mb, model_inputs), len(mb))
+    with torch.enable_grad(), _forward_autocast(engine):
+        raw_output = engine.module(**model_inputs, use_cache=False)
+        model_output = engine.prepare_model_outputs(
+            output=raw_output, output_args=output_args, micro_batch=mb, logits_processor_func=None
+        )
+        full = model_output["log_probs"]  # nested [b, prompt + response], position t scores token t + 1
+        log_probs = no_padding_2_padding(full, mb)  # [b, R] response log-probs (verl's slicing)
+        rmask = mb["response_mask"].to_padded_tensor(0, output_size=log_probs.shape)
+        if not torch.isfinite(log_probs[rmask.bool()]).all():
+            bad = (~torch.isfinite(log_probs) & rmask.bool()).any(-1).nonzero().squeeze(1).tolist()
+            raise FloatingPointError(
+                f"non-finite log-probabilities for rows {bad} of the micro-batch (check the weights and temperature)"
+            )
+        objective = (log_probs.float() * token_weights(rmask, loss_agg_mode)).sum()
+        sketches = sk.backward(objective)
+    return sketches.float(), response_from_nested(full.detach(), mb["response_mask"])
+
+
+def sketch_batch(engine: Any, data: TensorDict, config: SketchConfig, *, loss_agg_mode: str) -> torch.Tensor:
     """Sketch every response of a worker's shard, in the shard's order (docs/algorithm.md#5-sketches).
 
     Uses verl's ``prepare_micro_batches`` (fixed ``micro_batch_size_per_gpu`` or token-budget dynamic
-    micro-batches with ``max_token_len_per_gpu``, the same number of micro-batches on every DP rank) and
-    ``restore_dynamic_batch`` to return rows in input order.
+    micro-batches with ``max_token_len_per_gpu``, the same number of micro-batches on every DP rank),
+    ``restore_dynamic_batch`` to return rows in input order, and the engine's own model inputs and outputs
+    (:func:`_sketch_micro_batch`).  One :class:`~setgrpo_verl.sketch.GradientSketcher` serves all micro-batches, so
+    the projections go to the device once per call; activation checkpointing acts when the actor enables it
+    (:func:`~setgrpo_verl.sketch.activation_checkpointing`), and FSDP1 units reshard during the sketch backward
+    (:func:`~setgrpo_verl.sketch.fsdp1_reshard_in_backward`).
 
     Args:
-        module: the (FSDP-wrapped or plain) HF causal LM.
-        data: the shard as a TensorDict (nested or padded layout, see :func:`_padded_layout`) with verl's
+        engine: verl's ``FSDPEngineWithLMHead`` of the actor (``engine.module`` plain, FSDP1 or FSDP2 wrapped).
+        data: the shard as a TensorDict in verl's no-padding layout (nested ``input_ids``, ``position_ids``,
+            ``prompts``, ``responses``, ``response_mask``) with verl's
             non-tensor keys ``use_dynamic_bsz``, ``max_token_len_per_gpu`` / ``micro_batch_size_per_gpu``,
             ``use_remove_padding`` and ``temperature``.
         config: the sketch settings (identical on every rank).
         loss_agg_mode: the actor's ``loss_agg_mode`` (token weights of the response-level gradient).
-        dp_group: the engine's data-parallel process group (None outside torch.distributed).
 
     Returns:
         float32 [B, m] sketches (CPU).
 
     Raises:
-        ValueError: missing fields, or errors of ``setgrpo_verl.sketch.compute_sketches``.
+        ValueError: missing fields, or errors of :class:`~setgrpo_verl.sketch.GradientSketcher`.
+        NotImplementedError: fused kernels, or packed inputs on linear attention without ``cu_seqlens``.
+        FloatingPointError: non-finite log-probabilities.
     """
-    return sketch_and_log_probs(module, data, config, loss_agg_mode=loss_agg_mode, dp_group=dp_group)[0]
+    return sketch_and_log_probs(engine, data, config, loss_agg_mode=loss_agg_mode)[0]
 
 
 def sketch_and_log_probs(
-    module: torch.nn.Module,
-    data: TensorDict,
-    config: SketchConfig,
-    *,
-    loss_agg_mode: str,
-    dp_group: Any = None,
+    engine: Any, data: TensorDict, config: SketchConfig, *, loss_agg_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sketch_batch` plus the response log-probs of the same forward (the fused old-log-prob pass).
 
     Returns:
-        ``(sketches float32 [B, m], log_probs)`` with ``log_probs`` a jagged nested float32 tensor [B, j]: row i
-        holds log pi(o_it) (after temperature) of the response tokens of row i (verl's ``old_log_probs`` layout).
+        ``(sketches float32 [B, m], log_probs)`` with ``log_probs`` a jagged nested tensor [B, j] in the dtype verl's
+        ``compute_log_prob`` returns (the logits' dtype): row i holds log pi(o_it) (after temperature) of the
+        response tokens of row i, the values verl's own pass computes (verl's ``old_log_probs`` layout).
 
     Raises:
-        ValueError: as :func:`sketch_batch`.
-        FloatingPointError: non-finite log-probabilities (from ``compute_sketches``).
+        As :func:`sketch_batch`.
     """
-    micro_batches, indices = prepare_micro_batches(data=data, dp_group=dp_group, same_micro_num_in_dp=True)
-    use_remove_padding = bool(tu.get_non_tensor_data(data, "use_remove_padding", False))
-    temperature = tu.get_non_tensor_data(data, "temperature", 1.0)
-    device = next(module.parameters()).device
+    data = _nested_layout(data)
+    micro_batches, indices = prepare_micro_batches(
+        data=data, dp_group=engine.get_data_parallel_group(), same_micro_num_in_dp=True
+    )
     parts, rows = [], []
-    for mb in micro_batches:
-        ids, am, rm = _padded_layout(mb)
-        out = compute_sketches(
-            module,
-            ids.to(device),
-            am.to(device),
-            rm.to(device),
-            config,
-            loss_agg_mode=loss_agg_mode,
-            temperature=float(temperature),
-            use_remove_padding=use_remove_padding,
-        )
-        parts.append(out.sketches.float().cpu())
-        resp_len = am[:, -rm.shape[1] :].sum(-1).tolist()
-        rows.extend(out.log_probs[i, :n].float().cpu() for i, n in enumerate(resp_len))
+    module = engine.module
+    with GradientSketcher(module, config) as sk, activation_checkpointing(module), fsdp1_reshard_in_backward(module):
+        for mb in micro_batches:
+            sketches, log_probs = _sketch_micro_batch(engine, sk, mb, loss_agg_mode)
+            parts.append(sketches.cpu())
+            rows.extend(t.cpu() for t in log_probs.unbind())
     sketches = torch.cat(parts)
     log_probs = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
     if indices is not None:
         sketches = restore_dynamic_batch(sketches, indices)
         log_probs = restore_dynamic_batch(log_probs, indices)
     return sketches, log_probs
-
-
-def _engine_autocast(engine: Any, module: torch.nn.Module):
-    """The engine's forward autocast (FSDP engines: ``_autocast_dtype``, bf16 by default; none for float32), so the
-    sketch forward runs with the same numerics and activation memory as verl's log-prob forward."""
-    dtype = getattr(engine, "_autocast_dtype", None)
-    if dtype is None or dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=next(module.parameters()).device.type, dtype=dtype)
 
 
 class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
@@ -174,6 +231,7 @@ class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
             use_dynamic_bsz=self.actor.engine_config.use_dynamic_bsz,
             max_token_len_per_gpu=self.actor.engine_config.infer_max_token_len_per_gpu,
             micro_batch_size_per_gpu=self.actor.engine_config.infer_micro_batch_size_per_gpu,
+            use_fused_kernels=self.actor.engine_config.use_fused_kernels,
         )
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
@@ -223,11 +281,5 @@ class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
             if key not in data.keys():
                 tu.assign_non_tensor(data, **{key: value})
         config = SketchConfig(**dict(tu.get_non_tensor_data(data, SKETCH_CONFIG_KEY, {})))
-        with engine.eval_mode(), _engine_autocast(engine, engine.module):
-            return sketch_and_log_probs(
-                engine.module,
-                data,
-                config,
-                loss_agg_mode=self.config.actor.loss_agg_mode,
-                dp_group=engine.get_data_parallel_group(),
-            )
+        with engine.eval_mode():
+            return sketch_and_log_probs(engine, data, config, loss_agg_mode=self.config.actor.loss_agg_mode)

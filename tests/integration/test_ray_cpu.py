@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from types import SimpleNamespace
@@ -23,9 +22,11 @@ from setgrpo_verl.core import OnlineRiskMonitor
 from setgrpo_verl.integration.config import setgrpo_config_from
 from setgrpo_verl.integration.estimator import setgrpo_step
 from setgrpo_verl.integration.trainer import SetGRPOTrainer, calibration_groups
-from setgrpo_verl.integration.worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker, _padded_layout
+from setgrpo_verl.integration.worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
 from setgrpo_verl.sketch import SketchConfig, compute_sketches
 
+from . import _engine
+from ._engine import BareEngine, nested_batch, padded_layout
 from .test_estimator import K, _record
 
 SKETCH = SketchConfig(rank_out=3, rank_in=2, seed=7)
@@ -40,23 +41,6 @@ def _tiny_model():
     return LlamaForCausalLM(cfg).eval()
 
 
-class _CPUEngine:
-    """The engine calls the sketch RPC makes (verl's FSDP engines register for cuda/npu only)."""
-
-    def __init__(self, module):
-        self.module = module
-        self.ulysses_sequence_parallel_size = 1
-
-    def eval_mode(self):
-        return contextlib.nullcontext()
-
-    def get_data_parallel_group(self):
-        return None
-
-    def is_mp_src_rank_with_outputs(self):
-        return True
-
-
 class TinySketchWorker(SetGRPOActorRolloutRefWorker):
     """Our worker class with a tiny CPU model in place of verl's GPU engine; the RPC itself is untouched."""
 
@@ -68,25 +52,23 @@ class TinySketchWorker(SetGRPOActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
+        _engine.use_cpu_platform()  # what VERL_PLATFORM=cpu selects in a CPU run
         engine_config = SimpleNamespace(use_dynamic_bsz=self._use_dynamic_bsz, infer_max_token_len_per_gpu=24,
-                                        infer_micro_batch_size_per_gpu=2)
-        self.actor = SimpleNamespace(engine=_CPUEngine(_tiny_model()), model_config={"use_remove_padding": True},
+                                        infer_micro_batch_size_per_gpu=2, use_fused_kernels=False)
+        self.actor = SimpleNamespace(engine=BareEngine(_tiny_model()), model_config={"use_remove_padding": True},
                                      engine_config=engine_config)
         self._register_dispatch_collect_info("actor", dp_rank=self.rank, is_collect=True)
 
 
 def _batch(b: int = 8) -> TensorDict:
-    """verl v1 layout: nested prompts / responses / input_ids / response_mask of uneven lengths."""
+    """verl v1 layout: nested prompts / responses / input_ids / position_ids / response_mask of uneven lengths."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 50, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g) for _ in range(b)]
     responses = [torch.randint(1, 50, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g) for _ in range(b)]
     masks = [torch.ones_like(r) for r in responses]
     masks[1][-1] = 0  # a masked-out (e.g. tool) token inside a response
-    nested = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
-    ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
-    td = TensorDict({"prompts": nested(prompts), "responses": nested(responses), "response_mask": nested(masks),
-                     "input_ids": nested(ids), "attention_mask": nested([torch.ones_like(i) for i in ids])},
-                    batch_size=[b])
+    td = nested_batch(prompts, responses, masks)
+    tu.assign_non_tensor(td, temperature=1.0)
     tu.assign_non_tensor(td, **{SKETCH_CONFIG_KEY: dataclasses.asdict(SKETCH)})
     return td
 
@@ -94,6 +76,7 @@ def _batch(b: int = 8) -> TensorDict:
 @pytest.fixture(scope="module")
 def ray_cluster():
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the tests package
+    cloudpickle.register_pickle_by_value(_engine)
     # logical CPUs: the worker group's placement group and TransferQueue's actors each reserve some
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
     yield
@@ -108,7 +91,7 @@ def test_sketch_rpc_on_ray_cpu_worker_group(ray_cluster):
                         device_name="cpu")
     wg.init_model()
     # the driver's reference: the same hook on the whole batch, in batch order
-    ids, am, rm = _padded_layout(_batch())
+    ids, am, rm = padded_layout(_batch())
     reference = compute_sketches(_tiny_model(), ids, am, rm, SKETCH)
     expected = reference.sketches
     assert torch.cdist(expected, expected).fill_diagonal_(1.0).min() > 1e-3  # distinct rows: a permutation shows

@@ -1,46 +1,199 @@
-"""The worker's sketch path without Ray: verl's micro-batching, order restoration and the engine's autocast."""
+"""The worker's sketch path without Ray: verl's micro-batching, order restoration, and the engine's own model inputs,
+outputs and autocast (``FSDPEngineWithLMHead``, verl 0.9.1)."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from types import SimpleNamespace
+import hashlib
+import inspect
 
+import pytest
 import torch
 
 from verl.utils import tensordict_utils as tu
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from setgrpo_verl.integration.worker import _engine_autocast, _padded_layout, sketch_and_log_probs, sketch_batch
-from setgrpo_verl.sketch import compute_sketches
+from setgrpo_verl.integration import worker
+from setgrpo_verl.integration.worker import sketch_and_log_probs, sketch_batch
+from setgrpo_verl.sketch import SketchConfig, compute_sketches
+from tests.sketch._tiny import tiny_llama, tiny_qwen3, tiny_qwen35_text
 
+from ._engine import BareEngine, cpu_platform, nested_batch, padded_layout, verl_log_probs
 from .test_ray_cpu import SKETCH, _batch, _tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _verl_on_the_cpu():
+    with cpu_platform():
+        yield
+
+
+def _ragged(vocab: int, b: int = 5, seed: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g) for _ in range(b)]
+    responses = [torch.randint(1, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g) for _ in range(b)]
+    masks = [torch.ones_like(r) for r in responses]
+    masks[0][1] = 0  # a response token outside the loss
+    return nested_batch(prompts, responses, masks)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
 
 
 def test_sketch_batch_matches_whole_batch_hook_and_bf16_autocast_keeps_the_geometry():
     model = _tiny_model()
     data = _batch()
-    ids, am, rm = _padded_layout(data)
+    ids, am, rm = padded_layout(data)
     exact = compute_sketches(model, ids, am, rm, SKETCH).sketches
     tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=20, use_remove_padding=True)
-    torch.testing.assert_close(sketch_batch(model, data, SKETCH, loss_agg_mode="token-mean"), exact,
+    torch.testing.assert_close(sketch_batch(BareEngine(model), data, SKETCH, loss_agg_mode="token-mean"), exact,
                                rtol=1e-4, atol=1e-5)
-
-    for engine in (SimpleNamespace(_autocast_dtype=torch.float32), SimpleNamespace()):  # fp32 engine / no autocast
-        assert isinstance(_engine_autocast(engine, model), nullcontext)
-    with _engine_autocast(SimpleNamespace(_autocast_dtype=torch.bfloat16), model):
-        assert torch.is_autocast_enabled("cpu")
-        bf16 = sketch_batch(model, data, SKETCH, loss_agg_mode="token-mean")
+    bf16 = sketch_batch(BareEngine(model, autocast_dtype=torch.bfloat16), data, SKETCH, loss_agg_mode="token-mean")
     assert bf16.dtype == torch.float32
     gram, gram_bf16 = exact @ exact.T, bf16 @ bf16.T
     assert float((gram - gram_bf16).abs().max() / gram.abs().max()) < 0.03  # far below the sketch's own error
 
 
-def test_fused_log_probs_equal_an_independent_forward():
-    model = _tiny_model()
+def _families():
+    return {"llama_tied": tiny_llama(tie=True, dtype=torch.float32), "qwen3": tiny_qwen3(dtype=torch.float32),
+            "qwen35_hybrid": tiny_qwen35_text()}
+
+
+@pytest.fixture
+def verl_qwen35_patch(monkeypatch):
+    """verl's monkey patch of the Qwen3.5 decoder layer and Gated DeltaNet (what ``apply_monkey_patch`` installs for
+    Qwen3.5), undone after the test: the layers take ``cu_seqlens`` and run each packed sequence on its own."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from verl.models.transformers.qwen3_5 import qwen3_5_decoder_layer_forward, qwen3_5_gated_delta_net_forward
+
+    monkeypatch.setattr(m.Qwen3_5DecoderLayer, "forward", qwen3_5_decoder_layer_forward)
+    monkeypatch.setattr(m.Qwen3_5GatedDeltaNet, "forward", qwen3_5_gated_delta_net_forward)
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen3", "qwen35_hybrid"])
+def test_packed_equals_padded_through_the_engine_for_every_family(family, verl_qwen35_patch):
+    model = _families()[family]
+    # Qwen3_5ForConditionalGeneration's verl forward takes cu_seqlens (so verl passes them); the text-only class used
+    # here receives them through its **kwargs, which is what the engine does for the VL class
+    engine = BareEngine(model, pass_packed_cu_seqlens=family == "qwen35_hybrid" or None)
+    cfg = SketchConfig(rank_out=2, rank_in=2, copies=4, seed=5)
+    out = {}
+    for packed in (False, True):
+        data = _ragged(model.config.vocab_size)
+        tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=5, use_remove_padding=packed,
+                             temperature=0.7)
+        out[packed] = sketch_and_log_probs(engine, data, cfg, loss_agg_mode="token-mean")
+    assert _rel(out[True][0], out[False][0]) <= 1e-4, family
+    lp_packed, lp_padded = (torch.cat(out[k][1].unbind()) for k in (True, False))
+    assert float(((lp_packed - lp_padded).abs() / lp_padded.abs()).max()) <= 1e-4, family
+    # and both equal one sequence at a time (no packing, no padding)
+    data = _ragged(model.config.vocab_size)
+    rows = zip(data["prompts"].unbind(), data["responses"].unbind(), data["response_mask"].unbind())
+    for i, (p, r, m) in enumerate(rows):
+        ids = torch.cat([p, r])[None]
+        ref = compute_sketches(model, ids, torch.ones_like(ids), m[None], cfg, temperature=0.7).sketches
+        assert _rel(out[True][0][i : i + 1], ref) <= 1e-4, (family, i)
+
+
+def test_packed_hybrid_without_cu_seqlens_is_refused(verl_qwen35_patch):
+    model = tiny_qwen35_text()
+    data = _ragged(model.config.vocab_size)
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=5, use_remove_padding=True,
+                         temperature=1.0)
+    with pytest.raises(NotImplementedError, match="use_remove_padding=False"):
+        sketch_batch(BareEngine(model), data, SketchConfig(), loss_agg_mode="token-mean")
+    ids, am, rm = padded_layout(data)
+    with pytest.raises(ValueError, match="linear-attention"):
+        compute_sketches(model, ids, am, rm, use_remove_padding=True)
+
+
+@pytest.mark.parametrize("autocast", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_old_log_probs_are_verls_own_at_temperature_0_7(autocast, packed):
+    """The fused pass's old_log_probs are bit-equal to verl's compute_log_prob (forward_step, no grad) on the same
+    micro-batch, in verl's dtype: the first PPO ratio exp(log_prob - old_log_prob) is exactly 1."""
+    model = tiny_qwen3(dtype=torch.float32)
+    engine = BareEngine(model, autocast_dtype=autocast)
+    data = _ragged(model.config.vocab_size)
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=5, use_remove_padding=packed,
+                         temperature=0.7)
+    _, fused = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
+    expected = verl_log_probs(engine, data)
+    for a, b in zip(fused.unbind(), expected.unbind(), strict=True):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b)
+    # and they are the temperature-scaled log-probs of the responses (independent forward, float32 reference)
+    if autocast == torch.float32:
+        for i, (p, r) in enumerate(zip(data["prompts"].unbind(), data["responses"].unbind())):
+            with torch.no_grad():
+                logits = model(input_ids=torch.cat([p, r])[None]).logits[0, p.numel() - 1 : -1] / 0.7
+            ref = torch.log_softmax(logits.float(), -1).gather(-1, r[:, None]).squeeze(-1)
+            torch.testing.assert_close(fused.unbind()[i], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_the_engine_path_builds_the_projections_once_per_call(monkeypatch):
+    entered = []
+    original = worker.GradientSketcher.__enter__
+
+    def counting(self):
+        entered.append(self)
+        return original(self)
+
+    monkeypatch.setattr(worker.GradientSketcher, "__enter__", counting)
     data = _batch()
-    tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=20, use_remove_padding=True, temperature=0.7)
-    _, log_probs = sketch_and_log_probs(model, data, SKETCH, loss_agg_mode="token-mean")
-    for i, (p, r) in enumerate(zip(data["prompts"].unbind(), data["responses"].unbind())):
-        with torch.no_grad():  # one unpadded sequence at a time: no masking or packing involved
-            logits = model(input_ids=torch.cat([p, r])[None]).logits[0, p.numel() - 1 : -1] / 0.7
-        expected = torch.log_softmax(logits.float(), -1).gather(-1, r[:, None]).squeeze(-1)
-        torch.testing.assert_close(log_probs.unbind()[i], expected, rtol=1e-4, atol=1e-5)
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=2, use_remove_padding=True)
+    sketch_batch(BareEngine(_tiny_model()), data, SKETCH, loss_agg_mode="token-mean")
+    assert len(entered) == 1  # 4 micro-batches, one sketcher (projections on the device once)
+
+
+def test_fused_kernels_and_dense_batches_are_refused():
+    data = _batch()
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=8, use_fused_kernels=True)
+    with pytest.raises(NotImplementedError, match="use_fused_kernels=False"):
+        sketch_batch(BareEngine(_tiny_model()), data, SKETCH, loss_agg_mode="token-mean")
+    data = _batch()
+    data["input_ids"] = data["input_ids"].to_padded_tensor(0)
+    with pytest.raises(ValueError, match="left_right_2_no_padding"):
+        sketch_batch(BareEngine(_tiny_model()), data, SKETCH, loss_agg_mode="token-mean")
+
+
+#: sha256 of verl 0.9.1's ``FSDPEngineWithLMHead.forward_step`` source: worker._forward_autocast copies its autocast.
+FORWARD_STEP_SHA256 = "ec2681395b00c6549e17003cc3eb93703a537ab6689c69195e7ce983fedc60b7"
+
+
+def test_the_copied_autocast_of_verls_forward_step_is_unchanged():
+    source = inspect.getsource(FSDPEngineWithLMHead.forward_step)
+    assert "autocast_dtype = getattr(self, \"_autocast_dtype\", torch.bfloat16)" in source
+    assert hashlib.sha256(source.encode()).hexdigest() == FORWARD_STEP_SHA256, (
+        "verl's FSDPEngineWithLMHead.forward_step changed: re-check setgrpo_verl.integration.worker._forward_autocast"
+    )
+
+
+class _WithCuSeqlens(torch.nn.Module):
+    """A causal LM whose forward takes ``cu_seqlens`` (as verl's Qwen3.5 forward does) and hands them to its layers."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        self.config = lm.config
+
+    def get_input_embeddings(self):
+        return self.lm.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.lm.get_output_embeddings()
+
+    def forward(self, input_ids=None, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        extra = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        return self.lm(input_ids=input_ids, **extra, **kwargs)
+
+
+def test_compute_sketches_passes_cu_seqlens_to_a_forward_that_takes_them(verl_qwen35_patch):
+    model = _WithCuSeqlens(tiny_qwen35_text())
+    ids, am, rm = padded_layout(_ragged(model.config.vocab_size))
+    cfg = SketchConfig(rank_out=2, rank_in=2, copies=4, seed=5)
+    padded = compute_sketches(model, ids, am, rm, cfg, temperature=0.7)
+    packed = compute_sketches(model, ids, am, rm, cfg, temperature=0.7, use_remove_padding=True)
+    assert _rel(packed.sketches, padded.sketches) <= 1e-4
+    torch.testing.assert_close(packed.log_probs, padded.log_probs, rtol=1e-4, atol=1e-5)

@@ -100,12 +100,13 @@ def _perturb_vectors(model, seed):
     return model
 
 
-def tiny_qwen3(*, seed=0, tie=False, vocab=96, dtype=torch.float64):
+def tiny_qwen3(*, seed=0, tie=False, hidden=32, layers=2, vocab=96, dtype=torch.float64):
     """Randomly initialised Qwen3ForCausalLM (dense, q/k norms): the Qwen3 recipes' family."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=tie, pad_token_id=0,
         attn_implementation="sdpa",
     )
@@ -222,3 +223,18 @@ def save_config_dir(config, architecture: str, out):
     config.architectures = [architecture]
     config.save_pretrained(out)
     return out
+
+
+def tiny_qwen35_text(*, seed=0, hidden=32, vocab=96, dtype=torch.float32):
+    """Randomly initialised Qwen3_5ForCausalLM with the hybrid layout: Gated DeltaNet (linear attention) layers and
+    one full-attention layer."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                            layer_types=["linear_attention", "linear_attention", "full_attention"],
+                            max_position_embeddings=128, pad_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return Qwen3_5ForCausalLM(cfg).to(dtype).eval()

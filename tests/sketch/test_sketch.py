@@ -247,3 +247,65 @@ def test_segment_ids_must_match_token_rows():
         sk.begin(torch.zeros(ids.shape[0], ids.shape[1] + 1, dtype=torch.long))
         with pytest.raises(ValueError, match="token rows"):
             model(input_ids=ids, attention_mask=am)
+
+
+def test_activation_checkpointing_acts_in_eval_mode_and_keeps_the_sketches():
+    """The sketch pass runs in eval mode, where transformers does not checkpoint: ``activation_checkpointing`` turns
+    it on for the checkpointed layers only; the hooks still fire once per forward call (the recomputation in the
+    backward is not sketched twice) and the sketches are unchanged."""
+    from setgrpo_verl.sketch import activation_checkpointing
+
+    model = tiny_llama().float()
+    ids, am, rm = verl_batch()
+    ref = compute_sketches(model, ids, am, rm).sketches
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.eval()
+    calls = []
+    mlp = model.model.layers[0].mlp
+    forward = mlp.forward
+    mlp.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)  # counts recomputations too
+    compute_sketches(model, ids, am, rm)
+    assert len(calls) == 1  # eval mode: transformers skips checkpointing
+    calls.clear()
+    with activation_checkpointing(model):
+        assert model.model.layers[0].training and not model.model.layers[0].mlp.training
+        ckpt = compute_sketches(model, ids, am, rm).sketches
+    del mlp.forward
+    assert len(calls) == 2  # forward + recomputation in the backward
+    assert not any(m.training for m in model.modules())
+    torch.testing.assert_close(ckpt, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+#: sha256 of torch 2.13's ``torch.distributed.fsdp._runtime_utils._post_backward_reshard_only_hook`` source, which
+#: ``setgrpo_verl.sketch.fsdp1_reshard_in_backward`` calls.
+RESHARD_ONLY_HOOK_SHA256 = "911e4e0bfaf5a0a91ee59ac91b1a670ea5bb9b9b641fadeca0e1917ef0d8805f"
+
+
+def test_the_fsdp1_reshard_hook_the_sketch_calls_is_unchanged():
+    import hashlib
+    import inspect
+
+    from torch.distributed.fsdp import _runtime_utils
+
+    source = inspect.getsource(_runtime_utils._post_backward_reshard_only_hook)
+    assert hashlib.sha256(source.encode()).hexdigest() == RESHARD_ONLY_HOOK_SHA256, (
+        "torch's FSDP1 _post_backward_reshard_only_hook changed: re-check setgrpo_verl.sketch.fsdp1_reshard_in_backward"
+    )
+
+
+def test_float32_promotion_in_row_chunks_keeps_sketches_and_log_probs(monkeypatch):
+    """Model-dtype activations, gradients and logits are promoted to float32 a few rows at a time (the log-softmax
+    chunks recomputed in the backward): the same sketches and log-probs as in one piece, in bf16 too."""
+    from setgrpo_verl import sketch
+
+    ids, am, rm = verl_batch()
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_llama(dtype=dtype)
+        whole = compute_sketches(model, ids, am, rm, temperature=0.7, use_remove_padding=True)
+        monkeypatch.setattr(sketch, "_CHUNK_BYTES", 4 * 96 * 3)  # 3 rows of the 96-token vocabulary per chunk
+        assert sketch._chunk_rows(96) == 3
+        chunked = compute_sketches(model, ids, am, rm, temperature=0.7, use_remove_padding=True)
+        monkeypatch.undo()
+        scale = whole.sketches.abs().max().item()
+        torch.testing.assert_close(chunked.sketches, whole.sketches, rtol=1e-5, atol=1e-5 * scale)
+        torch.testing.assert_close(chunked.log_probs, whole.log_probs, rtol=1e-6, atol=1e-6)
