@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .rubric import Criterion, Rubric, RubricRowError, Rule
+from .rubrichub import release_row
 from .rules import NLTK_DATA_RULES, rule_description
 
 __all__ = [
@@ -57,6 +58,10 @@ def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
     This is what a ``--data`` file goes through: each row is checked with :meth:`Rubric.from_row` (the one rubric
     row validator), so a malformed row fails here, before any model loads, naming the file, the line (``.jsonl``)
     or row number, the row id, the criterion index and the field.
+
+    Rows in the RubricHub_v1 release layout (``prompt``, ``Rubrics``, criteria ``tags``, no id) are accepted and
+    come back in our layout (:func:`~.rubrichub.release_row`: ``question`` from the user turn, ``prompt`` kept,
+    ``rubrics``, a derived ``id``); their rule-tagged criteria are checked by code.
 
     Returns:
         The rows as plain dicts (pandas/numpy values converted to Python), in file order.
@@ -94,7 +99,7 @@ def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
         raise ValueError(f"{p}: unsupported rubric file type {suffix!r} (use .jsonl, .json or .parquet)")
     for row, loc in zip(rows, where):
         Rubric.from_row(row, location=loc)
-    return rows
+    return [release_row(row) for row in rows]
 
 
 def _plain(value):
