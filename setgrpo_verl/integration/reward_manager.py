@@ -9,8 +9,10 @@ grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-
 * ``reward_extra_info`` (one value per response, every key always present) carries
   ``reference_score`` (r', the key the SetGRPO trainer reads, see ``algorithm.setgrpo.reference_score_key``),
   ``score`` (= r), ``point_verdicts`` / ``reference_verdicts`` (JSON lists of per-criterion verdicts),
-  ``unparsed`` (number of unparsed judge verdicts in both scorings) and ``judged_disagreement`` (fraction of
-  judged criteria whose verdicts differ between the two scorings);
+  ``unparsed`` (number of unparsed judge verdicts in both scorings), ``judged`` (number of judge verdicts in both
+  scorings) and ``judged_disagreement`` (fraction of judged criteria whose verdicts differ between the two
+  scorings); :func:`grading_metrics` turns a batch's ``unparsed`` / ``judged`` into ``setgrpo/grading/unparsed_ratio``
+  for verl's tracker (docs/algorithm.md#unparsed-verdicts);
 * with a grader that knows the noise-free score (``type: noisy`` around a deterministic grader,
   docs/validation.md#noisy-grader) also ``truth_score``, which the calibration stage stores as ``truth``.
 
@@ -60,7 +62,10 @@ __all__ = [
     "TRUTH_SCORE_KEY",
     "SetGRPODualRewardManager",
     "grader_config",
+    "GRADING_COUNT_KEYS",
+    "UNPARSED_RATIO_METRIC",
     "grader_identity",
+    "grading_metrics",
     "register",
 ]
 
@@ -70,6 +75,38 @@ logger = logging.getLogger(__name__)
 REWARD_MANAGER_NAME = "setgrpo_dual"
 #: ``reward_extra_info`` key of the reference score r' (default of ``algorithm.setgrpo.reference_score_key``).
 REFERENCE_SCORE_KEY = "reference_score"
+
+
+#: verl tracker metric: unparsed judge verdicts / judge verdicts of a batch (both scorings).
+UNPARSED_RATIO_METRIC = "setgrpo/grading/unparsed_ratio"
+#: ``reward_extra_info`` keys that :func:`grading_metrics` reads (per response: counts over both scorings).
+GRADING_COUNT_KEYS = ("unparsed", "judged")
+
+
+def grading_metrics(data: Any) -> dict[str, float]:
+    """``{UNPARSED_RATIO_METRIC: sum(unparsed) / sum(judged)}`` of one scored batch (0 when nothing was judged), or
+    ``{}`` when the batch carries no counts (another reward manager). docs/algorithm.md#unparsed-verdicts.
+
+    Args:
+        data: a TensorDict / mapping with verl's per-sample ``extra_fields`` (each ``{"reward_extra_info": {...}}``,
+            the streaming reward loop) or top-level ``unparsed`` and ``judged`` arrays (the colocated path).
+    """
+    keys = set(data.keys())
+    if {"unparsed", "judged"} <= keys:
+        unparsed, judged = list(data["unparsed"]), list(data["judged"])
+    elif "extra_fields" in keys:
+        extra = data["extra_fields"]
+        infos = [(e or {}).get("reward_extra_info") or {} if isinstance(e, Mapping) else {}
+                 for e in (extra.tolist() if hasattr(extra, "tolist") else list(extra))]
+        unparsed = [i.get("unparsed") for i in infos]
+        judged = [i.get("judged") for i in infos]
+    else:
+        return {}
+    pairs = [(float(u), float(j)) for u, j in zip(unparsed, judged) if u is not None and j is not None]
+    if not pairs:
+        return {}
+    total = sum(j for _, j in pairs)
+    return {UNPARSED_RATIO_METRIC: sum(u for u, _ in pairs) / total if total else 0.0}
 
 
 def grader_config(config: DictConfig) -> dict:
@@ -182,6 +219,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
             "point_verdicts": scores.point_results[0].verdicts_json(),
             "reference_verdicts": scores.reference_results[0].verdicts_json(),
             "unparsed": int(metrics["unparsed"]),
+            "judged": int(metrics["judged"]),
             "judged_disagreement": float(metrics["judged_disagreement_rate"]),
         }
         if scores.truth is not None:

@@ -57,6 +57,7 @@ from setgrpo_verl.sketch import SketchConfig
 
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
+from .reward_manager import GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_metrics
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
 
 logger = logging.getLogger(__name__)
@@ -332,6 +333,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         """Calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): rollouts of the initial policy, two scorings, sketches."""
         cfg, key = self.setgrpo, self.setgrpo.reference_score_key
         points, refs, grams, truths = [], [], [], []
+        unparsed_ratios: list[tuple[float, int]] = []  # (batch ratio, batch size): the calibration's unparsed ratio
         t0 = time.perf_counter()
         for i, prompts in enumerate(self._calibration_batches()):
             if i > 0:  # wake the rollout replicas again (weights unchanged: no update happens during calibration)
@@ -345,9 +347,12 @@ class SetGRPOTrainer(PPOTrainerSync):
             batch = self._balance_batch(batch, metrics=metrics)
             self._compute_sketches(batch)
             fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-            fields += [k for k in (key, TRUTH_SCORE_KEY) if batch.fields and k in batch.fields]
+            fields += [k for k in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
             groups = calibration_groups(data, key)
+            grading = grading_metrics(data)
+            if grading:
+                unparsed_ratios.append((grading[UNPARSED_RATIO_METRIC], len(batch)))
             points.append(groups.point)
             refs.append(groups.reference)
             grams.append(groups.gram)
@@ -385,6 +390,9 @@ class SetGRPOTrainer(PPOTrainerSync):
         np.savez(os.path.join(os.path.dirname(os.path.abspath(out)), "paired_scores.npz"),
                  **{name: value.numpy() for name, value in paired.items()})
         self._log_record(record, timing_s=time.perf_counter() - t0)
+        if unparsed_ratios and getattr(self, "logger", None) is not None:
+            ratio = sum(r * n for r, n in unparsed_ratios) / sum(n for _, n in unparsed_ratios)
+            self.logger.log(data={UNPARSED_RATIO_METRIC: ratio}, step=self.global_steps)
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
         # the first training step wakes the replicas through the regular path
         self.checkpoint_manager.update_weights(self.global_steps)
@@ -433,12 +441,12 @@ class SetGRPOTrainer(PPOTrainerSync):
         """verl's v1 ``_compute_advantage`` with the SetGRPO context (sketches, record, reference scores)."""
         key = self.setgrpo.reference_score_key
         fields = list(_ADV_FIELDS) + [SKETCH_KEY, "extra_fields"]
-        if batch.fields and key in batch.fields:
-            fields.append(key)
+        fields += [k for k in (key, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         sketches = _dense(data.pop(SKETCH_KEY))
         reference = reference_scores_from(data, key) if self.monitor is not None else None
-        for k in ("extra_fields", key):
+        metrics.update(grading_metrics(data))
+        for k in ("extra_fields", key, *GRADING_COUNT_KEYS):
             if k in data.keys():
                 data.pop(k)
 
