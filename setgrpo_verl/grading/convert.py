@@ -126,8 +126,9 @@ def rubrics_to_verl_rows(
 ) -> list[dict]:
     """RubricHub rows (or :class:`Rubric` objects) -> verl RL rows (layout in the module docstring).
 
-    A row's own chat ``prompt`` (list of messages) is kept if present, else the question becomes one user turn;
-    ``system_prompt`` (optional) is prepended as a system turn.
+    A row's own chat ``prompt`` (list of messages, e.g. with a system turn; :attr:`Rubric.messages` for a
+    :class:`Rubric`) is kept if present, else the question becomes one user turn; ``system_prompt`` (optional) is
+    prepended as a system turn.
 
     Raises:
         RubricRowError: a row that does not validate with :meth:`Rubric.from_row` (a ``ValueError`` naming the input
@@ -136,9 +137,8 @@ def rubrics_to_verl_rows(
     out = []
     for i, row in enumerate(rows):
         rubric = row if isinstance(row, Rubric) else Rubric.from_row(row, location=f"input row {i + 1}")
-        prompt = None if isinstance(row, Rubric) else row.get("prompt")
-        if prompt is not None:  # validated by Rubric.from_row: a non-empty list of {role, content} strings
-            messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        if rubric.messages is not None:  # the row's own chat prompt (validated by Rubric.from_row)
+            messages = [dict(m) for m in rubric.messages]
         else:
             messages = [{"role": "user", "content": rubric.question}]
         if system_prompt:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from .rubrichub import release_row, rule_from_tags
@@ -67,7 +67,10 @@ class Criterion:
 
 @dataclass(frozen=True)
 class Rubric:
-    """A RubricHub row: ``question`` (the prompt text shown to the judge), ``id`` and the criteria.
+    """A RubricHub row: ``question`` (the prompt text shown to the judge), ``id`` and the criteria; ``messages``
+    is the row's own chat ``prompt`` for the policy (e.g. with a system turn), or ``None`` when the question is the
+    one user turn. ``messages`` is not part of the rubric: it takes no part in comparisons and :meth:`to_row`
+    leaves it out.
 
     Build from a row with :meth:`from_row` (accepts a dict or its JSON string); :meth:`to_row` inverts it.
     """
@@ -75,6 +78,7 @@ class Rubric:
     question: str
     id: str
     criteria: tuple[Criterion, ...]
+    messages: tuple[Mapping[str, str], ...] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not self.criteria:
@@ -138,7 +142,7 @@ class Rubric:
         question = row["question"]
         if not isinstance(question, str) or not question.strip():
             fail(f"must be a non-blank string, got {question!r}", field="question", row_id=rid)
-        prompt = row.get("prompt")
+        prompt, messages = row.get("prompt"), None
         if prompt is not None:
             if hasattr(prompt, "tolist"):
                 prompt = prompt.tolist()
@@ -149,6 +153,7 @@ class Rubric:
                 fail(f"must be a non-empty list of {{role, content}} chat messages (role in {_CHAT_ROLES}, content "
                      f"a string), got {prompt!r}; or leave it out to use the question as one user turn",
                      field="prompt", row_id=rid)
+            messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
         items = row["rubrics"]
         if isinstance(items, (str, bytes)):
             try:
@@ -213,7 +218,7 @@ class Rubric:
         if all(c.points == 0 for c in criteria):
             fail("all criteria have 0 points, so the score would be undefined; give at least one criterion "
                  "non-zero points", field="rubrics", row_id=rid)
-        return cls(question=question, id=rid, criteria=tuple(criteria))
+        return cls(question=question, id=rid, criteria=tuple(criteria), messages=messages)
 
     def to_row(self) -> dict:
         """The RubricHub row (a plain dict, JSON-serialisable)."""

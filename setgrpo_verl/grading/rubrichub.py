@@ -16,8 +16,8 @@ The release (one parquet/JSONL file per domain) has no ``question`` and no ``id`
 * the user turn of ``prompt`` becomes the question (what the judge reads); the whole ``prompt`` (with a system turn)
   is kept for the policy's chat;
 * ``Rubrics`` or else ``reward_model.rubrics`` supply the criteria (when both are present they must agree);
-* a missing id becomes ``rubrichub-<16 hex digits>``, the sha256 of the prompt messages and the criteria, so the same
-  row gets the same id in every file and every run.
+* a missing id becomes ``rubrichub-<16 hex digits>``, the sha256 of the prompt messages and the criteria (null
+  fields left out), so the same row gets the same id in every file, JSONL or parquet, and every run.
 
 A criterion's ``tags`` select its verifier (:func:`rule_from_tags`): ``verifier: llm`` (or no ``verifier``) is judged;
 ``verifier: rule`` names a checker function, which runs as the equivalent if-verifiable checker
@@ -159,11 +159,13 @@ def release_row(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _canonical(value: Any) -> str:
-    """JSON text of a (possibly numpy-holding) value with sorted keys, for comparing and hashing rows."""
+    """JSON text of a (possibly numpy-holding) value with sorted keys and without null mapping values, for comparing
+    and hashing rows: a parquet file fills every struct field missing in a row with null, so the same row read from
+    JSONL and from parquet compares and hashes alike."""
     def plain(v):
         v = _as_list(v)
         if isinstance(v, Mapping):
-            return {str(k): plain(x) for k, x in v.items()}
+            return {str(k): plain(x) for k, x in v.items() if x is not None}
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
         return v.item() if hasattr(v, "item") else v
