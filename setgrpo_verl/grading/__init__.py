@@ -14,6 +14,7 @@ Heavy dependencies (transformers, openai, if-verifiable) are imported lazily.
 from .convert import (
     IFBENCH_QUALITY_CRITERIA,
     convert_rubric_file,
+    drop_duplicate_rows,
     ifbench_to_verl,
     load_ifbench_rubrics,
     read_rubric_rows,
@@ -88,6 +89,7 @@ __all__ = [
     "check_rule",
     "check_unparsed",
     "convert_rubric_file",
+    "drop_duplicate_rows",
     "ifbench_to_verl",
     "load_ifbench_rubrics",
     "parse_verdict",

@@ -34,8 +34,10 @@ __all__ = [
     "IFBENCH_QUALITY_CRITERIA",
     "IFBENCH_RULE_POINTS",
     "convert_rubric_file",
+    "drop_duplicate_rows",
     "ifbench_to_verl",
     "load_ifbench_rubrics",
+    "question_key",
     "read_rubric_rows",
     "rubrics_to_verl_rows",
     "validate_verl_rows",
@@ -100,6 +102,36 @@ def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
     for row, loc in zip(rows, where):
         Rubric.from_row(row, location=loc)
     return [release_row(row) for row in rows]
+
+
+def question_key(question: str) -> str:
+    """The question text as duplicates are compared: whitespace runs collapsed to one space, ends stripped."""
+    return " ".join(str(question).split())
+
+
+def drop_duplicate_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], int]:
+    """The rows without duplicates: a row whose ``id`` or whose question text (:func:`question_key`) an earlier
+    row already has is left out, so that a prompt exported twice cannot land in two splits.
+
+    Args:
+        rows: rubric rows in our layout (what :func:`read_rubric_rows` returns), in file order.
+
+    Returns:
+        ``(kept rows in order, number left out)``.
+    """
+    seen_ids: set[str] = set()
+    seen_questions: set[str] = set()
+    kept = []
+    for row in rows:
+        rid = None if row.get("id") is None else str(row["id"])
+        question = question_key(row.get("question", ""))
+        if (rid is not None and rid in seen_ids) or question in seen_questions:
+            continue
+        if rid is not None:
+            seen_ids.add(rid)
+        seen_questions.add(question)
+        kept.append(row)
+    return kept, len(rows) - len(kept)
 
 
 def _plain(value):
