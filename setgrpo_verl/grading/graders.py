@@ -54,7 +54,7 @@ class RubricGrader:
             ``None`` when every criterion carries a rule (a judged criterion then raises :class:`GradingError`).
         seed: grader seed (enters every verdict seed).
         max_unparsed_ratio: the largest fraction of a response's judged criteria that may stay unparsed
-            (docs/algorithm.md#unparsed-verdicts); above it grading stops with :class:`GradingError` quoting the
+            (docs/grading.md#unparsed-verdicts); above it grading stops with :class:`GradingError` quoting the
             judge's first replies. Default 0: any unparsed verdict stops. A value in (0, 1) scores a response
             over its parsed criteria (the unparsed ones count neither as met nor as unmet) and enters the identity.
 
@@ -164,7 +164,7 @@ def with_unparsed_policy(identity: dict, max_unparsed_ratio: float) -> dict:
 def check_unparsed(items: Sequence[GradingItem], verdicts: Sequence[Sequence[Verdict | None]],
                    max_unparsed_ratio: float, *, scoring_index: int) -> None:
     """Stop when a response has more unparsed judged verdicts than ``max_unparsed_ratio`` allows
-    (docs/algorithm.md#unparsed-verdicts).
+    (docs/grading.md#unparsed-verdicts).
 
     Args:
         items: the graded items (for row ids and responses in the message).
@@ -192,7 +192,7 @@ def check_unparsed(items: Sequence[GradingItem], verdicts: Sequence[Sequence[Ver
         f"max_unparsed_ratio={max_unparsed_ratio:g} (first: {describe_item(item)}, {n_unparsed} of {n_judged} judged "
         f"criteria unparsed). The judge's first unparsed replies: {replies}. An unparsed verdict is neither met nor "
         "unmet, so leaving it out would change the score without a word: use a judge that answers with one verdict "
-        "word (docs/algorithm.md#unparsed-verdicts lists the words read, in English, Chinese and the common European "
+        "word (docs/grading.md#unparsed-verdicts lists the words read, in English, Chinese and the common European "
         "languages), raise parse_retries, or set the grader's max_unparsed_ratio to score such responses over their "
         "parsed criteria"
     )
@@ -370,7 +370,7 @@ def build_grader(config: Mapping[str, Any] | None):
         raise ValueError(f"unknown grader type {kind!r}: use local_hf, openai, function, rules or noisy")
     if kind == "openai" and "on_unparsed" in cfg:
         raise ValueError("the openai grader's on_unparsed was replaced by max_unparsed_ratio (default 0: any unparsed "
-                         "verdict stops grading, docs/algorithm.md#unparsed-verdicts); remove on_unparsed")
+                         "verdict stops grading, docs/grading.md#unparsed-verdicts); remove on_unparsed")
     unknown = set(cfg) - _JUDGE_KEYS[kind]
     if unknown:
         raise ValueError(f"unknown keys for a {kind} grader: {sorted(unknown)} (allowed: {sorted(_JUDGE_KEYS[kind])})")

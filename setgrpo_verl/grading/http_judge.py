@@ -7,7 +7,7 @@ is a transport failure too, retried with the same budget and backoff, never read
 :func:`~.protocol.read_reply` (every OpenAI-compatible shape; tool calls and refusals are errors) and its verdict by
 :func:`~.protocol.parse_verdict`; an unparseable answer is re-asked with the next seed up to ``parse_retries``
 times, then it is an ``unparsed`` verdict, which the grader's ``max_unparsed_ratio`` turns into an error by default
-(docs/algorithm.md#unparsed-verdicts). A reply cut off by the token budget (``finish_reason="length"``) before any
+(docs/grading.md#unparsed-verdicts). A reply cut off by the token budget (``finish_reason="length"``) before any
 verdict is an error that names ``max_tokens`` and ``chat_template_kwargs``: re-asking with the same budget would
 keep only the replies whose reasoning happened to be short.
 """

@@ -3,7 +3,7 @@
 The judges live in three modules, one job each; this module gathers their public names:
 
 * :mod:`.protocol` -- the versioned judge prompt, the reply shapes read and the verdict vocabulary
-  (docs/algorithm.md#unparsed-verdicts);
+  (docs/grading.md#unparsed-verdicts);
 * :mod:`.http_judge` -- :class:`OpenAIJudge`, any OpenAI-compatible chat-completions server;
 * :mod:`.local_judge` -- :class:`LocalHFJudge`, a local Hugging Face causal LM (default: the embedded
   SmolLM2-135M-Instruct).

@@ -1,5 +1,5 @@
 """The judge protocol: the versioned prompt, the reply shapes we read and the verdict vocabulary
-(docs/algorithm.md#unparsed-verdicts).
+(docs/grading.md#unparsed-verdicts).
 
 Prompt: :data:`JUDGE_SYSTEM_PROMPT` + :data:`JUDGE_USER_TEMPLATE`, versioned by :data:`JUDGE_TEMPLATE_VERSION` (it
 enters :func:`template_hash`, hence the calibration record). The judge is told to answer with one English word.
@@ -58,7 +58,7 @@ JUDGE_USER_TEMPLATE = (
 RESPONSE_SPLIT = "\n\nResponse:\n"
 CRITERION_SPLIT = "\nCriterion: "
 
-#: The verdict words read as yes / no, per language (docs/algorithm.md#unparsed-verdicts). Matching is on the whole
+#: The verdict words read as yes / no, per language (docs/grading.md#unparsed-verdicts). Matching is on the whole
 #: answer, case-insensitive; a word means the same in every language that has it.
 VERDICT_WORDS_BY_LANGUAGE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "English": (("yes",), ("no",)),

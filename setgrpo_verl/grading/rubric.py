@@ -17,7 +17,7 @@ Score (docs/algorithm.md#0-notation): ``r = sum_j w_j b_j / W`` with ``b_j`` in 
 An all-negative rubric (only penalties, ``W = 0``) is normalised by ``N`` instead, so its score lies in
 ``[-1, 0]`` (0 = no penalty met). Criteria whose verdict is ``unparsed`` (an HTTP judge answer that stayed
 unparseable after its retries, only kept when the grader's ``max_unparsed_ratio`` allows it; by default any
-unparsed verdict stops grading, docs/algorithm.md#unparsed-verdicts) are left out of BOTH the sum and the
+unparsed verdict stops grading, docs/grading.md#unparsed-verdicts) are left out of BOTH the sum and the
 normaliser -- the score is the rubric score over the criteria that were actually judged, and the count is
 reported as ``unparsed`` in the metrics; if no criterion with non-zero normaliser is left, scoring fails with
 :class:`GradingError` (never a silent 0).
@@ -317,6 +317,6 @@ def rubric_score(rubric: Rubric, verdicts: Sequence[Verdict | bool | None]) -> f
         raise GradingError(
             f"rubric {rubric.id!r}: every criterion with non-zero points has an unparsed verdict{quote}, so no score "
             "exists; use a judge that answers with one verdict word (yes or no, after any <think> block; "
-            "docs/algorithm.md#unparsed-verdicts lists the words read in other languages) or raise its parse retries"
+            "docs/grading.md#unparsed-verdicts lists the words read in other languages) or raise its parse retries"
         )
     return total / norm

@@ -12,7 +12,7 @@ grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-
   ``unparsed`` (number of unparsed judge verdicts in both scorings), ``judged`` (number of judge verdicts in both
   scorings) and ``judged_disagreement`` (fraction of judged criteria whose verdicts differ between the two
   scorings); :func:`grading_metrics` turns a batch's ``unparsed`` / ``judged`` into ``setgrpo/grading/unparsed_ratio``
-  for verl's tracker (docs/algorithm.md#unparsed-verdicts);
+  for verl's tracker (docs/grading.md#unparsed-verdicts);
 * with a grader that knows the noise-free score (``type: noisy`` around a deterministic grader,
   docs/validation.md#noisy-grader) also ``truth_score``, which the calibration stage stores as ``truth``.
 
@@ -85,7 +85,7 @@ GRADING_COUNT_KEYS = ("unparsed", "judged")
 
 def grading_metrics(data: Any) -> dict[str, float]:
     """``{UNPARSED_RATIO_METRIC: sum(unparsed) / sum(judged)}`` of one scored batch (0 when nothing was judged), or
-    ``{}`` when the batch carries no counts (another reward manager). docs/algorithm.md#unparsed-verdicts.
+    ``{}`` when the batch carries no counts (another reward manager). docs/grading.md#unparsed-verdicts.
 
     Args:
         data: a TensorDict / mapping with verl's per-sample ``extra_fields`` (each ``{"reward_extra_info": {...}}``,

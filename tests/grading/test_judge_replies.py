@@ -168,7 +168,7 @@ def test_a_group_with_verdicts_in_an_unread_language_is_an_error_or_scored_over_
         _group(server, rubric)
     msg = str(info.value)
     assert "4 of 4 responses" in msg and ("\"HIja'\"" in msg or "\"ghobe'\"" in msg)
-    assert "docs/algorithm.md#unparsed-verdicts" in msg
+    assert "docs/grading.md#unparsed-verdicts" in msg
     # a documented, explicit allowance: 1 of 4 judged criteria may be unparsed; scores over the parsed ones
     out = _group(server, rubric, max_unparsed_ratio=0.25)
     np.testing.assert_allclose(out.point, _true_scores(server, rubric, 0, unread=(1,)))
