@@ -176,8 +176,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
                 valid rubric (for rubric graders; for function graders when it is a rubric row), naming the row id,
                 the criterion index and the field (:meth:`setgrpo_verl.grading.Rubric.from_row`).
             setgrpo_verl.grading.GradingError: grading failed (judge unreachable, a judge reply that is not a chat
-                completion, a judge cut off by its token budget, unparsed verdicts above the grader's max_unparsed_ratio, a non-finite
-                score from a function grader: the message names the response).
+                completion, a judge cut off by its token budget, unparsed verdicts above the grader's
+                max_unparsed_ratio, a non-finite score from a function grader: the message names the response).
         """
         data = data[-1:]
         item = data[0]
