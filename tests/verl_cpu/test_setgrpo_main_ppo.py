@@ -68,8 +68,9 @@ def test_train_with_the_record_logs_setgrpo_metrics(calibrated):
     groups = [json.loads(x) for x in (run / "train_setgrpo" / "groups.jsonl").read_text().splitlines()]
     for m in steps:
         for key in ("setgrpo/accepted_ratio", "setgrpo/degenerate_ratio", "actor/update_skipped",
-                    "setgrpo/timing_s/sketch", "critic/score/mean"):
+                    "setgrpo/timing_s/sketch", "critic/score/mean", "setgrpo/grading/unparsed_ratio"):
             assert key in m, key
+        assert m["setgrpo/grading/unparsed_ratio"] == 0.0  # a function grader: no judge verdict, none unparsed
         step_groups = [g for g in groups if g["step"] == m["training/global_step"]]
         assert len(step_groups) == 3
         assert m["setgrpo/accepted_ratio"] == pytest.approx(sum(g["accepted"] for g in step_groups) / 3)
