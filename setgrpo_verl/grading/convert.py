@@ -113,7 +113,8 @@ def question_key(question: str) -> str:
 
 def drop_duplicate_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], int]:
     """The rows without duplicates: a row whose ``id`` or whose question text (:func:`question_key`) an earlier
-    row already has is left out, so that a prompt exported twice cannot land in two splits.
+    row already has is left out, so that a prompt exported twice cannot land in two splits
+    (docs/grading.md#rubric-rows).
 
     Args:
         rows: rubric rows in our layout (what :func:`read_rubric_rows` returns), in file order.

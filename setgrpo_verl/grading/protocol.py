@@ -1,5 +1,5 @@
 """The judge protocol: the versioned prompt, the reply shapes we read and the verdict vocabulary
-(docs/grading.md#unparsed-verdicts).
+(docs/grading.md#judge-protocol and #unparsed-verdicts).
 
 Prompt: :data:`JUDGE_SYSTEM_PROMPT` + :data:`JUDGE_USER_TEMPLATE`, versioned by :data:`JUDGE_TEMPLATE_VERSION` (it
 enters :func:`template_hash`, hence the calibration record). The judge is told to answer with one English word.
@@ -187,7 +187,8 @@ _TEXT_PART_TYPES = ("text", "output_text")
 
 
 def read_reply(message: Mapping[str, Any], *, where: str = "the judge") -> JudgeReply:
-    """The judge's answer in one chat-completion ``message`` (module docstring lists the shapes).
+    """The judge's answer in one chat-completion ``message`` (module docstring lists the shapes;
+    docs/grading.md#judge-protocol).
 
     Args:
         message: ``choices[0].message`` of the completion, as a JSON object.

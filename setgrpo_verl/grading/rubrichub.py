@@ -1,4 +1,4 @@
-"""RubricHub_v1 rows as released, mapped onto our rubric layout (docs/algorithm.md#0-notation).
+"""RubricHub_v1 rows as released, mapped onto our rubric layout (docs/grading.md#rubric-rows).
 
 The release (one parquet/JSONL file per domain) has no ``question`` and no ``id``. A row carries::
 
@@ -69,7 +69,8 @@ def _plain_number(value: Any) -> Any:
 
 
 def rule_from_tags(tags: Any) -> tuple[str, dict[str, Any]] | None:
-    """The rule ``(id, kwargs)`` a criterion's RubricHub ``tags`` select, or ``None`` for a judged criterion.
+    """The rule ``(id, kwargs)`` a criterion's RubricHub ``tags`` select, or ``None`` for a judged criterion
+    (docs/grading.md#rubric-rows).
 
     ``None``-valued parameters are dropped (the release stores the union of all functions' parameters, unused ones
     null); integral floats become ints.
@@ -125,8 +126,8 @@ def _as_list(value: Any) -> Any:
 
 
 def release_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A RubricHub_v1 release row as ``{question, id, prompt, rubrics, ...}`` (module docstring); other fields are
-    kept. A row already in our layout comes back unchanged (as a new dict).
+    """A RubricHub_v1 release row as ``{question, id, prompt, rubrics, ...}`` (module docstring,
+    docs/grading.md#rubric-rows); other fields are kept. A row already in our layout comes back unchanged (as a new dict).
 
     Raises:
         ValueError: ``prompt`` has no user turn or several (give a ``question`` then), or ``Rubrics`` and
