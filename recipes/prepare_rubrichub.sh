@@ -14,7 +14,8 @@
 #                             calib -- else held out from RUBRICHUB_TRAIN)
 #
 # Environment:
-#   RUBRICHUB_TRAIN  required: the RubricHub training file
+#   RUBRICHUB_TRAIN  required: the RubricHub training file, or several separated by commas (e.g. the release's
+#                    rurbichub_v1_*.parquet shards)
 #   RUBRICHUB_TEST   optional: a separate RubricHub evaluation file
 #   DATA_DIR         output directory ($HOME/data/rubrichub)
 #   CALIB_SIZE       calibration prompts held out from the training file (4096; the paper's Table 4 records used
@@ -42,8 +43,9 @@ import random
 from setgrpo_verl.grading.convert import (drop_duplicate_rows, question_key, read_rubric_rows, rubrics_to_verl_rows,
                                           write_verl_parquet)
 
-rows, dropped = drop_duplicate_rows(read_rubric_rows(os.environ["RUBRICHUB_TRAIN"]))
-print(f"{os.environ['RUBRICHUB_TRAIN']}: removed {dropped} duplicate rows (same id or same question text), "
+sources = [f for f in os.environ["RUBRICHUB_TRAIN"].split(",") if f]
+rows, dropped = drop_duplicate_rows([row for f in sources for row in read_rubric_rows(f)])
+print(f"{', '.join(sources)}: removed {dropped} duplicate rows (same id or same question text), "
       f"{len(rows)} distinct prompts remain")
 test_file = os.environ["RUBRICHUB_TEST"]
 if test_file:

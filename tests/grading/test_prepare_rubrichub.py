@@ -86,10 +86,11 @@ def test_a_release_file_is_read_as_downloaded(tmp_path):
                      "reward_model": {"style": "rubric", "ground_truth": "", "rubrics": criteria},
                      "extra_info": {"index": i}})
     rows.append(dict(rows[3]))  # the same released row twice
-    src = tmp_path / "rurbichub_v1_Instruction_Following.parquet"
-    pd.DataFrame(rows).to_parquet(src, index=False)
-    stdout, ids, questions = _prepare(tmp_path, src, CALIB_SIZE="5", VAL_SIZE="3")
-    assert "removed 1 duplicate rows" in stdout
+    shards = [tmp_path / "rurbichub_v1_Instruction_Following.parquet", tmp_path / "rurbichub_v1_Chat.jsonl"]
+    pd.DataFrame(rows[:15]).to_parquet(shards[0], index=False)
+    shards[1].write_text("".join(json.dumps(r) + "\n" for r in rows[15:] + [rows[7]]))  # row 7 in both shards
+    stdout, ids, questions = _prepare(tmp_path, ",".join(map(str, shards)), CALIB_SIZE="5", VAL_SIZE="3")
+    assert "removed 2 duplicate rows" in stdout
     assert {k: len(v) for k, v in ids.items()} == {"train": 12, "calib": 5, "test": 3}
     _disjoint(ids)
     train = pd.read_parquet(tmp_path / "out" / "train.parquet")
