@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -65,8 +65,10 @@ __all__ = [
     "GRADING_COUNT_KEYS",
     "UNPARSED_RATIO_METRIC",
     "grader_identity",
+    "grading_counts",
     "grading_metrics",
     "register",
+    "unparsed_ratio",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,16 +85,16 @@ UNPARSED_RATIO_METRIC = "setgrpo/grading/unparsed_ratio"
 GRADING_COUNT_KEYS = ("unparsed", "judged")
 
 
-def grading_metrics(data: Any) -> dict[str, float]:
-    """``{UNPARSED_RATIO_METRIC: sum(unparsed) / sum(judged)}`` of one scored batch (0 when nothing was judged), or
-    ``{}`` when the batch carries no counts (another reward manager). docs/grading.md#unparsed-verdicts.
+def grading_counts(data: Any) -> Optional[tuple[float, float]]:
+    """``(unparsed, judged)`` judge verdicts of one scored batch, summed over its responses and both scorings, or
+    ``None`` when the batch carries no counts (another reward manager). docs/grading.md#unparsed-verdicts.
 
     Args:
         data: a TensorDict / mapping with verl's per-sample ``extra_fields`` (each ``{"reward_extra_info": {...}}``,
             the streaming reward loop) or top-level ``unparsed`` and ``judged`` arrays (the colocated path).
     """
     keys = set(data.keys())
-    if {"unparsed", "judged"} <= keys:
+    if set(GRADING_COUNT_KEYS) <= keys:
         unparsed, judged = list(data["unparsed"]), list(data["judged"])
     elif "extra_fields" in keys:
         extra = data["extra_fields"]
@@ -101,12 +103,23 @@ def grading_metrics(data: Any) -> dict[str, float]:
         unparsed = [i.get("unparsed") for i in infos]
         judged = [i.get("judged") for i in infos]
     else:
-        return {}
+        return None
     pairs = [(float(u), float(j)) for u, j in zip(unparsed, judged) if u is not None and j is not None]
     if not pairs:
-        return {}
-    total = sum(j for _, j in pairs)
-    return {UNPARSED_RATIO_METRIC: sum(u for u, _ in pairs) / total if total else 0.0}
+        return None
+    return sum(u for u, _ in pairs), sum(j for _, j in pairs)
+
+
+def grading_metrics(data: Any) -> dict[str, float]:
+    """``{UNPARSED_RATIO_METRIC: unparsed / judged}`` of one scored batch (:func:`grading_counts`; 0 when nothing
+    was judged), or ``{}`` when the batch carries no counts. docs/grading.md#unparsed-verdicts."""
+    counts = grading_counts(data)
+    return {} if counts is None else {UNPARSED_RATIO_METRIC: unparsed_ratio(*counts)}
+
+
+def unparsed_ratio(unparsed: float, judged: float) -> float:
+    """``unparsed / judged`` judge verdicts, 0 when none was judged (a rules-only or function grader)."""
+    return unparsed / judged if judged else 0.0
 
 
 def grader_config(config: DictConfig) -> dict:

@@ -57,7 +57,8 @@ from setgrpo_verl.sketch import SketchConfig
 
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
-from .reward_manager import GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_metrics
+from .reward_manager import (GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, grading_metrics,
+                             unparsed_ratio)
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
 
 logger = logging.getLogger(__name__)
@@ -260,11 +261,13 @@ class SetGRPOTrainer(PPOTrainerSync):
     def _check_record(self, record: CalibrationRecord) -> None:
         check_record(record, self.config, self.setgrpo)
 
-    def _log_record(self, record: CalibrationRecord, **extra: float) -> None:
-        """The record's Table 4 columns as ``setgrpo/calibration/*`` metrics in verl's tracker."""
+    def _log_record(self, record: CalibrationRecord, metrics: Optional[dict] = None, **extra: float) -> None:
+        """The record's Table 4 columns as ``setgrpo/calibration/*`` metrics in verl's tracker, with ``metrics``
+        (full names) in the same line."""
         table4 = {"n_cov": record.n_cov, "n_risk": record.n_risk, "q_alpha": record.q_alpha, "tau_sel": record.tau_sel,
                   "N": record.N, "F": record.F, "ecr": record.ecr, "U": record.U, **extra}
         summary = {f"setgrpo/calibration/{k}": float(v) for k, v in table4.items() if v is not None}
+        summary.update(metrics or {})
         if getattr(self, "logger", None) is not None:
             self.logger.log(data=summary, step=self.global_steps)
 
@@ -333,7 +336,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         """Calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): rollouts of the initial policy, two scorings, sketches."""
         cfg, key = self.setgrpo, self.setgrpo.reference_score_key
         points, refs, grams, truths = [], [], [], []
-        unparsed_ratios: list[tuple[float, int]] = []  # (batch ratio, batch size): the calibration's unparsed ratio
+        verdict_counts: list[tuple[float, float]] = []  # (unparsed, judged) judge verdicts per calibration batch
         t0 = time.perf_counter()
         for i, prompts in enumerate(self._calibration_batches()):
             if i > 0:  # wake the rollout replicas again (weights unchanged: no update happens during calibration)
@@ -350,9 +353,9 @@ class SetGRPOTrainer(PPOTrainerSync):
             fields += [k for k in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
             groups = calibration_groups(data, key)
-            grading = grading_metrics(data)
-            if grading:
-                unparsed_ratios.append((grading[UNPARSED_RATIO_METRIC], len(batch)))
+            counts = grading_counts(data)
+            if counts is not None:
+                verdict_counts.append(counts)
             points.append(groups.point)
             refs.append(groups.reference)
             grams.append(groups.gram)
@@ -389,10 +392,10 @@ class SetGRPOTrainer(PPOTrainerSync):
         record.to_json(out)
         np.savez(os.path.join(os.path.dirname(os.path.abspath(out)), "paired_scores.npz"),
                  **{name: value.numpy() for name, value in paired.items()})
-        self._log_record(record, timing_s=time.perf_counter() - t0)
-        if unparsed_ratios and getattr(self, "logger", None) is not None:
-            ratio = sum(r * n for r, n in unparsed_ratios) / sum(n for _, n in unparsed_ratios)
-            self.logger.log(data={UNPARSED_RATIO_METRIC: ratio}, step=self.global_steps)
+        grading = {}
+        if verdict_counts:
+            grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(*map(sum, zip(*verdict_counts)))
+        self._log_record(record, grading, timing_s=time.perf_counter() - t0)
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
         # the first training step wakes the replicas through the regular path
         self.checkpoint_manager.update_weights(self.global_steps)

@@ -24,7 +24,7 @@ from setgrpo_verl.grading import (
     verdict_seed,
 )
 from setgrpo_verl.grading.protocol import JUDGE_SYSTEM_PROMPT, judge_messages
-from setgrpo_verl.integration.reward_manager import UNPARSED_RATIO_METRIC, grading_metrics
+from setgrpo_verl.integration.reward_manager import UNPARSED_RATIO_METRIC, grading_counts, grading_metrics
 
 from .judge_server import ANSWERS, SHAPES, JudgeServer
 
@@ -196,6 +196,7 @@ def test_unparsed_policy_settings():
 def test_unparsed_ratio_metric_from_verl_batches():
     extra = [{"reward_extra_info": {"unparsed": u, "judged": 6}} for u in (0, 3, 0, 0)]
     assert grading_metrics({"extra_fields": np.array(extra, dtype=object)}) == {UNPARSED_RATIO_METRIC: 3 / 24}
+    assert grading_counts({"extra_fields": extra}) == (3.0, 24.0)
     assert grading_metrics({"unparsed": np.array([1, 0]), "judged": np.array([4, 4])}) == {UNPARSED_RATIO_METRIC: 1 / 8}
     assert grading_metrics({"unparsed": [0], "judged": [0]}) == {UNPARSED_RATIO_METRIC: 0.0}  # rules only
     assert grading_metrics({"extra_fields": [{"reward_extra_info": {"score": 1.0}}]}) == {}  # another manager
