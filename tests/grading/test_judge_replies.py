@@ -89,7 +89,8 @@ def test_read_reply_keeps_the_judges_text_unchanged():
     assert read_reply({"content": "yes", "reasoning_content": "I think so."}).answer == "yes"
     reply = read_reply({"content": None, "reasoning_content": "no"})
     assert (reply.answer, reply.shape) == ("no", "content null, answer in reasoning_content")
-    assert read_reply({"content": [{"type": "text", "text": "y"}, {"type": "output_text", "text": "es"}]}).answer == "yes"
+    parts = [{"type": "text", "text": "y"}, {"type": "output_text", "text": "es"}]
+    assert read_reply({"content": parts}).answer == "yes"
     assert read_reply({"content": None}).answer is None and read_reply({"content": "", "tool_calls": []}).answer is None
     for bad in ({"content": 1}, {"content": {"text": "yes"}}, {"content": [], "role": "assistant"},
                 {"content": None, "function_call": {"name": "f", "arguments": "{}"}}):

@@ -17,7 +17,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "recipes" / "prepare_rubrichub.sh
 
 def _row(i, question=None, rid=None):
     return {"id": rid or f"p{i}", "question": question or f"Write a two-line poem about topic number {i}.",
-            "rubrics": [{"criterion": "Has two lines.", "points": 2}, {"criterion": "Mentions the topic.", "points": 1}]}
+            "rubrics": [{"criterion": "Has two lines.", "points": 2},
+                        {"criterion": "Mentions the topic.", "points": 1}]}
 
 
 def _prepare(tmp_path, train, test=None, **env):
