@@ -201,3 +201,15 @@ def test_unparsed_ratio_metric_from_verl_batches():
     assert grading_metrics({"unparsed": np.array([1, 0]), "judged": np.array([4, 4])}) == {UNPARSED_RATIO_METRIC: 1 / 8}
     assert grading_metrics({"unparsed": [0], "judged": [0]}) == {UNPARSED_RATIO_METRIC: 0.0}  # rules only
     assert grading_metrics({"extra_fields": [{"reward_extra_info": {"score": 1.0}}]}) == {}  # another manager
+
+
+def test_unparsed_ratio_metric_from_a_transfer_queue_batch():
+    """The layout the trainer reads from TransferQueue: per-sample ``extra_fields`` in a TensorDict."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    fields = [{"rm_scores": torch.zeros(3), "extra_fields": {"reward_extra_info": {
+        "reference_score": 0.5, "unparsed": u, "judged": 4}}} for u in (0, 1, 0, 2)]
+    data = tu.list_of_dict_to_tensordict(fields)
+    assert grading_counts(data) == (3.0, 16.0)
+    assert grading_metrics(data) == {UNPARSED_RATIO_METRIC: 3 / 16}
