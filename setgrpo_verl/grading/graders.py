@@ -26,11 +26,17 @@ import json
 import math
 from typing import Any, Mapping, Sequence
 
-from .judges import JudgeRequest, LocalHFJudge, OpenAIJudge, template_hash
+from .http_judge import OpenAIJudge
+from .local_judge import LocalHFJudge
+from .protocol import JudgeRequest, gather_or_cancel, template_hash
 from .rubric import GradeResult, GradingError, GradingItem, Rubric, Verdict, rubric_score
 from .rules import check_rule
 
-__all__ = ["FunctionGrader", "RubricGrader", "as_rubric", "build_grader", "grader_identity", "verdict_seed"]
+__all__ = ["FunctionGrader", "RubricGrader", "as_rubric", "build_grader", "check_unparsed", "describe_item",
+           "grader_identity", "verdict_seed"]
+
+#: How many unparsed judge replies an unparsed-verdict error quotes.
+QUOTED_REPLIES = 3
 
 
 def verdict_seed(seed: int, scoring_index: int, question: str, response: str, j: int, criterion: str) -> int:
@@ -47,11 +53,19 @@ class RubricGrader:
         judge: an :class:`OpenAIJudge` / :class:`LocalHFJudge` (anything with ``identity`` and ``ajudge``), or
             ``None`` when every criterion carries a rule (a judged criterion then raises :class:`GradingError`).
         seed: grader seed (enters every verdict seed).
+        max_unparsed_ratio: the largest fraction of a response's judged criteria that may stay unparsed
+            (docs/grading.md#unparsed-verdicts); above it grading stops with :class:`GradingError` quoting the
+            judge's first replies. Default 0: any unparsed verdict stops. A value in (0, 1) scores a response
+            over its parsed criteria (the unparsed ones count neither as met nor as unmet) and enters the identity.
+
+    Raises:
+        ValueError: ``max_unparsed_ratio`` outside [0, 1).
     """
 
-    def __init__(self, judge=None, *, seed: int = 0):
+    def __init__(self, judge=None, *, seed: int = 0, max_unparsed_ratio: float = 0.0):
         self.judge = judge
         self.seed = int(seed)
+        self.max_unparsed_ratio = check_unparsed_ratio(max_unparsed_ratio)
 
     @property
     def deterministic(self) -> bool:
@@ -60,12 +74,13 @@ class RubricGrader:
 
     @property
     def identity(self) -> dict:
-        """``{name, model, temperature, template_hash}``: the judge's identity, name prefixed with ``rubric+``."""
+        """``{name, model, temperature, template_hash}``: the judge's identity, name prefixed with ``rubric+``
+        (a non-zero ``max_unparsed_ratio`` enters ``template_hash``)."""
         if self.judge is None:
             return {"name": "rubric+rules", "model": None, "temperature": 0.0, "template_hash": template_hash(rules_only=True)}
         ident = dict(self.judge.identity)
         ident["name"] = f"rubric+{ident['name']}"
-        return ident
+        return with_unparsed_policy(ident, self.max_unparsed_ratio)
 
     async def agrade(self, items: Sequence[GradingItem], *, scoring_index: int) -> list[GradeResult]:
         """Grade every item once (scoring ``scoring_index``).
@@ -74,8 +89,9 @@ class RubricGrader:
             One :class:`GradeResult` per item (score float, verdicts in criterion order).
 
         Raises:
-            GradingError: a judged criterion without a judge, a rule that cannot run, a judge failure, or a
-                response whose every criterion is unparsed.
+            GradingError: a judged criterion without a judge, a rule that cannot run, a judge failure, a response
+                whose unparsed judged verdicts exceed ``max_unparsed_ratio`` (:func:`check_unparsed`), or one whose
+                every criterion is unparsed.
         """
         verdicts: list[list[Verdict | None]] = []
         requests: list[JudgeRequest] = []
@@ -105,6 +121,7 @@ class RubricGrader:
             judged = await self.judge.ajudge(requests, seeds)
             for (n, j), v in zip(slots, judged):
                 verdicts[n][j] = v
+        check_unparsed(items, verdicts, self.max_unparsed_ratio, scoring_index=scoring_index)
         results = []
         for item, row in zip(items, verdicts):
             results.append(
@@ -120,6 +137,65 @@ class RubricGrader:
     async def aclose(self) -> None:
         if self.judge is not None:
             await self.judge.aclose()
+
+
+def check_unparsed_ratio(value) -> float:
+    """``max_unparsed_ratio`` as a float after checking it is a number in [0, 1).
+
+    Raises:
+        ValueError: a bool, a non-number, NaN or a value outside [0, 1).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"max_unparsed_ratio must be a number in [0, 1) (0: any unparsed verdict stops grading), "
+                         f"got {value!r}")
+    return float(value)
+
+
+def with_unparsed_policy(identity: dict, max_unparsed_ratio: float) -> dict:
+    """``identity`` with a non-zero ``max_unparsed_ratio`` folded into its ``template_hash`` (scores over the parsed
+    criteria only are another protocol); unchanged for 0."""
+    if not max_unparsed_ratio:
+        return identity
+    out = dict(identity)
+    out["template_hash"] = template_hash(judge=identity.get("template_hash"), max_unparsed_ratio=max_unparsed_ratio)
+    return out
+
+
+def check_unparsed(items: Sequence[GradingItem], verdicts: Sequence[Sequence[Verdict | None]],
+                   max_unparsed_ratio: float, *, scoring_index: int) -> None:
+    """Stop when a response has more unparsed judged verdicts than ``max_unparsed_ratio`` allows
+    (docs/grading.md#unparsed-verdicts).
+
+    Args:
+        items: the graded items (for row ids and responses in the message).
+        verdicts: per item, its verdicts in criterion order.
+        max_unparsed_ratio: the allowed fraction of a response's judged verdicts that are unparsed (0: none).
+        scoring_index: the scoring, for the message.
+
+    Raises:
+        GradingError: some response exceeds the ratio; names how many responses, the first one, and quotes the
+            first :data:`QUOTED_REPLIES` unparsed replies of the batch.
+    """
+    over, quoted = [], []
+    for item, row in zip(items, verdicts):
+        judged = [v for v in row if v is not None and v.source == "judge"]
+        unparsed = [v for v in judged if v.outcome == "unparsed"]
+        quoted.extend(v.raw for v in unparsed[: max(0, QUOTED_REPLIES - len(quoted))])
+        if unparsed and len(unparsed) > max_unparsed_ratio * len(judged):
+            over.append((item, len(unparsed), len(judged)))
+    if not over:
+        return
+    item, n_unparsed, n_judged = over[0]
+    replies = ", ".join("nothing" if r in (None, "") else repr(r[:80]) for r in quoted)
+    raise GradingError(
+        f"{len(over)} of {len(items)} responses in scoring {scoring_index} have unparsed judge verdicts above "
+        f"max_unparsed_ratio={max_unparsed_ratio:g} (first: {describe_item(item)}, {n_unparsed} of {n_judged} judged "
+        f"criteria unparsed). The judge's first unparsed replies: {replies}. An unparsed verdict is neither met nor "
+        "unmet, so leaving it out would change the score without a word: use a judge that answers with one verdict "
+        "word (docs/grading.md#unparsed-verdicts lists the words read, in English, Chinese and the common European "
+        "languages), raise parse_retries, or set the grader's max_unparsed_ratio to score such responses over their "
+        "parsed criteria"
+    )
 
 
 class FunctionGrader:
@@ -193,33 +269,31 @@ class FunctionGrader:
             verdicts = tuple(_as_verdict(v) for v in raw)
             out = out["score"]
         if isinstance(out, bool):
-            raise GradingError(f"{self.identity['name']} returned {out!r} for {_describe(item)}, expected a number "
+            raise GradingError(f"{self.identity['name']} returned {out!r} for {describe_item(item)}, expected a number "
                                "or {'score': ...}")
         try:
             score = float(out)
         except (TypeError, ValueError) as exc:
-            raise GradingError(f"{self.identity['name']} returned {out!r} for {_describe(item)}, expected a number "
+            raise GradingError(f"{self.identity['name']} returned {out!r} for {describe_item(item)}, expected a number "
                                "or {'score': ...}") from exc
         if not math.isfinite(score):
             # NaN or +-inf would reach verl's group normalisation and turn the whole group's advantages into NaN
             raise GradingError(
                 f"{self.identity['name']} returned the non-finite score {score!r} in scoring {scoring_index} for "
-                f"{_describe(item)}; a reward must be a finite number: make the function return one (e.g. a floor "
+                f"{describe_item(item)}; a reward must be a finite number: make the function return one (e.g. a floor "
                 "such as 0.0 or -1.0 for an empty answer)"
             )
         return GradeResult(score=score, verdicts=verdicts, scoring_index=int(scoring_index), seed=self.seed)
 
     async def agrade(self, items: Sequence[GradingItem], *, scoring_index: int) -> list[GradeResult]:
         """Call the function once per item (concurrently); see the class docstring."""
-        from .judges import _gather_or_cancel
-
-        return list(await _gather_or_cancel([self._one(item, scoring_index) for item in items]))
+        return list(await gather_or_cancel([self._one(item, scoring_index) for item in items]))
 
     async def aclose(self) -> None:
         return None
 
 
-def _describe(item: GradingItem) -> str:
+def describe_item(item: GradingItem) -> str:
     """A short name of a grading item for error messages: its row id (if known) and the start of its response."""
     extra = dict(item.extra_info or {})
     row = extra.get("id", extra.get("index"))
@@ -246,7 +320,7 @@ def _as_verdict(v) -> Verdict:
 _JUDGE_KEYS = {
     "local_hf": {"model_path", "temperature", "batch_size", "max_question_tokens", "max_response_tokens"},
     "openai": {"base_url", "model", "api_key", "temperature", "max_tokens", "chat_template_kwargs", "max_concurrency",
-               "timeout", "max_retries", "parse_retries", "on_unparsed"},
+               "timeout", "max_retries", "parse_retries", "max_unparsed_ratio"},
 }
 
 
@@ -258,8 +332,8 @@ def build_grader(config: Mapping[str, Any] | None):
         ``batch_size``, ``max_question_tokens``, ``max_response_tokens`` (see :class:`LocalHFJudge`);
       * ``openai``: ``base_url``, ``model`` (required), ``api_key``, ``temperature``, ``max_tokens`` (token budget
         per verdict; raise it for a reasoning judge), ``chat_template_kwargs`` (e.g. ``{enable_thinking: false}``),
-        ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries``, ``on_unparsed``
-        (see :class:`OpenAIJudge`);
+        ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries`` (see :class:`OpenAIJudge`) and
+        ``max_unparsed_ratio`` (default 0: any unparsed verdict stops; see :class:`RubricGrader`);
       * ``function``: ``path``, ``name`` (default ``compute_score``), ``kwargs``;
       * ``rules``: no judge (every criterion must carry a rule);
       * ``noisy``: ``flip_prob`` (required, in [0, 1)) and ``base`` (required: the config of the grader whose
@@ -294,6 +368,9 @@ def build_grader(config: Mapping[str, Any] | None):
         return RubricGrader(None, seed=seed)
     if kind not in _JUDGE_KEYS:
         raise ValueError(f"unknown grader type {kind!r}: use local_hf, openai, function, rules or noisy")
+    if kind == "openai" and "on_unparsed" in cfg:
+        raise ValueError("the openai grader's on_unparsed was replaced by max_unparsed_ratio (default 0: any unparsed "
+                         "verdict stops grading, docs/grading.md#unparsed-verdicts); remove on_unparsed")
     unknown = set(cfg) - _JUDGE_KEYS[kind]
     if unknown:
         raise ValueError(f"unknown keys for a {kind} grader: {sorted(unknown)} (allowed: {sorted(_JUDGE_KEYS[kind])})")
@@ -301,7 +378,8 @@ def build_grader(config: Mapping[str, Any] | None):
         missing = [k for k in ("base_url", "model") if not cfg.get(k)]
         if missing:
             raise ValueError(f"an openai grader needs {missing} (e.g. base_url=http://127.0.0.1:8000/v1)")
-        return RubricGrader(OpenAIJudge(**cfg), seed=seed)
+        ratio = cfg.pop("max_unparsed_ratio", 0.0)
+        return RubricGrader(OpenAIJudge(**cfg), seed=seed, max_unparsed_ratio=ratio)
     return RubricGrader(LocalHFJudge(**cfg), seed=seed)
 
 
@@ -329,9 +407,10 @@ def grader_identity(config: Mapping[str, Any] | None) -> dict:
     judge_cls = OpenAIJudge if kind == "openai" else LocalHFJudge
     defaults = {k: p.default for k, p in inspect.signature(judge_cls.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}
+    ratio = check_unparsed_ratio(cfg.pop("max_unparsed_ratio", 0.0))
     ident = judge_cls.identity_for(**{**defaults, **cfg})
     ident["name"] = f"rubric+{ident['name']}"
-    return ident
+    return with_unparsed_policy(ident, ratio)
 
 
 def _noisy_parts(cfg: Mapping[str, Any]) -> tuple[dict, float]:

@@ -1,8 +1,11 @@
 """Rubric data model (RubricHub format) and rubric score arithmetic (docs/algorithm.md#0-notation).
 
-A rubric row, as RubricHub ships it::
+A rubric row, in our layout::
 
     {"question": "...", "id": "...", "rubrics": [{"criterion": "...", "points": 5}, {"criterion": "...", "points": -3}]}
+
+Rows as the RubricHub_v1 release ships them (``prompt`` chat messages, ``Rubrics``, criteria with ``tags``, no id)
+are read too (:mod:`.rubrichub`).
 
 A criterion may additionally name a deterministic rule checker, checked by code instead of the judge::
 
@@ -13,7 +16,8 @@ Score (docs/algorithm.md#0-notation): ``r = sum_j w_j b_j / W`` with ``b_j`` in 
 ``W = sum_{j: w_j > 0} w_j`` (RubricHub convention). Range: ``[-N/W, 1]`` with ``N = sum_{j: w_j < 0} |w_j|``.
 An all-negative rubric (only penalties, ``W = 0``) is normalised by ``N`` instead, so its score lies in
 ``[-1, 0]`` (0 = no penalty met). Criteria whose verdict is ``unparsed`` (an HTTP judge answer that stayed
-unparseable after its retries, only with ``on_unparsed="unparsed"``) are left out of BOTH the sum and the
+unparseable after its retries, only kept when the grader's ``max_unparsed_ratio`` allows it; by default any
+unparsed verdict stops grading, docs/grading.md#unparsed-verdicts) are left out of BOTH the sum and the
 normaliser -- the score is the rubric score over the criteria that were actually judged, and the count is
 reported as ``unparsed`` in the metrics; if no criterion with non-zero normaliser is left, scoring fails with
 :class:`GradingError` (never a silent 0).
@@ -25,7 +29,11 @@ import json
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+from .rubrichub import release_row, rule_from_tags
+from .rules import UnknownRuleError, validate_rule
+from .types import GradingError, RubricRowError, Rule, Verdict
 
 __all__ = [
     "Criterion",
@@ -39,53 +47,7 @@ __all__ = [
     "rubric_score",
 ]
 
-Outcome = Literal["met", "unmet", "unparsed"]
 _CHAT_ROLES = ("system", "user", "assistant")
-
-
-class GradingError(RuntimeError):
-    """A response could not be graded under the configured protocol (the message says why and what to change)."""
-
-
-class RubricRowError(ValueError):
-    """A rubric row that cannot be used; raised by :meth:`Rubric.from_row` before anything is judged.
-
-    Attributes:
-        row_id: the row's ``id`` (``"<no id>"`` when the row has none), or ``None`` when the row is not a mapping.
-        location: where the row came from (file and line), or ``None``.
-        criterion_index: 0-based index into the row's ``rubrics`` list, or ``None`` for a row-level field.
-        field: the offending field: ``question``, ``id``, ``rubrics``, ``criterion``, ``points``, ``rule``,
-            ``rule.id`` or ``rule.kwargs`` (``None`` when the whole row is malformed).
-        reason: the message without the location / row / field prefix.
-    """
-
-    def __init__(self, reason: str, *, row_id: str | None = None, location: str | None = None,
-                 criterion_index: int | None = None, field: str | None = None):
-        self.row_id, self.location, self.criterion_index, self.field, self.reason = (
-            row_id, location, criterion_index, field, reason)
-        where = "rubric row" if row_id is None else f"rubric row {row_id!r}"
-        path = field
-        if criterion_index is not None:
-            path = f"rubrics[{criterion_index}]" + (f".{field}" if field else "")
-        text = f"{where}, {path}: {reason}" if path else f"{where}: {reason}"
-        super().__init__(f"{location}: {text}" if location else text)
-
-    def at(self, location: str) -> "RubricRowError":
-        """The same error with ``location`` (e.g. ``"data.jsonl, line 6"``) put in front."""
-        return RubricRowError(self.reason, row_id=self.row_id, location=location,
-                              criterion_index=self.criterion_index, field=self.field)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A deterministic rule checker: ``id`` (``"ifbench:<instruction id>"`` or ``"ifeval:<instruction id>"``) and its
-    keyword arguments (those of the if-verifiable instruction checker). See :mod:`setgrpo_verl.grading.rules`."""
-
-    id: str
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {"id": self.id, "kwargs": dict(self.kwargs)}
 
 
 @dataclass(frozen=True)
@@ -105,7 +67,10 @@ class Criterion:
 
 @dataclass(frozen=True)
 class Rubric:
-    """A RubricHub row: ``question`` (the prompt text shown to the judge), ``id`` and the criteria.
+    """A RubricHub row: ``question`` (the prompt text shown to the judge), ``id`` and the criteria; ``messages``
+    is the row's own chat ``prompt`` for the policy (e.g. with a system turn), or ``None`` when the question is the
+    one user turn. ``messages`` is not part of the rubric: it takes no part in comparisons and :meth:`to_row`
+    leaves it out.
 
     Build from a row with :meth:`from_row` (accepts a dict or its JSON string); :meth:`to_row` inverts it.
     """
@@ -113,6 +78,7 @@ class Rubric:
     question: str
     id: str
     criteria: tuple[Criterion, ...]
+    messages: tuple[Mapping[str, str], ...] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not self.criteria:
@@ -127,6 +93,11 @@ class Rubric:
         This is the single validator of rubric rows: the file reader (:func:`~.convert.read_rubric_rows`, what the
         CLI's ``--data`` uses), the verl converters, the verl dataset check and the verl reward manager all call it,
         so a row is accepted or refused identically wherever it enters.
+
+        A row in the RubricHub_v1 release layout (``prompt`` chat messages, ``Rubrics`` or ``reward_model.rubrics``,
+        criteria with ``tags``, no id) is read through :func:`~.rubrichub.release_row` first; a criterion whose
+        ``tags.verifier`` is ``rule`` becomes a rule criterion (:func:`~.rubrichub.rule_from_tags`), never a judged
+        one.
 
         Checks: the row is a mapping (or its JSON string); ``question`` is a non-blank string; ``id`` (optional) is a
         string or integer; ``rubrics`` is a non-empty list (or its JSON string); every criterion is a mapping whose
@@ -155,6 +126,10 @@ class Rubric:
                 fail(f"not valid JSON ({exc.msg} at char {exc.pos}); a rubric row is a JSON object")
         if not isinstance(row, Mapping):
             fail(f"must be a mapping (JSON object) with question, id, rubrics, got {type(row).__name__}")
+        try:
+            row = release_row(row)
+        except ValueError as exc:
+            fail(str(exc), row_id=None if row.get("id") is None else str(row.get("id")))
         raw_id = row.get("id")
         if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, numbers.Integral))):
             fail(f"of type {type(raw_id).__name__} ({raw_id!r}); use a string", field="id")
@@ -167,7 +142,7 @@ class Rubric:
         question = row["question"]
         if not isinstance(question, str) or not question.strip():
             fail(f"must be a non-blank string, got {question!r}", field="question", row_id=rid)
-        prompt = row.get("prompt")
+        prompt, messages = row.get("prompt"), None
         if prompt is not None:
             if hasattr(prompt, "tolist"):
                 prompt = prompt.tolist()
@@ -178,6 +153,7 @@ class Rubric:
                 fail(f"must be a non-empty list of {{role, content}} chat messages (role in {_CHAT_ROLES}, content "
                      f"a string), got {prompt!r}; or leave it out to use the question as one user turn",
                      field="prompt", row_id=rid)
+            messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
         items = row["rubrics"]
         if isinstance(items, (str, bytes)):
             try:
@@ -217,6 +193,15 @@ class Rubric:
             if not math.isfinite(points):
                 fail(f"{points!r}; points must be finite", field="points", index=j, row_id=rid)
             rule = item.get("rule")
+            try:
+                tagged = rule_from_tags(item.get("tags"))
+            except ValueError as exc:
+                fail(str(exc), field="tags", index=j, row_id=rid)
+            if tagged is not None:
+                if rule is not None:
+                    fail("has both a rule and rule tags (tags.verifier 'rule'); keep one of them", field="tags",
+                         index=j, row_id=rid)
+                rule = {"id": tagged[0], "kwargs": tagged[1]}
             if rule is not None:
                 if not isinstance(rule, Mapping) or not isinstance(rule.get("id"), str) or not rule["id"].strip():
                     fail(f"must be {{id, kwargs}} with a string id, got {rule!r}", field="rule", index=j, row_id=rid)
@@ -224,8 +209,6 @@ class Rubric:
                 if kwargs is not None and not isinstance(kwargs, Mapping):
                     fail(f"must be a mapping, got {type(kwargs).__name__}", field="rule.kwargs", index=j, row_id=rid)
                 rule = Rule(rule["id"], {k: v for k, v in dict(kwargs or {}).items() if v is not None})
-                from .rules import UnknownRuleError, validate_rule  # rules imports this module
-
                 try:
                     validate_rule(rule)
                 except ValueError as exc:
@@ -235,7 +218,7 @@ class Rubric:
         if all(c.points == 0 for c in criteria):
             fail("all criteria have 0 points, so the score would be undefined; give at least one criterion "
                  "non-zero points", field="rubrics", row_id=rid)
-        return cls(question=question, id=rid, criteria=tuple(criteria))
+        return cls(question=question, id=rid, criteria=tuple(criteria), messages=messages)
 
     def to_row(self) -> dict:
         """The RubricHub row (a plain dict, JSON-serialisable)."""
@@ -250,33 +233,6 @@ class Rubric:
         pos = sum(c.points for c in self.criteria if c.points > 0)
         neg = sum(-c.points for c in self.criteria if c.points < 0)
         return (-neg / pos, 1.0) if pos > 0 else (-1.0, 0.0)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The verdict on one criterion in one scoring.
-
-    ``outcome`` is ``met``, ``unmet`` or ``unparsed``; ``source`` is ``rule``, ``judge`` or ``function``;
-    ``p_yes`` is the judge's probability of ``yes`` when known (local judge), else ``None``; ``raw`` the judge's
-    answer text (HTTP judge) or ``None``.
-    """
-
-    outcome: Outcome
-    source: str
-    p_yes: float | None = None
-    raw: str | None = None
-
-    @property
-    def met(self) -> bool | None:
-        return None if self.outcome == "unparsed" else self.outcome == "met"
-
-    def to_dict(self) -> dict:
-        out: dict[str, Any] = {"outcome": self.outcome, "source": self.source}
-        if self.p_yes is not None:
-            out["p_yes"] = round(float(self.p_yes), 6)
-        if self.raw is not None:
-            out["raw"] = self.raw
-        return out
 
 
 @dataclass(frozen=True)
@@ -360,7 +316,7 @@ def rubric_score(rubric: Rubric, verdicts: Sequence[Verdict | bool | None]) -> f
         quote = "" if said is None else f" (the judge said {said[:200]!r})"
         raise GradingError(
             f"rubric {rubric.id!r}: every criterion with non-zero points has an unparsed verdict{quote}, so no score "
-            "exists; use a judge that follows the answer format (yes or no, after any <think> block), raise its "
-            "parse retries, or set on_unparsed='error'"
+            "exists; use a judge that answers with one verdict word (yes or no, after any <think> block; "
+            "docs/grading.md#unparsed-verdicts lists the words read in other languages) or raise its parse retries"
         )
     return total / norm

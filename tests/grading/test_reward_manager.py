@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 import verl  # noqa: F401  (loads the setgrpo plugin, which registers the manager)
 from setgrpo_verl.grading import DualScorer, GradingItem, Rubric, RubricGrader, check_rule, load_ifbench_rubrics, rubric_score
+from setgrpo_verl.integration.reward_manager import UNPARSED_RATIO_METRIC, grading_metrics
 
 GRADER = {"type": "local_hf", "temperature": 1.0, "max_question_tokens": 96, "max_response_tokens": 96, "seed": 0}
 
@@ -103,8 +104,12 @@ def test_reward_loop_worker_on_real_responses(ifbench_samples, smollm2_judge):
                               non_tensors={k: np.array([info[k] for info in infos]) for k in keys},
                               meta_info={"reward_extra_keys": keys})
     reward_tensor, extra = extract_reward(out)
-    assert set(keys) == {"score", "reference_score", "point_verdicts", "reference_verdicts", "unparsed",
+    assert set(keys) == {"score", "reference_score", "point_verdicts", "reference_verdicts", "unparsed", "judged",
                          "judged_disagreement"}
+    # judge verdicts of both scorings per response: twice the criteria without a rule
+    assert extra["judged"].tolist() == [2 * sum(c.rule is None for c in Rubric.from_row(r).criteria) for r in rows]
+    assert grading_metrics({"extra_fields": [{"reward_extra_info": info} for info in infos]}) == {
+        UNPARSED_RATIO_METRIC: 0.0}
     valid = data.batch["attention_mask"][:, 64:].sum(-1)
     for i in range(4):
         assert reward_tensor[i, valid[i] - 1].item() == pytest.approx(scores[i])

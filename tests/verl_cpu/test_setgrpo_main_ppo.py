@@ -51,6 +51,10 @@ def test_calibration_record_and_paired_scores(calibrated):
     assert rec.K == 3 and rec.alpha == 0.5 and rec.tau_grid == (0.0, 0.3)
     assert rec.sketch == dataclasses.asdict(SketchConfig())
     assert rec.grader["name"].startswith("function")
+    # the calibration's unparsed-verdict ratio reaches verl's tracker (a function grader: no judge verdicts)
+    ratios = [m["setgrpo/grading/unparsed_ratio"] for m in read_metrics(run / "calibration" / "metrics.jsonl")
+              if "setgrpo/grading/unparsed_ratio" in m]
+    assert ratios == [0.0]
     z = np.load(run / "calibration" / "paired_scores.npz")
     assert z["point"].shape == (6, 3) and z["gram"].shape == (6, 3, 3)
     # the stored paired scores re-fit offline to the very same record
@@ -68,8 +72,9 @@ def test_train_with_the_record_logs_setgrpo_metrics(calibrated):
     groups = [json.loads(x) for x in (run / "train_setgrpo" / "groups.jsonl").read_text().splitlines()]
     for m in steps:
         for key in ("setgrpo/accepted_ratio", "setgrpo/degenerate_ratio", "actor/update_skipped",
-                    "setgrpo/timing_s/sketch", "critic/score/mean"):
+                    "setgrpo/timing_s/sketch", "critic/score/mean", "setgrpo/grading/unparsed_ratio"):
             assert key in m, key
+        assert m["setgrpo/grading/unparsed_ratio"] == 0.0  # a function grader: no judge verdict, none unparsed
         step_groups = [g for g in groups if g["step"] == m["training/global_step"]]
         assert len(step_groups) == 3
         assert m["setgrpo/accepted_ratio"] == pytest.approx(sum(g["accepted"] for g in step_groups) / 3)

@@ -1,0 +1,239 @@
+"""The HTTP judge: any OpenAI-compatible chat-completions server (vLLM, SGLang, a hosted API).
+
+:class:`OpenAIJudge` is async with a concurrency limit; timeout and retries with exponential backoff on
+408/409/429/5xx and connection errors are the ``openai`` client's own (``max_retries``, honours ``Retry-After``); an
+HTTP 200 whose body is not a chat completion (an HTML page, an empty body, an ``{"error": ...}`` payload, no choices)
+is a transport failure too, retried with the same budget and backoff, never read as an answer. The reply is read by
+:func:`~.protocol.read_reply` (every OpenAI-compatible shape; tool calls and refusals are errors) and its verdict by
+:func:`~.protocol.parse_verdict`; an unparseable answer is re-asked with the next seed up to ``parse_retries``
+times, then it is an ``unparsed`` verdict, which the grader's ``max_unparsed_ratio`` turns into an error by default
+(docs/grading.md#unparsed-verdicts). A reply cut off by the token budget (``finish_reason="length"``) before any
+verdict is an error that names ``max_tokens`` and ``chat_template_kwargs``: re-asking with the same budget would
+keep only the replies whose reasoning happened to be short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any, Sequence
+
+from .protocol import (
+    SAID_CHARS,
+    JudgeRequest,
+    gather_or_cancel,
+    judge_messages,
+    parse_verdict,
+    read_reply,
+    said,
+    strip_reasoning,
+    template_hash,
+)
+from .types import GradingError, Verdict
+
+__all__ = ["OpenAIJudge"]
+
+
+def _completion_choice(body: str) -> tuple[dict | None, str]:
+    """The first choice of a chat-completion JSON body, or ``(None, what the body is instead)``."""
+    if not body.strip():
+        return None, "an empty body"
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None, "a body that is not JSON"
+    if not isinstance(data, dict):
+        return None, f"a JSON {type(data).__name__} instead of a chat completion"
+    if data.get("error") is not None:
+        err = data["error"]
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return None, f"an error payload instead of a chat completion (server message: {msg!r})"
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None, "a JSON object without choices"
+    if not isinstance(choices[0].get("message"), dict):
+        return None, "a choice without a message"
+    return choices[0], ""
+
+
+class OpenAIJudge:
+    """Judge backed by an OpenAI-compatible ``/v1/chat/completions`` endpoint.
+
+    Args:
+        base_url: server URL including ``/v1`` (e.g. ``http://127.0.0.1:8000/v1`` for vLLM / SGLang).
+        model: model name sent in each request.
+        api_key: API key; ``None`` reads ``$OPENAI_API_KEY`` and falls back to ``"EMPTY"`` (local servers).
+        temperature: sampling temperature sent to the server (enters the identity).
+        max_tokens: completion token budget per verdict (enters the identity). A verdict is one word, so the
+            default 4 suits instruction judges; a reasoning ("thinking") judge needs room for its reasoning too
+            (e.g. 2048), or thinking switched off with ``chat_template_kwargs``.
+        chat_template_kwargs: sent as the request's ``chat_template_kwargs`` (vLLM / SGLang pass them to the chat
+            template), e.g. ``{"enable_thinking": False}`` for Qwen3; ``None`` sends nothing. Enters the identity.
+        max_concurrency: at most this many requests in flight (per event loop).
+        timeout: seconds per request attempt (``openai`` client timeout).
+        max_retries: retries per request on timeouts, connection errors, 408/409/429/5xx, with the client's
+            exponential backoff (0.5 s doubling, at most 8 s, ``Retry-After`` honoured); separately, as many
+            retries (same backoff) for HTTP 200 bodies that are not a chat completion.
+        parse_retries: how many times an unparseable answer is re-asked (with seed + attempt); after that the
+            verdict is ``unparsed`` (what the grader does with it: its ``max_unparsed_ratio``).
+
+    Each request carries ``seed`` (the verdict seed from the grader, 31 bits), so a server that honours seeds
+    (vLLM, SGLang) makes scoring i reproducible. Transport failures that outlast the retries raise
+    :class:`GradingError` naming the URL, the HTTP status and the start of the body; pending sibling requests are
+    cancelled.
+    """
+
+    name = "openai_chat"
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        temperature: float = 1.0,
+        max_tokens: int = 4,
+        chat_template_kwargs: dict | None = None,
+        max_concurrency: int = 32,
+        timeout: float = 60.0,
+        max_retries: int = 4,
+        parse_retries: int = 2,
+    ):
+        if max_concurrency < 1 or timeout <= 0 or max_retries < 0 or parse_retries < 0 or int(max_tokens) < 1:
+            raise ValueError("need max_tokens >= 1, max_concurrency >= 1, timeout > 0, max_retries >= 0 and "
+                             "parse_retries >= 0")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a mapping such as {{'enable_thinking': False}}, got "
+                             f"{chat_template_kwargs!r}")
+        self.base_url = base_url
+        self.model = model
+        self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+        self.temperature = float(temperature)
+        self.max_tokens = int(max_tokens)
+        self.chat_template_kwargs = dict(chat_template_kwargs) if chat_template_kwargs else None
+        self.max_concurrency = int(max_concurrency)
+        self.timeout = float(timeout)
+        self.max_retries = int(max_retries)
+        self.parse_retries = int(parse_retries)
+        self._clients: dict[int, tuple[Any, Any, asyncio.Semaphore]] = {}  # id(loop) -> (loop, client, semaphore)
+
+    @property
+    def identity(self) -> dict:
+        """``{name, model, temperature, template_hash}`` (docs/algorithm.md#7-record)."""
+        return self.identity_for(model=self.model, temperature=self.temperature, max_tokens=self.max_tokens,
+                                 chat_template_kwargs=self.chat_template_kwargs)
+
+    @classmethod
+    def identity_for(cls, *, model: str, temperature: float, max_tokens: int, chat_template_kwargs: dict | None = None,
+                     **_) -> dict:
+        """The identity a judge with these settings reports (no client is created). ``chat_template_kwargs``
+        changes what the judge model is asked, so it enters ``template_hash`` (only when given: the hash of a
+        judge without it is unchanged)."""
+        protocol: dict[str, Any] = {"max_tokens": int(max_tokens)}
+        if chat_template_kwargs:
+            protocol["chat_template_kwargs"] = dict(chat_template_kwargs)
+        return {"name": cls.name, "model": model, "temperature": float(temperature),
+                "template_hash": template_hash(**protocol)}
+
+    def _client(self):
+        from openai import AsyncOpenAI
+
+        loop = asyncio.get_running_loop()
+        entry = self._clients.get(id(loop))
+        if entry is None or entry[0] is not loop:
+            client = AsyncOpenAI(
+                base_url=self.base_url, api_key=self.api_key, timeout=self.timeout, max_retries=self.max_retries
+            )
+            entry = (loop, client, asyncio.Semaphore(self.max_concurrency))
+            self._clients[id(loop)] = entry
+        return entry[1], entry[2]
+
+    async def _complete(self, messages: list[dict], seed: int) -> dict:
+        """One chat completion; returns its first choice (a dict with ``message`` and ``finish_reason``).
+
+        HTTP errors are retried by the ``openai`` client; an HTTP 200 whose body is not a chat completion is retried
+        here with the same budget and backoff.
+
+        Raises:
+            GradingError: the request still fails after ``max_retries`` retries (names the URL, the HTTP status and
+                the start of the body).
+        """
+        import openai
+
+        client, semaphore = self._client()
+        extra = {"chat_template_kwargs": self.chat_template_kwargs} if self.chat_template_kwargs else None
+        url, status, body, what = f"{self.base_url.rstrip('/')}/chat/completions", None, "", ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+            try:
+                async with semaphore:
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model=self.model,
+                        messages=messages,
+                        temperature=self.temperature,
+                        max_tokens=self.max_tokens,
+                        seed=seed,
+                        extra_body=extra,
+                    )
+            except openai.APIError as exc:
+                hint = ("the server cannot be reached: start the OpenAI-compatible server or fix the base URL "
+                        "(it ends in /v1)" if isinstance(exc, openai.APIConnectionError) else
+                        "the server answered with an error: check the model name and the server's log")
+                raise GradingError(
+                    f"judge request to {self.base_url} failed after {self.max_retries} retries "
+                    f"(timeout {self.timeout}s per attempt): {type(exc).__name__}: {exc}; {hint}"
+                ) from exc
+            response = raw.http_response
+            url, status, body = str(response.url), response.status_code, response.text
+            choice, what = _completion_choice(body)
+            if choice is not None:
+                return choice
+        raise GradingError(
+            f"judge request to {url} got HTTP {status} with {what} after {self.max_retries} retries; the body "
+            f"starts {body[:SAID_CHARS]!r}. Check that the URL is the server's OpenAI-compatible /v1 endpoint (no "
+            "proxy error page in between) and that the server is healthy"
+        )
+
+    async def _one(self, request: JudgeRequest, seed: int) -> Verdict:
+        """One verdict: asked, read (:func:`~.protocol.read_reply`), re-asked while unparsed up to ``parse_retries``.
+
+        Raises:
+            GradingError: transport failure (:meth:`_complete`), a reply of an unsupported shape (tool call,
+                refusal, ...), or a reply cut off by ``max_tokens`` before any verdict.
+        """
+        messages = judge_messages(request)
+        where = f"judge {self.model!r} at {self.base_url}"
+        answer = None
+        for attempt in range(self.parse_retries + 1):
+            choice = await self._complete(messages, (seed + attempt) % 2**31)
+            reply = read_reply(choice["message"], where=where)
+            answer = reply.answer
+            met = parse_verdict(answer)
+            if met is not None:
+                return Verdict("met" if met else "unmet", "judge", raw=answer)
+            if choice.get("finish_reason") == "length":
+                thinking = reply.shape.startswith("content null") or strip_reasoning(answer) is None
+                raise GradingError(
+                    f"{where} was cut off by its token budget max_tokens={self.max_tokens} (finish_reason='length') "
+                    f"before giving a verdict{' (it was still reasoning)' if thinking else ''}; it said "
+                    f"{said(answer)} ({reply.shape}). A reasoning ('thinking') judge needs a larger budget (grader "
+                    "max_tokens, e.g. 2048; CLI --judge-max-tokens) or thinking switched off (grader "
+                    "chat_template_kwargs={'enable_thinking': false}; CLI --judge-chat-template-kwargs "
+                    "'{\"enable_thinking\": false}')"
+                )
+        return Verdict("unparsed", "judge", raw=answer)
+
+    async def ajudge(self, requests: Sequence[JudgeRequest], seeds: Sequence[int]) -> list[Verdict]:
+        """Judge every request concurrently (bounded by ``max_concurrency``); verdicts in request order."""
+        if len(requests) != len(seeds):
+            raise ValueError(f"{len(requests)} requests but {len(seeds)} seeds")
+        return list(await gather_or_cancel([self._one(r, int(s)) for r, s in zip(requests, seeds)]))
+
+    async def aclose(self) -> None:
+        """Close the HTTP client of the running event loop (its connections are released)."""
+        loop = asyncio.get_running_loop()
+        entry = self._clients.pop(id(loop), None)
+        if entry is not None and entry[0] is loop:
+            await entry[1].close()
