@@ -171,6 +171,11 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
                    "[reward.reward_kwargs.grader.chat_template_kwargs]")
     g.add_argument("--actor-ranks", type=int, default=1, help="FSDP2 actor ranks on this machine (gloo)")
     g.add_argument("--dry-run", action="store_true", help="print the verl command line(s) and exit")
+    g.add_argument("--verbose", action="store_true", help="stream verl's full output (always written to the stage's "
+                   "main_ppo.log) instead of progress bars and one line per step")
+    g.add_argument("--resume", action="store_true", help="continue an interrupted run directory: finished stages are "
+                   "kept, an interrupted one resumes from its latest verl checkpoint (trainer.resume_mode=auto), the "
+                   "data split is not rewritten (docs/cli.md#resuming-a-run)")
     c = p.add_argument_group("configuration keys (docs/algorithm.md; any other key: pass key=value)")
     for flag, key, typ, text in FLAGS:
         kwargs: dict[str, Any] = dict(dest=_dest(flag), type=typ, default=None, help=_flag_help(key, text))
@@ -349,6 +354,8 @@ def _run(args: argparse.Namespace) -> str | None:
     values.setdefault("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", micro)
     values.setdefault("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", micro)
     grader = _grader(args, seed)
+    if args.resume and args.overwrite:
+        raise launch.LaunchError("--resume keeps the run directory's stages and --overwrite deletes them: pass one")
     if args.command == "validate":
         _check_validate(args, values)
         if args.analysis_only:
@@ -402,7 +409,7 @@ def _run(args: argparse.Namespace) -> str | None:
                                   seed=seed, rules_only=args.judge == "rules")
     if args.judge == "openai":
         launch.probe_judge(grader)
-    if split is not None:
+    if split is not None and not (args.resume and (run_dir / "data" / "train.parquet").is_file()):
         launch.write_data(run_dir, split)
         print(f"[setgrpo-verl] data: {len(split['calibration'])} calibration and {len(split['train'])} training "
               f"prompts from {split['source']}", flush=True)
@@ -414,7 +421,8 @@ def _run(args: argparse.Namespace) -> str | None:
                                  f"{run_dir}` first or pass --record")
     env = launch.cpu_environment()
     for stage, cmd in commands:
-        launch.run_stage(run_dir, stage, cmd, env=env, overwrite=args.overwrite)
+        launch.run_stage(run_dir, stage, cmd, env=env, overwrite=args.overwrite, resume=args.resume,
+                         verbose=args.verbose)
     if args.command == "quickstart":
         from .report import make_report
 
