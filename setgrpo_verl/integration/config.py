@@ -21,6 +21,8 @@ from verl.trainer.config.algorithm import AlgoConfig
 
 from setgrpo_verl.sketch import SketchConfig
 
+from .resume import check_resume
+
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
 SETGRPO_NAME = "setgrpo"
 
@@ -150,6 +152,9 @@ class SetGRPOConfig(BaseConfig):
                                               "calibration phase first (docs/algorithm.md#7-record)")
     record_out: Optional[str] = _field(None, "where the calibration phase writes its record; null = "
                                              "<trainer.default_local_dir>/setgrpo_calibration.json")
+    resume_other_record: bool = _field(False, "resuming a checkpoint trained with another calibration record is "
+                                              "refused before Ray; true = resume anyway, the online monitor restarting "
+                                              "from zero (docs/cli.md#resuming-a-run)")
     group_log: Optional[str] = _field(None, "JSONL file of per-step, per-group status, recovery ratio and "
                                             "projections; null = none")
     ablation: Optional[str] = _field(None, "null (full SetGRPO) or one of spherical_set, identity_geometry, "
@@ -362,6 +367,7 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             raise ValueError(f"algorithm.setgrpo.record_path={setgrpo.record_path}: no such file; pass the record a "
                              "calibration run wrote, or null to calibrate first")
         check_record(CalibrationRecord.from_json(path), config, setgrpo)
+    check_resume(config, setgrpo)
     return setgrpo
 
 
