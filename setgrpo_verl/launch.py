@@ -379,6 +379,11 @@ def run_stage(
         print(f"[setgrpo-verl] {stage}: {line}", flush=True)
     print(f"[setgrpo-verl] {stage}: {start} verl's main_ppo (command: {stage_dir / 'command.sh'}, log: {log_path})",
           flush=True)
+    history: list[bytes] = []
+    if resumed_from is not None:
+        from .integration.resume import read_history
+
+        history = read_history(str(metrics), resumed_from)
     t0 = time.perf_counter()
     with open(log_path, "a" if resumed_from is not None else "w", encoding="utf-8") as log:
         console = StageConsole(stage, command, metrics, log, verbose=verbose)
@@ -388,6 +393,7 @@ def run_stage(
         finally:
             console.close()
     elapsed = time.perf_counter() - t0
+    _keep_history(metrics, history)
     if child.stopped_by is not None:
         step = latest_checkpoint_step(stage_dir)
         where = (f"its latest checkpoint is step {step}: rerun with --resume to continue from there" if step is not None
@@ -412,12 +418,24 @@ def run_stage(
     return stage_dir
 
 
+def _keep_history(metrics: Path, history: Sequence[bytes]) -> None:
+    """Put back the metric rows up to the resumed checkpoint's step that verl's file logger dropped when it opened
+    the file again (the SetGRPO trainer puts them back itself; verl's stock trainer, the GRPO stage, does not)."""
+    if not history:
+        return
+    current = metrics.read_bytes() if metrics.is_file() else b""
+    present = set(current.splitlines(keepends=True))
+    missing = [line for line in history if line not in present]
+    if missing:
+        metrics.write_bytes(b"".join(missing) + current)
+
+
 def _last_error(lines: Sequence[str]) -> str:
     for text in reversed(lines):
         stripped = text.strip()
         if stripped and ("Error" in stripped or "error" in stripped or "Exception" in stripped):
-            return stripped[-400:]
-    return next((t.strip()[-400:] for t in reversed(lines) if t.strip()), "no output")
+            return stripped[-1500:]
+    return next((t.strip()[-1500:] for t in reversed(lines) if t.strip()), "no output")
 
 
 def _requested_levels(values: Mapping[str, Any]) -> tuple[float, float, float, Sequence[float]]:
