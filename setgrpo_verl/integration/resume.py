@@ -63,11 +63,14 @@ def resume_folder(config: Any) -> Optional[str]:
     ``auto`` / ``resume_path``; relative paths against the working directory), with verl's own
     ``find_latest_ckpt_path``.
     """
-    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, get_checkpoint_tracker_filename
 
     mode = config.trainer.get("resume_mode", "auto")
     if mode == "auto":
-        return find_latest_ckpt_path(os.path.abspath(config.trainer.default_local_dir))
+        folder = os.path.abspath(config.trainer.default_local_dir)
+        if not os.path.exists(get_checkpoint_tracker_filename(folder)):
+            return None  # a fresh start (asked first: find_latest_ckpt_path prints a line when there is no tracker)
+        return find_latest_ckpt_path(folder)
     if mode == "resume_path" and isinstance(config.trainer.get("resume_from_path"), str):
         return os.path.abspath(config.trainer.resume_from_path)
     return None

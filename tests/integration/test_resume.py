@@ -176,3 +176,11 @@ def test_verl_internals_the_resume_relies_on():
     fit = inspect.getsource(PPOTrainer.fit)
     assert fit.index("self.step(metrics, self.timing_raw)") < fit.index("self._save_checkpoint()")
     assert fit.index("self.logger = Tracking(") < fit.index("self.on_train_begin()")
+
+
+def test_a_fresh_start_is_not_checked_and_prints_nothing(tmp_path, capsys):
+    rec_a, rec_b = _records(tmp_path)
+    for record in (rec_a, rec_b):
+        trainer = _trainer(tmp_path, 0, record_path=record)
+        check_resume(trainer.config, trainer.setgrpo)
+    assert capsys.readouterr().out == ""
