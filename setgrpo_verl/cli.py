@@ -180,6 +180,11 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
     g.add_argument("--precision", choices=CPU_PRECISIONS, default=None,
                    help="CPU compute precision: bf16 (the GPU recipes', default where the CPU has bf16 units) or fp32")
     g.add_argument("--dry-run", action="store_true", help="print the verl command line(s) and exit")
+    g.add_argument("--verbose", action="store_true", help="stream verl's full output (always written to the stage's "
+                   "main_ppo.log) instead of progress bars and one line per step")
+    g.add_argument("--resume", action="store_true", help="continue an interrupted run directory: finished stages are "
+                   "kept, an interrupted one resumes from its latest verl checkpoint (trainer.resume_mode=auto), the "
+                   "data split is not rewritten (docs/cli.md#resuming-a-run)")
     c = p.add_argument_group("configuration keys (docs/algorithm.md; any other key: pass key=value)")
     for flag, key, typ, text in FLAGS:
         kwargs: dict[str, Any] = dict(dest=_dest(flag), type=typ, default=None, help=_flag_help(key, text))
@@ -388,6 +393,8 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
         if error:
             raise launch.LaunchError(error)
     grader = _grader(args, seed)
+    if args.resume and args.overwrite:
+        raise launch.LaunchError("--resume keeps the run directory's stages and --overwrite deletes them: pass one")
     common = [launch.format_override(k, v) for k, v in values.items() if v is not None]
     common += launch.cpu_overrides(args.actor_ranks, args.precision) + [launch.format_override("+reward.reward_kwargs.grader", grader)]
     common += ["reward.reward_manager.name=setgrpo_dual"]
@@ -420,7 +427,8 @@ def _split(args: argparse.Namespace, plan: _Plan, stages: list[str]) -> dict[str
     """
     from . import launch
 
-    launch.check_stage_dirs(args.run_dir, stages, overwrite=args.overwrite)
+    if not args.resume:  # with --resume, run_stage keeps complete stages and continues interrupted ones
+        launch.check_stage_dirs(args.run_dir, stages, overwrite=args.overwrite)
     values = plan.values
     split = launch.split_data(data=args.data, model_path=plan.model,
                               max_prompt_length=int(values["data.max_prompt_length"]),
@@ -448,7 +456,8 @@ def _run_stages(args: argparse.Namespace, commands: list[tuple[str, list[str]]])
 
     env = launch.cpu_environment()
     for stage, cmd in commands:
-        launch.run_stage(args.run_dir, stage, cmd, env=env, overwrite=args.overwrite)
+        launch.run_stage(args.run_dir, stage, cmd, env=env, overwrite=args.overwrite, resume=args.resume,
+                         verbose=args.verbose)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> str | None:

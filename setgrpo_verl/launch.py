@@ -35,7 +35,6 @@ import os
 import random
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,6 +60,7 @@ __all__ = [
     "requested_settings",
     "split_data",
     "write_data",
+    "latest_checkpoint_step",
     "run_stage",
     "stage_overrides",
 ]
@@ -492,11 +492,34 @@ def stage_overrides(stage: str, run_dir: str | os.PathLike, *, record: str | os.
     raise ValueError(f"unknown stage {stage!r}; choose one of {sorted(STAGES)}")
 
 
-def _stage_dir(run_dir: Path, stage: str, *, overwrite: bool) -> Path:
+def latest_checkpoint_step(stage_dir: str | os.PathLike) -> int | None:
+    """The step of the latest verl checkpoint in ``<stage_dir>/checkpoints`` (verl's
+    ``latest_checkpointed_iteration.txt``), or None when the stage saved none."""
+    tracker = Path(stage_dir) / "checkpoints" / "latest_checkpointed_iteration.txt"
+    try:
+        return int(tracker.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _stage_dir(run_dir: Path, stage: str, *, overwrite: bool, resume: bool = False) -> Path:
+    """The stage's directory, created empty; with ``resume`` an interrupted stage's directory is kept when it holds
+    a verl checkpoint to resume from (else it is started over), its ``FAILED`` marker removed."""
     path = run_dir / STAGES[stage]
     if path.exists():
-        if not overwrite:
-            raise LaunchError(f"{path} already exists; pass --overwrite to replace it or choose another --run-dir")
+        step = latest_checkpoint_step(path)
+        if resume and step is not None and not (path / COMPLETE).exists():
+            (path / FAILED).unlink(missing_ok=True)
+            return path
+        if not overwrite and not resume:
+            if (path / COMPLETE).exists():
+                hint = "pass --overwrite to replace it or choose another --run-dir"
+            elif step is not None:
+                hint = (f"it was interrupted after its checkpoint of step {step}: pass --resume to continue from there, "
+                        "--overwrite to start it over, or choose another --run-dir")
+            else:
+                hint = "it is incomplete and has no checkpoint: pass --overwrite (or --resume) to start it over"
+            raise LaunchError(f"{path} already exists; {hint}")
         shutil.rmtree(path)
     path.mkdir(parents=True)
     return path
@@ -509,61 +532,114 @@ def run_stage(
     *,
     env: Mapping[str, str],
     overwrite: bool = False,
-    echo: bool = True,
+    resume: bool = False,
+    verbose: bool = False,
+    stop_grace: float = 30.0,
 ) -> Path:
-    """Run one verl command as a stage of ``run_dir``; returns the stage directory.
+    """Run one verl command as a stage of ``run_dir``; returns the stage directory (docs/cli.md#run-directory).
 
-    Writes ``command.sh`` first (the exact command line, environment variables included), streams verl's output to
-    ``main_ppo.log`` (and to stdout when ``echo``), points verl's file logger at ``metrics.jsonl``, and writes
-    ``COMPLETE`` only when verl exits with status 0 (else ``FAILED`` with the exit status and the log's tail).
+    Writes ``command.sh`` first (the exact command line, environment variables included), writes verl's output to
+    ``main_ppo.log`` (and streams it when ``verbose``; else shows progress bars and one line per step, see
+    :mod:`setgrpo_verl.console`), points verl's file logger at ``metrics.jsonl``, and writes ``COMPLETE`` only
+    when verl exits with status 0 (else ``FAILED`` with the exit status and the log's tail).
+
+    ``main_ppo`` runs in a session of its own (:class:`setgrpo_verl.supervise.Supervisor`): on SIGINT, SIGTERM or
+    SIGHUP it and the local Ray instance it started are stopped (docs/cli.md#stopping-a-run), nothing of that
+    session is left running, and ``FAILED`` says which signal stopped it and at which checkpoint to resume.
+
+    With ``resume``, a ``COMPLETE`` stage is kept and not run again, and an interrupted one continues from its latest
+    verl checkpoint (``trainer.resume_mode=auto``, verl's default); one without a checkpoint starts over.
 
     Raises:
-        LaunchError: the stage directory exists without ``overwrite``, or verl exited with a non-zero status (the
-            message quotes the last error line of the log).
+        LaunchError: the stage directory exists without ``overwrite`` or ``resume``, or verl exited with a
+            non-zero status (the message quotes the last error line of the log).
+        SystemExit: with status 128 + the signal number, after a stop signal stopped the stage.
     """
+    from .console import StageConsole
+    from .supervise import Supervisor
+
     run_dir = Path(run_dir)
-    stage_dir = _stage_dir(run_dir, stage, overwrite=overwrite)
+    if resume and (run_dir / STAGES[stage] / COMPLETE).is_file():
+        print(f"[setgrpo-verl] {stage}: {run_dir / STAGES[stage]} is complete, kept", flush=True)
+        return run_dir / STAGES[stage]
+    stage_dir = _stage_dir(run_dir, stage, overwrite=overwrite, resume=resume)
+    resumed_from = latest_checkpoint_step(stage_dir)
+    calibration = run_dir / STAGES["calibrate"]
     if stage == "calibrate_train":  # its record goes to calibration/, marked complete once the record exists
-        calibration = _stage_dir(run_dir, "calibrate", overwrite=overwrite)
+        if resumed_from is None:
+            calibration = _stage_dir(run_dir, "calibrate", overwrite=overwrite, resume=resume)
+        elif not (calibration / "record.json").is_file():
+            raise LaunchError(f"{stage_dir} has a checkpoint but {calibration}/record.json, the record it was trained "
+                              "with, is missing: pass --overwrite to start over")
     env = dict(env)
-    env["VERL_FILE_LOGGER_PATH"] = str((stage_dir / "metrics.jsonl").resolve())
+    metrics = (stage_dir / "metrics.jsonl").resolve()
+    env["VERL_FILE_LOGGER_PATH"] = str(metrics)
     shown_env = {k: env[k] for k in ("VERL_PLATFORM", "VERL_FILE_LOGGER_PATH") if k in env}
     line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()), *map(shlex.quote, command)])
     (stage_dir / "command.sh").write_text("#!/usr/bin/env bash\n" + line + "\n")
-    print(f"[setgrpo-verl] {stage}: {line}", flush=True)
     log_path = stage_dir / "main_ppo.log"
+    start = "resuming after its checkpoint of step " + str(resumed_from) if resumed_from is not None else "starting"
+    if verbose:
+        print(f"[setgrpo-verl] {stage}: {line}", flush=True)
+    print(f"[setgrpo-verl] {stage}: {start} verl's main_ppo (command: {stage_dir / 'command.sh'}, log: {log_path})",
+          flush=True)
+    history: list[bytes] = []
+    if resumed_from is not None:
+        from .integration.resume import read_history
+
+        history = read_history(str(metrics), resumed_from)
     t0 = time.perf_counter()
-    tail: list[str] = []
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", bufsize=1)
-        assert proc.stdout is not None
-        for text in proc.stdout:
-            log.write(text)
-            tail = (tail + [text.rstrip()])[-40:]
-            if echo:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-        status = proc.wait()
+    with open(log_path, "a" if resumed_from is not None else "w", encoding="utf-8") as log:
+        console = StageConsole(stage, command, metrics, log, verbose=verbose)
+        child = Supervisor(command, env=env, on_line=console.line, grace=stop_grace)
+        try:
+            status = child.run(poll=console.poll)
+        finally:
+            console.close()
     elapsed = time.perf_counter() - t0
+    _keep_history(metrics, history)
+    if child.stopped_by is not None:
+        step = latest_checkpoint_step(stage_dir)
+        where = (f"its latest checkpoint is step {step}: rerun with --resume to continue from there" if step is not None
+                 else "it saved no checkpoint: rerun (with --overwrite or --resume) to start it over")
+        reason = (f"stopped by {child.stopped_by.name} after {elapsed:.0f} s; main_ppo and the Ray instance it started "
+                  f"were stopped; {where}")
+        (stage_dir / FAILED).write_text(reason + "\n")
+        print(f"[setgrpo-verl] {stage}: {reason}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + int(child.stopped_by))
     if status != 0:
-        reason = _last_error(tail)
+        reason = _last_error(console.tail)
         (stage_dir / FAILED).write_text(f"main_ppo exited with status {status} after {elapsed:.0f} s: {reason}\n")
+        if not verbose:  # the log was not shown: its end says what went wrong
+            sys.stderr.write("".join(t + "\n" for t in console.tail[-15:]))
         raise LaunchError(f"{stage}: verl's main_ppo exited with status {status}: {reason} (full log: {log_path})")
     (stage_dir / COMPLETE).write_text(f"{elapsed:.1f} s\n")
     if stage == "calibrate_train":
         if not (calibration / "record.json").is_file():
             raise LaunchError(f"{stage}: verl exited normally but wrote no record to {calibration}/record.json")
         (calibration / COMPLETE).write_text(f"calibrated by {stage_dir.name}/\n")
+    print(f"[setgrpo-verl] {stage}: done in {elapsed:.0f} s", flush=True)
     return stage_dir
+
+
+def _keep_history(metrics: Path, history: Sequence[bytes]) -> None:
+    """Put back the metric rows up to the resumed checkpoint's step that verl's file logger dropped when it opened
+    the file again (the SetGRPO trainer puts them back itself; verl's stock trainer, the GRPO stage, does not)."""
+    if not history:
+        return
+    current = metrics.read_bytes() if metrics.is_file() else b""
+    present = set(current.splitlines(keepends=True))
+    missing = [line for line in history if line not in present]
+    if missing:
+        metrics.write_bytes(b"".join(missing) + current)
 
 
 def _last_error(lines: Sequence[str]) -> str:
     for text in reversed(lines):
         stripped = text.strip()
         if stripped and ("Error" in stripped or "error" in stripped or "Exception" in stripped):
-            return stripped[-400:]
-    return next((t.strip()[-400:] for t in reversed(lines) if t.strip()), "no output")
+            return stripped[-1500:]
+    return next((t.strip()[-1500:] for t in reversed(lines) if t.strip()), "no output")
 
 
 #: The command-line flag (or key) of each field of :class:`setgrpo_verl.core.CalibrationSettings`.

@@ -51,8 +51,18 @@ def load_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def _training_rows(path: Path) -> list[dict]:
-    """verl's per-step metric rows of a training stage (the calibration summary line has no step metrics)."""
-    return [r for r in load_metrics(path) if "timing_s/step" in r]
+    """verl's per-step metric rows of a training stage (the calibration summary line has no step metrics), one per
+    step in step order; a step logged twice (trained again after a resume from an earlier checkpoint,
+    docs/cli.md#resuming-a-run) counts with its last row."""
+    rows = {r["training/global_step"]: r for r in load_metrics(path) if "timing_s/step" in r}
+    return [rows[step] for step in sorted(rows)]
+
+
+def _group_rows(path: Path) -> list[dict]:
+    """The per-group rows of ``groups.jsonl``, one per (step, group), the last written of a step trained again."""
+    rows = {(r.get("step"), r.get("group"), i if r.get("group") is None else None): r
+            for i, r in enumerate(load_metrics(path))}
+    return list(rows.values())
 
 
 def policy_label(record) -> str:
@@ -379,7 +389,7 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200) -> str:
     for name in ("setgrpo", "grpo"):
         stage = run_dir / f"train_{name}"
         runs[name] = _training_rows(stage / "metrics.jsonl") if (stage / COMPLETE).exists() else []
-    train_groups = load_metrics(run_dir / "train_setgrpo" / "groups.jsonl") if runs["setgrpo"] else []
+    train_groups = _group_rows(run_dir / "train_setgrpo" / "groups.jsonl") if runs["setgrpo"] else []
     groups = _calibration_groups(paired["point"], paired["gram"], record) + train_groups
 
     files = {"risk_vs_threshold.png": lambda p: plot_risk_vs_threshold(record, p),

@@ -8,6 +8,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 import numpy as np
 import torch
@@ -384,6 +385,28 @@ class OnlineRiskMonitor:
         self.accepted = 0
         self.reversals = 0
         self.certified = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running counts (ints) and the certified flag, JSON-ready, for a training checkpoint."""
+        return {"covered": self.covered, "seen": self.seen, "accepted": self.accepted, "reversals": self.reversals,
+                "certified": self.certified}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` output (a resumed run, docs/algorithm.md#6-diagnostics).
+
+        Raises:
+            ValueError: missing keys, negative counts, or more covered / reversed groups than seen / accepted.
+        """
+        try:
+            counts = {k: int(state[k]) for k in ("covered", "seen", "accepted", "reversals")}
+            certified = bool(state["certified"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"online monitor state {state!r} is incomplete: {exc}") from None
+        if min(counts.values()) < 0 or counts["covered"] > counts["seen"] or counts["reversals"] > counts["accepted"]:
+            raise ValueError(f"online monitor state {state!r} is inconsistent")
+        self.covered, self.seen = counts["covered"], counts["seen"]
+        self.accepted, self.reversals = counts["accepted"], counts["reversals"]
+        self.certified = certified
 
     def update(self, result: SetGRPOResult, reference: torch.Tensor, gram: torch.Tensor,
                prefix: str = "setgrpo/") -> dict[str, float]:

@@ -22,6 +22,7 @@ from setgrpo_verl.core import ABLATIONS, DEFAULT_TAU_GRID, CalibrationRecord, Ca
 from setgrpo_verl.sketch import SketchConfig
 
 from .prompts import read_prompt_identities
+from .resume import check_resume
 from .reward_config import REWARD_MANAGER_NAME, TRUTH_SCORE_KEY, grader_identity, reference_score_key
 from .support import check_sketch_support
 
@@ -153,6 +154,9 @@ class SetGRPOConfig(BaseConfig):
                                               "calibration phase first (docs/algorithm.md#7-record)")
     record_out: Optional[str] = _field(None, "where the calibration phase writes its record; null = "
                                              "<trainer.default_local_dir>/setgrpo_calibration.json")
+    resume_other_record: bool = _field(False, "resuming a checkpoint trained with another calibration record is "
+                                              "refused before Ray; true = resume anyway, the online monitor restarting "
+                                              "from zero (docs/cli.md#resuming-a-run)")
     group_log: Optional[str] = _field(None, "JSONL file of per-step, per-group status, recovery ratio and "
                                             "projections; null = none")
     ablation: Optional[str] = _field(None, "null (full SetGRPO) or one of spherical_set, identity_geometry, "
@@ -473,6 +477,7 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
         if not setgrpo.calibration.only:
             prompt_key = str(config.data.get("prompt_key", "prompt"))
             check_training_data(record, config.data.train_files, prompt_key=prompt_key)
+    check_resume(config, setgrpo)
     return setgrpo
 
 

@@ -58,6 +58,7 @@ from setgrpo_verl.sketch import SketchConfig
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
 from .prompts import prompt_identity
+from .resume import check_state, metrics_file, read_history, read_state, record_out_path, write_state
 from .reward_manager import (GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, grading_metrics,
                              unparsed_ratio)
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
@@ -282,6 +283,8 @@ class SetGRPOTrainer(PPOTrainerSync):
         self.record: Optional[CalibrationRecord] = None
         self.monitor: Optional[OnlineRiskMonitor] = None
         self._accepted_groups: Optional[int] = None
+        self._record_sha256: Optional[str] = None
+        self._history: list[bytes] = []
         super().__init__(config)
         if self.use_critic:
             raise ValueError("SetGRPO is critic-free (outcome-level estimator): remove the critic configuration")
@@ -311,14 +314,13 @@ class SetGRPOTrainer(PPOTrainerSync):
             self.logger.log(data=summary, step=self.global_steps)
 
     def _record_out(self) -> str:
-        if self.setgrpo.record_out:
-            return os.path.expanduser(self.setgrpo.record_out)
-        return os.path.join(self.config.trainer.default_local_dir, "setgrpo_calibration.json")
+        return record_out_path(self.config, self.setgrpo)
 
     def on_train_begin(self):
         super().on_train_begin()
         record_path, out = self.setgrpo.record_path, self._record_out()
-        if not record_path and self.global_steps > 1:
+        resumed = self.global_steps > 1  # verl's fit() counts from the checkpoint's step + 1
+        if not record_path and resumed:
             # resumed run: never recalibrate on a trained policy; reuse the record this run wrote at its start
             if not os.path.exists(out):
                 raise ValueError(
@@ -329,7 +331,6 @@ class SetGRPOTrainer(PPOTrainerSync):
         if record_path:
             self.record = CalibrationRecord.from_json(os.path.expanduser(record_path))
             self._check_record(self.record)
-            self._log_record(self.record)
             logger.warning("SetGRPO: loaded calibration record %s: %s", record_path, self.record.table4_row())
         else:
             if os.path.exists(out):
@@ -338,12 +339,70 @@ class SetGRPOTrainer(PPOTrainerSync):
                     "delete it / set algorithm.setgrpo.record_out to recalibrate (a frozen record is never overwritten)"
                 )
             self.record = self._calibrate()
+        self._record_sha256 = self.record.to_dict()["content_sha256"]
         if self.setgrpo.monitor.enable:
             self.monitor = OnlineRiskMonitor(self.record)
+        restored = self._restore_setgrpo_state(record_path or out) if resumed else False
+        if record_path and not restored:
+            self._log_record(self.record)
         if self.setgrpo.calibration.only and not self.setgrpo.record_path:
             raise _CalibrationDone(self._record_out())
 
+    # ------------------------------------------------------------------ checkpoints (docs/cli.md#resuming-a-run)
+    def _checkpoint_folder(self, step: int) -> str:
+        return os.path.join(self.config.trainer.default_local_dir, f"global_step_{step}")
+
+    def _write_setgrpo_state(self, folder: str) -> str:
+        """SetGRPO's state of the current step (record hash, monitor counts, group-log size) into ``folder``."""
+        log = os.path.expanduser(self.setgrpo.group_log) if self.setgrpo.group_log else None
+        size = (os.path.getsize(log) if os.path.exists(log) else 0) if log else None
+        return write_state(folder, step=self.global_steps, record_sha256=self._record_sha256,
+                           monitor=self.monitor.state_dict() if self.monitor is not None else None,
+                           group_log_bytes=size)
+
+    def _save_checkpoint(self):
+        """verl's checkpoint of this step, SetGRPO's state written into the folder first, so that verl's
+        ``latest_checkpointed_iteration.txt`` never names a checkpoint without it."""
+        self._write_setgrpo_state(self._checkpoint_folder(self.global_steps))
+        return super()._save_checkpoint()
+
+    def _restore_setgrpo_state(self, record_path: str) -> bool:
+        """On resume: check the checkpoint's record hash, continue the monitor, cut the group log back to the
+        checkpoint's step and give verl's metrics file back its rows up to that step; True when restored.
+
+        Raises:
+            ValueError: the checkpoint was trained with another record or has no SetGRPO state (see
+                :func:`setgrpo_verl.integration.resume.check_state`).
+        """
+        step = self.global_steps - 1
+        folder = self._checkpoint_folder(step)
+        state = read_state(folder)
+        if not check_state(folder, state, record_path, self._record_sha256, self.setgrpo.resume_other_record):
+            logger.warning("SetGRPO: resuming %s with another calibration record (resume_other_record=true): the "
+                           "online monitor starts from zero", folder)
+            return False
+        if self.monitor is not None and state.get("monitor") is not None:
+            self.monitor.load_state_dict(state["monitor"])
+        log, size = self.setgrpo.group_log, state.get("group_log_bytes")
+        if log and size is not None and os.path.exists(os.path.expanduser(log)):
+            path = os.path.expanduser(log)
+            if os.path.getsize(path) < size:
+                logger.warning("SetGRPO: group log %s is shorter than at the checkpoint of step %d", path, step)
+            else:
+                os.truncate(path, size)  # the steps after the checkpoint are trained again
+        file_logger = getattr(getattr(self, "logger", None), "logger", {}).get("file")
+        history = getattr(self, "_history", [])
+        if file_logger is not None and history:
+            # verl's file logger truncated the file when it opened it (verl 0.9.1 FileLogger: open(path, "wb"))
+            file_logger.fp.write(b"".join(history))
+        logger.warning("SetGRPO: resumed after step %d: record sha256 %s, monitor %s, %d metric rows kept", step,
+                       self._record_sha256, None if self.monitor is None else self.monitor.state_dict(),
+                       len(history))
+        return True
+
     def fit(self, agent_loop_manager):
+        if self.global_steps > 0:  # resumed by verl's _load_checkpoint: keep the metrics history up to that step
+            self._history = read_history(metrics_file(self.config), self.global_steps)
         try:
             return super().fit(agent_loop_manager)
         except _CalibrationDone as done:

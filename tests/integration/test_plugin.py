@@ -148,6 +148,10 @@ def test_trainer_loads_validates_and_never_overwrites_records(tmp_path):
     trainer = _record_trainer(tmp_path)
     with pytest.raises(ValueError, match="already exists"):
         trainer.on_train_begin()
+    from setgrpo_verl.integration.resume import record_sha256, write_state
+
+    write_state(str(tmp_path / "global_step_50"), step=50, record_sha256=record_sha256(str(path)), monitor=None,
+                group_log_bytes=None)  # what the SetGRPO trainer saved with verl's checkpoint of step 50
     trainer.global_steps = 51
     trainer.on_train_begin()
     assert trainer.record == _record(metadata=identity).__class__.from_json(path)

@@ -64,6 +64,19 @@ def test_report_writes_figures_and_table4(run_dir):
     assert steps == ["1", "2", "3"]  # the step-0 line is not a training step
 
 
+def test_report_draws_every_step_once_when_a_step_was_trained_again(run_dir):
+    """A metrics file where step 3 was logged, then trained again after a resume from the checkpoint of step 2."""
+    path, _ = run_dir
+    stage = path / "train_setgrpo"
+    rows = [{"step": s, "data": {"critic/score/mean": r, "timing_s/step": 1.0, "setgrpo/accepted_ratio": 0.5}}
+            for s, r in ((1, 0.1), (2, 0.2), (3, 0.3), (3, 0.35), (4, 0.4))]
+    (stage / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report.make_report(path)
+    table = text.split("SetGRPO per step", 1)[1].splitlines()[2:6]
+    assert [(line.split()[0], line.split()[3]) for line in table] == [("1", "0.100"), ("2", "0.200"),
+                                                                     ("3", "0.350"), ("4", "0.400")]
+
+
 def test_coverage_curve_is_calibrated_on_exchangeable_groups():
     """Held-out coverage of the re-fitted sets tracks the nominal level (split conformal, docs/algorithm.md#2-jrsc)."""
     point, reference, gram = _paired(g=240, seed=1)

@@ -1,0 +1,109 @@
+"""A stage's console and its resume bookkeeping, with a stand-in for ``main_ppo`` (no verl, no Ray).
+
+The stand-in behaves like verl's ``main_ppo`` where the command line sees it: it prints many lines (a repeated
+warning, as verl's TransferQueue threads do), the SetGRPO trainer's calibration progress line, and opens verl's
+file logger with ``open(path, "wb")`` (truncating it) to write one ``{"step", "data"}`` row per step, starting after
+the step in ``checkpoints/latest_checkpointed_iteration.txt`` as verl's ``trainer.resume_mode=auto`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+from setgrpo_verl import launch
+
+_FAKE = textwrap.dedent("""
+    import json, os, sys, time
+    stage = os.path.dirname(os.environ["VERL_FILE_LOGGER_PATH"])
+    tracker = os.path.join(stage, "checkpoints", "latest_checkpointed_iteration.txt")
+    start = int(open(tracker).read()) if os.path.exists(tracker) else 0
+    total = int(next(a.split("=")[1] for a in sys.argv if a.startswith("trainer.total_training_steps=")))
+    for i in range(50):
+        print("WARNING transfer_queue: thread is not the main thread", flush=True)
+    for g in (2, 4):
+        print(f"WARNING:setgrpo: SetGRPO calibration: {g} groups so far", flush=True)
+    fp = open(os.environ["VERL_FILE_LOGGER_PATH"], "wb", buffering=0)
+    for step in range(start + 1, total + 1):
+        time.sleep(0.6)
+        row = {"step": step, "data": {"critic/score/mean": step / 10, "timing_s/step": 0.6, "actor/pg_loss": 0.01}}
+        fp.write(json.dumps(row).encode() + b"\\n")
+        print(f"step:{step} - critic/score/mean:{step / 10}", flush=True)
+    sys.exit(int(os.environ.get("FAKE_STATUS", "0")))
+""")
+
+
+def _command(steps: int = 3) -> list[str]:
+    return [sys.executable, "-c", _FAKE, f"trainer.total_training_steps={steps}",
+            "algorithm.setgrpo.calibration.num_prompts=4"]
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_default_console_shows_progress_and_step_lines_and_logs_everything(tmp_path, capsys):
+    stage = launch.run_stage(tmp_path, "train", _command(), env=dict(os.environ))
+    out = capsys.readouterr()
+    assert "transfer_queue" not in out.out + out.err  # verl's lines go to main_ppo.log only
+    log = (stage / "main_ppo.log").read_text()
+    assert log.count("thread is not the main thread") == 50 and "step:3" in log
+    steps = [line for line in out.out.splitlines() if " step " in line]
+    assert steps == [f"[setgrpo-verl] train step {s}/3: score {s / 10:.3f}, pg_loss +0.0100, step_s 1"
+                     for s in (1, 2, 3)]
+    assert "train: training steps" in out.err and "3/3" in out.err  # the tqdm bar, with its total
+    assert "train: calibration groups" in out.err and "4/4" in out.err
+    assert len(out.out.splitlines()) <= 6
+
+
+def test_verbose_streams_verls_output_unchanged(tmp_path, capsys):
+    launch.run_stage(tmp_path, "grpo", _command(2), env=dict(os.environ), verbose=True)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines.count("WARNING transfer_queue: thread is not the main thread") == 50
+    assert "step:2 - critic/score/mean:0.2" in lines
+    assert "training steps" not in out
+
+
+def test_a_failed_stage_prints_the_end_of_its_log(tmp_path, capsys):
+    with pytest.raises(launch.LaunchError, match="exited with status 3"):
+        launch.run_stage(tmp_path, "grpo", _command(1), env=dict(os.environ, FAKE_STATUS="3"))
+    assert "step:1" in capsys.readouterr().err
+    assert "status 3" in (tmp_path / "train_grpo" / launch.FAILED).read_text()
+
+
+def test_resume_keeps_the_stage_and_its_metrics_history(tmp_path, capsys):
+    stage = tmp_path / "train_grpo"
+    (stage / "checkpoints").mkdir(parents=True)
+    (stage / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    old = [{"step": s, "data": {"critic/score/mean": -s, "timing_s/step": 1.0}} for s in (1, 2, 3)]
+    (stage / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    (stage / "main_ppo.log").write_text("the first run's log\n")
+    (stage / launch.FAILED).write_text("stopped by SIGTERM\n")
+    with pytest.raises(launch.LaunchError, match="checkpoint of step 2: pass --resume"):
+        launch.run_stage(tmp_path, "grpo", _command(4), env=dict(os.environ))
+    launch.run_stage(tmp_path, "grpo", _command(4), env=dict(os.environ), resume=True)
+    assert (stage / launch.COMPLETE).is_file() and not (stage / launch.FAILED).exists()
+    rows = _rows(stage / "metrics.jsonl")
+    # steps 1-2 from before the checkpoint, 3-4 trained after it (the interrupted step 3's row is gone)
+    assert [(r["step"], r["data"]["critic/score/mean"]) for r in rows] == [(1, -1), (2, -2), (3, 0.3), (4, 0.4)]
+    assert (stage / "main_ppo.log").read_text().startswith("the first run's log\n")
+    assert "resuming after its checkpoint of step 2" in capsys.readouterr().out
+    # a complete stage is kept as it is
+    launch.run_stage(tmp_path, "grpo", ["false"], env=dict(os.environ), resume=True)
+    assert "is complete, kept" in capsys.readouterr().out
+    assert len(_rows(stage / "metrics.jsonl")) == 4
+
+
+def test_resume_of_a_stage_without_checkpoint_starts_it_over(tmp_path):
+    stage = tmp_path / "train_grpo"
+    stage.mkdir()
+    (stage / "metrics.jsonl").write_text(json.dumps({"step": 1, "data": {"timing_s/step": 1.0}}) + "\n")
+    with pytest.raises(launch.LaunchError, match="no checkpoint: pass --overwrite"):
+        launch.run_stage(tmp_path, "grpo", _command(1), env=dict(os.environ))
+    launch.run_stage(tmp_path, "grpo", _command(1), env=dict(os.environ), resume=True)
+    assert [r["step"] for r in _rows(stage / "metrics.jsonl")] == [1]
