@@ -13,12 +13,11 @@ from omegaconf import OmegaConf
 
 import verl.trainer.main_ppo as main_ppo
 
-import setgrpo_verl
 from setgrpo_verl import launch
 from setgrpo_verl.core import CalibrationSettings
 from setgrpo_verl.integration.config import check_run_config, sketch_micro_batch_error
 
-CONFIG_DIR = os.path.join(os.path.dirname(setgrpo_verl.__file__), "hydra_configs")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hydra_configs")  # the YAML sources
 LOCAL = "+reward.reward_kwargs.grader.type=local_hf"
 SKETCH_4 = ("actor_rollout_ref.rollout.n=3", "data.train_batch_size=3", "algorithm.setgrpo.calibration.batch_size=35",
             "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4")

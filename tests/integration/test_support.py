@@ -14,7 +14,6 @@ from omegaconf import OmegaConf
 
 import verl.trainer.main_ppo as main_ppo
 
-import setgrpo_verl
 from setgrpo_verl.integration.support import build_meta_policy, check_sketch_settings, check_sketch_support
 from setgrpo_verl.sketch import SketchConfig, sketch_coverage
 from tests.sketch._tiny import (
@@ -28,7 +27,7 @@ from tests.sketch._tiny import (
     with_lora,
 )
 
-CONFIG_DIR = os.path.join(os.path.dirname(setgrpo_verl.__file__), "hydra_configs")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hydra_configs")  # the YAML sources
 
 FUSED = "actor_rollout_ref.model.use_fused_kernels=true"
 ULYSSES = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"
