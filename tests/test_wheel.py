@@ -38,11 +38,13 @@ def _source_files(folder: str, suffixes: tuple[str, ...]) -> list[Path]:
 
 
 def expected_wheel_files() -> set[str]:
-    """Every module of the source tree and every file of ``hydra_configs/``, at its installed path."""
+    """Every module of the source tree, every file of ``hydra_configs/`` and the package data (``setgrpo_verl/data/``),
+    at its installed path."""
     out = set()
     for folder, target in INSTALLED_AS.items():
         suffixes = (".py", ".yaml") if folder == "hydra_configs" else (".py",)
         out |= {f"{target}/{p.relative_to(REPO / folder).as_posix()}" for p in _source_files(folder, suffixes)}
+    out |= {f"setgrpo_verl/data/{p.name}" for p in (REPO / "setgrpo_verl" / "data").iterdir() if p.is_file()}
     return out
 
 

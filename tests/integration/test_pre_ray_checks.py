@@ -16,6 +16,7 @@ import verl.trainer.main_ppo as main_ppo
 from setgrpo_verl import launch
 from setgrpo_verl.core import CalibrationSettings
 from setgrpo_verl.integration.config import check_run_config, sketch_micro_batch_error
+from setgrpo_verl.models import embedded_model_dir
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hydra_configs")  # the YAML sources
 LOCAL = "+reward.reward_kwargs.grader.type=local_hf"
@@ -28,7 +29,9 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job")
     """verl's `main_ppo --cfg job` in this process (composition only: no callback, no Ray)."""
     old = sys.argv
     path = ["--config-path", CONFIG_DIR] if config == "setgrpo_trainer" else []  # ppo_trainer: main_ppo's own
-    sys.argv = ["main_ppo", *path, "--config-name", config, *overrides, "--cfg", cfg]
+    # a policy whose configuration exists (the check before Ray builds it on the meta device), overridable
+    policy = [f"actor_rollout_ref.model.path={embedded_model_dir()}"] if config == "setgrpo_trainer" else []
+    sys.argv = ["main_ppo", *path, "--config-name", config, *policy, *overrides, "--cfg", cfg]
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
@@ -127,7 +130,6 @@ def test_verls_calibration_batches_carry_each_rows_identity(tmp_path):
     from verl.utils.dataset.rl_dataset import collate_fn
 
     from setgrpo_verl.integration.prompts import prompt_identity, read_prompt_identities
-    from setgrpo_verl.models import embedded_model_dir
 
     rows = [{"id": f"q{i}", "question": f"Say the number {i}.", "rubrics": [{"criterion": "Says it.", "points": 1}]}
             for i in range(8)]
