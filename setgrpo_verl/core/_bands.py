@@ -183,8 +183,9 @@ def resplit(point: torch.Tensor, reference: torch.Tensor, gram: torch.Tensor, re
     other, realised risk = share of accepted held-out groups with ``b*^T M T(r') < 0``.
 
     Args:
-        point, reference: ``[G, K]`` float paired scorings the record was calibrated on (reward units).
-        gram: ``[G, K, K]`` float Gram matrices.
+        point, reference: ``[G, K]`` float tensors or arrays (cast to float64), the paired scorings the record was
+            calibrated on (reward units).
+        gram: ``[G, K, K]`` float Gram matrices (same cast).
         record: the frozen record.
         seeds: number of re-splits S >= 1.
 
@@ -192,12 +193,15 @@ def resplit(point: torch.Tensor, reference: torch.Tensor, gram: torch.Tensor, re
         :class:`Resplits`.
 
     Raises:
-        ValueError: ``seeds < 1``, or paired scores whose group counts do not match the record (other scores than
-            the ones it was calibrated on).
+        ValueError: ``seeds < 1``, point scores that are not ``[G, K]``, paired scores whose group counts do not
+            match the record (other scores than the ones it was calibrated on), or bad shapes and values
+            (from :func:`calibrate`).
     """
     if isinstance(seeds, bool) or int(seeds) != seeds or seeds < 1:
         raise ValueError(f"seeds={seeds!r} must be an integer >= 1")
     point, reference, gram = (torch.as_tensor(x, dtype=torch.float64) for x in (point, reference, gram))
+    if point.ndim != 2:
+        raise ValueError(f"point scores must be [G, K], got shape {tuple(point.shape)}")
     live = ~degenerate_groups(point, record.degenerate_rtol)
     n_live = int(live.sum())
     if (n_live, point.shape[0] - n_live, point.shape[1]) != (record.n_cov + record.n_risk, record.n_degenerate,
