@@ -143,7 +143,7 @@ def test_stopped_train_resumes_like_an_uninterrupted_run(calibrated, tmp_path):
         if cli.poll() is None:
             cli.kill()
     assert tracker.read_text().strip() == "1", "step 2 finished before the signal: the run was not interrupted"
-    step1 = [g for g in _groups(stage) if g["step"] == 1]
+    step1_rows = [g for g in _groups(stage) if g["step"] == 1]
     assert "latest checkpoint is step 1" in (stage / "FAILED").read_text()
     refused = _cli("train", "--run-dir", str(stopped), *common, "trainer.save_freq=1")
     assert refused.returncode == 2 and "--resume" in refused.stderr
@@ -198,4 +198,4 @@ def test_stopped_train_resumes_like_an_uninterrupted_run(calibrated, tmp_path):
             state["monitor"]["covered"] / state["monitor"]["seen"])
     # step 1 was not trained again: its rows are those written before the signal (the rollouts of two runs with the
     # same seeds differ on the CPU backend, so the uninterrupted run's values are not the comparison)
-    assert groups["stopped"][:3] == step1
+    assert groups["stopped"][:3] == step1_rows
