@@ -423,7 +423,7 @@ def check_stage_dirs(run_dir: str | os.PathLike, stages: Sequence[str], *, overw
     for name in dict.fromkeys(dirs):
         path = Path(run_dir) / name
         if path.exists():
-            raise LaunchError(f"{path} already exists; pass --overwrite to replace it or choose another --run-dir")
+            raise LaunchError(f"{path} already exists; {_existing_stage_hint(path)}")
 
 
 def check_training_prompts(record: str | os.PathLike, run_dir: str | os.PathLike) -> None:
@@ -502,6 +502,17 @@ def latest_checkpoint_step(stage_dir: str | os.PathLike) -> int | None:
         return None
 
 
+def _existing_stage_hint(path: Path) -> str:
+    """What to do about an existing stage directory: replace a complete one, resume or restart an interrupted one."""
+    if (path / COMPLETE).exists():
+        return "pass --overwrite to replace it or choose another --run-dir"
+    step = latest_checkpoint_step(path)
+    if step is not None:
+        return (f"it was interrupted after its checkpoint of step {step}: pass --resume to continue from there, "
+                "--overwrite to start it over, or choose another --run-dir")
+    return "it is incomplete and has no checkpoint: pass --overwrite (or --resume) to start it over"
+
+
 def _stage_dir(run_dir: Path, stage: str, *, overwrite: bool, resume: bool = False) -> Path:
     """The stage's directory, created empty; with ``resume`` an interrupted stage's directory is kept when it holds
     a verl checkpoint to resume from (else it is started over), its ``FAILED`` marker removed."""
@@ -512,14 +523,7 @@ def _stage_dir(run_dir: Path, stage: str, *, overwrite: bool, resume: bool = Fal
             (path / FAILED).unlink(missing_ok=True)
             return path
         if not overwrite and not resume:
-            if (path / COMPLETE).exists():
-                hint = "pass --overwrite to replace it or choose another --run-dir"
-            elif step is not None:
-                hint = (f"it was interrupted after its checkpoint of step {step}: pass --resume to continue from there, "
-                        "--overwrite to start it over, or choose another --run-dir")
-            else:
-                hint = "it is incomplete and has no checkpoint: pass --overwrite (or --resume) to start it over"
-            raise LaunchError(f"{path} already exists; {hint}")
+            raise LaunchError(f"{path} already exists; {_existing_stage_hint(path)}")
         shutil.rmtree(path)
     path.mkdir(parents=True)
     return path

@@ -95,16 +95,23 @@ def _chunk_rows(width: int) -> int:
     return max(1, _CHUNK_BYTES // (4 * max(1, width)))
 
 
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with autocast off, so the sketch's float32 arithmetic stays float32 inside the engine's bf16 autocast
+    (the hooks run within the forward's and backward's autocast region)."""
+    with torch.autocast(device_type=a.device.type, enabled=False):
+        return a @ b
+
+
 def _project_f32(x: torch.Tensor, weight_t: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``x[rows] @ weight_t`` ([n, width] x [width, r] -> [n, r]), promoting x chunk by chunk."""
     n = x.shape[0] if rows is None else rows.numel()
     if rows is None and x.dtype == torch.float32:
-        return x @ weight_t
+        return _matmul(x, weight_t)
     out = torch.empty(n, weight_t.shape[1], dtype=torch.float32, device=x.device)
     step = _chunk_rows(x.shape[1])
     for start in range(0, n, step):
         part = x[start : start + step] if rows is None else x[rows[start : start + step]]
-        out[start : start + step] = part.float() @ weight_t
+        out[start : start + step] = _matmul(part.float(), weight_t)
     return out
 
 
@@ -713,7 +720,7 @@ class GradientSketcher:
         k = 1 if block.p_in is None else block.shape[2]
         outer = (a.reshape(n, k, -1, 1) * b.reshape(n, k, 1, -1)).reshape(n, -1)  # [n, size]
         onehot = self._onehot if rows is None else self._onehot[rows]
-        self._out[:, block.offset : block.offset + block.size] += onehot.T @ outer
+        self._out[:, block.offset : block.offset + block.size] += _matmul(onehot.T, outer)
 
     def _project_in(self, block: _Block, x: torch.Tensor) -> torch.Tensor:
         """P_in [x, 1] of the block's trainable input columns (x for a trainable weight, 1 for a trainable bias)."""
@@ -780,7 +787,7 @@ class GradientSketcher:
             b = torch.cat([g, g.new_zeros(g.shape[0], block.cols - g.shape[1])], 1)
         else:
             a = block.p_out.to(g.device)[:, ids].T
-            b = g @ block.p_in.to(g.device)[:, : g.shape[1]].T
+            b = _matmul(g, block.p_in.to(g.device)[:, : g.shape[1]].T)
         self._accumulate(block, a, b)
 
     def _token_groups(self, t: torch.Tensor, name: str) -> torch.Tensor:
@@ -832,7 +839,7 @@ class GradientSketcher:
         d = self._token_groups(grad.detach(), block.name).float()
         per_token = torch.cat([(d * h).sum(1) for h in parts], 1)  # [N, cols]: per-token parameter gradient
         if block.p_out is not None:
-            per_token = per_token @ block.p_out.to(d.device).T
+            per_token = _matmul(per_token, block.p_out.to(d.device).T)
         ones = per_token.new_ones(per_token.shape[0], 1)
         self._accumulate(block, per_token, ones)
         return None
