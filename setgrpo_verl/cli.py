@@ -427,8 +427,7 @@ def _split(args: argparse.Namespace, plan: _Plan, stages: list[str]) -> dict[str
     """
     from . import launch
 
-    if not args.resume:  # with --resume, run_stage keeps complete stages and continues interrupted ones
-        launch.check_stage_dirs(args.run_dir, stages, overwrite=args.overwrite)
+    launch.check_stage_dirs(args.run_dir, stages, overwrite=args.overwrite, resume=args.resume)
     values = plan.values
     split = launch.split_data(data=args.data, model_path=plan.model,
                               max_prompt_length=int(values["data.max_prompt_length"]),
@@ -521,7 +520,7 @@ def _cmd_train(args: argparse.Namespace) -> str | None:
             raise launch.LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
                                      f"{run_dir}` first or pass --record")
         launch.check_training_prompts(record, run_dir)
-    launch.check_stage_dirs(run_dir, [stage], overwrite=args.overwrite)
+    launch.check_stage_dirs(run_dir, [stage], overwrite=args.overwrite, resume=args.resume)
     if args.judge == "openai":
         launch.probe_judge(plan.grader)
     _run_stages(args, commands)

@@ -407,15 +407,16 @@ def check_split_flags(run_dir: str | os.PathLike, *, data: str | os.PathLike | N
                               "--overwrite`")
 
 
-def check_stage_dirs(run_dir: str | os.PathLike, stages: Sequence[str], *, overwrite: bool) -> None:
-    """Refuse, before anything is written, stage directories that already exist (``--overwrite`` replaces them).
+def check_stage_dirs(run_dir: str | os.PathLike, stages: Sequence[str], *, overwrite: bool, resume: bool = False) -> None:
+    """Refuse, before anything is written, stage directories that already exist (``--overwrite`` replaces them;
+    with ``--resume`` :func:`run_stage` keeps complete stages and continues interrupted ones).
 
     ``calibrate_train`` also writes ``calibration/``.
 
     Raises:
         LaunchError: the first existing stage directory, with the fix.
     """
-    if overwrite:
+    if overwrite or resume:
         return
     dirs = []
     for stage in stages:
