@@ -941,6 +941,11 @@ def fsdp1_reshard_in_backward(model: nn.Module):
     tests/sketch/test_sketch.py).  FSDP2 needs nothing: it reshards from the gradient of the units' inputs.  A no-op
     for a model without FSDP1 units.
 
+    Under ``NO_SHARD`` (FSDP1's strategy on one rank) with ``use_orig_params=True`` no reshard happens at all, so the
+    original parameters would stay the plain-tensor views of the backward, and the next training forward fails an
+    FSDP assertion on tied (shared) parameters.  On exit the context therefore puts those units' parameters back as
+    ``nn.Parameter`` views (``FlatParamHandle._use_sharded_views``, what FSDP1's reshard does for ``NO_SHARD``).
+
     Args:
         model: the (possibly FSDP1-wrapped) model of the sketch pass.
     """
@@ -960,6 +965,10 @@ def fsdp1_reshard_in_backward(model: nn.Module):
     finally:
         for h in handles:
             h.remove()
+        for unit in units:
+            handle = unit._handle
+            if handle is not None and handle._use_orig_params and not handle.uses_sharded_strategy:
+                handle._use_sharded_views()
 
 
 def _scaled_by_temperature(logits: torch.Tensor, temperature) -> torch.Tensor:

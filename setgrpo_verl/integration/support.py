@@ -5,22 +5,32 @@ callback, before Ray): it refuses, in one line naming the fix, the verl settings
 and builds the policy on the meta device (its HF configuration only, no weights) the way verl 0.9.1's
 ``FSDPEngine._build_module`` / ``_build_lora_module`` do, to check that the sketch covers every parameter the update
 trains (:func:`setgrpo_verl.sketch.sketch_coverage`): a model with trainable parameters outside ``nn.Linear``
-(3-D MoE experts) is refused here rather than after the first rollout.
+(3-D MoE experts) is refused here rather than after the first rollout.  With packed sequences
+(``use_remove_padding=true``) a model with linear-attention layers is refused when its forward, after verl's monkey
+patch, takes no ``cu_seqlens`` (the packed responses would run as one sequence through those layers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any, Optional
+import sys
+from inspect import signature
+from typing import Any, Iterator, Optional
 
 import torch
 
-from setgrpo_verl.sketch import SketchConfig, SketchCoverage, sketch_coverage
+from setgrpo_verl.sketch import SketchConfig, SketchCoverage, packed_needs_cu_seqlens, sketch_coverage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_sketch_support", "check_sketch_settings", "build_meta_policy"]
+__all__ = ["check_sketch_support", "check_sketch_settings", "build_meta_policy", "verl_monkey_patched"]
+
+#: Modules whose classes verl 0.9.1's ``apply_monkey_patch`` patches besides the model's own modeling module.
+_PATCHED_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5",
+                    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+                    "transformers.integrations.flash_attention")
 
 
 def _get(node: Any, dotted: str, default: Any = None) -> Any:
@@ -146,6 +156,62 @@ def build_meta_policy(model_cfg: Any) -> Optional[torch.nn.Module]:
     return module
 
 
+@contextlib.contextmanager
+def verl_monkey_patched(model: torch.nn.Module, **kwargs: Any) -> Iterator[torch.nn.Module]:
+    """Within the block, ``model``'s classes carry verl 0.9.1's ``apply_monkey_patch(model, **kwargs)`` (what
+    ``FSDPEngine._build_module`` runs on the workers); on exit every patched module and class is restored, so the
+    process that checks a config (or a test) keeps transformers unpatched.
+
+    Args:
+        model: an HF model (meta device is enough: the patch replaces class attributes only).
+        **kwargs: ``apply_monkey_patch``'s keywords (``use_remove_padding``, ``ulysses_sp_size``,
+            ``use_fused_kernels``, ...).
+
+    Yields:
+        ``model``, patched.
+    """
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+    saved = []
+    for name in {type(model).__module__, *_PATCHED_MODULES}:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        saved.append((module, dict(vars(module))))
+        saved.extend((obj, dict(vars(obj))) for obj in list(vars(module).values())
+                     if isinstance(obj, type) and obj.__module__ == name)
+    try:
+        apply_monkey_patch(model, **kwargs)
+        yield model
+    finally:
+        for obj, before in saved:
+            current = vars(obj)
+            for key in [k for k in current if k not in before]:
+                delattr(obj, key)
+            for key, value in before.items():
+                if current.get(key, None) is not value and key not in ("__dict__", "__weakref__"):
+                    setattr(obj, key, value)
+
+
+def _check_packed_layout(config: Any, module: torch.nn.Module) -> None:
+    """Refuse packed sequences on a linear-attention model whose forward, as verl patches it, takes no
+    ``cu_seqlens`` (verl 0.9.1 passes them only then: ``FSDPEngine.pass_packed_cu_seqlens``)."""
+    if not bool(_get(config, "actor_rollout_ref.model.use_remove_padding", True)):
+        return
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module  # verl patches before peft
+    if not packed_needs_cu_seqlens(base):
+        return
+    with verl_monkey_patched(base, use_remove_padding=True):
+        takes = "cu_seqlens" in signature(base.forward).parameters
+    if not takes:
+        raise ValueError(
+            f"actor_rollout_ref.model.use_remove_padding=true on {type(base).__name__}, a model with linear-attention "
+            "layers whose forward takes no cu_seqlens: the packed responses would run as one sequence through those "
+            "layers; set actor_rollout_ref.model.use_remove_padding=false (or load the model as "
+            "Qwen3_5ForConditionalGeneration, whose verl forward takes cu_seqlens)"
+        )
+
+
 def check_sketch_support(config: Any, sketch: SketchConfig) -> Optional[SketchCoverage]:
     """Everything about the actor that the sketch pass needs, checked before Ray (docs/sketch.md#supported-settings).
 
@@ -160,7 +226,8 @@ def check_sketch_support(config: Any, sketch: SketchConfig) -> Optional[SketchCo
 
     Raises:
         ValueError: from :func:`check_sketch_settings`; a trainable parameter that the sketch cannot cover
-            (naming it; :meth:`SketchCoverage.check`); an unreadable model or adapter configuration.
+            (naming it; :meth:`SketchCoverage.check`); packed sequences on a linear-attention model whose verl
+            forward takes no ``cu_seqlens``; an unreadable model or adapter configuration.
     """
     check_sketch_settings(config)
     model_cfg = _get(config, "actor_rollout_ref.model")
@@ -171,6 +238,7 @@ def check_sketch_support(config: Any, sketch: SketchConfig) -> Optional[SketchCo
         return None
     coverage = sketch_coverage(module, sketch)
     coverage.check(f"actor_rollout_ref.model.path={path}")
+    _check_packed_layout(config, module)
     total = coverage.sketched_numel + coverage.left_out_numel
     logger.info(
         "setgrpo: the sketch covers %d of %d trainable text-model parameters (%.4f%% left out: %s)",

@@ -4,6 +4,7 @@ the policy built on the meta device as verl builds it tells which parameters the
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tests.sketch._tiny import (
     save_config_dir,
     tiny_qwen3,
     tiny_qwen3_moe,
+    tiny_qwen35_text,
     tiny_qwen35_vl,
     with_lora,
 )
@@ -52,6 +54,7 @@ def dirs(tmp_path_factory):
         "qwen3": save_config_dir(qwen3_config(), "Qwen3ForCausalLM", root / "qwen3"),
         "qwen35_vl": save_config_dir(qwen35_vl_config(), "Qwen3_5ForConditionalGeneration", root / "qwen35"),
         "moe": save_config_dir(qwen3_moe_config(), "Qwen3MoeForCausalLM", root / "moe"),
+        "qwen35_text": save_config_dir(tiny_qwen35_text().config, "Qwen3_5ForCausalLM", root / "qwen35_text"),
     }
 
 
@@ -113,6 +116,23 @@ def test_moe_is_refused_before_ray_naming_the_experts(dirs):
     assert check_sketch_support(cfg, SketchConfig()).sketched
 
 
+def test_packed_linear_attention_needs_a_forward_that_takes_cu_seqlens(dirs):
+    """verl passes cu_seqlens only to a forward that takes them: the text-only Qwen3.5 class does not (refused with
+    packing, accepted padded); verl's patched Qwen3_5ForConditionalGeneration does. The check leaves the classes
+    unpatched in this process."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    before = m.Qwen3_5ForConditionalGeneration.forward
+    with pytest.raises(ValueError, match=r"Qwen3_5ForCausalLM.*set actor_rollout_ref.model.use_remove_padding=false"):
+        check_sketch_support(_config(path=str(dirs["qwen35_text"]), use_remove_padding=True), SketchConfig())
+    assert check_sketch_support(_config(path=str(dirs["qwen35_text"]), use_remove_padding=False), SketchConfig())
+    for lora in (0, 4):
+        assert check_sketch_support(_config(path=str(dirs["qwen35_vl"]), use_remove_padding=True, lora_rank=lora),
+                                    SketchConfig())
+    assert m.Qwen3_5ForConditionalGeneration.forward is before
+    assert "cu_seqlens" not in inspect.signature(before).parameters  # so the accepted case above is verl's patch
+
+
 def test_unreadable_model_path_is_refused(tmp_path):
     with pytest.raises(ValueError, match="cannot read the model configuration of actor_rollout_ref.model.path="):
         check_sketch_support(_config(path=str(tmp_path / "missing")), SketchConfig())
@@ -135,11 +155,12 @@ def _main_ppo(overrides: list[str]) -> str:
     ([ULYSSES], "ulysses_sequence_parallel_size=1"),
     (OFFLOAD, "offload_policy=false"),
     (["MOE"], "mlp.experts.gate_up_proj"),
+    (["QWEN35_TEXT", "actor_rollout_ref.model.use_remove_padding=true"], "use_remove_padding=false"),
 ])
 def test_main_ppo_stops_before_ray(dirs, overrides, needle):
     """The Hydra callback of setgrpo_trainer.yaml refuses each setting before main_ppo's task (and Ray) starts."""
-    path = dirs["moe"] if overrides == ["MOE"] else dirs["qwen3"]
-    overrides = [o for o in overrides if o != "MOE"] + [f"actor_rollout_ref.model.path={path}"]
+    path = dirs["moe"] if "MOE" in overrides else dirs["qwen35_text"] if "QWEN35_TEXT" in overrides else dirs["qwen3"]
+    overrides = [o for o in overrides if o not in ("MOE", "QWEN35_TEXT")] + [f"actor_rollout_ref.model.path={path}"]
     message = _main_ppo(overrides)
     assert message.startswith("setgrpo_verl config error: ") and needle in message and "\n" not in message
 

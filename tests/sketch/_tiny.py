@@ -169,44 +169,6 @@ def with_lora(model, *, rank=4, target_modules="all-linear", seed=0):
     return get_peft_model(model, cfg)
 
 
-class verl_monkey_patch:
-    """Context manager: verl 0.9.1's ``apply_monkey_patch(model, **kwargs)`` (what ``FSDPEngine._build_module``
-    runs), undone on exit. verl patches classes, so every class of the model's modeling modules (and the ones the
-    Qwen3.5 branch patches) is restored, keeping other tests unpatched."""
-
-    def __init__(self, model, **kwargs):
-        self.model, self.kwargs = model, kwargs
-
-    def __enter__(self):
-        import sys
-
-        from verl.models.transformers.monkey_patch import apply_monkey_patch
-
-        names = {type(self.model).__module__, "transformers.models.qwen3_5.modeling_qwen3_5",
-                 "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "transformers.integrations.flash_attention"}
-        self._saved = []
-        for name in names:
-            module = sys.modules.get(name)
-            if module is None:
-                continue
-            self._saved.append((module, dict(vars(module))))
-            for obj in list(vars(module).values()):
-                if isinstance(obj, type) and obj.__module__ == name:
-                    self._saved.append((obj, dict(vars(obj))))
-        apply_monkey_patch(self.model, **self.kwargs)
-        return self.model
-
-    def __exit__(self, *exc):
-        for obj, saved in self._saved:
-            current = vars(obj)
-            for key in [k for k in current if k not in saved]:
-                delattr(obj, key)
-            for key, value in saved.items():
-                if current.get(key, None) is not value and key not in ("__dict__", "__weakref__"):
-                    setattr(obj, key, value)
-        return False
-
-
 def qwen3_config(*, vocab=96, tie=False):
     """The configuration of :func:`tiny_qwen3`."""
     from transformers import Qwen3Config

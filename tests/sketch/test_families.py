@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from setgrpo_verl.integration.support import verl_monkey_patched
 from setgrpo_verl.sketch import GradientSketcher, SketchConfig, compute_sketches, sketch_coverage
 from tests.sketch._tiny import (
     exact_gradients,
@@ -26,7 +27,6 @@ from tests.sketch._tiny import (
     tiny_qwen3_moe,
     tiny_qwen35_vl,
     verl_batch,
-    verl_monkey_patch,
     with_lora,
 )
 
@@ -40,9 +40,9 @@ def _trainable(model):
     return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _assert_identity_is_exact(model, config, atol_rel=1e-5):  # sketches accumulate in float32
+def _assert_identity_is_exact(model, config, atol_rel=1e-5, packed=False):  # sketches accumulate in float32
     ids, am, rm = verl_batch(vocab=96)
-    out = compute_sketches(model, ids, am, rm, config)
+    out = compute_sketches(model, ids, am, rm, config, use_remove_padding=packed)
     exact = exact_gradients(model, ids, am, rm, out.block_names)
     assert out.sketches.shape == exact.shape
     assert exact.abs().max() > 0
@@ -51,11 +51,14 @@ def _assert_identity_is_exact(model, config, atol_rel=1e-5):  # sketches accumul
     return out
 
 
-def test_qwen3_dense_every_trainable_parameter():
+@pytest.mark.parametrize("packed", [False, True])
+def test_qwen3_dense_every_trainable_parameter(packed):
+    """Every trainable parameter, the per-head q/k norms (RMSNorm over head_dim, [tokens * heads] rows) included."""
     model = tiny_qwen3()
     cov = sketch_coverage(model, FULL)
     assert set(cov.sketched) == _trainable(model) and not (cov.left_out or cov.outside_text or cov.refused)
-    _assert_identity_is_exact(model, FULL)
+    assert any(n.endswith("self_attn.q_norm.weight") for n in cov.sketched)
+    _assert_identity_is_exact(model, FULL, packed=packed)
 
 
 def test_llama32_tied_embeddings_one_parameter_both_uses():
@@ -75,7 +78,7 @@ def test_qwen35_vision_language_under_verls_monkey_patch():
     model = tiny_qwen35_vl()
     vision = {n for n in _trainable(model) if n.startswith("model.visual.")}
     assert vision
-    with verl_monkey_patch(model, use_remove_padding=False):
+    with verl_monkey_patched(model, use_remove_padding=False):
         assert "forward_with_normal_backend" in type(model).forward.__qualname__
         cov = sketch_coverage(model, FULL)
         assert set(cov.outside_text) == vision
@@ -97,7 +100,7 @@ def test_qwen35_patched_sketches_equal_unpatched_text_model():
     model = tiny_qwen35_vl(dtype=torch.float32)
     ids, am, rm = verl_batch(vocab=96)
     plain = compute_sketches(model, ids, am, rm, SketchConfig())
-    with verl_monkey_patch(model, use_remove_padding=False):
+    with verl_monkey_patched(model, use_remove_padding=False):
         patched = compute_sketches(model, ids, am, rm, SketchConfig())
     assert patched.block_names == plain.block_names
     assert not any("visual" in n for n in patched.block_names)
@@ -108,7 +111,7 @@ def test_qwen35_patched_sketches_equal_unpatched_text_model():
 @pytest.mark.parametrize("family", ["qwen3", "qwen35_vl"])
 def test_lora_sketches_the_adapters_only(family):
     base = tiny_qwen3() if family == "qwen3" else tiny_qwen35_vl()
-    with verl_monkey_patch(base, use_remove_padding=False):
+    with verl_monkey_patched(base, use_remove_padding=False):
         model = with_lora(base)  # verl applies the patch first, then peft
         adapters = {n for n in _trainable(model) if ".lora_A." in n or ".lora_B." in n}
         assert adapters == _trainable(model)
@@ -173,13 +176,28 @@ for orig in (False, True):
     out = compute_sketches(wrapped, ids, am, rm, cfg)
     assert out.block_names == ref.block_names
     torch.testing.assert_close(out.sketches, ref.sketches, rtol=0, atol=1e-6 * ref.sketches.abs().max().item())
+    # one rank is FSDP1's NO_SHARD: the sketch backward leaves no plain-tensor parameter views behind, so the next
+    # training step (the tied embedding is a shared parameter) runs, and its gradient is the unwrapped model's
+    inner = wrapped._fsdp_wrapped_module
+    if orig:
+        assert all(type(m.weight) is torch.nn.Parameter for m in (inner.lm_head, inner.model.embed_tokens))
+    wrapped.train()
+    wrapped(input_ids=ids, attention_mask=am).logits.float().sum().backward()
+    plain.zero_grad()
+    plain.train()
+    plain(input_ids=ids, attention_mask=am).logits.float().sum().backward()
+    if orig:
+        torch.testing.assert_close(inner.lm_head.weight.grad, plain.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
+    else:
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in wrapped.parameters())
 print("ok")
 '''
 
 
 @pytest.mark.slow
 def test_fsdp1_flat_parameters_have_the_models_coverage():
-    """FSDP1 without use_orig_params flattens the parameters; coverage and sketches are still the model's own."""
+    """FSDP1 without use_orig_params flattens the parameters; coverage and sketches are still the model's own, and
+    with either setting a training step runs after the sketch pass."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
