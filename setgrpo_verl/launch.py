@@ -696,13 +696,10 @@ def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:
     Args:
         values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
     """
-    from .core import clopper_pearson_upper, min_calibration_groups
+    from .core import min_calibration_groups, required_accepted_groups
 
     alpha, beta, delta, grid = _requested_levels(values)
-    need_risk = 1
-    while clopper_pearson_upper([0], [need_risk], 1 - delta / len(grid))[0] > beta and need_risk < 100000:
-        need_risk += 1
-    return min_calibration_groups(alpha), need_risk
+    return min_calibration_groups(alpha), required_accepted_groups(beta, delta, len(grid))
 
 
 def _levels(values: Mapping[str, Any]) -> str:

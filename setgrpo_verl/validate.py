@@ -41,6 +41,7 @@ from .core import (
     degenerate_groups,
     grpo_coefficients,
     nonconformity_scores,
+    required_accepted_groups,
     risk_share_floor,
     setgrpo_coefficients,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "load_paired",
     "plot_validation",
     "run_validation",
+    "sample_size_plan",
     "split_groups",
     "summary_table",
     "write_validation",
@@ -288,6 +290,8 @@ def _summarise(rows: Sequence[Mapping[str, Any]], levels: ValidationLevels) -> d
         "accepted_ratio": _rate(n_acc, len(rows)),
         "accepted_ratio_live": _rate(n_acc, len(live)),
         "mean_recovery_ratio": (sum(r["recovery_ratio"] for r in acc) / n_acc) if n_acc else None,
+        # the paper's Table 5: normalised cumulative recovery, the held-out analogue of the record's U
+        "cumulative_recovery": _rate(sum(r["recovery_ratio"] for r in acc), len(live)),
         "coverage_reference": _rate(count(live, "covered_reference"), len(live)) if has_cov else None,
         "coverage_truth": _rate(count(live, "covered_truth"), len(live)) if has_cov and has_truth else None,
         "reversals_reference": count(acc, "reversal_reference"),
@@ -332,7 +336,7 @@ def _stats(values: Sequence[float | None]) -> dict[str, Any]:
 
 
 _STAT_KEYS = ("coverage_reference", "coverage_truth", "reversal_rate_reference", "reversal_rate_truth",
-              "noise_only_share", "accepted_ratio", "accepted_ratio_live", "mean_recovery_ratio")
+              "noise_only_share", "accepted_ratio", "accepted_ratio_live", "mean_recovery_ratio", "cumulative_recovery")
 
 
 def _aggregate(per_split: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -351,6 +355,57 @@ def _aggregate(per_split: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if "record" in per_split[0]:
         out["splits_without_threshold"] = sum(1 for s in per_split if s["record"]["tau_sel"] is None)
     return out
+
+
+def sample_size_plan(records: Sequence[CalibrationRecord], *, holdout_fraction: float,
+                     live_share: float) -> dict[str, Any]:
+    """How many groups would certify the records' beta, from the reversal rates they measured
+    (docs/validation.md#profiles).
+
+    Pooled over the records (one per split, same levels), threshold j has ``N_j`` accepted risk groups with ``F_j``
+    reversals out of ``n_risk`` non-degenerate risk groups: a reversal rate ``F_j / N_j`` and an accepted share
+    ``N_j / n_risk``. Certifying beta at rate p needs ``N(p) = required_accepted_groups(beta, delta, m, p)`` accepted
+    groups, i.e. ``N(p) / (accepted share * risk share * live_share * (1 - holdout_fraction))`` groups in a
+    ``validate`` run (risk share = n_risk / (n_cov + n_risk)). The plan is the threshold that needs the fewest.
+
+    Args:
+        records: the splits' SetGRPO records (at least one).
+        holdout_fraction: the run's share of held-out groups, in [0, 1).
+        live_share: share of non-degenerate groups in the run, in (0, 1].
+
+    Returns:
+        ``{"accepted_no_reversal": N(0), "groups_no_reversal": groups if every risk group were accepted without a
+        reversal, "thresholds": [{"tau", "accepted", "reversals", "reversal_rate", "accepted_share",
+        "accepted_needed", "groups_needed"} ...] (thresholds with an accepted group; the last two None where the rate
+        reaches beta), "plan": the entry with the fewest groups_needed, or None}``.
+
+    Raises:
+        ValueError: no record, or a share outside its range.
+    """
+    if not records:
+        raise ValueError("sample_size_plan needs at least one record")
+    if not (0.0 <= holdout_fraction < 1.0 and 0.0 < live_share <= 1.0):
+        raise ValueError(f"need holdout_fraction in [0, 1) and live_share in (0, 1], got {holdout_fraction}, "
+                         f"{live_share}")
+    first = records[0]
+    m, n_risk = len(first.tau_grid), sum(r.n_risk for r in records)
+    risk_share = n_risk / max(sum(r.n_risk + r.n_cov for r in records), 1)
+    per_group = risk_share * live_share * (1.0 - holdout_fraction)
+    n0 = required_accepted_groups(first.beta, first.delta, m)
+    rows = []
+    for j, tau in enumerate(first.tau_grid):
+        accepted = sum(r.n_accepted[j] for r in records)
+        if accepted == 0:
+            continue
+        reversals = sum(r.n_reversals[j] for r in records)
+        rate, share = reversals / accepted, accepted / n_risk
+        need = required_accepted_groups(first.beta, first.delta, m, rate) if rate < first.beta else None
+        rows.append({"tau": tau, "accepted": accepted, "reversals": reversals, "reversal_rate": rate,
+                     "accepted_share": share, "accepted_needed": need,
+                     "groups_needed": None if need is None else math.ceil(need / (share * per_group))})
+    feasible = [r for r in rows if r["groups_needed"] is not None]
+    return {"accepted_no_reversal": n0, "groups_no_reversal": math.ceil(n0 / per_group), "thresholds": rows,
+            "plan": min(feasible, key=lambda r: (r["groups_needed"], -r["tau"])) if feasible else None}
 
 
 def run_validation(
@@ -442,6 +497,9 @@ def run_validation(
         "methods": methods,
         "metadata": dict(metadata or {}),
         "summary": {m: _aggregate(per_method[m]) for m in methods},
+        "sample_size": sample_size_plan([records[(s, "setgrpo")] for s in range(n_splits)],
+                                        holdout_fraction=holdout_fraction,
+                                        live_share=max(1.0 - float(degenerate.float().mean()), 1.0 / g)),
         "splits": splits,
     }
     return ValidationResult(report=report, rows=rows, records=records)
@@ -458,7 +516,7 @@ def summary_table(report: Mapping[str, Any]) -> str:
     head = (f"alpha={lv['alpha']} beta={lv['beta']} delta={lv['delta']}, {report['n_splits']} splits, "
             f"{report['data']['groups']} groups (K={report['data']['K']}), held out {report['holdout_fraction']:.3g}")
     cols = ("method", "cov r' %", "cov r* %", "rev r' %", "rev r* %", "noise-only %", "risk<=beta", "accepted %",
-            "recovery", "no tau")
+            "NUR %", "CR", "recovery", "no tau")
     lines = [head, " | ".join(cols)]
     for method in report["methods"]:
         s = report["summary"][method]
@@ -469,10 +527,28 @@ def summary_table(report: Mapping[str, Any]) -> str:
             fmt(s["reversal_rate_reference"]["mean"]), fmt(s["reversal_rate_truth"]["mean"]),
             fmt(s["noise_only_share"]["mean"]),
             "-" if share is None else f"{share:.2f} ({s['splits_with_accepted']})",
-            fmt(s["accepted_ratio"]["mean"]), fmt(s["mean_recovery_ratio"]["mean"], pct=False),
+            fmt(s["accepted_ratio"]["mean"]), fmt(s["accepted_ratio_live"]["mean"]),
+            fmt(s["cumulative_recovery"]["mean"], pct=False), fmt(s["mean_recovery_ratio"]["mean"], pct=False),
             str(s.get("splits_without_threshold", "-")),
         ]))
-    return "\n".join(lines + _band_lines(report))
+    return "\n".join(lines + _band_lines(report) + _sample_size_lines(report))
+
+
+def _sample_size_lines(report: Mapping[str, Any]) -> list[str]:
+    """What certifying beta at these levels would take (:func:`sample_size_plan`)."""
+    plan = report.get("sample_size")
+    if not plan:
+        return []
+    lv = report["levels"]
+    line = (f"sample size for beta={lv['beta']} (delta={lv['delta']}, {len(lv['tau_grid'])} thresholds): "
+            f">= {plan['accepted_no_reversal']} accepted risk groups even with no reversal "
+            f"(>= {plan['groups_no_reversal']} groups at this run's degenerate share and hold-out)")
+    best = plan["plan"]
+    if best is None:
+        return [line, "  no threshold's measured reversal rate is below beta: more groups alone cannot certify it"]
+    return [line, f"  at the measured rates, tau={best['tau']:.2f} (reversal rate {best['reversal_rate']:.3f}, "
+                  f"{best['accepted_share']:.2f} of risk groups accepted) needs {best['accepted_needed']} accepted "
+                  f"groups: about {best['groups_needed']} groups in one run"]
 
 
 def _band_lines(report: Mapping[str, Any]) -> list[str]:

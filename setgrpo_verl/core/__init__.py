@@ -31,7 +31,7 @@ from ._record import (
     question_key,
 )
 from ._settings import ABLATIONS, ON_INFEASIBLE, CalibrationSettings
-from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, select_threshold
+from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, required_accepted_groups, select_threshold
 
 __all__ = [
     "ABLATIONS", "DEFAULT_TAU_GRID", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",
@@ -40,6 +40,6 @@ __all__ = [
     "calibrate", "clopper_pearson_upper", "conformal_radius", "coverage_band", "guarantee_lines", "resplit",
     "risk_share_floor", "degenerate_groups", "grpo_coefficients",
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "package_versions", "path_point",
-    "projections", "prompt_fingerprint", "question_key", "recovery_ratios", "safe_anchor", "select_threshold", "set_shape",
+    "projections", "prompt_fingerprint", "question_key", "recovery_ratios", "required_accepted_groups", "safe_anchor", "select_threshold", "set_shape",
     "setgrpo_coefficients",
 ]

@@ -37,6 +37,50 @@ def clopper_pearson_upper(failures, trials, confidence: float) -> np.ndarray:
     return out
 
 
+def required_accepted_groups(beta: float, delta: float, m: int, reversal_rate: float = 0.0, *,
+                             max_groups: int = 10_000_000) -> int:
+    """Smallest number N of accepted risk groups whose Clopper-Pearson bound certifies beta at confidence
+    ``1 - delta / m`` when ``F = ceil(reversal_rate * N)`` of them are reversals (docs/algorithm.md#4-srgo; the
+    sample sizes of docs/validation.md#profiles).
+
+    With no reversal the bound is ``1 - (delta / m) ** (1 / N)``, so ``N = ceil(log(delta / m) / log(1 - beta))``
+    (72 at the paper's beta = 0.08, delta = 0.05, m = 20). With reversals N grows like
+    ``1 / (beta - reversal_rate) ** 2``; because F is rounded up, the bound is not monotone in N, so N is the first
+    count after which it stays at or below beta up to 2 N + 1000.
+
+    Args:
+        beta: risk level in (0, 1).
+        delta: failure probability in (0, 1).
+        m: number of thresholds of the grid (Bonferroni), >= 1.
+        reversal_rate: expected share of reversals among accepted groups, in [0, beta).
+        max_groups: search limit.
+
+    Returns:
+        N as an int.
+
+    Raises:
+        ValueError: a level outside (0, 1), ``m < 1``, a reversal rate outside [0, beta) (no N certifies beta when
+            the reversal rate reaches it), or no N up to ``max_groups``.
+    """
+    if not (0.0 < beta < 1.0 and 0.0 < delta < 1.0) or int(m) < 1:
+        raise ValueError(f"need beta, delta in (0, 1) and m >= 1, got beta={beta}, delta={delta}, m={m}")
+    if not 0.0 <= reversal_rate < beta:
+        raise ValueError(f"reversal_rate must be in [0, beta={beta}) for beta to be certifiable, got {reversal_rate}; "
+                         "raise beta or lower the reversal rate (a stricter method or a less noisy grader)")
+    confidence = 1.0 - delta / int(m)
+    if reversal_rate == 0.0:
+        return int(np.ceil(np.log(delta / int(m)) / np.log1p(-beta) - 1e-12))
+    start = 1
+    while start <= max_groups:
+        n = np.arange(start, min(2 * start + 1000, max_groups) + 1)
+        ok = clopper_pearson_upper(np.ceil(reversal_rate * n - 1e-12).astype(np.int64), n, confidence) <= beta
+        if ok[-1]:
+            bad = np.flatnonzero(~ok)
+            return int(n[0] if bad.size == 0 else n[bad[-1] + 1])
+        start = int(n[-1]) + 1
+    raise ValueError(f"no N <= {max_groups} certifies beta={beta} at reversal rate {reversal_rate}")
+
+
 def select_threshold(
     n_accepted, n_reversals, utility, *, beta: float, delta: float
 ) -> tuple[np.ndarray, int | None]:

@@ -1,11 +1,20 @@
 """SRGO: Clopper-Pearson bounds, threshold selection and the risk guarantee (docs/algorithm.md#4-srgo)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from scipy.stats import binom
 
-from setgrpo_verl.core import calibrate, clopper_pearson_upper, grpo_coefficients, select_threshold, setgrpo_coefficients
+from setgrpo_verl.core import (
+    calibrate,
+    clopper_pearson_upper,
+    grpo_coefficients,
+    required_accepted_groups,
+    select_threshold,
+    setgrpo_coefficients,
+)
 
 from .synthetic import make_groups
 
@@ -78,3 +87,36 @@ def test_covered_groups_never_reverse_when_tau_nonnegative():
     rev = res.accepted & (torch.einsum("gi,gij,gj->g", res.coefficients, m[1000:], a_ref) < 0)
     assert covered.float().mean() > 0.8 and res.accepted.any()
     assert not (rev & covered).any()
+
+
+@pytest.mark.parametrize(("beta", "delta", "m"), [(0.08, 0.05, 20), (0.5, 0.05, 20), (0.2, 0.1, 1), (0.01, 0.3, 5)])
+def test_required_accepted_groups_with_no_reversal_is_the_closed_form(beta, delta, m):
+    n = required_accepted_groups(beta, delta, m)
+    assert n == math.ceil(math.log(delta / m) / math.log(1 - beta))
+    conf = 1 - delta / m
+    assert clopper_pearson_upper([0], [n], conf)[0] <= beta < clopper_pearson_upper([0], [n - 1], conf)[0]
+
+
+@pytest.mark.parametrize("rate", [0.01, 0.03, 0.05])
+def test_required_accepted_groups_with_reversals_certifies_from_there_on(rate):
+    beta, delta, m = 0.08, 0.05, 20
+    n = required_accepted_groups(beta, delta, m, rate)
+    assert required_accepted_groups(beta, delta, m) < n
+    trials = np.arange(n, 2 * n + 1)
+    ucb = clopper_pearson_upper(np.ceil(rate * trials - 1e-12).astype(int), trials, 1 - delta / m)
+    assert (ucb <= beta).all()
+    prev = n - 1
+    assert clopper_pearson_upper([math.ceil(rate * prev - 1e-12)], [prev], 1 - delta / m)[0] > beta
+    # simulation: with the true reversal rate, a count of N accepted groups certifies beta about half the time
+    # or more (F is binomial around rate * N, and N was sized for F = ceil(rate * N))
+    rng = np.random.default_rng(0)
+    f = rng.binomial(n, rate, size=4000)
+    certified = clopper_pearson_upper(f, np.full_like(f, n), 1 - delta / m) <= beta
+    assert 0.45 <= certified.mean() <= 0.95
+
+
+def test_required_accepted_groups_refuses_an_uncertifiable_rate():
+    with pytest.raises(ValueError, match="reversal_rate must be in"):
+        required_accepted_groups(0.08, 0.05, 20, 0.08)
+    with pytest.raises(ValueError, match="need beta, delta"):
+        required_accepted_groups(1.0, 0.05, 20)

@@ -4,6 +4,7 @@ groups, and the command on a run directory holding a calibration stage."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -152,7 +153,51 @@ def test_write_validation(tmp_path, synthetic_result):
     assert lines[2].startswith("grpo |") and lines[6].startswith("safe_anchor_only |")
     # below the table: SetGRPO's coverage band and realised-risk share (docs/record.md#reading-the-guarantees)
     assert lines[7].startswith("setgrpo held-out coverage: mean") and "5-95 % band" in lines[7]
-    assert lines[8].startswith("setgrpo realised risk <= beta in 1.00 of splits") and len(lines) == 9
+    assert lines[8].startswith("setgrpo realised risk <= beta in 1.00 of splits")
+    assert lines[9].startswith("sample size for beta=") and "at the measured rates, tau=" in lines[10]
+    assert len(lines) == 11
+
+
+def test_cumulative_recovery_and_nonzero_update_rate(synthetic_result):
+    """Table 5's CR is the held-out analogue of the record's U (sum of accepted recovery ratios over the
+    non-degenerate groups) and NUR the accepted share of the non-degenerate groups; for GRPO both are 1."""
+    _, result = synthetic_result
+    for split in result.report["splits"]:
+        for method, summary in split["methods"].items():
+            rows = [r for r in result.rows if r["split"] == split["split"] and r["method"] == method]
+            live = [r for r in rows if r["status"] != "degenerate"]
+            cr = sum(r["recovery_ratio"] for r in rows if r["accepted"]) / len(live)
+            assert summary["cumulative_recovery"] == pytest.approx(cr)
+            assert summary["accepted_ratio_live"] == pytest.approx(sum(r["accepted"] for r in rows) / len(live))
+            if method == "grpo":
+                assert summary["cumulative_recovery"] == pytest.approx(1.0)
+            else:
+                assert summary["cumulative_recovery"] <= summary["accepted_ratio_live"] + 1e-12
+
+
+def test_sample_size_plan_from_the_records(synthetic_result):
+    """Pooled per-threshold counts of the splits' records, and the group count that N(p) accepted groups imply."""
+    from setgrpo_verl.core import required_accepted_groups
+    from setgrpo_verl.validate import sample_size_plan
+
+    _, result = synthetic_result
+    records = [result.records[(s, "setgrpo")] for s in range(6)]
+    plan = sample_size_plan(records, holdout_fraction=0.5, live_share=1.0)
+    r0 = records[0]
+    assert plan["accepted_no_reversal"] == required_accepted_groups(r0.beta, r0.delta, len(r0.tau_grid))
+    for row in plan["thresholds"]:
+        j = r0.tau_grid.index(row["tau"])
+        assert row["accepted"] == sum(r.n_accepted[j] for r in records)
+        assert row["reversals"] == sum(r.n_reversals[j] for r in records)
+        if row["accepted_needed"] is not None:
+            share = row["accepted"] / sum(r.n_risk for r in records)
+            risk_share = sum(r.n_risk for r in records) / sum(r.n_risk + r.n_cov for r in records)
+            assert row["groups_needed"] == math.ceil(row["accepted_needed"] / (share * risk_share * 0.5))
+    assert plan["plan"]["groups_needed"] == min(r["groups_needed"] for r in plan["thresholds"]
+                                                 if r["groups_needed"] is not None)
+    assert result.report["sample_size"] == sample_size_plan(records, holdout_fraction=0.5, live_share=1.0)
+    with pytest.raises(ValueError):
+        sample_size_plan([], holdout_fraction=0.5, live_share=1.0)
 
 
 
