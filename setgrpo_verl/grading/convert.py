@@ -18,6 +18,10 @@ instruction becomes a rule criterion checked offline by ``if-verifiable`` (3 poi
 instruction types
 (:data:`~setgrpo_verl.grading.rules.NLTK_DATA_RULES`), which become judged criteria with the same instruction text;
 plus three judged quality criteria in our own wording (:data:`IFBENCH_QUALITY_CRITERIA`, one a penalty).
+
+The composite validation rubrics (``setgrpo_verl/data/validation_rubrics.jsonl``, :func:`load_validation_rubrics`):
+prompts of our own that combine 3-6 rule-checked instructions with unequal points, made by
+``scripts/make_validation_rubrics.py`` (docs/validation.md#validation-rubrics).
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ __all__ = [
     "ifbench_data_file",
     "ifbench_to_verl",
     "load_ifbench_rubrics",
+    "load_validation_rubrics",
     "question_key",
     "read_rubric_rows",
     "rubrics_to_verl_rows",
     "validate_verl_rows",
+    "validation_rubrics_file",
     "write_verl_parquet",
 ]
 
@@ -293,6 +299,52 @@ def load_ifbench_rubrics(limit: int | None = None, *, rules_only: bool = False) 
         rows.append(Rubric(question=src["prompt"], id=f"ifbench-{src['key']}", criteria=tuple(criteria)).to_row())
         if limit is not None and len(rows) >= limit:
             break
+    return rows
+
+
+def validation_rubrics_file(name: str = "validation_rubrics.jsonl"):
+    """A shipped file of the composite validation rubrics (``validation_rubrics.jsonl`` or its met-rate table
+    ``validation_rubrics_met_rates.json``) as an ``importlib.resources`` path."""
+    return importlib.resources.files("setgrpo_verl") / "data" / name
+
+
+def load_validation_rubrics(limit: int | None = None) -> list[dict]:
+    """The composite validation rubrics shipped with the package as RubricHub rows (offline): the default data of
+    ``setgrpo-verl validate --judge rules`` (docs/validation.md#validation-rubrics).
+
+    Each row (id ``ifcomp-<4 digits>``) is a short everyday task followed by 3 to 6 instructions, every one a rule
+    criterion (``ifeval:<id>`` / ``ifbench:<id>`` with its kwargs, text ``"The response follows this instruction:
+    <description>"``) worth its own number of points (distinct integers from 1 to 6), so that a score takes many
+    values. ``scripts/make_validation_rubrics.py`` made them: ``measure`` sampled the embedded policy
+    (SmolLM2-135M-Instruct, chat template, 48 new tokens, temperature 1, K = 4 samples of 400 prompts) on 23
+    candidate instruction types and kept the 16 it meets sometimes but not always (met rate within [0.15, 0.85])
+    and on which the samples of one prompt often disagree (in >= 30 % of the prompts), table in
+    ``validation_rubrics_met_rates.json``; ``compose`` drew the rows from those types with a fixed seed (4.15
+    criteria and 13.6 distinct achievable scores per prompt on average). Every prompt fits 128 tokens with the
+    policy's chat template.
+
+    Args:
+        limit: keep only the first ``limit`` rows (file order); ``None`` = all (3,000).
+
+    Returns:
+        The rows as dicts ``{"id", "question", "rubrics": [{"criterion", "points" (float), "rule": {"id",
+        "kwargs"}}]}``, each validated with :meth:`Rubric.from_row`.
+
+    Raises:
+        ValueError: ``limit`` is negative.
+        RubricRowError: a row of the shipped file does not validate (a damaged installation: reinstall the package).
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit={limit}: pass None for all rows or a count >= 0")
+    source = validation_rubrics_file()
+    rows = []
+    for lineno, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+        if limit is not None and len(rows) >= limit:
+            break
+        if line.strip():
+            row = json.loads(line)
+            Rubric.from_row(row, location=f"{source.name}, line {lineno}")
+            rows.append(row)
     return rows
 
 
