@@ -46,6 +46,7 @@ __all__ = [
     "STAGES",
     "LaunchError",
     "CPU_PRECISIONS",
+    "DEFAULT_DATA",
     "SPLIT_FILE",
     "check_data_split",
     "check_split_flags",
@@ -220,10 +221,20 @@ def main_ppo_command(overrides: Sequence[str], *, config_name: str = "setgrpo_tr
     return cmd + list(overrides)
 
 
-def _rubric_rows(data: str | os.PathLike | None, rules_only: bool = False) -> tuple[list[dict], str]:
-    from .grading import load_ifbench_rubrics, read_rubric_rows
+#: The embedded default data of :func:`split_data` without ``data``: ``ifbench`` (the IFBench prompts) or
+#: ``validation`` (under ``rules_only``: the composite validation rubrics, docs/validation.md#validation-rubrics).
+DEFAULT_DATA = ("ifbench", "validation")
 
+
+def _rubric_rows(data: str | os.PathLike | None, rules_only: bool = False,
+                 default_data: str = "ifbench") -> tuple[list[dict], str]:
+    from .grading import load_ifbench_rubrics, load_validation_rubrics, read_rubric_rows
+
+    if default_data not in DEFAULT_DATA:
+        raise LaunchError(f"default data {default_data!r}: use one of {', '.join(DEFAULT_DATA)}")
     if data is None:
+        if rules_only and default_data == "validation":
+            return load_validation_rubrics(), "the embedded composite validation rubrics (rule criteria only)"
         if rules_only:
             return load_ifbench_rubrics(rules_only=True), "the embedded IFBench rubric conversion (rule criteria only)"
         return load_ifbench_rubrics(), "the embedded IFBench rubric conversion"
@@ -245,11 +256,15 @@ def split_data(
     calibration_prompts: int,
     seed: int,
     rules_only: bool = False,
+    default_data: str = "ifbench",
 ) -> dict[str, Any]:
     """Validate the rubric rows, drop overlong prompts, shuffle and split them into verl RL rows (nothing written).
 
     With ``rules_only`` (the ``rules`` grader) the embedded default is the IFBench rows with their rule criteria only,
-    and every criterion of a ``data`` file must carry a rule.
+    or with ``default_data="validation"`` (``setgrpo-verl validate``) the composite validation rubrics
+    (:func:`setgrpo_verl.grading.load_validation_rubrics`, docs/validation.md#validation-rubrics), and every
+    criterion of a ``data`` file must carry a rule. Without ``rules_only`` the default is the IFBench rows with
+    their judged criteria whatever ``default_data`` says.
 
     The first ``calibration_prompts`` rows of the ``seed``-shuffled file go to ``data/calibration.parquet``, the rest
     to ``data/train.parquet`` (disjoint, so calibration groups stay exchangeable with fresh ones and training never
@@ -265,7 +280,8 @@ def split_data(
 
     Raises:
         LaunchError: unreadable file, an invalid row (the message names the row, criterion and field), a criterion
-            without a rule under ``rules_only``, or fewer usable prompts than ``calibration_prompts`` + 1.
+            without a rule under ``rules_only``, fewer usable prompts than ``calibration_prompts`` + 1, or
+            ``default_data`` not in :data:`DEFAULT_DATA`.
     """
     from transformers import AutoTokenizer
 
@@ -273,7 +289,7 @@ def split_data(
 
     from .core import question_key
 
-    rows, source = _rubric_rows(data, rules_only)
+    rows, source = _rubric_rows(data, rules_only, default_data)
     try:
         rubrics = [as_rubric(row) for row in rows]
     except (ValueError, TypeError) as exc:
@@ -316,7 +332,8 @@ def split_data(
             row["extra_info"] = {**row["extra_info"], "index": i, "split": split}
     settings = {"data": None if data is None else str(Path(data).expanduser().resolve()),
                 "calibration_prompts": int(calibration_prompts), "seed": int(seed),
-                "max_prompt_length": int(max_prompt_length), "rules_only": bool(rules_only)}
+                "max_prompt_length": int(max_prompt_length), "rules_only": bool(rules_only),
+                "default_data": None if data is not None else default_data}
     return {"calibration": calibration, "train": train, "source": source, "duplicates": duplicates,
             "settings": settings}
 
