@@ -69,7 +69,7 @@ FLAGS: tuple[tuple[str, str, Callable[[str], Any], str | None], ...] = (
 
 #: Named presets: values of the keys above (and of verl keys without a flag). ``default`` is the quickstart on
 #: 2 CPU cores; ``smoke`` is the plumbing check of the end-to-end test; ``validate`` is ``setgrpo-verl validate`` at
-#: the paper's levels on the rule-checked IFBench prompts, sized for 2 CPU cores (docs/validation.md#profile).
+#: the paper's levels on the rule-checked IFBench prompts, sized for 2 CPU cores (docs/validation.md#profiles).
 #: Flags and ``key=value`` arguments win.
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {
@@ -152,7 +152,8 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
     g.add_argument("--judge", choices=("local", "openai", "function", "rules"), default=judge,
                    help="'local' (embedded stochastic SmolLM2 judge), 'openai' (an OpenAI-compatible HTTP judge), "
                         "'function' (a Python reward function, --reward-function) or 'rules' (rule criteria checked by "
-                        "code only; without --data: the IFBench prompts with their rule criteria only) "
+                        "code only; without --data: the composite validation rubrics for validate, the IFBench prompts "
+                        "with their rule criteria only otherwise) "
                         f"(default {judge}) [reward.reward_kwargs.grader.type]")
     g.add_argument("--flip-prob", type=float, default=flip_prob, metavar="P",
                    help="wrap the grader in the noisy grader: flip every criterion verdict independently with "
@@ -432,7 +433,8 @@ def _split(args: argparse.Namespace, plan: _Plan, stages: list[str]) -> dict[str
     split = launch.split_data(data=args.data, model_path=plan.model,
                               max_prompt_length=int(values["data.max_prompt_length"]),
                               calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
-                              seed=plan.seed, rules_only=args.judge == "rules")
+                              seed=plan.seed, rules_only=args.judge == "rules",
+                              default_data="validation" if args.command == "validate" else "ifbench")
     return split if launch.check_data_split(args.run_dir, split, overwrite=args.overwrite) else None
 
 
