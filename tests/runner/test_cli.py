@@ -146,17 +146,20 @@ def test_train_refuses_an_incomplete_calibration(capsys, tmp_path):
     assert not (tmp_path / "run" / "train_setgrpo").exists()
 
 
-def test_validate_dry_run_uses_the_noisy_rules_grader_at_the_paper_levels(capsys, tmp_path):
+@pytest.mark.parametrize("profile", ["validate"])
+def test_validate_dry_run_uses_the_noisy_rules_grader_at_the_profiles_levels(capsys, tmp_path, profile):
     run = tmp_path / "run"
-    assert cli.main(["validate", "--run-dir", str(run), "--dry-run", "--noise-seed", "4"]) == 0
+    assert cli.main(["validate", "--run-dir", str(run), "--dry-run", "--noise-seed", "4", "--profile", profile]) == 0
     (line,) = capsys.readouterr().out.strip().splitlines()
     cmd = shlex.split(line)
     assert "+reward.reward_kwargs.grader={type:noisy,flip_prob:0.1,seed:4,base:{type:rules,seed:1}}" in cmd
-    for key, value in (("alpha", "0.05"), ("beta", "0.08"), ("delta", "0.05"), ("calibration.num_prompts", "192"),
-                       ("calibration.on_infeasible", "reject_all"), ("calibration.only", "true")):
+    values = cli.PROFILES[profile]
+    for key in ("alpha", "beta", "delta", "calibration.num_prompts"):
+        assert f"algorithm.setgrpo.{key}={values['algorithm.setgrpo.' + key]}" in cmd
+    for key, value in (("calibration.on_infeasible", "reject_all"), ("calibration.only", "true")):
         assert f"algorithm.setgrpo.{key}={value}" in cmd
     assert not any(a.startswith("algorithm.setgrpo.tau_grid") for a in cmd)  # the default 20 thresholds
-    assert "actor_rollout_ref.rollout.n=4" in cmd and not run.exists()
+    assert "actor_rollout_ref.rollout.n=4" in cmd and "data.max_response_length=48" in cmd and not run.exists()
 
 
 def test_flip_prob_wraps_any_judge(capsys, tmp_path):
@@ -173,7 +176,7 @@ def test_flip_prob_wraps_any_judge(capsys, tmp_path):
     (["validate", "--ablation", "spherical_set"], "drop --ablation"),
     (["validate", "--splits", "0"], "--splits 0"),
     (["validate", "--holdout-fraction", "1"], "--holdout-fraction 1.0"),
-    (["validate", "--calib-groups", "40"], "leaves 30 calibration groups per split, but alpha=0.05"),
+    (["validate", "--calib-groups", "40", "--alpha", "0.05"], "leaves 30 calibration groups per split, but alpha=0.05"),
 ])
 def test_invalid_noise_and_validate_settings(capsys, tmp_path, argv, needle):
     err = _fail(capsys, [argv[0], "--run-dir", str(tmp_path / "run"), *argv[1:]])
@@ -186,8 +189,8 @@ def test_rules_judge_refuses_judged_criteria_and_warns_on_beta(capsys, tmp_path)
         row["rubrics"] = [{"criterion": "Uses 3 to 5 words", "points": 1,
                            "rule": {"id": "ifbench:count:word_count_range", "kwargs": {"min_words": 3, "max_words": 5}}}]
     rows[3]["rubrics"].append({"criterion": "is polite", "points": 1})
-    assert cli.main(["validate", "--run-dir", str(tmp_path / "run"), "--calib-groups", "90", "--data",
-                     _jsonl(tmp_path / "d.jsonl", rows)]) == 2
+    assert cli.main(["validate", "--run-dir", str(tmp_path / "run"), "--calib-groups", "90", "--alpha", "0.05",
+                     "--beta", "0.08", "--delta", "0.05", "--data", _jsonl(tmp_path / "d.jsonl", rows)]) == 2
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     # enough groups for alpha but not for beta: a warning (coverage is still checked), then the row check fails
