@@ -42,9 +42,13 @@ def test_stage_stores_the_truth_and_the_noise_identity(validated):
     z = np.load(run / "calibration" / "paired_scores.npz")
     assert sorted(z.files) == ["gram", "point", "reference", "truth"]
     assert z["truth"].shape == z["point"].shape == (24, 3)
-    # rule-only IFBench rubrics have one or two criteria of 3 points: scores 0, 1/2 or 1
+    # the validation rubrics: 3-6 rule criteria with distinct points from 1 to 6 (total W in 6..21), so every score
+    # is k / W, and the stage holds more than the three values 0, 1/2, 1 of one- or two-criterion rubrics
     for name in ("point", "reference", "truth"):
-        assert set(np.unique(z[name])) <= {0.0, 0.5, 1.0}
+        values = np.unique(z[name])
+        assert ((values >= 0) & (values <= 1)).all()
+        assert all(any(abs(v * w - round(v * w)) < 1e-4 for w in range(6, 22)) for v in values), values
+        assert len(values) > 3, values
     assert (z["point"] != z["reference"]).any()
     record = CalibrationRecord.from_json(run / "calibration" / "record.json")
     assert record.grader["name"] == "noisy+rubric+rules"
