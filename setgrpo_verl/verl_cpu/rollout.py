@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 #: ``actor_rollout_ref.rollout.name`` of this rollout.
 ROLLOUT_NAME = "transformers"
 
-#: Seconds a server waits after the first request of a batch for others to join it.
-BATCH_WAIT_S = 0.05
+#: Seconds without a new request after which a server decodes the requests it holds (or sooner, when a batch is
+#: full).
+BATCH_WAIT_S = 0.2
 
 
 def server_name(replica_rank: int) -> str:
@@ -83,6 +84,23 @@ def replica_seed(base_seed: int, replica_rank: int) -> int:
     return int(np.random.SeedSequence([int(base_seed), int(replica_rank)]).generate_state(1)[0])
 
 
+def server_threads(num_cpus: int, ranks_per_node: int, ranks_per_replica: int) -> int:
+    """Torch threads of one rollout server: the node's CPU cores shared among the replicas on the node.
+
+    In verl's hybrid mode the actor workers wait while the rollout generates, so the servers may use every core.
+
+    Args:
+        num_cpus: CPU cores the node's processes may run on.
+        ranks_per_node: the trainer's ranks on the node (``trainer.n_gpus_per_node``).
+        ranks_per_replica: the ranks of one replica on the node (rollout TP x DP x PP, at most ``ranks_per_node``).
+
+    Returns:
+        An int >= 1.
+    """
+    replicas = max(1, int(ranks_per_node) // max(1, int(ranks_per_replica)))
+    return max(1, int(num_cpus) // replicas)
+
+
 class TransformersRolloutServer:
     """Ray actor: batched token-in/token-out generation with a Hugging Face causal LM on CPU.
 
@@ -93,12 +111,17 @@ class TransformersRolloutServer:
         seed: torch seed of the server process (sampling).
         trust_remote_code: passed to ``from_pretrained``.
         dtype: the model's dtype (verl's ``rollout.dtype``), ``torch.bfloat16`` or ``torch.float32``.
+        num_threads: torch intra-op threads of the server (Ray starts actors with one); ``None`` keeps the
+            process's setting.
     """
 
     def __init__(self, model_path: str, response_length: int, max_batch_size: int, seed: int = 0,
-                 trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):
+                 trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
+                 num_threads: Optional[int] = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if num_threads is not None:
+            torch.set_num_threads(max(1, int(num_threads)))
         torch.manual_seed(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -135,10 +158,22 @@ class TransformersRolloutServer:
             self._drainer = asyncio.create_task(self._drain())
         return await future
 
+    def _num_pending(self) -> int:
+        return sum(len(queue) for queue in self._pending.values())
+
+    async def _await_quiet(self) -> None:
+        # verl's agent loop submits a step's requests one by one over tens of milliseconds: keep collecting until
+        # no request arrived for BATCH_WAIT_S (or a batch is full), so one step's responses decode as one batch
+        # instead of a few small ones that each pay the full decoding time
+        seen = -1
+        while seen != self._num_pending() and self._num_pending() < self.max_batch_size:
+            seen = self._num_pending()
+            await asyncio.sleep(BATCH_WAIT_S)
+
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
-        await asyncio.sleep(BATCH_WAIT_S)
         while self._pending:
+            await self._await_quiet()
             key = next(iter(self._pending))
             queue = self._pending[key]
             batch, self._pending[key] = queue[: self.max_batch_size], queue[self.max_batch_size:]
@@ -174,7 +209,9 @@ class TransformersRolloutServer:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        import time as _t; _t0=_t.time()
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        print("GENBATCH", len(prompts), round(_t.time()-_t0,2), torch.get_num_threads(), flush=True)
         new_tokens = out.sequences[:, width:]
         if want_logprobs:
             logits = torch.stack(out.logits, dim=1).float()  # [B, T, V]
@@ -269,6 +306,7 @@ class TransformersReplica(RolloutReplica):
             replica_seed(int(self.config.seed), self.replica_rank),
             bool(getattr(self.model_config, "trust_remote_code", False)),
             PrecisionType.to_dtype(self.config.dtype),
+            server_threads(len(os.sched_getaffinity(0)), self.gpus_per_node, self.gpus_per_replica_node),
         )
         self.servers = [server]
         self._server_handle = server
