@@ -209,9 +209,7 @@ class TransformersRolloutServer:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        import time as _t; _t0=_t.time()
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        print("GENBATCH", len(prompts), round(_t.time()-_t0,2), torch.get_num_threads(), flush=True)
         new_tokens = out.sequences[:, width:]
         if want_logprobs:
             logits = torch.stack(out.logits, dim=1).float()  # [B, T, V]
