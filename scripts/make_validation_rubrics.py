@@ -9,6 +9,7 @@ Two steps, both deterministic from their seeds::
 
     python scripts/make_validation_rubrics.py measure   # slow: samples the embedded policy
     python scripts/make_validation_rubrics.py compose   # seconds: needs the tokenizer only
+    python scripts/make_validation_rubrics.py compose --rows 16500 --out rubrics.jsonl  # the paper profile's rows
     python scripts/make_validation_rubrics.py check     # optional: degenerate groups on the shipped rows
 
 ``measure`` composes prompts from every candidate type, samples K responses per prompt from the embedded policy
@@ -19,7 +20,8 @@ all samples), the disagreement rate (share of prompts whose K samples do not all
 kept (met rate within :data:`MET_RANGE` and disagreement >= :data:`MIN_DISAGREEMENT`) and why.
 
 ``compose`` reads that table and writes ``setgrpo_verl/data/validation_rubrics.jsonl`` (RubricHub rows
-``{"id": "ifcomp-0000", "question", "rubrics"}``) from the kept types only. Every prompt fits
+``{"id": "ifcomp-0000", "question", "rubrics"}``) from the kept types only; with ``--rows N --out FILE`` it writes
+N rows elsewhere, the shipped rows first (one seeded stream). Every prompt fits
 :data:`MAX_PROMPT_TOKENS` tokens with the policy's chat template (the validate profile's ``data.max_prompt_length``).
 """
 
@@ -363,10 +365,11 @@ def compose(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir()), local_files_only=True)
     met_rates = json.loads(MET_RATES_FILE.read_text(encoding="utf-8"))
     rows = compose_rows(met_rates, seed=args.seed, rows=args.rows, tokenizer=tokenizer)
-    RUBRICS_FILE.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    out = Path(args.out)
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     n = [len(r["rubrics"]) for r in rows]
     values = [distinct_scores([c["points"] for c in r["rubrics"]]) for r in rows]
-    print(f"wrote {len(rows)} rows to {RUBRICS_FILE}: {sum(n) / len(n):.2f} criteria and "
+    print(f"wrote {len(rows)} rows to {out}: {sum(n) / len(n):.2f} criteria and "
           f"{sum(values) / len(values):.2f} distinct score values per prompt on average")
 
 
@@ -405,6 +408,8 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("compose", help="write the rubric rows from the met-rate table (fast)")
     c.add_argument("--seed", type=int, default=COMPOSE_SEED)
     c.add_argument("--rows", type=int, default=ROWS)
+    c.add_argument("--out", default=str(RUBRICS_FILE),
+                   help="output .jsonl (default: the shipped file); e.g. more rows for --profile paper")
     k = sub.add_parser("check", help="sample the policy on the first shipped rows and report degenerate groups")
     k.add_argument("--rows", type=int, default=200)
     k.add_argument("--seed", type=int, default=1)

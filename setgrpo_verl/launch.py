@@ -322,9 +322,13 @@ def split_data(
         if len(ids) <= max_prompt_length:
             kept.append(row)
     if len(kept) <= calibration_prompts:
+        more = "pass more prompts with --data"
+        if data is None and rules_only and default_data == "validation":
+            more += (f" (more validation rubrics, the embedded ones first: python scripts/make_validation_rubrics.py "
+                     f"compose --rows {calibration_prompts + 500} --out rubrics.jsonl, then --data rubrics.jsonl)")
         raise LaunchError(f"{source}: {len(kept)} of {len(rubrics)} prompts fit in {max_prompt_length} prompt tokens, "
                           f"but calibration needs {calibration_prompts} and training at least one more; raise "
-                          "--max-prompt-length, lower --calib-groups or pass more prompts with --data")
+                          f"--max-prompt-length, lower --calib-groups or {more}")
     random.Random(seed).shuffle(kept)
     calibration, train = kept[:calibration_prompts], kept[calibration_prompts:]
     for split, part in (("calibration", calibration), ("train", train)):

@@ -155,3 +155,27 @@ def test_validate_default_data_is_the_composite_rubrics():
     with pytest.raises(launch.LaunchError, match="use one of ifbench, validation"):
         launch.split_data(data=None, model_path=embedded_model_dir(), max_prompt_length=128,
                           calibration_prompts=192, seed=0, rules_only=True, default_data="bogus")
+
+
+def test_more_rows_extend_the_shipped_file_and_feed_a_larger_calibration(tmp_path):
+    out = tmp_path / "rubrics.jsonl"
+    _script().main(["compose", "--rows", "3040", "--out", str(out)])
+    lines = out.read_text(encoding="utf-8").splitlines()
+    shipped = validation_rubrics_file().read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 3040 and lines[:3000] == shipped
+    extra = [json.loads(line) for line in lines[3000:]]
+    assert [r["id"] for r in extra] == [f"ifcomp-{i}" for i in range(3000, 3040)]
+    assert len({r["question"] for r in map(json.loads, lines)}) == 3040
+    split = launch.split_data(data=out, model_path=embedded_model_dir(), max_prompt_length=128,
+                              calibration_prompts=3020, seed=0, rules_only=True, default_data="validation")
+    assert len(split["calibration"]) == 3020 and len(split["train"]) == 20
+
+
+def test_a_calibration_larger_than_the_embedded_rows_says_how_to_make_more():
+    from setgrpo_verl.cli import PROFILES
+
+    groups = PROFILES["paper"]["algorithm.setgrpo.calibration.num_prompts"]
+    with pytest.raises(launch.LaunchError, match=f"calibration needs {groups}") as err:
+        launch.split_data(data=None, model_path=embedded_model_dir(), max_prompt_length=128,
+                          calibration_prompts=groups, seed=0, rules_only=True, default_data="validation")
+    assert f"make_validation_rubrics.py compose --rows {groups + 500} --out rubrics.jsonl" in str(err.value)

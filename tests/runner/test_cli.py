@@ -146,7 +146,7 @@ def test_train_refuses_an_incomplete_calibration(capsys, tmp_path):
     assert not (tmp_path / "run" / "train_setgrpo").exists()
 
 
-@pytest.mark.parametrize("profile", ["validate"])
+@pytest.mark.parametrize("profile", ["validate", "paper"])
 def test_validate_dry_run_uses_the_noisy_rules_grader_at_the_profiles_levels(capsys, tmp_path, profile):
     run = tmp_path / "run"
     assert cli.main(["validate", "--run-dir", str(run), "--dry-run", "--noise-seed", "4", "--profile", profile]) == 0
