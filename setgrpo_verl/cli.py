@@ -118,7 +118,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     },
 }
 #: ``validate`` at the paper's levels (alpha 0.05, beta 0.08, delta 0.05, the 20 default thresholds), sized from the
-#: sample-size plan of the validate profile's stage: 16,000 groups (about 22 hours on 2 CPU cores; needs
+#: sample-size plan of the validate profile's stage: 16,000 groups (about 24 hours on 2 CPU cores; needs
 #: ``--data`` with more rows than the embedded 3,000, docs/validation.md#profiles).
 PROFILES["paper"] = {
     **PROFILES["validate"],
@@ -157,7 +157,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
     g.add_argument("--profile", choices=sorted(PROFILES), default=profile,
                    help=f"preset sizes (default {profile}): 'default' (the quickstart on 2 CPU cores), 'smoke' (a "
                    "plumbing check), 'validate' (validate at the tightest levels it certifies in about 25 minutes on "
-                   "2 CPU cores) or 'paper' (validate at the paper's levels: 16,000 groups, about 22 hours)")
+                   "2 CPU cores) or 'paper' (validate at the paper's levels: 16,000 groups, about 24 hours)")
     g.add_argument("--model", default=None, help="local Hugging Face causal-LM directory of the policy (default: the "
                    "embedded SmolLM2-135M-Instruct) [actor_rollout_ref.model.path]")
     g.add_argument("--data", default=None, help="RubricHub-format .jsonl/.json/.parquet file of prompts with rubrics "
