@@ -134,7 +134,7 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False, resplit
     lines = [format_table4(rec, label), "",
              f"alpha={rec.alpha}  beta={rec.beta}  delta={rec.delta}  rho={rec.rho}  K={rec.K}  "
              f"norm_by_std={rec.norm_by_std}  loss_agg_mode={rec.loss_agg_mode}  ablation={rec.ablation}",
-             f"UCB at tau_sel={rec.ucb_sel:.4f} (<= beta={rec.beta})  degenerate groups dropped={rec.n_degenerate}",
+             rec.selection_text(), f"degenerate groups dropped={rec.n_degenerate}",
              *_guarantees(rec, p.parent / "paired_scores.npz", resplits),
              f"grader: {rec.grader}", f"policy: {rec.policy}", f"created {rec.created_at}, file {p}",
              f"written by: {versions}; {len(rec.calibration_prompts)} calibration prompts recorded"]
@@ -406,7 +406,7 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200) -> str:
     (out / "table4.txt").write_text(table + "\n\n" + "\n".join(guarantees) + "\n")
 
     lines = ["Table 4 row (frozen calibration record):", table, "",
-             f"alpha={record.alpha} beta={record.beta} delta={record.delta}; UCB at tau_sel = {record.ucb_sel:.4f}",
+             f"alpha={record.alpha} beta={record.beta} delta={record.delta}; {record.selection_text()}",
              *guarantees, ""]
     if runs["setgrpo"]:
         lines.append("SetGRPO per step: accepted-group ratio, mean recovery ratio, reward (point), entropy")

@@ -159,6 +159,16 @@ class CalibrationRecord:
         """Clopper-Pearson upper bound at tau_sel (1 for a reject-all record)."""
         return 1.0 if self.sel_index is None else self.ucb[self.sel_index]
 
+    def selection_text(self) -> str:
+        """One line on SRGO's threshold (docs/algorithm.md#4-srgo): the selected tau and its bound, or, for a
+        reject-all record, that no threshold is risk-feasible, the smallest bound, and that no group updates."""
+        if self.tau_sel is not None:
+            return f"tau_sel={self.tau_sel:.2f}, UCB {self.ucb_sel:.4f} <= beta={self.beta}"
+        j = min(range(len(self.ucb)), key=lambda i: self.ucb[i])
+        return (f"no risk-feasible threshold: the smallest UCB is {self.ucb[j]:.4f} at tau={self.tau_grid[j]:.2f} "
+                f"(N={self.n_accepted[j]}, F={self.n_reversals[j]}), above beta={self.beta}, so this record accepts "
+                "no group and SetGRPO updates nothing; more calibration groups or a larger beta may certify one")
+
     def table4_row(self) -> dict[str, Any]:
         """The paper's Table 4 row: Cov., Risk, Q_alpha, tau_sel, N, F, ECR, U."""
         return {"Cov.": self.n_cov, "Risk": self.n_risk, "Qα": self.q_alpha, "τsel": self.tau_sel,

@@ -511,6 +511,8 @@ class SetGRPOTrainer(PPOTrainerSync):
             grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(*map(sum, zip(*verdict_counts)))
         self._log_record(record, grading, timing_s=time.perf_counter() - t0)
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
+        if record.tau_sel is None:
+            logger.warning("SetGRPO: %s", record.selection_text())
         if not cfg.calibration.only:  # training follows: verl's sync trainer starts a step with the rollout awake
             self.checkpoint_manager.update_weights(self.global_steps)
         return record

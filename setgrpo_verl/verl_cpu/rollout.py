@@ -2,7 +2,7 @@
 
 verl's agent loop sends one ``generate`` request per response to a rollout *replica*; on GPUs that is a vLLM or
 SGLang server. :class:`TransformersRolloutServer` is a Ray actor holding a Hugging Face causal LM: requests that
-arrive within ``batch_wait_s`` of each other (and share sampling parameters) are left-padded into one batch and
+arrive within :data:`BATCH_WAIT_S` of each other (and share sampling parameters) are left-padded into one batch and
 decoded by one ``model.generate`` call. :class:`TransformersReplica` launches one server per replica
 (``actor_rollout_ref.rollout.name=transformers``), and :class:`TransformersRolloutAdapter` lives in verl's hybrid
 actor worker and pushes the actor's full weights to the server on verl's weight-sync path (every step), so the

@@ -154,6 +154,13 @@ def test_infeasible_risk_is_an_error_or_reject_all(data):
     assert rec.tau_sel is None and rec.N == 0
     res = setgrpo_coefficients(p[800:], m[800:], rec)
     assert not res.accepted.any() and (res.coefficients == 0).all()
+    # the record says so, with the smallest bound the error would have named
+    j = min(range(len(rec.ucb)), key=rec.ucb.__getitem__)
+    text = rec.selection_text()
+    assert text.startswith("no risk-feasible threshold") and "accepts no group" in text
+    assert f"{rec.ucb[j]:.4f} at tau={rec.tau_grid[j]:.2f} (N={rec.n_accepted[j]}, F={rec.n_reversals[j]})" in text
+    feasible = calibrate(p[:800], r[:800], m[:800], alpha=0.1, beta=0.5, delta=0.05)
+    assert feasible.selection_text() == (f"tau_sel={feasible.tau_sel:.2f}, UCB {feasible.ucb_sel:.4f} <= beta=0.5")
 
 
 @pytest.mark.parametrize("ablation", ABLATIONS)
