@@ -26,7 +26,7 @@ from ._jrsc import (
 )
 from ._record import CalibrationRecord, package_versions
 from ._settings import ABLATIONS, CalibrationSettings
-from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, select_threshold
+from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, infeasible_text, select_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +181,10 @@ def calibrate(
         tau_sel = float(fixed_tau)
     elif index is None:
         if on_infeasible == "error":
-            best = int(np.argmin(ucb))
             raise ValueError(
-                f"SRGO found no risk-feasible threshold: the smallest Clopper-Pearson bound is {ucb[best]:.4f} at "
-                f"tau={grid[best]} (N={n_acc[best]}, F={n_rev[best]}), above beta={beta}. Use more calibration "
-                "groups (tighter bounds), a larger beta, or on_infeasible='reject_all' to train no group"
+                f"SRGO found no risk-feasible threshold: {infeasible_text(grid, n_acc, n_rev, ucb, beta=beta)}. Use "
+                "more calibration groups (tighter bounds), a larger beta, or on_infeasible='reject_all' to train no "
+                "group"
             )
         tau_sel = None
     else:

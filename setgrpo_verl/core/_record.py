@@ -16,7 +16,7 @@ import numpy as np
 
 from ._grpo import DEGENERATE_RTOL
 from ._settings import ABLATIONS, ON_INFEASIBLE
-from ._srgo import select_threshold
+from ._srgo import infeasible_text, select_threshold
 
 #: Version 2 added ``degenerate_rtol`` (the degeneracy tolerance that calibration used and training applies);
 #: version 3 added ``calibration_prompts`` (what the record was calibrated on).
@@ -164,10 +164,9 @@ class CalibrationRecord:
         reject-all record, that no threshold is risk-feasible, the smallest bound, and that no group updates."""
         if self.tau_sel is not None:
             return f"tau_sel={self.tau_sel:.2f}, UCB {self.ucb_sel:.4f} <= beta={self.beta}"
-        j = min(range(len(self.ucb)), key=lambda i: self.ucb[i])
-        return (f"no risk-feasible threshold: the smallest UCB is {self.ucb[j]:.4f} at tau={self.tau_grid[j]:.2f} "
-                f"(N={self.n_accepted[j]}, F={self.n_reversals[j]}), above beta={self.beta}, so this record accepts "
-                "no group and SetGRPO updates nothing; more calibration groups or a larger beta may certify one")
+        why = infeasible_text(self.tau_grid, self.n_accepted, self.n_reversals, self.ucb, beta=self.beta)
+        return (f"no risk-feasible threshold: {why}, so this record accepts no group and SetGRPO updates nothing; "
+                "more calibration groups or a larger beta may certify one")
 
     def table4_row(self) -> dict[str, Any]:
         """The paper's Table 4 row: Cov., Risk, Q_alpha, tau_sel, N, F, ECR, U."""

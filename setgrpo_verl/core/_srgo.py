@@ -109,3 +109,19 @@ def select_threshold(
     u = np.where(ok, np.asarray(utility, dtype=np.float64), -np.inf)
     best = np.flatnonzero(u == u.max())
     return ucb, int(best[-1])
+
+
+def infeasible_text(tau_grid, n_accepted, n_reversals, ucb, *, beta: float) -> str:
+    """Why no threshold is risk-feasible (docs/algorithm.md#4-srgo): the smallest Clopper-Pearson bound UCB_j, its
+    threshold and counts, against beta.
+
+    Args:
+        tau_grid: ``[m]`` thresholds; n_accepted, n_reversals: ``[m]`` counts N_j, F_j; ucb: ``[m]`` UCB_j.
+        beta: the risk level.
+
+    Returns:
+        ``"the smallest Clopper-Pearson bound is <UCB> at tau=<tau> (N=<N>, F=<F>), above beta=<beta>"``.
+    """
+    j = int(np.argmin(np.asarray(ucb, dtype=np.float64)))
+    return (f"the smallest Clopper-Pearson bound is {float(ucb[j]):.4f} at tau={float(tau_grid[j]):.2f} "
+            f"(N={int(n_accepted[j])}, F={int(n_reversals[j])}), above beta={beta}")

@@ -166,8 +166,8 @@ class TransformersRolloutServer:
         # no request arrived for BATCH_WAIT_S (or a batch is full), so one step's responses decode as one batch
         # instead of a few small ones that each pay the full decoding time
         seen = -1
-        while seen != self._num_pending() and self._num_pending() < self.max_batch_size:
-            seen = self._num_pending()
+        while (pending := self._num_pending()) != seen and pending < self.max_batch_size:
+            seen = pending
             await asyncio.sleep(BATCH_WAIT_S)
 
     async def _drain(self) -> None:
