@@ -614,7 +614,8 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any]) -> str:
     """The offline part of ``validate``: repeated splits of the stage's paired scores, JSON + PNG + table."""
     from .core import CalibrationRecord
     from .launch import COMPLETE, STAGES, LaunchError
-    from .validate import ValidationLevels, load_paired, run_validation, summary_table, write_validation
+    from .report import summary_table, write_validation
+    from .validate import ValidationLevels, load_paired, run_validation
 
     calibration = args.run_dir / STAGES["calibrate"]
     if not (calibration / COMPLETE).is_file():

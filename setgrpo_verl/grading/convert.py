@@ -32,6 +32,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..core import question_key
 from .rubric import Criterion, Rubric, RubricRowError, Rule
 from .rubrichub import release_row
 from .rules import NLTK_DATA_RULES, rule_description
@@ -45,7 +46,7 @@ __all__ = [
     "ifbench_to_verl",
     "load_ifbench_rubrics",
     "load_validation_rubrics",
-    "question_key",
+    "prompt_identity",
     "read_rubric_rows",
     "rubrics_to_verl_rows",
     "validate_verl_rows",
@@ -113,18 +114,29 @@ def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
     return [release_row(row) for row in rows]
 
 
-def question_key(question: str) -> str:
-    """The question text as duplicates are compared: whitespace runs collapsed to one space, ends stripped."""
-    return " ".join(str(question).split())
+def prompt_identity(row: Mapping[str, Any] | Rubric) -> tuple[str | None, str]:
+    """``(id, question key)`` by which two rubric rows are the same prompt: the row's ``id`` as a string (None when
+    it has none) and its question text after :func:`setgrpo_verl.core.question_key` (whitespace runs collapsed,
+    case folded), the same key the calibration record's fingerprints hash (docs/record.md#fields).
+
+    Args:
+        row: a rubric row in our layout (a mapping with ``id`` and ``question``) or a :class:`Rubric`.
+    """
+    if isinstance(row, Rubric):
+        rid, question = row.id, row.question
+    else:
+        rid, question = row.get("id"), row.get("question", "")
+    return (None if rid is None else str(rid)), question_key(question)
 
 
-def drop_duplicate_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], int]:
-    """The rows without duplicates: a row whose ``id`` or whose question text (:func:`question_key`) an earlier
+def drop_duplicate_rows(rows: Sequence[Any]) -> tuple[list[Any], int]:
+    """The rows without duplicates: a row whose id or whose question text (:func:`prompt_identity`) an earlier
     row already has is left out, so that a prompt exported twice cannot land in two splits
     (docs/grading.md#rubric-rows).
 
     Args:
-        rows: rubric rows in our layout (what :func:`read_rubric_rows` returns), in file order.
+        rows: rubric rows in our layout (what :func:`read_rubric_rows` returns) or :class:`Rubric` objects, in file
+            order.
 
     Returns:
         ``(kept rows in order, number left out)``.
@@ -133,8 +145,7 @@ def drop_duplicate_rows(rows: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping
     seen_questions: set[str] = set()
     kept = []
     for row in rows:
-        rid = None if row.get("id") is None else str(row["id"])
-        question = question_key(row.get("question", ""))
+        rid, question = prompt_identity(row)
         if (rid is not None and rid in seen_ids) or question in seen_questions:
             continue
         if rid is not None:

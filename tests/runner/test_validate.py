@@ -19,9 +19,8 @@ from setgrpo_verl.validate import (
     load_paired,
     run_validation,
     split_groups,
-    summary_table,
-    write_validation,
 )
+from setgrpo_verl.report import summary_table, write_validation
 
 LOOSE = ValidationLevels(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3))
 

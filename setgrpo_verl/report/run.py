@@ -67,7 +67,7 @@ def _group_rows(path: Path) -> list[dict]:
 
 def policy_label(record) -> str:
     """Short name of a record's policy for tables: the embedded model's name, else the model directory's name."""
-    from .models import EMBEDDED_MODEL_NAME, cache_dir
+    from ..models import EMBEDDED_MODEL_NAME, cache_dir
 
     model = str(record.policy.get("model", "policy"))
     if model.startswith(str(cache_dir())):
@@ -100,7 +100,7 @@ def _record_path(path: str | os.PathLike) -> Path:
 def _guarantees(record, paired_path: Path, seeds: int) -> list[str]:
     """The record's coverage and risk against their bands under exchangeability (docs/record.md#reading-the-guarantees),
     with ``seeds`` re-splits of the paired scores at ``paired_path`` when that file exists."""
-    from .core import guarantee_lines, resplit
+    from ..core import guarantee_lines, resplit
 
     if not paired_path.is_file():
         return guarantee_lines(record) + [f"(no {paired_path.name} next to the record: no re-splits)"]
@@ -120,7 +120,7 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False, resplit
     Raises:
         ReportError: no record at ``path`` or the record does not validate (edited, wrong schema).
     """
-    from .core import CalibrationRecord, RecordVersionWarning
+    from ..core import CalibrationRecord, RecordVersionWarning
 
     p = _record_path(path)
     try:
@@ -219,7 +219,7 @@ def coverage_curve(point, reference, gram, record, *, alphas=None, seeds: int = 
     """
     import torch
 
-    from .core import calibrate, degenerate_groups, min_calibration_groups
+    from ..core import calibrate, degenerate_groups, min_calibration_groups
 
     n_live = int((~degenerate_groups(torch.as_tensor(point))).sum())
     alphas = alphas or [0.05, 0.1, 0.2, 0.3, 0.4, 0.5]
@@ -353,7 +353,7 @@ def _calibration_groups(point, gram, record) -> list[dict]:
     """GGSR status and projections of the calibration groups under the frozen record (for Figure 6)."""
     import torch
 
-    from .core import setgrpo_coefficients
+    from ..core import setgrpo_coefficients
 
     res = setgrpo_coefficients(torch.as_tensor(point), torch.as_tensor(gram), record)
     return [{"status": s, "m_full": None if math.isnan(mf) else mf, "m_reward": None if math.isnan(mr) else mr,
@@ -372,8 +372,8 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200) -> str:
     Raises:
         ReportError: ``run_dir`` has no finished calibration stage.
     """
-    from .core import CalibrationRecord
-    from .launch import COMPLETE
+    from ..core import CalibrationRecord
+    from ..rundir import COMPLETE
 
     run_dir = Path(run_dir)
     calib = run_dir / "calibration"

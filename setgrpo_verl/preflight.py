@@ -1,0 +1,172 @@
+"""Checks before verl starts (docs/cli.md): the requested levels, whether the calibration (or validation) prompts
+can be enough for them, a training split disjoint from the record's calibration prompts, and an HTTP judge that
+answers. Each raises :class:`~setgrpo_verl.rundir.LaunchError` naming the flag to change; none writes anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .rundir import LaunchError
+
+__all__ = ["calibration_minimums", "check_calibration_size", "check_training_prompts", "check_validation_size",
+           "probe_judge", "requested_settings"]
+
+#: The command-line flag (or key) of each field of :class:`setgrpo_verl.core.CalibrationSettings`.
+_SETTING_FLAGS = {"alpha": "--alpha", "beta": "--beta", "delta": "--delta", "tau_grid": "--tau-grid", "rho": "--rho",
+                  "ablation": "--ablation", "fixed_tau": "--fixed-tau", "on_infeasible": "--on-infeasible",
+                  "grid_size": "algorithm.setgrpo.recovery_grid", "norm_by_std": "algorithm.norm_adv_by_std_in_grpo"}
+
+
+def requested_settings(values: Mapping[str, Any]) -> Any:
+    """The :class:`setgrpo_verl.core.CalibrationSettings` of ``values`` (``algorithm.setgrpo.*``, schema defaults
+    where missing): the same validation as the run's check before Ray and as ``calibrate``.
+
+    Raises:
+        LaunchError: naming the flag and the admissible range.
+    """
+    from .core import CalibrationSettings
+    from .integration.config import SetGRPOCalibrationConfig, SetGRPOConfig
+
+    def get(key: str, default: Any) -> Any:
+        return values.get(f"algorithm.setgrpo.{key}", default)
+
+    grid = get("tau_grid", None)
+    try:
+        return CalibrationSettings(
+            alpha=get("alpha", SetGRPOConfig.alpha), beta=get("beta", SetGRPOConfig.beta),
+            delta=get("delta", SetGRPOConfig.delta), tau_grid=CalibrationSettings.tau_grid if grid is None else grid,
+            rho=get("rho", SetGRPOConfig.rho), grid_size=get("recovery_grid", SetGRPOConfig.recovery_grid),
+            ablation=get("ablation", None), fixed_tau=get("fixed_tau", None),
+            norm_by_std=bool(values.get("algorithm.norm_adv_by_std_in_grpo", True)),
+            on_infeasible=get("calibration.on_infeasible", SetGRPOCalibrationConfig.on_infeasible),
+        )
+    except ValueError as exc:
+        field = str(exc).split("=", 1)[0]
+        raise LaunchError(f"{_SETTING_FLAGS.get(field, field)}: {exc}") from None
+
+
+def _requested_levels(values: Mapping[str, Any]) -> tuple[float, float, float, Sequence[float]]:
+    """``(alpha, beta, delta, tau_grid)`` of :func:`requested_settings`."""
+    settings = requested_settings(values)
+    return settings.alpha, settings.beta, settings.delta, settings.tau_grid
+
+
+def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:
+    """``(coverage groups, risk groups)`` the requested levels need at the least (docs/algorithm.md#2-jrsc, #4-srgo).
+
+    Coverage needs ``min_calibration_groups(alpha)`` non-degenerate coverage groups; the risk bound needs the smallest
+    N whose Clopper-Pearson bound with no reversal, at confidence ``1 - delta/m``, is at most beta.
+
+    Args:
+        values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
+    """
+    from .core import min_calibration_groups, required_accepted_groups
+
+    alpha, beta, delta, grid = _requested_levels(values)
+    return min_calibration_groups(alpha), required_accepted_groups(beta, delta, len(grid))
+
+
+def _levels(values: Mapping[str, Any]) -> str:
+    alpha, beta, delta, grid = _requested_levels(values)
+    return f"alpha={alpha}, beta={beta}, delta={delta} over {len(grid)} thresholds"
+
+
+def _calibration_prompts(values: Mapping[str, Any]) -> int:
+    from .integration.config import SetGRPOCalibrationConfig
+
+    return int(values.get("algorithm.setgrpo.calibration.num_prompts", SetGRPOCalibrationConfig.num_prompts))
+
+
+def check_calibration_size(values: Mapping[str, Any]) -> None:
+    """Fail before any rollout when the calibration prompts cannot possibly be enough for the requested levels.
+
+    The calibration groups are split 50/50 (docs/algorithm.md#2-jrsc, #4-srgo), so they must number at least twice
+    the larger of the two :func:`calibration_minimums`.
+
+    Args:
+        values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
+
+    Raises:
+        LaunchError: naming both minima and the flags to change.
+    """
+    need_cov, need_risk = calibration_minimums(values)
+    groups = _calibration_prompts(values)
+    need = 2 * max(need_cov, need_risk)
+    if groups < need:
+        raise LaunchError(
+            f"--calib-groups {groups} is too small: {_levels(values)} need >= {need_cov} non-degenerate coverage groups "
+            f"and >= {need_risk} accepted risk groups even with no reversal; with the 50/50 split use --calib-groups "
+            f">= {need} (more, since groups with tied scores are dropped), or raise --alpha / --beta / --delta")
+
+
+def check_validation_size(values: Mapping[str, Any], holdout_fraction: float) -> str | None:
+    """The sample-size check of ``validate`` (docs/validation.md#validation), before any rollout.
+
+    Each split calibrates on the groups that are not held out. Too few for the coverage minimum is an error (no split
+    could calibrate); too few for the risk minimum is allowed -- the coverage check still means something, and
+    every split will then report that no threshold is risk-feasible -- and returned as a warning text.
+
+    Returns:
+        None, or a warning naming the risk minimum.
+
+    Raises:
+        LaunchError: too few calibration groups per split for alpha.
+    """
+    need_cov, need_risk = calibration_minimums(values)
+    groups = _calibration_prompts(values)
+    calibration = groups - int(round(groups * holdout_fraction))
+
+    def total(need: int) -> int:
+        n = need
+        while n - int(round(n * holdout_fraction)) < need:
+            n += 1
+        return n
+
+    if calibration < 2 * need_cov:
+        raise LaunchError(
+            f"--calib-groups {groups} with --holdout-fraction {holdout_fraction:g} leaves {calibration} calibration groups "
+            f"per split, but {_levels(values)} need >= {need_cov} non-degenerate coverage groups, i.e. {2 * need_cov} "
+            f"with the 50/50 split: use --calib-groups >= {total(2 * need_cov)} or raise --alpha")
+    if calibration < 2 * need_risk:
+        return (f"{calibration} calibration groups per split cannot certify {_levels(values)}: that needs >= "
+                f"{need_risk} accepted risk groups with no reversal, i.e. >= {total(2 * need_risk)} --calib-groups; every "
+                "split will find no risk-feasible threshold and accept nothing, and only the coverage check is "
+                "informative")
+    return None
+
+
+def probe_judge(grader: Mapping[str, Any]) -> None:
+    """Score one tiny rubric with an HTTP judge before verl starts, so that a wrong URL fails in seconds.
+
+    Raises:
+        LaunchError: the judge cannot be reached or does not answer (the message names the URL and model).
+    """
+    from .grading import DualScorer, GradingError
+
+    probe = {"question": "Say hello.", "id": "probe", "rubrics": [{"criterion": "The response greets.", "points": 1}]}
+    try:
+        DualScorer(dict(grader)).score([None], ["Hello!"], [probe])
+    except (GradingError, OSError, ValueError) as exc:
+        raise LaunchError(
+            f"the judge at {grader.get('base_url')} (model {grader.get('model')!r}) failed a probe request: {exc}"
+        ) from None
+
+
+def check_training_prompts(record: str | os.PathLike, run_dir: str | os.PathLike) -> None:
+    """Refuse a training split that holds a prompt the record was calibrated on (by id or question text).
+
+    Raises:
+        LaunchError: naming the first such prompt (:meth:`setgrpo_verl.core.CalibrationRecord.check_disjoint`), or a
+            record that does not validate.
+    """
+    from .core import CalibrationRecord
+    from .integration.prompts import read_prompt_identities
+
+    train = Path(run_dir) / "data" / "train.parquet"
+    try:
+        CalibrationRecord.from_json(record).check_disjoint(read_prompt_identities(train), source=str(train))
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
