@@ -10,10 +10,9 @@ plus the ratio to the source paper's 7 s per step of coefficient recovery and to
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from harness import median_seconds
 
 from setgrpo_verl.core import calibrate, setgrpo_coefficients
 
@@ -28,16 +27,6 @@ def _groups(n: int, k: int, seed: int, dim: int = 6, noise: float = 0.1):
     return point, reference, grads @ grads.transpose(1, 2)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -48,12 +37,13 @@ def main() -> None:
     for groups, k in ((64, 8), (512, 16)):
         p, r, m = _groups(10_000 if k == 8 else 4_000, k, seed=k)
         record = calibrate(p, r, m, alpha=0.05, beta=0.08, delta=0.05, on_infeasible="reject_all")
-        ms = _median_ms(lambda: setgrpo_coefficients(p[:groups], m[:groups], record), args.repeats)
+        ms = 1e3 * median_seconds(lambda: setgrpo_coefficients(p[:groups], m[:groups], record), args.repeats)
         print(f"setgrpo_coefficients {groups:4d} groups x K={k:2d}: {ms:8.2f} ms/step  "
               f"(paper 7000 ms: {7000 / ms:7.0f}x faster; target 10 ms: {ms / 10:.2f}x of target)")
     p, r, m = _groups(10_000, 8, seed=1)
-    ms = _median_ms(lambda: calibrate(p, r, m, alpha=0.05, beta=0.08, delta=0.05, on_infeasible="reject_all"),
-                    max(3, args.repeats // 5))
+    ms = 1e3 * median_seconds(
+        lambda: calibrate(p, r, m, alpha=0.05, beta=0.08, delta=0.05, on_infeasible="reject_all"),
+        max(3, args.repeats // 5))
     print(f"calibrate 10,000 groups x K= 8: {ms:8.1f} ms")
 
 

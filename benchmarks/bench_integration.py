@@ -13,9 +13,9 @@ Prints (no assertions; timings on a shared CPU are noisy):
 from __future__ import annotations
 
 import argparse
-import time
 
 from _engine import PlainEngine  # before verl: selects verl's CPU platform
+from harness import min_seconds
 
 import torch
 from tensordict import TensorDict
@@ -51,15 +51,6 @@ def _log_prob_forward(engine: PlainEngine, data: TensorDict) -> torch.Tensor:
     return out["model_output"]["log_probs"]
 
 
-def _best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -74,8 +65,8 @@ def main() -> None:
     data = _batch(args.batch, args.prompt, args.response, model.config.vocab_size)
     cfg = SketchConfig()
     engine = PlainEngine(model, torch.float32)
-    forward = _best(lambda: _log_prob_forward(engine, data), args.repeats)
-    sketch = _best(lambda: sketch_batch(engine, data, cfg, loss_agg_mode="token-mean"), args.repeats)
+    forward = min_seconds(lambda: _log_prob_forward(engine, data), args.repeats)
+    sketch = min_seconds(lambda: sketch_batch(engine, data, cfg, loss_agg_mode="token-mean"), args.repeats)
     m = sketch_batch(engine, data, cfg, loss_agg_mode="token-mean").shape[1]
     print(f"SmolLM2-135M, {args.batch} x ({args.prompt}+{args.response}) tokens, sketch dim m={m}")
     print(f"  log-prob forward (no grad):          {forward:7.2f} s")
@@ -99,7 +90,7 @@ def main() -> None:
     mask = torch.ones(b, 16, dtype=torch.long)
     uids = [f"u{i // k}" for i in range(b)]
     sketches = torch.randn(b, m, generator=g)
-    glue = _best(lambda: setgrpo_step(rewards, mask, uids, sketches, record), args.repeats)
+    glue = min_seconds(lambda: setgrpo_step(rewards, mask, uids, sketches, record), args.repeats)
     step = setgrpo_step(rewards, mask, uids, sketches, record)
     print(f"driver glue for {groups} groups x K={k}, m={m}: {glue:.3f} s "
           f"(gram {step.metrics['setgrpo/timing_s/gram']:.3f} s, geometry "

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
 import sys
-import time
 
 import torch
+from harness import alternated, device_sync, peak_rss_gb, rss_gb, run_child, times
 
 
 def _smollm2_random(device):
@@ -35,14 +33,6 @@ def _smollm2_random(device):
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(device)
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _child(args) -> dict:
@@ -74,37 +64,21 @@ def _child(args) -> dict:
     def sketch():
         compute_sketches(model, ids, am, rm, SketchConfig())
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     if args.mode == "time":  # both passes alternating in one process: shared-machine noise hits both alike
-        plain(), sketch()
-        times = {"plain": [], "sketch": []}
-        for _ in range(args.repeats):
-            for name, f in (("plain", plain), ("sketch", sketch)):
-                sync()
-                t0 = time.perf_counter()
-                f()
-                sync()
-                times[name].append(time.perf_counter() - t0)
-        return {k: statistics.median(v) for k, v in times.items()} | {"times": times}
+        measured = alternated({"plain": plain, "sketch": sketch}, args.repeats, sync=sync)
+        return {k: statistics.median(v) for k, v in measured.items()} | {"times": measured}
     fn = plain if args.mode == "plain" else sketch
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    base_rss = _rss_mb()
+    base_rss = rss_gb() * 1024
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base_cuda = torch.cuda.memory_allocated()
-    fn()  # warm-up
-    times = []
-    for _ in range(args.repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    out = {"mode": args.mode, "time_s": statistics.median(times), "times": times}
+    measured = times(fn, args.repeats, sync=sync)
+    out = {"mode": args.mode, "time_s": statistics.median(measured), "times": measured}
     if device.type == "cuda":
         out["peak_mb"] = (torch.cuda.max_memory_allocated() - base_cuda) / 2**20
     else:
-        out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss
+        out["peak_mb"] = peak_rss_gb() * 1024 - base_rss
     return out
 
 
@@ -122,16 +96,8 @@ def main(argv=None) -> int:
     if args.mode:
         print(json.dumps(_child(args)))
         return 0
-    results = {}
-    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
-    for mode in ("time", "plain", "sketch"):
-        proc = subprocess.run(
-            [sys.executable, __file__, *passthrough, "--mode", mode], capture_output=True, text=True, check=False
-        )
-        if proc.returncode != 0:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            return proc.returncode
-        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    passthrough = list(argv if argv is not None else sys.argv[1:])
+    results = {mode: run_child(__file__, [*passthrough, "--mode", mode]) for mode in ("time", "plain", "sketch")}
     p, s, t = results["plain"], results["sketch"], results["time"]
     p["time_s"], s["time_s"] = t["plain"], t["sketch"]
     tokens = args.batch * (args.prompt + args.response)

@@ -29,39 +29,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import resource
-import subprocess
-import sys
 import time
 
 from _engine import PlainEngine  # before verl: selects verl's CPU platform
+from harness import peak_rss_gb, reset_peak_rss, rss_gb, run_child
 
 import torch  # noqa: E402
 
 QWEN3_4B = dict(hidden=2560, inter=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936, layers=36, tied=True)
 QWEN3_14B = dict(hidden=5120, inter=17408, heads=40, kv_heads=8, head_dim=128, vocab=151936, layers=40, tied=False)
-
-
-def _rss_gb() -> float:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-
-
-def _peak_gb() -> float:
-    """The process's peak resident set since start or the last :func:`_reset_peak` (``VmHWM``, GB)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20  # kB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def _reset_peak() -> None:
-    """Reset the peak resident set to the current one (Linux ``/proc/self/clear_refs`` value 5), so the measured peak
-    is that of the pass, not of the model's construction."""
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
 
 
 def _model(layers: int):
@@ -122,9 +98,9 @@ def child(args) -> dict:
     model = _model(args.layers)
     engine = PlainEngine(model, torch.bfloat16)
     data = _batch(args, QWEN3_4B["vocab"])
-    setup_peak = _peak_gb()
-    _reset_peak()
-    before = _rss_gb()
+    setup_peak = peak_rss_gb()
+    reset_peak_rss()
+    before = rss_gb()
     t0 = time.perf_counter()
     if args.child == "update":
         model.train()
@@ -135,18 +111,14 @@ def child(args) -> dict:
         model.eval()
         sketches, _ = sketch_and_log_probs(engine, data, SketchConfig(), loss_agg_mode="token-mean")
         assert all(p.grad is None for p in model.parameters()) and torch.isfinite(sketches).all()
-    return dict(pass_=args.child, before_gb=before, setup_peak_gb=setup_peak, peak_gb=_peak_gb(),
+    return dict(pass_=args.child, before_gb=before, setup_peak_gb=setup_peak, peak_gb=peak_rss_gb(),
                 seconds=time.perf_counter() - t0)
 
 
 def _run_child(name: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", name, "--layers", str(args.layers), "--prompt", str(args.prompt),
-           "--response", str(args.response), "--responses", str(args.responses), "--temperature",
-           str(args.temperature), "--threads", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        sys.exit(f"{name} pass failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__file__, ["--child", name, "--layers", str(args.layers), "--prompt", str(args.prompt),
+                                "--response", str(args.response), "--responses", str(args.responses),
+                                "--temperature", str(args.temperature), "--threads", str(args.threads)])
 
 
 def _block_shapes(w: dict) -> list[tuple[int, int]]:

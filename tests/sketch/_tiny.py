@@ -200,25 +200,3 @@ def tiny_qwen35_text(*, seed=0, hidden=32, vocab=96, dtype=torch.float32):
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return Qwen3_5ForCausalLM(cfg).to(dtype).eval()
-
-
-def run_two_gloo_ranks(worker, out_dir):
-    """Run ``worker out_dir`` under ``torch.distributed.run`` on 2 gloo CPU ranks; each rank writes
-    ``out_dir/rank{r}.json``. Returns ``(results, proc)``: both ranks' results (asserting that each wrote one, with
-    the run's output) and the finished ``subprocess.CompletedProcess``."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-           str(out_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    results = []
-    for rank in range(2):
-        path = Path(out_dir) / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no result\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        results.append(json.loads(path.read_text()))
-    return results, proc

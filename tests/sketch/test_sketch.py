@@ -296,14 +296,14 @@ def test_the_fsdp1_reshard_hook_the_sketch_calls_is_unchanged():
 def test_float32_promotion_in_row_chunks_keeps_sketches_and_log_probs(monkeypatch):
     """Model-dtype activations, gradients and logits are promoted to float32 a few rows at a time (the log-softmax
     chunks recomputed in the backward): the same sketches and log-probs as in one piece, in bf16 too."""
-    from setgrpo_verl import sketch
+    from setgrpo_verl.sketch import chunks
 
     ids, am, rm = verl_batch()
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_llama(dtype=dtype)
         whole = compute_sketches(model, ids, am, rm, temperature=0.7, use_remove_padding=True)
-        monkeypatch.setattr(sketch, "_CHUNK_BYTES", 4 * 96 * 3)  # 3 rows of the 96-token vocabulary per chunk
-        assert sketch._chunk_rows(96) == 3
+        monkeypatch.setattr(chunks, "CHUNK_BYTES", 4 * 96 * 3)  # 3 rows of the 96-token vocabulary per chunk
+        assert chunks.chunk_rows(96) == 3
         chunked = compute_sketches(model, ids, am, rm, temperature=0.7, use_remove_padding=True)
         monkeypatch.undo()
         scale = whole.sketches.abs().max().item()

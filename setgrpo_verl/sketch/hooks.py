@@ -1,0 +1,330 @@
+"""The sketch's hooks: forward hooks that keep P_in x per hooked call and tensor hooks that receive the output
+gradient delta in the single activation-only backward and accumulate each response's sketch
+(docs/algorithm.md#5-sketches, mechanics: docs/sketch.md#mechanics)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from setgrpo_verl.sketch.chunks import matmul_f32, nonzero_rows, project_f32
+from setgrpo_verl.sketch.config import SketchConfig
+from setgrpo_verl.sketch.coverage import input_embedding, select
+from setgrpo_verl.sketch.projections import Block, layout_blocks
+
+
+class GradientSketcher:
+    """Context manager that sketches per-response gradients of ``model`` (docs/algorithm.md#5-sketches).
+
+    Usage (one micro-batch; any Hugging Face causal LM, plain, FSDP or FSDP2)::
+
+        with GradientSketcher(model, SketchConfig()) as sk:
+            sk.begin(segment_ids)                 # [*token_shape] int64, response index or -1
+            logits = model(input_ids=..., ...).logits
+            objective = (weights * token_log_probs).sum()   # sum_i sum_t w_it log pi(o_it)
+            sketches = sk.backward(objective)     # float32 [num_segments, m]
+
+    ``segment_ids`` has the token shape of the model input ([B, T] padded or [1, nnz] packed) and
+    gives, for every position, the response it belongs to (prompt positions too) or -1 for padding.
+    Every hooked module's input must flatten to that many token rows (true for HF decoder LMs;
+    not under sequence parallelism, where each rank would sketch its slice and the partial sketches
+    of a response must be summed over the SP group by the caller).
+
+    On enter, forward hooks are registered on the text model's ``nn.Linear`` layers whose weight or bias
+    is trainable (plus the input embedding / norms by config; :func:`sketch_coverage` says which
+    parameters: never a vision tower or a frozen weight, with LoRA the adapters) and on
+    ``model.get_input_embeddings()``; on exit they are removed, also when an exception is raised.  Projections are built once per enter from (config.seed, module name) on CPU and moved
+    to the activations' device; none is larger than r x max(out, in).
+
+    Args:
+        model: an ``nn.Module`` with ``get_input_embeddings()`` (HF convention) or exactly one
+            ``nn.Embedding``.
+        config: :class:`SketchConfig` (default settings if None).
+
+    Raises (on enter):
+        ValueError: a trainable text-model parameter the sketch cannot cover (e.g. 3-D MoE experts;
+            :meth:`SketchCoverage.check`, naming them); no trainable ``nn.Linear`` layer; no unique input
+            embedding; ``include_embeddings`` with an embedding that uses ``scale_grad_by_freq``/``max_norm``.
+    """
+
+    def __init__(self, model: nn.Module, config: SketchConfig | None = None):
+        self.model = model
+        self.config = config if config is not None else SketchConfig()
+        self.blocks: list[Block] = []
+        self._handles: list = []
+        self._phase = "idle"
+        self._segments: torch.Tensor | None = None
+        self._num_segments = 0
+        self._onehot: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._emb_calls: list = []
+        self._pending: dict[int, str] = {}
+        self._in_jvp = False
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def dim(self) -> int:
+        """m, the number of float32 entries of one response's sketch."""
+        return sum(b.size for b in self.blocks)
+
+    def __enter__(self) -> "GradientSketcher":
+        try:
+            sel = select(self.model, self.config, input_embedding(self.model))
+            sel.coverage.check(type(self.model).__name__)
+            self._emb_module = sel.embedding
+            self._emb_block = sel.embedding_block
+            self.blocks.extend(sel.blocks)
+            layout_blocks(self.blocks, self.config)
+            for module, block in sel.linears:
+                self._handles.append(module.register_forward_hook(partial(self._linear_forward, block)))
+            for module, block, pnames in sel.norms:
+                self._handles.append(
+                    module.register_forward_hook(partial(self._norm_forward, block, pnames), with_kwargs=True)
+                )
+            self._handles.append(self._emb_module.register_forward_hook(self._embedding_forward))
+        except BaseException:
+            self._remove_hooks()
+            self.blocks.clear()
+            raise
+        return self
+
+    def _remove_hooks(self):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __exit__(self, exc_type, exc, tb):
+        self._remove_hooks()
+        self._reset()
+        for b in self.blocks:
+            b.p_out = b.p_in = None
+        self.blocks.clear()
+        return False
+
+    def _reset(self):
+        self._phase = "idle"
+        self._segments = self._onehot = self._out = None
+        self._emb_calls = []
+        self._pending = {}
+
+    # ------------------------------------------------------------------ per micro-batch
+    def begin(self, segment_ids: torch.Tensor, num_segments: int | None = None) -> None:
+        """Start a micro-batch: call before the model forward.
+
+        Args:
+            segment_ids: int64 tensor with the model input's token shape ([B, T] or [1, nnz]);
+                entry = index (0..num_segments-1) of the response the position belongs to, -1 for
+                padding.
+            num_segments: number of responses (default: max(segment_ids) + 1).
+
+        Raises:
+            RuntimeError: called outside the ``with`` block.
+            ValueError: non-integer ids, ids below -1 or >= num_segments.
+        """
+        if not self._handles:
+            raise RuntimeError("GradientSketcher.begin() must be called inside `with GradientSketcher(...)`")
+        if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+            raise ValueError(f"segment_ids must be an integer tensor, got dtype {segment_ids.dtype}")
+        seg = segment_ids.reshape(-1).long()
+        n = int(seg.max().item()) + 1 if num_segments is None else int(num_segments)
+        if seg.numel() and (int(seg.min().item()) < -1 or int(seg.max().item()) >= n):
+            raise ValueError(f"segment_ids must lie in [-1, {n - 1}] (num_segments={n})")
+        self._reset()
+        self._segments = seg
+        self._num_segments = n
+        valid = seg >= 0
+        onehot = torch.zeros(seg.numel(), n, dtype=torch.float32, device=seg.device)
+        onehot[valid.nonzero().squeeze(1), seg[valid]] = 1.0
+        self._onehot = onehot
+        self._out = torch.zeros(n, self.dim, dtype=torch.float32, device=seg.device)
+        self._phase = "forward"
+
+    def backward(self, objective: torch.Tensor) -> torch.Tensor:
+        """Run the single activation-only backward and return the micro-batch's sketches.
+
+        Args:
+            objective: scalar tensor sum_i sum_t w_it log pi(o_it) built from this micro-batch's
+                forward (docs/algorithm.md#0-notation; response i's terms only from segment i's positions).
+
+        Returns:
+            float32 [num_segments, m] sketches, on the device of ``segment_ids``.
+
+        Raises:
+            RuntimeError: no forward since ``begin()``; the objective does not depend on the input
+                embeddings; a hooked layer ran forward but got no output gradient (its output does
+                not reach the objective through the embeddings).
+            ValueError: objective is not a scalar.
+        """
+        if self._phase != "forward":
+            raise RuntimeError("GradientSketcher.backward() needs begin() and one model forward first")
+        if objective.dim() != 0:
+            raise ValueError(f"objective must be a scalar, got shape {tuple(objective.shape)}")
+        if not self._emb_calls:
+            raise RuntimeError(
+                "the input embedding did not run in the forward since begin(); pass input_ids, not inputs_embeds"
+            )
+        if not objective.requires_grad:
+            raise RuntimeError("objective does not require grad: run the forward under torch.enable_grad()")
+        self._phase = "backward"
+        try:
+            outputs = [out for _, out in self._emb_calls]
+            grads = torch.autograd.grad(objective, outputs, allow_unused=True)
+            if all(g is None for g in grads):
+                raise RuntimeError("the objective does not depend on the input-embedding output")
+            if self._pending:
+                names = sorted(set(self._pending.values()))
+                raise RuntimeError(
+                    f"{len(names)} hooked layer(s) ran forward but received no output gradient, e.g. "
+                    f"{names[:3]}: their outputs do not reach the objective through the input embeddings"
+                )
+            if self._emb_block is not None:
+                for (ids, _), g in zip(self._emb_calls, grads):
+                    if g is not None:
+                        self._embedding_accumulate(ids, g)
+            return self._out
+        finally:
+            out = self._out
+            self._reset()
+            self._out = out
+
+    # ------------------------------------------------------------------ hooks
+    def _rows(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        flat = t.reshape(-1, t.shape[-1])
+        if flat.shape[0] != self._segments.numel():
+            raise ValueError(
+                f"layer {name!r} sees {flat.shape[0]} token rows but segment_ids has {self._segments.numel()} "
+                "entries: segment_ids must have the model input's token shape ([B, T] or [1, nnz])"
+            )
+        return flat
+
+    def _accumulate(self, block: Block, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """out[s, block] += sum_{t in s} a_t (x) b_t, per copy: a [n, k*r_out], b [n, k*r_in] (token subset rows)."""
+        n = a.shape[0]
+        k = 1 if block.p_in is None else block.shape[2]
+        outer = (a.reshape(n, k, -1, 1) * b.reshape(n, k, 1, -1)).reshape(n, -1)  # [n, size]
+        onehot = self._onehot if rows is None else self._onehot[rows]
+        self._out[:, block.offset : block.offset + block.size] += matmul_f32(onehot.T, outer)
+
+    def _project_in(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        """P_in [x, 1] of the block's trainable input columns (x for a trainable weight, 1 for a trainable bias)."""
+        w = block.weight_cols
+        if block.p_in is None:  # identity
+            x = x.float()
+            parts = ([x] if w else []) + ([x.new_ones(x.shape[0], 1)] if block.bias else [])
+            return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+        p_in = block.p_in = block.p_in.to(x.device)
+        y = project_f32(x, p_in[:, :w].T) if w else p_in.new_zeros(x.shape[0], p_in.shape[0])
+        if block.bias:
+            y = y + p_in[:, w]
+        return y
+
+    def _linear_forward(self, block: Block, module: nn.Linear, args, output):
+        if self._phase != "forward" or self._in_jvp:
+            return None  # idle, or activation-checkpoint recomputation during backward
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            raise RuntimeError(
+                f"layer {block.name!r}: output does not require grad during the sketch forward (forward under "
+                "torch.no_grad(), or reentrant activation checkpointing: use use_reentrant=False as verl does)"
+            )
+        x = self._rows(args[0].detach(), block.name)
+        b = self._project_in(block, x)
+        key = id(b)
+        self._pending[key] = block.name
+        output.register_hook(partial(self._linear_backward, block, b, key))
+        return None
+
+    def _linear_backward(self, block: Block, b: torch.Tensor, key: int, grad: torch.Tensor):
+        if self._phase != "backward" or key not in self._pending:
+            return None
+        del self._pending[key]
+        d = self._rows(grad.detach(), block.name)  # model dtype; promoted to float32 chunk by chunk
+        rows = None
+        if block.p_out is None:  # identity
+            a = d.float()
+        else:
+            if block.is_head:
+                # logits get a gradient only at loss positions: project those rows only (the costliest projection)
+                rows = nonzero_rows(d)
+                b = b[rows]
+            p_out = block.p_out = block.p_out.to(d.device)
+            a = project_f32(d, p_out.T, rows)
+        self._accumulate(block, a, b, rows)
+        return None
+
+    def _embedding_forward(self, module, args, output):
+        if self._phase != "forward" or self._in_jvp:
+            return None
+        if not output.requires_grad:
+            output.requires_grad_(True)  # frozen embedding: make its output the backward's input
+        self._emb_calls.append((args[0].detach(), output))
+        return None
+
+    def _embedding_accumulate(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        block = self._emb_block
+        ids = ids.reshape(-1)
+        g = self._rows(grad.detach(), "input embedding").float()
+        if self._emb_module.padding_idx is not None:
+            g = g * (ids != self._emb_module.padding_idx).unsqueeze(1).to(g.dtype)
+        if block.p_out is None:
+            a = torch.nn.functional.one_hot(ids, block.rows).float()
+            b = torch.cat([g, g.new_zeros(g.shape[0], block.cols - g.shape[1])], 1)
+        else:
+            a = block.p_out.to(g.device)[:, ids].T
+            b = matmul_f32(g, block.p_in.to(g.device)[:, : g.shape[1]].T)
+        self._accumulate(block, a, b)
+
+    def _token_groups(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """[N, m, width] view of a norm's input/output whose rows are m per token (m = 1, or the heads of a
+        per-head norm such as Gated DeltaNet's, which sees [tokens * heads, head_dim])."""
+        flat = t.reshape(-1, t.shape[-1])
+        n = self._segments.numel()
+        if flat.shape[0] % n:
+            raise ValueError(
+                f"norm {name!r} sees {flat.shape[0]} rows, not a multiple of the {n} token rows of segment_ids"
+            )
+        return flat.reshape(n, -1, t.shape[-1])
+
+    def _norm_forward(self, block: Block, pnames: list, module: nn.Module, args, kwargs, output):
+        if self._phase != "forward" or self._in_jvp:
+            return None
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            raise RuntimeError(f"norm {block.name!r}: output does not require grad during the sketch forward")
+        frozen = {k: v.detach() for k, v in module.named_parameters(recurse=False)}
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        parts = []
+        self._in_jvp = True
+        try:
+            with torch.no_grad():
+                for pname in pnames:
+
+                    def f(v, pname=pname):
+                        return torch.func.functional_call(module, {**frozen, pname: v}, args, kwargs)
+
+                    _, h = torch.func.jvp(f, (frozen[pname],), (torch.ones_like(frozen[pname]),))
+                    if h.shape[-1] != frozen[pname].numel():
+                        raise ValueError(
+                            f"include_norms: {block.name!r} output width {h.shape[-1]} != parameter {pname!r} "
+                            f"size {frozen[pname].numel()}; only elementwise-affine norms are supported"
+                        )
+                    parts.append(self._token_groups(h, block.name).float())
+        finally:
+            self._in_jvp = False
+        key = id(parts[0])
+        self._pending[key] = block.name
+        output.register_hook(partial(self._norm_backward, block, parts, key))
+        return None
+
+    def _norm_backward(self, block: Block, parts: list, key: int, grad: torch.Tensor):
+        if self._phase != "backward" or key not in self._pending:
+            return None
+        del self._pending[key]
+        d = self._token_groups(grad.detach(), block.name).float()
+        per_token = torch.cat([(d * h).sum(1) for h in parts], 1)  # [N, cols]: per-token parameter gradient
+        if block.p_out is not None:
+            per_token = matmul_f32(per_token, block.p_out.to(d.device).T)
+        ones = per_token.new_ones(per_token.shape[0], 1)
+        self._accumulate(block, per_token, ones)
+        return None

@@ -1,0 +1,262 @@
+"""The sketch pass in verl's batch layouts, padded and packed (docs/algorithm.md#5-sketches, docs/sketch.md#mechanics).
+
+No verl import: the layouts follow verl 0.9.1's conventions, left-padded prompt + right-padded response with
+``position_ids = clip(cumsum(attention_mask) - 1, 0)`` (``verl.utils.model.compute_position_id_with_mask``), and
+the remove-padding (packed) layout of ``FSDPEngineWithLMHead.prepare_model_inputs``: the valid tokens of all rows
+in [1, nnz], ``attention_mask=None``, per-sequence restarting ``position_ids``, plus ``cu_seqlens`` where the
+forward takes them.  The trainer's worker runs the engine's own input/output preparation
+(``setgrpo_verl.integration.worker``); :func:`compute_sketches` is the same pass for a plain module.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from setgrpo_verl.sketch.chunks import chunk_rows
+from setgrpo_verl.sketch.config import SketchConfig, token_weights
+from setgrpo_verl.sketch.fsdp import fsdp1_reshard_in_backward, unwrapped
+from setgrpo_verl.sketch.hooks import GradientSketcher
+
+
+@dataclass
+class SketchOutput:
+    """Result of :func:`compute_sketches`.
+
+    Attributes:
+        sketches: float32 [B, m], row i is the sketch S_i of response i (same order as the input
+            batch); the driver forms each group's Gram matrix M_g = S_g S_g^T in float64.
+        log_probs: float32 [B, T_resp], log pi(o_it) of the response tokens from the same forward
+            (after temperature scaling), 0 where the response position is padding
+            (``attention_mask`` 0); usable as verl's ``old_log_probs``.
+        block_names: names of the sketched blocks, in the order their slices appear in a row.
+    """
+
+    sketches: torch.Tensor
+    log_probs: torch.Tensor
+    block_names: list[str]
+
+
+
+def _forward_takes(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(unwrapped(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def packed_needs_cu_seqlens(model: nn.Module) -> bool:
+    """True when the packed layout ([1, nnz], ``attention_mask=None``) is only correct with sequence boundaries
+    passed as ``cu_seqlens`` (docs/sketch.md#mechanics).
+
+    Attention layers find the boundaries from the restarting ``position_ids``; linear-attention (recurrent)
+    layers, e.g. Qwen3.5's Gated DeltaNet (config ``layer_types`` entry ``"linear_attention"``), do not and carry
+    their state from one packed sequence into the next unless the forward receives ``cu_seqlens`` (verl's monkey
+    patch of ``Qwen3_5ForConditionalGeneration`` adds that argument).
+
+    Args:
+        model: the HF model (plain, FSDP1 or FSDP2 wrapped).
+
+    Returns:
+        bool: the model has linear-attention layers (so ``cu_seqlens`` is required for packed inputs).
+    """
+    config = getattr(unwrapped(model), "config", None)
+    if config is None:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or ()
+    return any("linear" in str(t) for t in layer_types)
+
+
+
+def _scaled_by_temperature(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """logits / temperature in the logits' dtype (verl 0.9.1 ``_scale_logits_by_temperature``); temperature is a
+    float or a float tensor broadcastable to logits."""
+    if not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0:
+        return logits
+    t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
+    return logits / t.to(torch.float32).clamp(min=1e-8).to(device=logits.device, dtype=logits.dtype)
+
+
+def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 kept
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[targets] per row ([n, V], [n] -> float [n]) in row chunks; each chunk is recomputed in
+    the backward (non-reentrant checkpoint), so no [n, V] float32 tensor is kept for the backward."""
+    step = chunk_rows(logits.shape[-1])
+    if logits.shape[0] <= step or not logits.requires_grad:
+        return _chunk_log_probs(logits, targets)
+    parts = [
+        checkpoint(_chunk_log_probs, logits[s : s + step], targets[s : s + step], use_reentrant=False)
+        for s in range(0, logits.shape[0], step)
+    ]
+    return torch.cat(parts)
+
+
+
+def _validate(input_ids, attention_mask, response_mask, position_ids, temperature):
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T_prompt + T_resp], got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
+    bsz, seqlen = input_ids.shape
+    if response_mask.dim() != 2 or response_mask.shape[0] != bsz or not 1 <= response_mask.shape[1] < seqlen:
+        raise ValueError(
+            f"response_mask must be [B={bsz}, T_resp] with 1 <= T_resp < T={seqlen} (it covers the LAST T_resp "
+            f"positions of input_ids), got shape {tuple(response_mask.shape)}"
+        )
+    if not ((response_mask == 0) | (response_mask == 1)).all():
+        raise ValueError("response_mask must contain only 0/1 values")
+    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask must contain only 0/1 values")
+    t_resp = response_mask.shape[1]
+    if (response_mask.bool() & ~attention_mask[:, -t_resp:].bool()).any():
+        raise ValueError(
+            "response_mask marks positions whose attention_mask is 0: the response mask does not match the inputs "
+            "(response_mask must cover the last T_resp positions of input_ids, right-padded)"
+        )
+    if (attention_mask[:, : seqlen - t_resp].sum(-1) == 0).any():
+        raise ValueError("every sequence needs at least one prompt token (attention_mask over the prompt part)")
+    if position_ids is not None and position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {tuple(input_ids.shape)} "
+            "(mrope 3-D position ids are not supported)"
+        )
+    if isinstance(temperature, torch.Tensor):
+        if temperature.shape not in ((), (bsz,)):
+            raise ValueError(f"temperature must be a float or a [B={bsz}] tensor, got shape {tuple(temperature.shape)}")
+        if not (temperature > 0).all():
+            raise ValueError("temperature must be > 0")
+    elif not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remove_padding):
+    bsz, seqlen = ids.shape
+    rows = torch.arange(bsz, device=ids.device)
+    resp_cols = torch.arange(seqlen - t_resp, seqlen, device=ids.device)
+    valid_resp = am[:, -t_resp:].bool()
+    if use_remove_padding:
+        flat_valid = am.reshape(-1).bool()
+        index = flat_valid.nonzero().squeeze(1)  # == verl unpad_input indices
+        nnz = index.numel()
+        inverse = torch.full((bsz * seqlen,), -1, dtype=torch.long, device=ids.device)
+        inverse[index] = torch.arange(nnz, device=ids.device)
+        model_ids, model_pos = ids.reshape(-1)[index][None], pos.reshape(-1)[index][None]
+        segments = (rows[:, None].expand(bsz, seqlen)).reshape(-1)[index][None]
+        # logits row predicting response token (b, t): the packed row of (b, t - 1)
+        k = inverse[(rows[:, None] * seqlen + resp_cols[None, :]).reshape(-1)].reshape(bsz, t_resp)
+        logit_rows = (k - 1).clamp(min=0)
+        targets = model_ids[0][k.clamp(min=0)]
+        model_kwargs = dict(input_ids=model_ids, position_ids=model_pos, attention_mask=None)
+        if _forward_takes(model, "cu_seqlens"):  # verl 0.9.1's rule (FSDPEngine.pass_packed_cu_seqlens)
+            cu_seqlens = torch.nn.functional.pad(am.sum(-1).cumsum(0), (1, 0))
+            model_kwargs.update(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens.cpu())
+        elif packed_needs_cu_seqlens(model):
+            raise ValueError(
+                f"use_remove_padding=True on {type(unwrapped(model)).__name__}, a model with linear-attention layers "
+                "whose forward takes no cu_seqlens: the packed sequences would run as one sequence through those "
+                "layers. Use the padded layout (use_remove_padding=False) or a forward that takes cu_seqlens "
+                "(verl's monkey patch of Qwen3_5ForConditionalGeneration)"
+            )
+    else:
+        segments = torch.where(am.bool(), rows[:, None], torch.full_like(ids, -1))
+        logit_rows = rows[:, None] * seqlen + resp_cols[None, :] - 1
+        targets = ids[:, -t_resp:]
+        model_kwargs = dict(input_ids=ids, position_ids=pos, attention_mask=am)
+    sk.begin(segments, bsz)
+    with torch.enable_grad():
+        logits = model(**model_kwargs, use_cache=False).logits
+        logits = logits.reshape(-1, logits.shape[-1])[logit_rows.reshape(-1)]  # [B * T_resp, V], model dtype
+        temp = temperature if not isinstance(temperature, torch.Tensor) else temperature.reshape(-1, 1, 1)
+        logits = _scaled_by_temperature(logits.reshape(bsz, t_resp, -1), temp).reshape(bsz * t_resp, -1)
+        log_probs = _token_log_probs(logits, targets.reshape(-1)).reshape(bsz, t_resp)
+        log_probs = torch.where(valid_resp, log_probs, torch.zeros_like(log_probs))
+        if not torch.isfinite(log_probs).all():
+            bad = (~torch.isfinite(log_probs)).any(-1).nonzero().squeeze(1).tolist()
+            raise FloatingPointError(
+                f"non-finite log-probabilities for responses {bad} of the micro-batch (check the model weights, "
+                "dtype and temperature)"
+            )
+        objective = (log_probs * weights).sum()
+        sketches = sk.backward(objective)
+    return sketches, log_probs.detach().float()
+
+
+def compute_sketches(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: SketchConfig | None = None,
+    *,
+    position_ids: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    temperature: float | torch.Tensor = 1.0,
+    micro_batch_size: int | None = None,
+    use_remove_padding: bool = False,
+) -> SketchOutput:
+    """Per-response gradient sketches and response log-probs in verl's batch layout (docs/algorithm.md#5-sketches).
+
+    The objective of response i is sum_t w_it log pi(o_it) with w from ``loss_agg_mode``
+    (docs/algorithm.md#0-notation: w = response_mask for token-mean / token-sum / seq-mean-token-sum /
+    seq-mean-token-sum-norm, response_mask / |o_i| for seq-mean-token-mean); its gradient includes
+    the prompt positions.  One forward and one activation-only backward per micro-batch; no
+    parameter ``.grad`` is created.  The model's train/eval mode is left as it is.
+
+    Args:
+        model: HF causal LM (``model(input_ids=, attention_mask=, position_ids=, use_cache=False).logits``),
+            plain or wrapped by FSDP/FSDP2.
+        input_ids: int64 [B, T_prompt + T_resp], prompt left-padded, response right-padded.
+        attention_mask: 0/1 [B, T] (any int/bool dtype), contiguous ones per row.
+        response_mask: 0/1 [B, T_resp] over the LAST T_resp positions; 1 = token in the loss.
+        config: :class:`SketchConfig` (defaults if None).
+        position_ids: int64 [B, T]; default ``clip(cumsum(attention_mask) - 1, 0)`` (verl).
+        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
+        temperature: float > 0 or float [B]; logits are divided by it before log_softmax (verl).
+        micro_batch_size: responses per forward/backward (default: all B at once); sketches do not
+            depend on it; peak memory does.
+        use_remove_padding: run the forward on the packed layout (valid tokens of all rows
+            concatenated into [1, nnz], ``attention_mask=None``, per-sequence position ids: verl's
+            remove-padding path).  Same sketches as the padded layout to float tolerance.
+
+    Returns:
+        :class:`SketchOutput` with ``sketches`` float32 [B, m] and ``log_probs`` float32 [B, T_resp].
+
+    Raises:
+        ValueError: shapes/values of the masks do not match the inputs (response mask marking padded
+            positions, wrong T_resp, non 0/1), unknown ``loss_agg_mode``, bad temperature or
+            micro_batch_size, or a model without nn.Linear layers (from :class:`GradientSketcher`).
+        FloatingPointError: non-finite log-probabilities of valid response tokens.
+    """
+    _validate(input_ids, attention_mask, response_mask, position_ids, temperature)
+    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
+        raise ValueError(f"micro_batch_size must be a positive int or None, got {micro_batch_size!r}")
+    weights = token_weights(response_mask, loss_agg_mode)
+    attention_mask = attention_mask.long()
+    if position_ids is None:
+        position_ids = torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
+    bsz, t_resp = response_mask.shape
+    step = micro_batch_size or bsz
+    sketches, log_probs = [], []
+    with GradientSketcher(model, config) as sk, fsdp1_reshard_in_backward(model):
+        for start in range(0, bsz, step):
+            sl = slice(start, start + step)
+            temp = temperature[sl] if isinstance(temperature, torch.Tensor) and temperature.dim() else temperature
+            s, lp = _micro_batch(
+                sk, model, input_ids[sl], attention_mask[sl], position_ids[sl], weights[sl], temp, t_resp,
+                use_remove_padding,
+            )
+            sketches.append(s)
+            log_probs.append(lp)
+        names = [b.name for b in sk.blocks]
+    return SketchOutput(sketches=torch.cat(sketches), log_probs=torch.cat(log_probs).float(), block_names=names)
