@@ -42,6 +42,7 @@ from .core import (
     grpo_coefficients,
     nonconformity_scores,
     required_accepted_groups,
+    reversal_events,
     risk_share_floor,
     setgrpo_coefficients,
 )
@@ -157,8 +158,8 @@ def _reversals(b: torch.Tensor, accepted: torch.Tensor, gram: torch.Tensor, targ
                levels: ValidationLevels, degenerate_rtol: float) -> dict[str, torch.Tensor]:
     """Per target, bool ``[H]``: the group is accepted and ``b^T M T(target) < 0`` (docs/validation.md#what-is-measured).
     A target with constant scores has zero coefficients, so it is never a reversal."""
-    return {name: accepted & (torch.einsum("gi,gij,gj->g", b, gram, _coefficients(scores, levels, degenerate_rtol)) < 0)
-            for name, scores in targets.items()}
+    return {name: reversal_events(b, gram, scores, accepted, norm_by_std=levels.norm_by_std, eps=levels.eps,
+                                  degenerate_rtol=degenerate_rtol) for name, scores in targets.items()}
 
 
 def _group_rows(held_out: torch.Tensor, status: Sequence[str], accepted: torch.Tensor, recovery_ratio: torch.Tensor,
