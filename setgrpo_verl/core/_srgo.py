@@ -23,7 +23,7 @@ def _counts(values, name: str) -> np.ndarray:
     if np.issubdtype(arr.dtype, np.floating):
         bad = ~np.isfinite(arr) | (arr != np.round(arr))
         if bad.any():
-            raise ValueError(f"{name} must be integer counts, got {arr[bad].ravel()[0]!r} among {values!r}; count "
+            raise ValueError(f"{name} must be integer counts, got {float(arr[bad].ravel()[0])!r} among {values!r}; count "
                              "whole groups (a Clopper-Pearson bound is defined for integer counts only)")
     return arr.astype(np.int64)
 
@@ -311,3 +311,88 @@ def infeasible_text(tau_grid, n_accepted, n_reversals, ucb, *, beta: float, stop
     j = int(np.argmin(np.asarray(ucb, dtype=np.float64)))
     return (f"the smallest Clopper-Pearson bound is {float(ucb[j]):.4f} at tau={float(tau_grid[j]):.2f} "
             f"(N={int(n_accepted[j])}, F={int(n_reversals[j])}), above beta={beta}")
+
+
+def risk_group_power(n_risk, accepted_share: float, reversal_rate: float, *, beta: float, level: float) -> np.ndarray:
+    """Probability that ``n_risk`` risk groups certify beta at one test of ``level`` when each is accepted with
+    probability ``accepted_share`` and an accepted one reverses with probability ``reversal_rate``
+    (docs/algorithm.md#44-sample-size): ``sum_N Bin(N; n_risk, share) * certification_power(N)``.
+
+    Args:
+        n_risk: array-like of integer risk-group counts >= 0.
+        accepted_share: share of risk groups accepted at the threshold, in (0, 1].
+        reversal_rate: reversal rate among accepted groups, in [0, 1].
+        beta, level: risk level and test level, in (0, 1).
+
+    Returns:
+        float64 numpy array of probabilities, the shape of ``n_risk``.
+
+    Raises:
+        ValueError: bad counts or shares.
+    """
+    n_all = _counts(n_risk, "n_risk")
+    if not 0.0 < accepted_share <= 1.0:
+        raise ValueError(f"accepted_share must be in (0, 1], got {accepted_share}")
+    out = np.empty(n_all.shape, dtype=np.float64)
+    for i, n in np.ndenumerate(n_all):
+        sd = np.sqrt(n * accepted_share * (1 - accepted_share))
+        lo, hi = max(0, int(n * accepted_share - 12 * sd - 5)), min(int(n), int(n * accepted_share + 12 * sd + 5))
+        counts = np.arange(lo, hi + 1)
+        weights = binom.pmf(counts, n, accepted_share)
+        out[i] = float((weights * certification_power(counts, reversal_rate, beta=beta, level=level)).sum())
+    return out
+
+
+def required_risk_groups(beta: float, delta: float, m: int, accepted_share: float, reversal_rate: float = 0.0, *,
+                         power: float = 0.9, procedure: str = "bonferroni", max_groups: int = 100_000_000) -> int:
+    """Smallest number of risk groups that certifies beta with probability ``>= power`` at a threshold with the
+    given accepted share and reversal rate (docs/algorithm.md#44-sample-size): the accepted count is binomial too,
+    not its expected value.
+
+    The power (:func:`risk_group_power`) is searched by doubling and bisection; with a random accepted count it is
+    close to monotone in the number of groups.
+
+    Args:
+        beta, delta, m, reversal_rate, power, procedure: as :func:`required_accepted_groups`.
+        accepted_share: share of risk groups accepted at the threshold, in (0, 1].
+        max_groups: search limit.
+
+    Returns:
+        The number of risk groups, an int.
+
+    Raises:
+        ValueError: as :func:`required_accepted_groups`, or no count up to ``max_groups``.
+    """
+    n_acc = required_accepted_groups(beta, delta, m, reversal_rate, power=power, procedure=procedure)
+    level = delta / int(m) if procedure == "bonferroni" else delta
+
+    def ok(n: int) -> bool:
+        return bool(risk_group_power([n], accepted_share, reversal_rate, beta=beta, level=level)[0] >= power)
+
+    lo, hi = max(n_acc - 1, 0), max(n_acc, int(n_acc / accepted_share))
+    while not ok(hi):
+        lo, hi = hi, 2 * hi
+        if hi > max_groups:
+            raise ValueError(f"no count of risk groups <= {max_groups} certifies beta={beta} with power {power}")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+def calibration_groups_needed(n_risk: int, *, coverage_groups: int | None, risk_fraction: float = 0.5) -> int:
+    """Non-degenerate calibration groups that give ``n_risk`` risk groups under the coverage / risk split of
+    :func:`calibrate` (docs/algorithm.md#41-defaults): ``n_risk + min(coverage_groups, n_risk (1 - f) / f)``.
+
+    Args:
+        n_risk: risk groups wanted, >= 0.
+        coverage_groups: the coverage cap (None: none).
+        risk_fraction: the split's risk share f, in (0, 1).
+
+    Returns:
+        The number of groups, an int.
+    """
+    cov = int(np.ceil(n_risk * (1 - risk_fraction) / risk_fraction - 1e-9))
+    if coverage_groups is not None:
+        cov = min(cov, int(coverage_groups))
+    return int(n_risk) + cov
