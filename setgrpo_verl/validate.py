@@ -41,6 +41,8 @@ from .core import (
     degenerate_groups,
     grpo_coefficients,
     nonconformity_scores,
+    PROCEDURES,
+    power_plan,
     required_accepted_groups,
     reversal_events,
     risk_share_floor,
@@ -405,8 +407,17 @@ def sample_size_plan(records: Sequence[CalibrationRecord], *, holdout_fraction: 
                      "accepted_share": share, "accepted_needed": need,
                      "groups_needed": None if need is None else math.ceil(need / (share * per_group))})
     feasible = [r for r in rows if r["groups_needed"] is not None]
+    at_power = {}
+    for procedure in PROCEDURES:  # docs/algorithm.md#44-sample-size: certify with probability 0.9
+        plan = power_plan(first.tau_grid, [sum(r.n_accepted[j] for r in records) for j in range(m)],
+                          [sum(r.n_reversals[j] for r in records) for j in range(m)], n_risk, beta=first.beta,
+                          delta=first.delta, power=0.9, procedure=procedure)
+        if plan is not None:
+            plan["groups_needed"] = math.ceil(plan["calibration_groups"] / (live_share * (1.0 - holdout_fraction)))
+        at_power[procedure] = plan
     return {"accepted_no_reversal": n0, "groups_no_reversal": math.ceil(n0 / per_group), "thresholds": rows,
-            "plan": min(feasible, key=lambda r: (r["groups_needed"], -r["tau"])) if feasible else None}
+            "plan": min(feasible, key=lambda r: (r["groups_needed"], -r["tau"])) if feasible else None,
+            "at_power": at_power}
 
 
 def run_validation(
@@ -549,7 +560,10 @@ def _sample_size_lines(report: Mapping[str, Any]) -> list[str]:
         return [line, "  no threshold's measured reversal rate is below beta: more groups alone cannot certify it"]
     return [line, f"  at the measured rates, tau={best['tau']:.2f} (reversal rate {best['reversal_rate']:.3f}, "
                   f"{best['accepted_share']:.2f} of risk groups accepted) needs {best['accepted_needed']} accepted "
-                  f"groups: about {best['groups_needed']} groups in one run"]
+                  f"groups: about {best['groups_needed']} groups in one run"] + [
+        f"  to certify with probability 0.9 ({name}{' from tau_start=' + format(p['tau'], '.2f') if name != 'bonferroni' else ''}): "
+        f"tau={p['tau']:.2f} needs {p['risk_groups']} risk groups, about {p['groups_needed']} groups in one run"
+        for name, p in plan.get("at_power", {}).items() if p is not None]
 
 
 def _band_lines(report: Mapping[str, Any]) -> list[str]:

@@ -43,8 +43,12 @@ from ._srgo import (
     ThresholdTests,
     binomial_p_values,
     certification_power,
+    calibration_groups_needed,
     clopper_pearson_upper,
+    power_plan,
     required_accepted_groups,
+    required_risk_groups,
+    risk_group_power,
     select_threshold,
     threshold_tests,
 )
@@ -52,7 +56,8 @@ from ._srgo import (
 __all__ = [
     "ABLATIONS", "COVERAGE_GROUPS", "DEFAULT_TAU_GRID", "PROCEDURES", "ThresholdTests", "anytime_upper_bound",
     "binomial_p_values", "certification_power", "content_sha256", "pilot_start", "reference_coefficients",
-    "reversal_events", "risk_evidence", "threshold_tests", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",
+    "reversal_events", "risk_evidence", "threshold_tests", "calibration_groups_needed", "power_plan",
+    "required_risk_groups", "risk_group_power", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",
     "CalibrationRecord", "CalibrationSettings", "CoefficientSets", "CoverageBand", "OnlineRiskMonitor",
     "RecordVersionWarning", "Resplits", "SetGRPOResult",
     "calibrate", "clopper_pearson_upper", "conformal_radius", "coverage_band", "guarantee_lines", "resplit",

@@ -396,3 +396,34 @@ def calibration_groups_needed(n_risk: int, *, coverage_groups: int | None, risk_
     if coverage_groups is not None:
         cov = min(cov, int(coverage_groups))
     return int(n_risk) + cov
+
+
+def power_plan(tau_grid, n_accepted, n_reversals, n_risk: int, *, beta: float, delta: float, power: float = 0.9,
+               procedure: str = "bonferroni", coverage_groups: int | None = 1000) -> dict | None:
+    """The cheapest threshold to certify beta with probability ``power`` at measured rates
+    (docs/algorithm.md#44-sample-size): per threshold with an accepted group and a reversal rate below beta, the
+    accepted share ``N_j / n_risk`` and rate ``F_j / N_j`` give :func:`required_risk_groups`, and
+    :func:`calibration_groups_needed` the non-degenerate calibration groups (50/50 split, coverage capped). For the
+    fixed sequence the plan's threshold is its start.
+
+    Args:
+        tau_grid, n_accepted, n_reversals: ``[m]`` thresholds and pooled counts N_j, F_j.
+        n_risk: the pooled risk groups the counts come from, >= 1.
+        beta, delta, power, procedure: as :func:`required_accepted_groups`.
+        coverage_groups: the coverage cap of the planned calibration.
+
+    Returns:
+        ``{"tau", "procedure", "power", "accepted_share", "reversal_rate", "risk_groups", "calibration_groups"}`` for
+        the threshold needing the fewest groups, or None when no threshold's rate is below beta.
+    """
+    best = None
+    for tau, n, f in zip(tau_grid, n_accepted, n_reversals):
+        if n == 0 or f / n >= beta:
+            continue
+        share, rate = n / n_risk, f / n
+        risk = required_risk_groups(beta, delta, len(tau_grid), share, rate, power=power, procedure=procedure)
+        total = calibration_groups_needed(risk, coverage_groups=coverage_groups)
+        if best is None or total < best["calibration_groups"]:
+            best = {"tau": float(tau), "procedure": procedure, "power": power, "accepted_share": share,
+                    "reversal_rate": rate, "risk_groups": risk, "calibration_groups": total}
+    return best

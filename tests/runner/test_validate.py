@@ -196,6 +196,10 @@ def test_sample_size_plan_from_the_records(synthetic_result):
     assert plan["plan"]["groups_needed"] == min(r["groups_needed"] for r in plan["thresholds"]
                                                  if r["groups_needed"] is not None)
     assert result.report["sample_size"] == sample_size_plan(records, holdout_fraction=0.5, live_share=1.0)
+    # at 0.9 power both procedures are planned; the fixed sequence (level delta, not delta / m) needs fewer groups
+    bonf, fixed = plan["at_power"]["bonferroni"], plan["at_power"]["fixed_sequence"]
+    assert bonf["power"] == fixed["power"] == 0.9 and fixed["groups_needed"] <= bonf["groups_needed"]
+    assert bonf["groups_needed"] == math.ceil(bonf["calibration_groups"] / 0.5)
     with pytest.raises(ValueError):
         sample_size_plan([], holdout_fraction=0.5, live_share=1.0)
 
