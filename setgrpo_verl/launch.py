@@ -671,7 +671,9 @@ def _last_error(lines: Sequence[str]) -> str:
 #: The command-line flag (or key) of each field of :class:`setgrpo_verl.core.CalibrationSettings`.
 _SETTING_FLAGS = {"alpha": "--alpha", "beta": "--beta", "delta": "--delta", "tau_grid": "--tau-grid", "rho": "--rho",
                   "ablation": "--ablation", "fixed_tau": "--fixed-tau", "on_infeasible": "--on-infeasible",
-                  "grid_size": "algorithm.setgrpo.recovery_grid", "norm_by_std": "algorithm.norm_adv_by_std_in_grpo"}
+                  "grid_size": "algorithm.setgrpo.recovery_grid", "norm_by_std": "algorithm.norm_adv_by_std_in_grpo",
+                  "srgo_procedure": "algorithm.setgrpo.srgo_procedure", "tau_start": "algorithm.setgrpo.tau_start",
+                  "coverage_groups": "algorithm.setgrpo.calibration.coverage_groups"}
 
 
 def requested_settings(values: Mapping[str, Any]) -> Any:
@@ -696,6 +698,8 @@ def requested_settings(values: Mapping[str, Any]) -> Any:
             ablation=get("ablation", None), fixed_tau=get("fixed_tau", None),
             norm_by_std=bool(values.get("algorithm.norm_adv_by_std_in_grpo", True)),
             on_infeasible=get("calibration.on_infeasible", SetGRPOCalibrationConfig.on_infeasible),
+            srgo_procedure=get("srgo_procedure", SetGRPOConfig.srgo_procedure), tau_start=get("tau_start", None),
+            coverage_groups=get("calibration.coverage_groups", SetGRPOCalibrationConfig.coverage_groups),
         )
     except ValueError as exc:
         field = str(exc).split("=", 1)[0]

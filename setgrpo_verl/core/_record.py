@@ -200,7 +200,8 @@ class CalibrationRecord:
 
     def tests_lines(self) -> list[str]:
         """SRGO's tests as lines of text (docs/algorithm.md#4-srgo): the procedure, where the start came from, and one
-        line per test in the order run (threshold, N, F, p-value against its level, passed or failed)."""
+        line per test of a fixed sequence in the order run (threshold, N, F, p-value against its level, passed or
+        failed); for Bonferroni the certified thresholds."""
         if self.srgo_procedure == "bonferroni":
             head = (f"SRGO procedure: bonferroni, each of the {len(self.tau_grid)} thresholds tested at level "
                     f"delta/m = {self.delta / len(self.tau_grid):.4g}")
@@ -212,6 +213,10 @@ class CalibrationRecord:
             head = (f"SRGO procedure: fixed_sequence from tau_start={self.tau_start:.2f} ({origin}) down the grid, "
                     f"each test at level delta = {self.delta:g}; {stop}")
         lines = [head]
+        if self.srgo_procedure == "bonferroni":  # every threshold is tested; the certified ones say it all
+            passed = [f"{self.tau_grid[j]:.2f}" for j in self.test_order
+                      if self.n_accepted[j] > 0 and self.ucb[j] <= self.beta]
+            return lines + [f"  certified thresholds: {', '.join(passed) if passed else 'none'}"]
         for j, level in zip(self.test_order, self.test_levels):
             ok = self.n_accepted[j] > 0 and self.ucb[j] <= self.beta
             lines.append(f"  tau={self.tau_grid[j]:.2f}: N={self.n_accepted[j]}, F={self.n_reversals[j]}, "

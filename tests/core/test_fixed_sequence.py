@@ -166,6 +166,9 @@ def test_fixed_sequence_record_round_trips_and_its_check_rederives_the_tests(gro
     assert data["schema_version"] == 4 and data["test_order"] == list(rec.test_order)
     assert CalibrationRecord.from_json(path) == rec
     assert "fixed_sequence from tau_start=0.40 (set by the user)" in "\n".join(rec.tests_lines())
+    from setgrpo_verl.report import inspect_record
+    shown = inspect_record(path)
+    assert "fixed_sequence from tau_start=0.40 (set by the user)" in shown and "vs level 0.1 -> passed" in shown
     for edit, needle in ((dict(stopped_at=3), "stopped_at"), (dict(test_order=(3, 2, 1, 0)), "test_order"),
                          (dict(p_values=(0.5,) * 4), "p_values"), (dict(tau_start=0.3), "tau_start"),
                          (dict(tau_start_source={"kind": "pilot"}), "tau_start_source")):
