@@ -34,15 +34,15 @@ import torch
 
 from .core import (
     DEGENERATE_RTOL,
+    PROCEDURES,
     CalibrationRecord,
     CalibrationSettings,
     calibrate,
     coverage_band,
     degenerate_groups,
-    grpo_coefficients,
     nonconformity_scores,
-    PROCEDURES,
     power_plan,
+    reference_coefficients,
     required_accepted_groups,
     reversal_events,
     risk_share_floor,
@@ -140,8 +140,8 @@ def split_groups(degenerate: torch.Tensor, holdout_fraction: float, seed: int) -
 
 def _coefficients(scores: torch.Tensor, levels: ValidationLevels, degenerate_rtol: float) -> torch.Tensor:
     """``T(scores)`` ``[G, K]`` float64 with degenerate rows set to exactly zero (no direction, never a reversal)."""
-    a = grpo_coefficients(scores, levels.norm_by_std, levels.eps)
-    return torch.where(degenerate_groups(scores, degenerate_rtol)[:, None], 0.0, a)
+    return reference_coefficients(scores, norm_by_std=levels.norm_by_std, eps=levels.eps,
+                                  degenerate_rtol=degenerate_rtol)
 
 
 def _rate(count: int, total: int) -> float | None:
