@@ -716,15 +716,17 @@ def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:
     """``(coverage groups, risk groups)`` the requested levels need at the least (docs/algorithm.md#2-jrsc, #4-srgo).
 
     Coverage needs ``min_calibration_groups(alpha)`` non-degenerate coverage groups; the risk bound needs the smallest
-    N whose Clopper-Pearson bound with no reversal, at confidence ``1 - delta/m``, is at most beta.
+    N whose Clopper-Pearson bound with no reversal, at confidence ``1 - delta/m`` (``1 - delta`` for the fixed
+    sequence), is at most beta.
 
     Args:
         values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
     """
     from .core import min_calibration_groups, required_accepted_groups
 
-    alpha, beta, delta, grid = _requested_levels(values)
-    return min_calibration_groups(alpha), required_accepted_groups(beta, delta, len(grid))
+    settings = requested_settings(values)  # the fixed sequence tests at delta: 36 instead of 72 at the paper's levels
+    return min_calibration_groups(settings.alpha), required_accepted_groups(
+        settings.beta, settings.delta, len(settings.tau_grid), procedure=settings.srgo_procedure)
 
 
 def _levels(values: Mapping[str, Any]) -> str:

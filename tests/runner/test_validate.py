@@ -155,7 +155,9 @@ def test_write_validation(tmp_path, synthetic_result):
     assert lines[7].startswith("setgrpo held-out coverage: mean") and "5-95 % band" in lines[7]
     assert lines[8].startswith("setgrpo realised risk <= beta in 1.00 of splits")
     assert lines[9].startswith("sample size for beta=") and "at the measured rates, tau=" in lines[10]
-    assert len(lines) == 11
+    assert lines[11].startswith("  to certify with probability 0.9 (bonferroni): tau=")
+    assert lines[12].startswith("  to certify with probability 0.9 (fixed_sequence from tau_start=")
+    assert len(lines) == 13
 
 
 def test_cumulative_recovery_and_nonzero_update_rate(synthetic_result):
