@@ -17,7 +17,9 @@ __all__ = ["calibration_minimums", "check_calibration_size", "check_training_pro
 #: The command-line flag (or key) of each field of :class:`setgrpo_verl.core.CalibrationSettings`.
 _SETTING_FLAGS = {"alpha": "--alpha", "beta": "--beta", "delta": "--delta", "tau_grid": "--tau-grid", "rho": "--rho",
                   "ablation": "--ablation", "fixed_tau": "--fixed-tau", "on_infeasible": "--on-infeasible",
-                  "grid_size": "algorithm.setgrpo.recovery_grid", "norm_by_std": "algorithm.norm_adv_by_std_in_grpo"}
+                  "grid_size": "algorithm.setgrpo.recovery_grid", "norm_by_std": "algorithm.norm_adv_by_std_in_grpo",
+                  "srgo_procedure": "algorithm.setgrpo.srgo_procedure", "tau_start": "algorithm.setgrpo.tau_start",
+                  "coverage_groups": "algorithm.setgrpo.calibration.coverage_groups"}
 
 
 def requested_settings(values: Mapping[str, Any]) -> Any:
@@ -42,6 +44,8 @@ def requested_settings(values: Mapping[str, Any]) -> Any:
             ablation=get("ablation", None), fixed_tau=get("fixed_tau", None),
             norm_by_std=bool(values.get("algorithm.norm_adv_by_std_in_grpo", True)),
             on_infeasible=get("calibration.on_infeasible", SetGRPOCalibrationConfig.on_infeasible),
+            srgo_procedure=get("srgo_procedure", SetGRPOConfig.srgo_procedure), tau_start=get("tau_start", None),
+            coverage_groups=get("calibration.coverage_groups", SetGRPOCalibrationConfig.coverage_groups),
         )
     except ValueError as exc:
         field = str(exc).split("=", 1)[0]
@@ -58,15 +62,17 @@ def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:
     """``(coverage groups, risk groups)`` the requested levels need at the least (docs/algorithm.md#2-jrsc, #4-srgo).
 
     Coverage needs ``min_calibration_groups(alpha)`` non-degenerate coverage groups; the risk bound needs the smallest
-    N whose Clopper-Pearson bound with no reversal, at confidence ``1 - delta/m``, is at most beta.
+    N whose Clopper-Pearson bound with no reversal, at confidence ``1 - delta/m`` (``1 - delta`` for the fixed
+    sequence), is at most beta.
 
     Args:
         values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
     """
     from .core import min_calibration_groups, required_accepted_groups
 
-    alpha, beta, delta, grid = _requested_levels(values)
-    return min_calibration_groups(alpha), required_accepted_groups(beta, delta, len(grid))
+    settings = requested_settings(values)  # the fixed sequence tests at delta: 36 instead of 72 at the paper's levels
+    return min_calibration_groups(settings.alpha), required_accepted_groups(
+        settings.beta, settings.delta, len(settings.tau_grid), procedure=settings.srgo_procedure)
 
 
 def _levels(values: Mapping[str, Any]) -> str:

@@ -34,13 +34,16 @@ import torch
 
 from .core import (
     DEGENERATE_RTOL,
+    PROCEDURES,
     CalibrationRecord,
     CalibrationSettings,
     calibrate,
     degenerate_groups,
-    grpo_coefficients,
     nonconformity_scores,
+    power_plan,
+    reference_coefficients,
     required_accepted_groups,
+    reversal_events,
     setgrpo_coefficients,
 )
 
@@ -132,8 +135,8 @@ def split_groups(degenerate: torch.Tensor, holdout_fraction: float, seed: int) -
 
 def _coefficients(scores: torch.Tensor, levels: ValidationLevels, degenerate_rtol: float) -> torch.Tensor:
     """``T(scores)`` ``[G, K]`` float64 with degenerate rows set to exactly zero (no direction, never a reversal)."""
-    a = grpo_coefficients(scores, levels.norm_by_std, levels.eps)
-    return torch.where(degenerate_groups(scores, degenerate_rtol)[:, None], 0.0, a)
+    return reference_coefficients(scores, norm_by_std=levels.norm_by_std, eps=levels.eps,
+                                  degenerate_rtol=degenerate_rtol)
 
 
 def _rate(count: int, total: int) -> float | None:
@@ -152,8 +155,8 @@ def _reversals(b: torch.Tensor, accepted: torch.Tensor, gram: torch.Tensor, targ
                levels: ValidationLevels, degenerate_rtol: float) -> dict[str, torch.Tensor]:
     """Per target, bool ``[H]``: the group is accepted and ``b^T M T(target) < 0`` (docs/validation.md#what-is-measured).
     A target with constant scores has zero coefficients, so it is never a reversal."""
-    return {name: accepted & (torch.einsum("gi,gij,gj->g", b, gram, _coefficients(scores, levels, degenerate_rtol)) < 0)
-            for name, scores in targets.items()}
+    return {name: reversal_events(b, gram, scores, accepted, norm_by_std=levels.norm_by_std, eps=levels.eps,
+                                  degenerate_rtol=degenerate_rtol) for name, scores in targets.items()}
 
 
 def _group_rows(held_out: torch.Tensor, status: Sequence[str], accepted: torch.Tensor, recovery_ratio: torch.Tensor,
@@ -399,8 +402,17 @@ def sample_size_plan(records: Sequence[CalibrationRecord], *, holdout_fraction: 
                      "accepted_share": share, "accepted_needed": need,
                      "groups_needed": None if need is None else math.ceil(need / (share * per_group))})
     feasible = [r for r in rows if r["groups_needed"] is not None]
+    at_power = {}
+    for procedure in PROCEDURES:  # docs/algorithm.md#44-sample-size: certify with probability 0.9
+        plan = power_plan(first.tau_grid, [sum(r.n_accepted[j] for r in records) for j in range(m)],
+                          [sum(r.n_reversals[j] for r in records) for j in range(m)], n_risk, beta=first.beta,
+                          delta=first.delta, power=0.9, procedure=procedure)
+        if plan is not None:
+            plan["groups_needed"] = math.ceil(plan["calibration_groups"] / (live_share * (1.0 - holdout_fraction)))
+        at_power[procedure] = plan
     return {"accepted_no_reversal": n0, "groups_no_reversal": math.ceil(n0 / per_group), "thresholds": rows,
-            "plan": min(feasible, key=lambda r: (r["groups_needed"], -r["tau"])) if feasible else None}
+            "plan": min(feasible, key=lambda r: (r["groups_needed"], -r["tau"])) if feasible else None,
+            "at_power": at_power}
 
 
 def run_validation(

@@ -4,14 +4,16 @@ Public API::
 
     grpo_coefficients(scores [G,K], norm_by_std=True, eps=1e-6) -> [G,K]
     grpo_jacobian(scores [G,K], norm_by_std=True, eps=1e-6)     -> [G,K,K]
-    calibrate(point, reference, gram, *, alpha, beta, delta, ...) -> CalibrationRecord
+    calibrate(point, reference, gram, *, alpha, beta, delta, srgo_procedure, tau_start, ...) -> CalibrationRecord
     CalibrationSettings(alpha, beta, delta, tau_grid, rho, ...)  -> the one validated settings object
     setgrpo_coefficients(point, gram, record, *, ablation=None) -> SetGRPOResult
     OnlineRiskMonitor(record).update(result, reference, gram)   -> metrics dict
 
 Building blocks (for diagnostics and tests): ``degenerate_groups``, ``set_shape``,
 ``nonconformity_scores``, ``conformal_radius``, ``CoefficientSets``, ``safe_anchor``,
-``projections``, ``recovery_ratios``, ``clopper_pearson_upper``, ``select_threshold``.
+``projections``, ``recovery_ratios``, ``reversal_events``, ``clopper_pearson_upper``, ``binomial_p_values``,
+``threshold_tests``, ``select_threshold``, ``certification_power``, ``required_accepted_groups``, ``pilot_start``,
+``risk_evidence``, ``anytime_upper_bound``.
 
 Reading a record's figures (docs/record.md#reading-the-guarantees): ``coverage_band``, ``risk_share_floor``,
 ``resplit`` and ``guarantee_lines``.
@@ -26,15 +28,36 @@ from ._record import (
     SCHEMA_VERSION,
     CalibrationRecord,
     RecordVersionWarning,
+    content_sha256,
     package_versions,
+    pilot_start,
     prompt_fingerprint,
     question_key,
 )
-from ._settings import ABLATIONS, ON_INFEASIBLE, CalibrationSettings
-from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, required_accepted_groups, select_threshold
+from ._reversal import reference_coefficients, reversal_events
+from ._sequential import anytime_upper_bound, risk_evidence
+from ._settings import ABLATIONS, COVERAGE_GROUPS, ON_INFEASIBLE, CalibrationSettings
+from ._srgo import (
+    DEFAULT_TAU_GRID,
+    PROCEDURES,
+    ThresholdTests,
+    binomial_p_values,
+    certification_power,
+    calibration_groups_needed,
+    clopper_pearson_upper,
+    power_plan,
+    required_accepted_groups,
+    required_risk_groups,
+    risk_group_power,
+    select_threshold,
+    threshold_tests,
+)
 
 __all__ = [
-    "ABLATIONS", "DEFAULT_TAU_GRID", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",
+    "ABLATIONS", "COVERAGE_GROUPS", "DEFAULT_TAU_GRID", "PROCEDURES", "ThresholdTests", "anytime_upper_bound",
+    "binomial_p_values", "certification_power", "content_sha256", "pilot_start", "reference_coefficients",
+    "reversal_events", "risk_evidence", "threshold_tests", "calibration_groups_needed", "power_plan",
+    "required_risk_groups", "risk_group_power", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",
     "CalibrationRecord", "CalibrationSettings", "CoefficientSets", "CoverageBand", "OnlineRiskMonitor",
     "RecordVersionWarning", "Resplits", "SetGRPOResult",
     "calibrate", "clopper_pearson_upper", "conformal_radius", "coverage_band", "guarantee_lines", "resplit",

@@ -25,8 +25,10 @@ from ._jrsc import (
     set_shape,
 )
 from ._record import CalibrationRecord, package_versions
-from ._settings import ABLATIONS, CalibrationSettings
-from ._srgo import DEFAULT_TAU_GRID, clopper_pearson_upper, infeasible_text, select_threshold
+from ._reversal import reversal_events
+from ._sequential import anytime_upper_bound, risk_evidence
+from ._settings import ABLATIONS, COVERAGE_GROUPS, CalibrationSettings
+from ._srgo import DEFAULT_TAU_GRID, infeasible_text, threshold_tests
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +87,24 @@ def calibrate(
     on_infeasible: str = "error",
     metadata: dict | None = None,
     degenerate_rtol: float = DEGENERATE_RTOL,
+    coverage_groups: int | None = COVERAGE_GROUPS,
+    srgo_procedure: str = "bonferroni",
+    tau_start: float | None = None,
+    tau_start_source: dict | None = None,
 ) -> CalibrationRecord:
     """Calibrate SetGRPO on paired scorings: JRSC radius on coverage groups, SRGO threshold on risk groups.
 
     Implements docs/algorithm.md#2-jrsc and #4-srgo. Degenerate groups (no spread of the point scores
     beyond ``degenerate_rtol`` times the group's largest |score|, see :func:`degenerate_groups`)
     are dropped first; the rest are split at random (``split_seed``) into coverage groups
-    (``1 - risk_fraction``) and disjoint risk groups. On coverage groups the nonconformity scores
-    give the conformal radius ``Q_alpha``. On risk groups, for every threshold tau_j the GGSR
-    recovery gives accepted groups (N_j), their reversals ``F = 1[b*^T M a' < 0]`` measured in the
-    true geometry (F_j), the Clopper-Pearson bound at ``1 - delta/m`` and the utility
-    ``U_j = sum_accepted eta* / n_risk``; ``tau_sel`` maximises U among thresholds with
-    ``N_j > 0`` and ``UCB_j <= beta`` (ties: larger tau).
+    (``1 - risk_fraction`` of them, at most ``coverage_groups``) and disjoint risk groups. On coverage groups the
+    nonconformity scores give the conformal radius ``Q_alpha``. On risk groups, for every threshold tau_j the GGSR
+    recovery gives accepted groups (N_j), their reversals (:func:`reversal_events`: ``b*^T M a' < 0`` in the
+    true geometry, never for a reference group without spread) (F_j), and the utility
+    ``U_j = sum_accepted eta* / n_risk``. SRGO tests the thresholds (``srgo_procedure``: ``bonferroni``, every
+    threshold with the Clopper-Pearson bound at ``1 - delta/m``; ``fixed_sequence``, from ``tau_start`` down the
+    grid at ``1 - delta`` each, stopping at the first failure) and ``tau_sel`` maximises U among the certified
+    thresholds (ties: larger tau).
 
     Guarantees (exchangeability): coverage ``P(T(r'_new) in C_new) >= 1 - alpha``; with probability
     ``>= 1 - delta`` the conditional reversal risk of accepted groups at ``tau_sel`` is ``<= beta``.
@@ -122,6 +130,11 @@ def calibrate(
             (one :func:`prompt_fingerprint` per calibration prompt: what the record was calibrated on).
         degenerate_rtol: relative tolerance of the degeneracy test (stored in the record; training
             applies the same value, so a group is degenerate in both phases or in neither).
+        coverage_groups: most coverage groups (default 1,000), or None for the ``risk_fraction`` split alone.
+        srgo_procedure: ``"bonferroni"`` (default, the paper's) or ``"fixed_sequence"`` (Learn then Test).
+        tau_start: the fixed sequence's first threshold, on the grid; chosen without these groups.
+        tau_start_source: where ``tau_start`` came from, stored in the record: ``{"kind": "user"}`` (the default
+            for a fixed sequence) or ``{"kind": "pilot", "record_sha256": ...}`` from :func:`pilot_start`.
 
     Returns:
         A frozen, validated :class:`CalibrationRecord`.
@@ -138,7 +151,8 @@ def calibrate(
                                    tau_grid=DEFAULT_TAU_GRID if tau_grid is None else tau_grid, rho=rho,
                                    grid_size=grid_size, ablation=ablation, fixed_tau=fixed_tau,
                                    risk_fraction=risk_fraction, norm_by_std=norm_by_std, eps=eps,
-                                   on_infeasible=on_infeasible)
+                                   on_infeasible=on_infeasible, coverage_groups=coverage_groups,
+                                   srgo_procedure=srgo_procedure, tau_start=tau_start)
     alpha, beta, delta, rho = settings.alpha, settings.beta, settings.delta, settings.rho
     risk_fraction, eps, grid = settings.risk_fraction, settings.eps, list(settings.tau_grid)
     metadata = dict(metadata or {})
@@ -153,6 +167,8 @@ def calibrate(
     n = int(keep.numel())
     perm = keep[torch.randperm(n, generator=torch.Generator().manual_seed(split_seed))]
     n_risk = int(round(n * risk_fraction))
+    if settings.coverage_groups is not None and n - n_risk > settings.coverage_groups:
+        n_risk = n - settings.coverage_groups
     cov, risk = perm[n_risk:], perm[:n_risk]
     need = min_calibration_groups(alpha)
     if cov.numel() < need or n_risk < 1:
@@ -171,24 +187,30 @@ def calibrate(
                                     anchor_only=ablation == "safe_anchor_only")
     accepted = feasible & ~geo.null[None]
     b_star = path_point(geo.anchor[None], geo.sets.center[None], eta)  # [m, G, K]
-    a_ref = grpo_coefficients(r64[risk], norm_by_std, eps)
-    reversal = accepted & (torch.einsum("mgi,gij,gj->mg", b_star, m_true[risk], a_ref) < 0)
+    reversal = reversal_events(b_star, m_true[risk], r64[risk], accepted, norm_by_std=norm_by_std, eps=eps,
+                               degenerate_rtol=degenerate_rtol)
     n_acc = accepted.sum(1).tolist()
     n_rev = reversal.sum(1).tolist()
     utility = (torch.where(accepted, eta, 0.0).sum(1) / n_risk).tolist()
-    ucb, index = select_threshold(n_acc, n_rev, utility, beta=beta, delta=delta)
+    procedure = settings.srgo_procedure
+    start = None if procedure == "bonferroni" else grid.index(settings.tau_start)
+    source = {} if procedure == "bonferroni" else dict(tau_start_source or {"kind": "user"})
+    tests = threshold_tests(n_acc, n_rev, utility, beta=beta, delta=delta, procedure=procedure, start_index=start)
+    ucb, index = tests.ucb, tests.index
     if ablation == "fixed_threshold":
         tau_sel = float(fixed_tau)
     elif index is None:
         if on_infeasible == "error":
+            why = infeasible_text(grid, n_acc, n_rev, ucb, beta=beta, stopped_at=tests.stopped_at)
             raise ValueError(
-                f"SRGO found no risk-feasible threshold: {infeasible_text(grid, n_acc, n_rev, ucb, beta=beta)}. Use "
+                f"SRGO found no risk-feasible threshold: {why}. Use "
                 "more calibration groups (tighter bounds), a larger beta, or on_infeasible='reject_all' to train no "
                 "group"
             )
         tau_sel = None
     else:
         tau_sel = grid[index]
+    a_ref = grpo_coefficients(r64[risk], norm_by_std, eps)
     coverage = float((mahalanobis(a_ref - geo.sets.center, geo.sets.pinv) <= q_alpha).double().mean())
     return CalibrationRecord(
         alpha=float(alpha), beta=float(beta), delta=float(delta), rho=float(rho), q_alpha=q_alpha,
@@ -202,6 +224,7 @@ def calibrate(
         package_versions=package_versions(), created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         degenerate_rtol=float(degenerate_rtol),
         calibration_prompts=tuple(dict(p) for p in metadata.get("calibration_prompts", ())),
+        srgo_procedure=procedure, tau_start=settings.tau_start, tau_start_source=source,
     )
 
 
@@ -369,12 +392,23 @@ class OnlineRiskMonitor:
 
     When reference scores are available during training, each :meth:`update` counts, over the
     step's non-degenerate groups, whether ``a' = T(r')`` lies in the group's coefficient set
-    (online coverage) and, over accepted groups, whether ``b*^T M a' < 0`` (reversal). The
-    cumulative reversal rate gets a one-sided Clopper-Pearson bound at ``1 - record.delta``.
-    Policy drift is signalled by a warning (``warnings.warn`` and the ``setgrpo`` logger) when
-    that bound rises above ``record.beta`` after having been at or below it; before the bound
-    first certifies beta there is too little evidence either way (metric ``online_risk_certified``
-    is 0).
+    (online coverage) and, over accepted groups, the reversal events of :func:`reversal_events` (the
+    event calibration counts). The cumulative counts (F reversals of N accepted groups) are read
+    with anytime-valid evidence (:func:`risk_evidence`), so looking after every step keeps the error:
+
+    * ``online_risk_certified`` is 1 while the e-value against "risk >= beta" is at least ``1 / delta``;
+      if the risk of accepted groups is above beta throughout, this happens at any step of a run with
+      probability at most delta (a fixed-N Clopper-Pearson bound recomputed every step would not:
+      it certifies falsely far more often).
+    * ``online_reversal_ucb`` is the anytime-valid upper bound (:func:`anytime_upper_bound`); it is
+      ``<= beta`` exactly when the flag is 1.
+    * Policy drift is signalled (``online_risk_drift`` = 1, a warning through ``warnings.warn`` and
+      the ``setgrpo`` logger when it turns on) once the e-value against "risk <= beta" reaches
+      ``1 / delta``: evidence at level delta that accepted updates reverse more often than beta.
+
+    The counts pool every step since the monitor started, so a drift late in a long run shows only
+    once its reversals outweigh the earlier evidence; the per-step ``online_reversal_rate`` shows it
+    without delay, but carries no guarantee.
     """
 
     def __init__(self, record: CalibrationRecord):
@@ -384,28 +418,34 @@ class OnlineRiskMonitor:
         self.accepted = 0
         self.reversals = 0
         self.certified = False
+        self.drift = False
 
     def state_dict(self) -> dict[str, Any]:
-        """The running counts (ints) and the certified flag, JSON-ready, for a training checkpoint."""
+        """The running counts (ints) and the two flags, JSON-ready, for a training checkpoint."""
         return {"covered": self.covered, "seen": self.seen, "accepted": self.accepted, "reversals": self.reversals,
-                "certified": self.certified}
+                "certified": self.certified, "drift": self.drift}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict` output (a resumed run, docs/algorithm.md#6-diagnostics).
+        """Continue from :meth:`state_dict` output (a resumed run, docs/algorithm.md#6-diagnostics); the flags are
+        re-derived from the counts (a checkpoint of an older version without them loads the same way).
 
         Raises:
             ValueError: missing keys, negative counts, or more covered / reversed groups than seen / accepted.
         """
         try:
             counts = {k: int(state[k]) for k in ("covered", "seen", "accepted", "reversals")}
-            certified = bool(state["certified"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"online monitor state {state!r} is incomplete: {exc}") from None
         if min(counts.values()) < 0 or counts["covered"] > counts["seen"] or counts["reversals"] > counts["accepted"]:
             raise ValueError(f"online monitor state {state!r} is inconsistent")
         self.covered, self.seen = counts["covered"], counts["seen"]
         self.accepted, self.reversals = counts["accepted"], counts["reversals"]
-        self.certified = certified
+        self.certified, self.drift = self._flags()
+
+    def _flags(self) -> tuple[bool, bool]:
+        low, high = risk_evidence([self.reversals], [self.accepted], self.record.beta)
+        bar = math.log(1.0 / self.record.delta)
+        return bool(low[0] >= bar), bool(high[0] >= bar)
 
     def update(self, result: SetGRPOResult, reference: torch.Tensor, gram: torch.Tensor,
                prefix: str = "setgrpo/") -> dict[str, float]:
@@ -434,20 +474,20 @@ class OnlineRiskMonitor:
             _, pinv = set_shape(result.point[live], rho=rec.rho, norm_by_std=rec.norm_by_std, eps=rec.eps,
                                 shape=shape)
             covered[live] = mahalanobis(a_ref[live] - result.grpo[live], pinv) <= rec.q_alpha
-        rev = result.accepted & (torch.einsum("gi,gij,gj->g", result.coefficients, m, a_ref) < 0)
+        rev = reversal_events(result.coefficients, m, reference, result.accepted, norm_by_std=rec.norm_by_std,
+                              eps=rec.eps, degenerate_rtol=rec.degenerate_rtol)
         n_live, n_acc = int(live.sum()), int(result.accepted.sum())
         self.seen += n_live
         self.covered += int(covered.sum())
         self.accepted += n_acc
         self.reversals += int(rev.sum())
-        ucb = float(clopper_pearson_upper([self.reversals], [self.accepted], 1 - rec.delta)[0])
-        if ucb <= rec.beta:
-            self.certified = True
-        elif self.certified:
-            self.certified = False
-            msg = (f"SetGRPO online monitor: accepted-reversal UCB {ucb:.4f} rose above beta={rec.beta} "
-                   f"({self.reversals}/{self.accepted} accepted groups reversed); the policy may have drifted from "
-                   "the calibration policy - consider recalibrating")
+        was_drift = self.drift
+        self.certified, self.drift = self._flags()
+        ucb = anytime_upper_bound(self.reversals, self.accepted, rec.delta)
+        if self.drift and not was_drift:
+            msg = (f"SetGRPO online monitor: {self.reversals}/{self.accepted} accepted groups reversed, evidence at "
+                   f"level delta={rec.delta} (anytime-valid) that the reversal risk is above beta={rec.beta}; the "
+                   "policy may have drifted from the calibration policy - consider recalibrating")
             logger.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
         out = {
@@ -457,5 +497,6 @@ class OnlineRiskMonitor:
             "online_reversal_rate_cum": self.reversals / self.accepted if self.accepted else math.nan,
             "online_reversal_ucb": ucb,
             "online_risk_certified": float(self.certified),
+            "online_risk_drift": float(self.drift),
         }
         return {prefix + k: v for k, v in out.items()}

@@ -17,8 +17,9 @@ import torch
 from scipy.stats import betabinom, binom
 
 from ._api import calibrate, setgrpo_coefficients
-from ._grpo import degenerate_groups, grpo_coefficients
+from ._grpo import degenerate_groups
 from ._record import CalibrationRecord
+from ._reversal import reversal_events
 from ._settings import CalibrationSettings
 
 #: Default share of exchangeable splits a band holds: its ends are the 5 % and 95 % quantiles.
@@ -228,9 +229,8 @@ def resplit(point: torch.Tensor, reference: torch.Tensor, gram: torch.Tensor, re
         except ValueError:  # half the groups are too few for alpha: this re-split has no risk figure
             continue
         res = setgrpo_coefficients(point[hold], gram[hold], rec)
-        a_ref = grpo_coefficients(reference[hold], record.norm_by_std, record.eps)
-        a_ref = torch.where(degenerate_groups(reference[hold], record.degenerate_rtol)[:, None], 0.0, a_ref)
-        rev = res.accepted & (torch.einsum("gi,gij,gj->g", res.coefficients, gram[hold], a_ref) < 0)
+        rev = reversal_events(res.coefficients, gram[hold], reference[hold], res.accepted,
+                              norm_by_std=record.norm_by_std, eps=record.eps, degenerate_rtol=record.degenerate_rtol)
         n_acc[s] = int(res.accepted.sum())
         if n_acc[s]:
             risk[s] = int(rev.sum()) / n_acc[s]

@@ -16,11 +16,15 @@ import numpy as np
 
 from ._grpo import DEGENERATE_RTOL
 from ._settings import ABLATIONS, ON_INFEASIBLE
-from ._srgo import infeasible_text, select_threshold
+from ._srgo import PROCEDURES, infeasible_text, threshold_tests
 
 #: Version 2 added ``degenerate_rtol`` (the degeneracy tolerance that calibration used and training applies);
-#: version 3 added ``calibration_prompts`` (what the record was calibrated on).
-SCHEMA_VERSION = 3
+#: version 3 added ``calibration_prompts`` (what the record was calibrated on); version 4 the SRGO testing procedure
+#: (``srgo_procedure``, ``tau_start`` and where it came from, the test order, levels, p-values and the stop).
+SCHEMA_VERSION = 4
+#: The older schema that is still read: a version-3 record is a Bonferroni record, its tests re-derived on reading.
+_READABLE_OLD = 3
+_TEST_FIELDS = ("test_order", "test_levels", "p_values", "stopped_at")
 _HASH_KEY = "content_sha256"
 _PROMPT_KEYS = ("id", "question_sha256", "rubric_sha256")
 #: Packages whose major.minor a record is compared against when it is read (others are informative only).
@@ -89,6 +93,14 @@ class CalibrationRecord:
     (id, question hash, rubric hash) per calibration prompt, empty when the caller gave none;
     :meth:`check_disjoint` refuses training prompts among them.
 
+    SRGO's tests (docs/algorithm.md#4-srgo): ``srgo_procedure`` (``bonferroni`` or ``fixed_sequence``),
+    ``tau_start`` (the fixed sequence's first threshold, None for Bonferroni) and ``tau_start_source`` (where it came
+    from: ``{"kind": "user"}`` or ``{"kind": "pilot", "record_sha256": <pilot record's content hash>}``);
+    ``test_order`` (grid indices in the order tested), ``test_levels`` (the level of each of those tests),
+    ``p_values`` (``[m]``, ``P(Bin(N_j, beta) <= F_j)``) and ``stopped_at`` (the grid index of the failed test that
+    ended a fixed sequence, None otherwise). Left empty on construction they are derived from the counts; given,
+    they must equal that derivation.
+
     The paper's Table 4 columns are the properties ``N``, ``F``, ``ecr`` and ``U`` together with
     ``n_cov``, ``n_risk``, ``q_alpha`` and ``tau_sel`` (see :meth:`table4_row`).
     """
@@ -123,10 +135,27 @@ class CalibrationRecord:
     created_at: str = ""
     degenerate_rtol: float = DEGENERATE_RTOL
     calibration_prompts: tuple = ()
+    srgo_procedure: str = "bonferroni"
+    tau_start: float | None = None
+    tau_start_source: dict = field(default_factory=dict)
+    test_order: tuple = ()
+    test_levels: tuple = ()
+    p_values: tuple = ()
+    stopped_at: int | None = None
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        if not self.test_order and not self.test_levels and not self.p_values:
+            tests = _tests(self)
+            if tests is not None:
+                for name, value in _test_fields(tests).items():
+                    object.__setattr__(self, name, value)
         _validate(self)
+
+    @property
+    def start_index(self) -> int | None:
+        """Grid index of ``tau_start`` (None for Bonferroni)."""
+        return None if self.tau_start is None else self.tau_grid.index(self.tau_start)
 
     # ----------------------------------------------------------------- Table 4 view
     @property
@@ -164,9 +193,35 @@ class CalibrationRecord:
         reject-all record, that no threshold is risk-feasible, the smallest bound, and that no group updates."""
         if self.tau_sel is not None:
             return f"tau_sel={self.tau_sel:.2f}, UCB {self.ucb_sel:.4f} <= beta={self.beta}"
-        why = infeasible_text(self.tau_grid, self.n_accepted, self.n_reversals, self.ucb, beta=self.beta)
+        why = infeasible_text(self.tau_grid, self.n_accepted, self.n_reversals, self.ucb, beta=self.beta,
+                              stopped_at=self.stopped_at if self.srgo_procedure == "fixed_sequence" else None)
         return (f"no risk-feasible threshold: {why}, so this record accepts no group and SetGRPO updates nothing; "
                 "more calibration groups or a larger beta may certify one")
+
+    def tests_lines(self) -> list[str]:
+        """SRGO's tests as lines of text (docs/algorithm.md#4-srgo): the procedure, where the start came from, and one
+        line per test of a fixed sequence in the order run (threshold, N, F, p-value against its level, passed or
+        failed); for Bonferroni the certified thresholds."""
+        if self.srgo_procedure == "bonferroni":
+            head = (f"SRGO procedure: bonferroni, each of the {len(self.tau_grid)} thresholds tested at level "
+                    f"delta/m = {self.delta / len(self.tau_grid):.4g}")
+        else:
+            src = self.tau_start_source
+            origin = (f"pilot record {src['record_sha256'][:12]}" if src.get("kind") == "pilot" else "set by the user")
+            stop = ("every test passed" if self.stopped_at is None
+                    else f"stopped at tau={self.tau_grid[self.stopped_at]:.2f}")
+            head = (f"SRGO procedure: fixed_sequence from tau_start={self.tau_start:.2f} ({origin}) down the grid, "
+                    f"each test at level delta = {self.delta:g}; {stop}")
+        lines = [head]
+        if self.srgo_procedure == "bonferroni":  # every threshold is tested; the certified ones say it all
+            passed = [f"{self.tau_grid[j]:.2f}" for j in self.test_order
+                      if self.n_accepted[j] > 0 and self.ucb[j] <= self.beta]
+            return lines + [f"  certified thresholds: {', '.join(passed) if passed else 'none'}"]
+        for j, level in zip(self.test_order, self.test_levels):
+            ok = self.n_accepted[j] > 0 and self.ucb[j] <= self.beta
+            lines.append(f"  tau={self.tau_grid[j]:.2f}: N={self.n_accepted[j]}, F={self.n_reversals[j]}, "
+                         f"p={self.p_values[j]:.3g} vs level {level:.4g} -> {'passed' if ok else 'failed'}")
+        return lines
 
     def table4_row(self) -> dict[str, Any]:
         """The paper's Table 4 row: Cov., Risk, Q_alpha, tau_sel, N, F, ECR, U."""
@@ -280,10 +335,11 @@ class CalibrationRecord:
         if not isinstance(data, dict):
             raise ValueError(f"a calibration record is a JSON object, got a JSON {type(data).__name__}")
         data = dict(data)
-        if data.get("schema_version") != SCHEMA_VERSION:
+        version = data.get("schema_version")
+        if version not in (SCHEMA_VERSION, _READABLE_OLD):
             raise ValueError(
-                f"calibration record schema_version is {data.get('schema_version')!r}, this package reads "
-                f"{SCHEMA_VERSION}; recalibrate with this version"
+                f"calibration record schema_version is {version!r}, this package reads {SCHEMA_VERSION} (and "
+                f"{_READABLE_OLD}, as a Bonferroni record); recalibrate with this version"
             )
         stored = data.pop(_HASH_KEY, None)
         if stored is None or stored != _content_hash({**data}):
@@ -292,11 +348,15 @@ class CalibrationRecord:
                 "(or is truncated); a frozen record must not be edited - recalibrate instead"
             )
         summary = data.pop("summary", None)
+        if version == _READABLE_OLD:  # the paper's Bonferroni procedure; its tests are re-derived from the counts
+            data.update(schema_version=SCHEMA_VERSION, srgo_procedure="bonferroni", tau_start=None,
+                        tau_start_source={}, test_order=(), test_levels=(), p_values=(), stopped_at=None)
         names = {f.name for f in dataclasses.fields(cls)}
         missing, unknown = names - set(data), set(data) - names
         if missing or unknown:
             raise ValueError(f"calibration record fields wrong: missing {sorted(missing)}, unknown {sorted(unknown)}")
-        for key in ("tau_grid", "n_accepted", "n_reversals", "ucb", "utility", "calibration_prompts"):
+        for key in ("tau_grid", "n_accepted", "n_reversals", "ucb", "utility", "calibration_prompts", "test_order",
+                    "test_levels", "p_values"):
             data[key] = tuple(data[key])
         record = cls(**data)
         if summary is not None and (summary.get("N"), summary.get("F")) != (record.N, record.F):
@@ -324,6 +384,66 @@ def _content_hash(d: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
 
 
+def content_sha256(record: CalibrationRecord) -> str:
+    """The content hash a record's JSON file stores (``content_sha256``): what a fixed sequence's
+    ``tau_start_source`` names when its start came from a pilot record (docs/record.md#fields)."""
+    return record.to_dict()[_HASH_KEY]
+
+
+def pilot_start(pilot: CalibrationRecord, tau_grid, *, calibration_prompts=()) -> tuple[float, dict[str, str]]:
+    """The fixed sequence's start from a pilot record calibrated on other prompts (docs/algorithm.md#4-srgo).
+
+    The start is the pilot's selected threshold ``tau_sel``; ``tau_start_source`` names the pilot by its content
+    hash. Learn then Test is valid only when the start does not depend on the calibration groups, so the pilot's
+    prompts must be disjoint from this calibration's.
+
+    Args:
+        pilot: the pilot's frozen record.
+        tau_grid: this calibration's thresholds; the start must be one of them.
+        calibration_prompts: this calibration's :func:`prompt_fingerprint` list (checked against the pilot's).
+
+    Returns:
+        ``(tau_start, {"kind": "pilot", "record_sha256": <pilot content hash>})`` for :func:`calibrate`.
+
+    Raises:
+        ValueError: a pilot without a selected threshold, a start off ``tau_grid``, or shared prompts (named).
+    """
+    if pilot.tau_sel is None:
+        raise ValueError("the pilot record selected no threshold (reject-all), so it gives no start for the fixed "
+                         "sequence; set tau_start yourself or calibrate the pilot on more groups")
+    grid = [float(t) for t in tau_grid]
+    if float(pilot.tau_sel) not in grid:
+        raise ValueError(f"the pilot record's tau_sel={pilot.tau_sel} is not on this calibration's tau_grid {grid}")
+    mine = {p["id"] for p in pilot.calibration_prompts} | {p["question_sha256"] for p in pilot.calibration_prompts}
+    shared = [p["id"] for p in calibration_prompts if p["id"] in mine or p["question_sha256"] in mine]
+    if shared:
+        raise ValueError(f"{len(shared)} calibration prompt(s) were also the pilot's, the first {shared[0]!r}: a start "
+                         "chosen on the calibration data invalidates the fixed sequence's guarantee; calibrate the "
+                         "pilot on disjoint prompts")
+    return float(pilot.tau_sel), {"kind": "pilot", "record_sha256": content_sha256(pilot)}
+
+
+def _tests(r: CalibrationRecord) -> Any:
+    """SRGO's tests re-derived from a record's counts, or None when its fields cannot say (left to _validate)."""
+    m = len(r.tau_grid)
+    if r.srgo_procedure not in PROCEDURES or m == 0 or any(len(getattr(r, k)) != m for k in (
+            "n_accepted", "n_reversals", "utility")):
+        return None
+    if r.srgo_procedure == "fixed_sequence" and r.tau_start not in r.tau_grid:
+        return None
+    try:
+        return threshold_tests(r.n_accepted, r.n_reversals, r.utility, beta=r.beta, delta=r.delta,
+                               procedure=r.srgo_procedure, start_index=r.start_index if r.tau_start in r.tau_grid
+                               else None)
+    except ValueError:
+        return None
+
+
+def _test_fields(tests: Any) -> dict[str, Any]:
+    return {"test_order": tuple(int(j) for j in tests.order), "test_levels": tuple(float(x) for x in tests.levels),
+            "p_values": tuple(float(x) for x in tests.p_values), "stopped_at": tests.stopped_at}
+
+
 def _validate(r: CalibrationRecord) -> None:
     def fail(msg: str) -> None:
         raise ValueError(f"invalid calibration record: {msg}")
@@ -348,9 +468,35 @@ def _validate(r: CalibrationRecord) -> None:
         fail("tau_grid must be strictly increasing inside (-1, 1)")
     if any(not (0 <= f <= n <= r.n_risk) for f, n in zip(r.n_reversals, r.n_accepted)):
         fail("need 0 <= n_reversals <= n_accepted <= n_risk at every threshold")
-    ucb, index = select_threshold(r.n_accepted, r.n_reversals, r.utility, beta=r.beta, delta=r.delta)
+    if r.srgo_procedure not in PROCEDURES:
+        fail(f"srgo_procedure={r.srgo_procedure!r} must be one of {PROCEDURES}")
+    source = r.tau_start_source
+    if r.srgo_procedure == "bonferroni":
+        if r.tau_start is not None or source:
+            fail("a bonferroni record has no tau_start and no tau_start_source")
+    else:
+        if r.tau_start not in r.tau_grid:
+            fail(f"tau_start={r.tau_start!r} must be on tau_grid for srgo_procedure='fixed_sequence'")
+        if not (source == {"kind": "user"} or (isinstance(source, dict) and set(source) == {"kind", "record_sha256"}
+                                                and source["kind"] == "pilot"
+                                                and isinstance(source["record_sha256"], str)
+                                                and len(source["record_sha256"]) == 64)):
+            fail(f"tau_start_source={source!r} must be {{'kind': 'user'}} or {{'kind': 'pilot', 'record_sha256': "
+                 "<the pilot record's 64-hex content hash>}")
+    tests = _tests(r)
+    if tests is None:
+        fail("the SRGO tests cannot be derived from these counts")
+    ucb, index = tests.ucb, tests.index
     if not np.allclose(ucb, r.ucb, rtol=1e-9, atol=1e-12):
-        fail("ucb values are not the Clopper-Pearson bounds of (n_reversals, n_accepted) at 1 - delta/m")
+        fail("ucb values are not the Clopper-Pearson bounds of (n_reversals, n_accepted) at 1 - delta/m "
+             "(bonferroni) or 1 - delta (fixed_sequence)")
+    derived = _test_fields(tests)
+    for name in _TEST_FIELDS:
+        mine, want = getattr(r, name), derived[name]
+        same = (np.allclose(mine, want, rtol=1e-9, atol=1e-15) if name in ("test_levels", "p_values")
+                and len(mine) == len(want) else tuple(mine) == tuple(want) if name != "stopped_at" else mine == want)
+        if not same:
+            fail(f"{name}={mine!r} is not what the {r.srgo_procedure} tests of these counts give ({want!r})")
     if r.ablation is not None and r.ablation not in ABLATIONS:
         fail(f"ablation={r.ablation!r} is not one of {ABLATIONS}")
     if r.on_infeasible not in ON_INFEASIBLE:

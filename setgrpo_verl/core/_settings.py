@@ -14,12 +14,16 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ._srgo import DEFAULT_TAU_GRID
+from ._srgo import DEFAULT_TAU_GRID, PROCEDURES
 
 #: Ablations of docs/algorithm.md#6-diagnostics (``None`` is the full method).
 ABLATIONS = ("spherical_set", "identity_geometry", "safe_anchor_only", "fixed_threshold", "random_discard")
 #: What calibration does when no threshold is risk-feasible (docs/algorithm.md#4-srgo).
 ON_INFEASIBLE = ("error", "reject_all")
+#: Default most coverage-calibration groups (docs/algorithm.md#41-defaults): the conformal radius at alpha = 0.05
+#: is settled by a few hundred to about 1,000 groups, while the risk tests need thousands; past this count every
+#: further group goes to the risk set.
+COVERAGE_GROUPS = 1000
 
 
 def _is_number(value: Any) -> bool:
@@ -44,6 +48,13 @@ class CalibrationSettings:
         norm_by_std: the coefficient map: True for GRPO (divide by the group's std), False for Dr.GRPO.
         eps: verl's std epsilon of the coefficient map, finite and >= 0.
         on_infeasible: ``"error"`` or ``"reject_all"`` when no threshold is risk-feasible.
+        coverage_groups: most coverage-calibration groups (an integer >= 1, default :data:`COVERAGE_GROUPS`), or
+            None for no cap: the coverage set gets ``1 - risk_fraction`` of the groups up to this count, the risk
+            set all the rest.
+        srgo_procedure: SRGO's test over the grid, one of ``bonferroni`` (the paper's) and ``fixed_sequence``
+            (Learn then Test, docs/algorithm.md#4-srgo).
+        tau_start: the fixed sequence's first threshold, on ``tau_grid``; required for ``fixed_sequence``, None for
+            ``bonferroni``. It must be chosen without the calibration groups (a pilot record or the user).
 
     Raises:
         ValueError: on construction, naming the first invalid field as ``<field>=<value>`` followed by the
@@ -62,6 +73,9 @@ class CalibrationSettings:
     norm_by_std: bool = True
     eps: float = 1e-6
     on_infeasible: str = "error"
+    coverage_groups: Optional[int] = COVERAGE_GROUPS
+    srgo_procedure: str = "bonferroni"
+    tau_start: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "delta", "risk_fraction"):
@@ -106,6 +120,25 @@ class CalibrationSettings:
             raise ValueError(f"grid_size={self.grid_size!r} must be an integer >= 1 (default 100)")
         if self.on_infeasible not in ON_INFEASIBLE:
             raise ValueError(f"on_infeasible={self.on_infeasible!r}: choose one of {ON_INFEASIBLE}")
+        if self.coverage_groups is not None and (isinstance(self.coverage_groups, bool) or not isinstance(
+                self.coverage_groups, int) or self.coverage_groups < 1):
+            raise ValueError(f"coverage_groups={self.coverage_groups!r} must be an integer >= 1 (default "
+                             f"{COVERAGE_GROUPS}) or None (no cap: the risk_fraction split alone)")
+        self._check_procedure()
+
+    def _check_procedure(self) -> None:
+        if self.srgo_procedure not in PROCEDURES:
+            raise ValueError(f"srgo_procedure={self.srgo_procedure!r}: choose one of {PROCEDURES}")
+        if self.srgo_procedure == "bonferroni":
+            if self.tau_start is not None:
+                raise ValueError(f"tau_start={self.tau_start!r} is for srgo_procedure=fixed_sequence only; leave it "
+                                 "null for bonferroni")
+            return
+        if self.tau_start is None or not _is_number(self.tau_start) or float(self.tau_start) not in self.tau_grid:
+            raise ValueError(f"tau_start={self.tau_start!r} must be one of the thresholds of tau_grid "
+                             f"{list(self.tau_grid)} for srgo_procedure=fixed_sequence: the first threshold tested, "
+                             "chosen before calibration (from a pilot record on disjoint prompts, or by you)")
+        object.__setattr__(self, "tau_start", float(self.tau_start))
 
     def replace(self, **changes: Any) -> CalibrationSettings:
         """A copy with ``changes`` applied, validated again (``dataclasses.replace``)."""
@@ -124,7 +157,7 @@ class CalibrationSettings:
     @classmethod
     def from_record(cls, record: Any, **changes: Any) -> CalibrationSettings:
         """The settings a :class:`~setgrpo_verl.core.CalibrationRecord` was calibrated with (its risk fraction is
-        the default 50/50 split), with ``changes`` applied.
+        the default 50/50 split, its coverage cap the record's ``n_cov``), with ``changes`` applied.
 
         Raises:
             ValueError: as the constructor.
@@ -132,6 +165,8 @@ class CalibrationSettings:
         values = dict(alpha=record.alpha, beta=record.beta, delta=record.delta, tau_grid=tuple(record.tau_grid),
                       rho=record.rho, grid_size=record.grid_size, ablation=record.ablation,
                       fixed_tau=record.tau_sel if record.ablation == "fixed_threshold" else None,
-                      norm_by_std=record.norm_by_std, eps=record.eps, on_infeasible=record.on_infeasible)
+                      norm_by_std=record.norm_by_std, eps=record.eps, on_infeasible=record.on_infeasible,
+                      coverage_groups=max(record.n_cov, 1), srgo_procedure=record.srgo_procedure,
+                      tau_start=record.tau_start)
         values.update(changes)
         return cls(**values)

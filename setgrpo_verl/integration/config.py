@@ -53,7 +53,10 @@ class SetGRPOCalibrationConfig(BaseConfig):
     files: Optional[Any] = _field(None, "parquet file(s) of calibration prompts in verl's RL format; null = "
                                         "data.train_files (use prompts disjoint from training)")
     num_prompts: int = _field(512, "number of calibration prompts (groups of rollout.n responses), split 50/50 "
-                                   "into coverage and risk groups")
+                                   "into coverage and risk groups up to coverage_groups coverage groups")
+    coverage_groups: Optional[int] = _field(1000, "most coverage groups (the conformal radius needs a few hundred "
+                                                  "to about 1,000); every further group goes to the risk tests; null "
+                                                  "= 50/50 at any size (docs/algorithm.md#41-defaults)")
     batch_size: Optional[int] = _field(None, "prompts per calibration rollout batch; null = data.train_batch_size")
     split_seed: int = _field(0, "seed of the coverage/risk split, stored in the record")
     on_infeasible: str = _field("error", "when no threshold meets beta: 'error' (stop, report the smallest UCB) "
@@ -126,8 +129,8 @@ class SetGRPOMonitorConfig(BaseConfig):
     """``algorithm.setgrpo.monitor``: online coverage and reversal monitor (docs/algorithm.md#6-diagnostics)."""
 
     enable: bool = _field(True, "compute setgrpo/online_* metrics when reference scores are present")
-    warn_on_drift: bool = _field(True, "log a warning when the running Clopper-Pearson UCB of accepted reversals "
-                                       "passes beta (policy drift)")
+    warn_on_drift: bool = _field(True, "log a warning when the anytime-valid evidence that accepted updates "
+                                       "reverse more often than beta reaches 1/delta (policy drift)")
 
 
 @dataclass
@@ -143,10 +146,16 @@ class SetGRPOConfig(BaseConfig):
 
     alpha: float = _field(0.05, "miscoverage of the joint coefficient set: P(T(r') in C) >= 1 - alpha (docs/algorithm.md#2-jrsc)")
     beta: float = _field(0.08, "bound on the conditional reversal risk of accepted updates (docs/algorithm.md#4-srgo)")
-    delta: float = _field(0.05, "failure probability of the risk bound (Clopper-Pearson, Bonferroni over "
-                                "tau_grid; docs/algorithm.md#4-srgo)")
+    delta: float = _field(0.05, "failure probability of the risk bound (Clopper-Pearson; Bonferroni over "
+                                "tau_grid or the fixed sequence, see srgo_procedure; docs/algorithm.md#4-srgo)")
     tau_grid: Optional[list[float]] = _field(None, "candidate full-geometry thresholds tau; null = 0.00, 0.05, "
                                                    "..., 0.95 (docs/algorithm.md#4-srgo)")
+    srgo_procedure: str = _field("bonferroni", "SRGO's test over tau_grid: bonferroni (the paper's, each threshold "
+                                               "at delta/m) or fixed_sequence (Learn then Test from tau_start down, "
+                                               "each at delta; about half the groups) (docs/algorithm.md#4-srgo)")
+    tau_start: Optional[float] = _field(None, "fixed_sequence only: the first threshold tested, one of tau_grid, "
+                                              "chosen without the calibration prompts (e.g. a pilot record's "
+                                              "tau_sel); null for bonferroni")
     rho: float = _field(0.1, "scale-free ridge of the set shape Sigma = J J^T + rho tr(J J^T)/(K-1) P (docs/algorithm.md#2-jrsc)")
     recovery_grid: int = _field(100, "N of the recovery grid {0, 1/N, ..., 1} for eta, then bisection to 1e-4 "
                                      "(docs/algorithm.md#3-ggsr)")
@@ -188,18 +197,27 @@ class SetGRPOConfig(BaseConfig):
         """
         cal = self.calibration  # a plain mapping while verl's instantiation builds the nested blocks
         on_infeasible = cal.get("on_infeasible", "error") if isinstance(cal, Mapping) else cal.on_infeasible
+        coverage_groups = cal.get("coverage_groups", 1000) if isinstance(cal, Mapping) else cal.coverage_groups
         try:
             return CalibrationSettings(
                 alpha=self.alpha, beta=self.beta, delta=self.delta,
                 tau_grid=DEFAULT_TAU_GRID if self.tau_grid is None else tuple(self.tau_grid), rho=self.rho,
                 grid_size=self.recovery_grid, ablation=self.ablation, fixed_tau=self.fixed_tau,
-                norm_by_std=bool(norm_by_std), on_infeasible=on_infeasible,
+                norm_by_std=bool(norm_by_std), on_infeasible=on_infeasible, **_srgo_settings(self, coverage_groups),
             )
         except ValueError as exc:
             text = str(exc)
             if text.startswith("grid_size="):
                 text = "recovery_grid=" + text.removeprefix("grid_size=")
             raise ValueError(f"algorithm.setgrpo.{text}") from None
+
+
+def _srgo_settings(cfg: Any, coverage_groups: Any) -> dict[str, Any]:
+    """The SRGO procedure keys of ``algorithm.setgrpo`` (``srgo_procedure``, ``tau_start``,
+    ``calibration.coverage_groups``) as :class:`setgrpo_verl.core.CalibrationSettings` arguments, validated there
+    (``tau_start`` on the grid) before Ray."""
+    return {"srgo_procedure": cfg.srgo_procedure, "tau_start": cfg.tau_start,
+            "coverage_groups": None if coverage_groups is None else int(coverage_groups)}
 
 
 def _documented_fields(cls: Any) -> list[dataclasses.Field]:

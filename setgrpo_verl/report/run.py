@@ -134,7 +134,7 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False, resplit
     lines = [format_table4(rec, label), "",
              f"alpha={rec.alpha}  beta={rec.beta}  delta={rec.delta}  rho={rec.rho}  K={rec.K}  "
              f"norm_by_std={rec.norm_by_std}  loss_agg_mode={rec.loss_agg_mode}  ablation={rec.ablation}",
-             rec.selection_text(), f"degenerate groups dropped={rec.n_degenerate}",
+             rec.selection_text(), *rec.tests_lines(), f"degenerate groups dropped={rec.n_degenerate}",
              *_guarantees(rec, p.parent / "paired_scores.npz", resplits),
              f"grader: {rec.grader}", f"policy: {rec.policy}", f"created {rec.created_at}, file {p}",
              f"written by: {versions}; {len(rec.calibration_prompts)} calibration prompts recorded"]

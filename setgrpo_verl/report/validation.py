@@ -61,7 +61,10 @@ def _sample_size_lines(report: Mapping[str, Any]) -> list[str]:
         return [line, "  no threshold's measured reversal rate is below beta: more groups alone cannot certify it"]
     return [line, f"  at the measured rates, tau={best['tau']:.2f} (reversal rate {best['reversal_rate']:.3f}, "
                   f"{best['accepted_share']:.2f} of risk groups accepted) needs {best['accepted_needed']} accepted "
-                  f"groups: about {best['groups_needed']} groups in one run"]
+                  f"groups: about {best['groups_needed']} groups in one run"] + [
+        f"  to certify with probability 0.9 ({name}{' from tau_start=' + format(p['tau'], '.2f') if name != 'bonferroni' else ''}): "
+        f"tau={p['tau']:.2f} needs {p['risk_groups']} risk groups, about {p['groups_needed']} groups in one run"
+        for name, p in plan.get("at_power", {}).items() if p is not None]
 
 
 def _band_lines(report: Mapping[str, Any]) -> list[str]:

@@ -203,7 +203,8 @@ def test_online_monitor_coverage_and_drift_warning(record, data):
     assert out["setgrpo/online_coverage"] > 0.8
     assert out["setgrpo/online_risk_certified"] == 1.0
     # drift: references that flip every ranking make accepted updates reverse
-    with pytest.warns(RuntimeWarning, match="rose above beta"):
+    with pytest.warns(RuntimeWarning, match="anytime-valid. that the reversal risk is above beta"):
         for _ in range(5):
             out = mon.update(res, -r[800:1000], m[800:1000])
     assert out["setgrpo/online_reversal_ucb"] > record.beta and out["setgrpo/online_risk_certified"] == 0.0
+    assert out["setgrpo/online_risk_drift"] == 1.0

@@ -9,6 +9,7 @@ from scipy.stats import binom
 
 from setgrpo_verl.core import (
     calibrate,
+    certification_power,
     clopper_pearson_upper,
     grpo_coefficients,
     required_accepted_groups,
@@ -97,22 +98,24 @@ def test_required_accepted_groups_with_no_reversal_is_the_closed_form(beta, delt
     assert clopper_pearson_upper([0], [n], conf)[0] <= beta < clopper_pearson_upper([0], [n - 1], conf)[0]
 
 
+@pytest.mark.parametrize("procedure", ["bonferroni", "fixed_sequence"])
 @pytest.mark.parametrize("rate", [0.01, 0.03, 0.05])
-def test_required_accepted_groups_with_reversals_certifies_from_there_on(rate):
+def test_required_accepted_groups_certifies_with_the_stated_power(rate, procedure):
     beta, delta, m = 0.08, 0.05, 20
-    n = required_accepted_groups(beta, delta, m, rate)
-    assert required_accepted_groups(beta, delta, m) < n
+    level = delta / m if procedure == "bonferroni" else delta
+    n = required_accepted_groups(beta, delta, m, rate, procedure=procedure)
+    assert required_accepted_groups(beta, delta, m, procedure=procedure) < n
     trials = np.arange(n, 2 * n + 1)
-    ucb = clopper_pearson_upper(np.ceil(rate * trials - 1e-12).astype(int), trials, 1 - delta / m)
-    assert (ucb <= beta).all()
-    prev = n - 1
-    assert clopper_pearson_upper([math.ceil(rate * prev - 1e-12)], [prev], 1 - delta / m)[0] > beta
-    # simulation: with the true reversal rate, a count of N accepted groups certifies beta about half the time
-    # or more (F is binomial around rate * N, and N was sized for F = ceil(rate * N))
+    assert (certification_power(trials, rate, beta=beta, level=level) >= 0.9).all()
+    assert certification_power([n - 1], rate, beta=beta, level=level)[0] < 0.9
+    # simulation: F ~ Bin(N, rate) at the planned N certifies beta in at least 90 % of draws (the old plan at the
+    # expected count F = ceil(rate N) certified in only about half of them)
     rng = np.random.default_rng(0)
-    f = rng.binomial(n, rate, size=4000)
-    certified = clopper_pearson_upper(f, np.full_like(f, n), 1 - delta / m) <= beta
-    assert 0.45 <= certified.mean() <= 0.95
+    f = rng.binomial(n, rate, size=20_000)
+    certified = clopper_pearson_upper(f, np.full_like(f, n), 1 - level) <= beta
+    assert 0.9 - 0.01 <= certified.mean() <= 0.97
+    lower = required_accepted_groups(beta, delta, m, rate, procedure=procedure, power=0.5)
+    assert lower < n
 
 
 def test_required_accepted_groups_refuses_an_uncertifiable_rate():

@@ -154,7 +154,9 @@ def test_write_validation(tmp_path, synthetic_result):
     assert lines[7].startswith("setgrpo held-out coverage: mean") and "5-95 % band" in lines[7]
     assert lines[8].startswith("setgrpo realised risk <= beta in 1.00 of splits")
     assert lines[9].startswith("sample size for beta=") and "at the measured rates, tau=" in lines[10]
-    assert len(lines) == 11
+    assert lines[11].startswith("  to certify with probability 0.9 (bonferroni): tau=")
+    assert lines[12].startswith("  to certify with probability 0.9 (fixed_sequence from tau_start=")
+    assert len(lines) == 13
 
 
 def test_cumulative_recovery_and_nonzero_update_rate(synthetic_result):
@@ -195,6 +197,10 @@ def test_sample_size_plan_from_the_records(synthetic_result):
     assert plan["plan"]["groups_needed"] == min(r["groups_needed"] for r in plan["thresholds"]
                                                  if r["groups_needed"] is not None)
     assert result.report["sample_size"] == sample_size_plan(records, holdout_fraction=0.5, live_share=1.0)
+    # at 0.9 power both procedures are planned; the fixed sequence (level delta, not delta / m) needs fewer groups
+    bonf, fixed = plan["at_power"]["bonferroni"], plan["at_power"]["fixed_sequence"]
+    assert bonf["power"] == fixed["power"] == 0.9 and fixed["groups_needed"] <= bonf["groups_needed"]
+    assert bonf["groups_needed"] == math.ceil(bonf["calibration_groups"] / 0.5)
     with pytest.raises(ValueError):
         sample_size_plan([], holdout_fraction=0.5, live_share=1.0)
 
