@@ -10,6 +10,7 @@ import re
 import sys
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import verl.trainer.main_ppo as main_ppo
@@ -301,3 +302,35 @@ def test_linear_attention_without_its_kernels_says_verl_takes_the_slow_path(verl
                 (text,) = warned
                 assert "Qwen3_5ForConditionalGeneration" in text and needle in text
                 assert "flash-linear-attention==0.5.2" in text and "gpu extra" in text
+
+
+def test_verl_v0_trainer_runs_stock_workers_without_the_sketch_rpc():
+    """What trainer.use_v1=false meets after Ray: main_ppo hands the run to main_ppo_v0's TaskRunner, whose actor is
+    verl's stock ActorRolloutRefWorker (no compute_sketches) under the RayPPOTrainer."""
+    import inspect
+
+    import verl.trainer.main_ppo_v0 as v0
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from setgrpo_verl.integration.worker import SetGRPOActorRolloutRefWorker
+
+    assert "if config.trainer.use_v1:" in inspect.getsource(main_ppo.main)
+    assert "actor_rollout_cls = ActorRolloutRefWorker" in inspect.getsource(v0)
+    assert hasattr(SetGRPOActorRolloutRefWorker, "compute_sketches")
+    assert not hasattr(ActorRolloutRefWorker, "compute_sketches")
+
+
+def test_verls_micro_batching_asserts_a_budget_of_one_full_length_sequence():
+    """What a budget below prompt + response length meets on every rank: verl's rearrange_micro_batches (the sketch
+    pass's dynamic micro-batches) asserts max_token_len >= the longest sequence of the shard."""
+    from tensordict import TensorDict
+
+    from verl.utils.seqlen_balancing import rearrange_micro_batches
+
+    lengths = [2048 + 8192, 300]  # a full-length sequence of prompt 2048 + response 8192, and a short one
+    ids = torch.nested.as_nested_tensor([torch.ones(n, dtype=torch.long) for n in lengths], layout=torch.jagged)
+    batch = TensorDict({"input_ids": ids}, batch_size=[2])
+    with pytest.raises(AssertionError, match=r"max_token_len=6144 and max_seq_len=(tensor\()?10240"):
+        rearrange_micro_batches(batch, max_token_len=6144)
+    micro, _ = rearrange_micro_batches(batch, max_token_len=10240)
+    assert sum(len(m) for m in micro) == 2
