@@ -109,6 +109,8 @@ def test_every_recipe_composes(compositions, monkeypatch):
         if mode == "grpo":
             assert cfg.algorithm.adv_estimator == "grpo" and cfg.trainer.v1.trainer_mode == "sync"
             assert "setgrpo" not in cfg.algorithm and "--config-path" not in argv  # verl's stock config
+            assert ("+hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.config.SetGRPOConfigCheck"
+                    in argv)  # with the check before Ray
             continue
         assert cfg.algorithm.adv_estimator == "setgrpo" and cfg.trainer.v1.trainer_mode == "setgrpo"
         setgrpo = setgrpo_config_from(cfg.algorithm)
