@@ -59,50 +59,14 @@ class SetGRPOStep:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def group_rows(index: Any, response_mask: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
-    """Group batch rows by ``uid`` into a dense ``[G, K]`` index (docs/algorithm.md#0-notation).
-
-    Args:
-        index: sequence of B group ids (verl's ``non_tensor_batch["uid"]``), any hashable values.
-        response_mask: [B, T] mask of response tokens (any dtype); groups whose rows all have empty
-            masks are verl's synthetic padding groups (``trainer/ppo/padding_utils.py``) and are skipped.
-
-    Returns:
-        ``(groups int64 [G, K], uids list[G])``: rows of each real group in batch order, groups in order of
-        first appearance.
-
-    Raises:
-        ValueError: lengths disagree, a real group has fewer than 2 responses, or groups differ in size
-            (SetGRPO needs complete groups of ``actor_rollout_ref.rollout.n`` responses).
-    """
-    index = list(index)
-    if len(index) != response_mask.shape[0]:
-        raise ValueError(f"index has {len(index)} entries but response_mask has {response_mask.shape[0]} rows")
-    rows: dict[Any, list[int]] = {}
-    for i, uid in enumerate(index):
-        rows.setdefault(uid, []).append(i)
-    nonempty = (response_mask != 0).any(dim=-1).tolist()
-    real = {uid: r for uid, r in rows.items() if any(nonempty[i] for i in r)}
-    if not real:
-        raise ValueError("the batch holds no group with a non-empty response (all rows are padding)")
-    sizes = {len(r) for r in real.values()}
-    if len(sizes) != 1 or min(sizes) < 2:
-        by_size = {s: [u for u, r in real.items() if len(r) == s][:3] for s in sorted(sizes)}
-        raise ValueError(
-            f"SetGRPO needs every group (uid) to hold the same number K >= 2 of responses; found group sizes "
-            f"{sorted(sizes)} (examples per size: {by_size}). Set actor_rollout_ref.rollout.n >= 2 and do not "
-            "drop individual responses of a group."
-        )
-    uids = list(real)
-    return torch.tensor([real[u] for u in uids], dtype=torch.int64), uids
-
-
 #: Metric: the share of a step's groups that lost a response (a failed rollout session) and were rejected.
 INCOMPLETE_RATIO_METRIC = "setgrpo/incomplete_ratio"
 
 
-def complete_group_rows(index: Any, response_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, list[Any], dict[Any, int]]:
-    """Group batch rows by ``uid`` and set aside the groups with fewer than ``k`` responses (docs/algorithm.md#0-notation).
+def complete_group_rows(index: Any, response_mask: torch.Tensor,
+                        k: int) -> tuple[torch.Tensor, list[Any], dict[Any, int]]:
+    """Group batch rows by ``uid``, setting aside the groups with fewer than ``k`` responses
+    (docs/algorithm.md#0-notation, docs/verl_integration.md#partial-groups).
 
     verl 0.9.1's agent loop keeps a group one of whose sessions failed: it reaches the trainer with fewer than
     ``actor_rollout_ref.rollout.n`` responses (``ReplayBuffer`` marks it ``failure`` and samples it).
@@ -110,7 +74,7 @@ def complete_group_rows(index: Any, response_mask: torch.Tensor, k: int) -> tupl
     Args:
         index: B group ids (``non_tensor_batch["uid"]``).
         response_mask: [B, T] response-token mask; groups whose rows all have empty masks are verl's synthetic
-            padding groups and are skipped, as in :func:`group_rows`.
+            padding groups (``trainer/ppo/padding_utils.py``) and are skipped.
         k: the group size K of a complete group.
 
     Returns:

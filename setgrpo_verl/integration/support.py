@@ -336,7 +336,8 @@ def attention_kernel_error(attn_implementation: str, *, default: bool = False) -
                       "(pip install -e '.[gpu]') installs its prebuilt wheel on CPython 3.12 / Linux x86_64; "
                       "elsewhere install a flash-attn 2.8.3 build for this torch and CUDA")
         else:
-            source = "FlashAttention-3, built from flash-attention's hopper/ folder; in no extra of verl or setgrpo-verl"
+            source = ("FlashAttention-3, built from flash-attention's hopper/ folder; in no extra of verl or "
+                      "setgrpo-verl")
         return (f"{setting} needs the package {module} ({source}), which is not importable here: verl's FSDP "
                 f"workers would fail to load the policy; install it {sdpa}")
     if "/" in attn_implementation and not _importable("kernels"):

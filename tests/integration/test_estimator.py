@@ -20,8 +20,8 @@ from setgrpo_verl.core import OnlineRiskMonitor, calibrate, setgrpo_coefficients
 from setgrpo_verl.integration.estimator import (
     TRAINER_MODE_OVERRIDE,
     SetGRPOStepContext,
+    complete_group_rows,
     compute_setgrpo_outcome_advantage,
-    group_rows,
     setgrpo_step,
 )
 from setgrpo_verl.integration.trainer import calibration_groups, compute_setgrpo_advantage, reference_scores_from
@@ -198,11 +198,13 @@ def test_group_size_must_match_record():
         setgrpo_step(rewards, mask, uids, sketches, record)
 
 
-def test_group_rows_order_and_padding():
-    mask = torch.tensor([[1, 0], [1, 1], [0, 0], [1, 0], [1, 1], [0, 0]])
-    groups, uids = group_rows(["b", "a", "p", "b", "a", "p"], mask)
-    assert uids == ["b", "a"]
+def test_group_rows_order_padding_and_incomplete_groups():
+    mask = torch.tensor([[1, 0], [1, 1], [0, 0], [1, 0], [1, 1], [0, 0], [1, 1]])
+    groups, uids, incomplete = complete_group_rows(["b", "a", "p", "b", "a", "p", "c"], mask, 2)
+    assert uids == ["b", "a"] and incomplete == {"c": 1}
     assert groups.tolist() == [[0, 3], [1, 4]]
+    with pytest.raises(ValueError, match="all rows are padding"):
+        complete_group_rows(["p", "p"], torch.zeros(2, 2), 2)
 
 
 def test_non_finite_sketch_is_an_error():
