@@ -460,9 +460,9 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             f"{TRAINER_MODE_OVERRIDE} computes SetGRPO advantages: set algorithm.adv_estimator={SETGRPO_NAME} "
             f"(got {estimator!r})"
         )
-    check_attention_kernels(config)
     if trainer_mode != SETGRPO_NAME:
         _check_reward(config)
+        check_attention_kernels(config)
         return None
     if config.actor_rollout_ref.rollout.n < 2:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
@@ -483,6 +483,7 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             prompt_key = str(config.data.get("prompt_key", "prompt"))
             check_training_data(record, config.data.train_files, prompt_key=prompt_key)
     check_resume(config, setgrpo)
+    check_attention_kernels(config)  # the environment last: a wrong setting is named before a missing package
     return setgrpo
 
 

@@ -228,8 +228,7 @@ def test_prepare_rubrichub_writes_disjoint_verl_splits(tmp_path):
 def test_main_ppo_stops_before_ray_on_inconsistent_setgrpo_settings(override, message):
     """The Hydra callback of setgrpo_trainer.yaml runs before main_ppo's task (validate_config, Ray)."""
     old = sys.argv
-    sys.argv = ["main_ppo", "--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer", override,
-                "+actor_rollout_ref.model.override_config.attn_implementation=eager"]  # no flash-attn on CPU
+    sys.argv = ["main_ppo", "--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer", override]
     try:
         with pytest.raises(SystemExit) as exc:
             main_ppo.main()

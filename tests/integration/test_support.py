@@ -32,7 +32,6 @@ from tests.sketch._tiny import (
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hydra_configs")  # the YAML sources
 
 FUSED = "actor_rollout_ref.model.use_fused_kernels=true"
-EAGER = "+actor_rollout_ref.model.override_config.attn_implementation=eager"  # no flash-attn on CPU
 ULYSSES = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"
 OFFLOAD = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
            "actor_rollout_ref.actor.fsdp_config.offload_policy=true"]
@@ -161,8 +160,7 @@ def _main_ppo(overrides: list[str]) -> str:
 def test_main_ppo_stops_before_ray(dirs, overrides, needle):
     """The Hydra callback of setgrpo_trainer.yaml refuses each setting before main_ppo's task (and Ray) starts."""
     path = dirs["moe"] if "MOE" in overrides else dirs["qwen35_text"] if "QWEN35_TEXT" in overrides else dirs["qwen3"]
-    overrides = [o for o in overrides if o not in ("MOE", "QWEN35_TEXT")] + [f"actor_rollout_ref.model.path={path}",
-                                                                           EAGER]
+    overrides = [o for o in overrides if o not in ("MOE", "QWEN35_TEXT")] + [f"actor_rollout_ref.model.path={path}"]
     message = _main_ppo(overrides)
     assert message.startswith("setgrpo_verl config error: ") and needle in message and "\n" not in message
 
@@ -173,7 +171,7 @@ def test_main_ppo_command_line_refuses_moe_before_ray(dirs, tmp_path):
     # RAY_ADDRESS points nowhere: had main_ppo reached ray.init it would fail with a connection error instead
     proc = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", "--config-name", "setgrpo_trainer",
-         f"actor_rollout_ref.model.path={dirs['moe']}", EAGER],
+         f"actor_rollout_ref.model.path={dirs['moe']}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"},
     )
     assert proc.returncode != 0
