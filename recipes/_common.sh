@@ -129,8 +129,10 @@ run_recipe() {
             ;;
         grpo)
             # the GRPO baseline: verl's stock config and estimator, identical Table 3 settings and the same
-            # rubric-validating dataset class as setgrpo_trainer
+            # rubric-validating dataset class as setgrpo_trainer; setgrpo_trainer's check before Ray (grader,
+            # attention kernels) as a Hydra callback, which verl's stock config lacks
             exec "$PYTHON" -m verl.trainer.main_ppo \
+                +hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.config.SetGRPOConfigCheck \
                 "${args[@]}" \
                 algorithm.adv_estimator=grpo \
                 data.custom_cls.path=pkg://setgrpo_verl.grading.verl_dataset \

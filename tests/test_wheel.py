@@ -81,7 +81,7 @@ def test_wheel_carries_every_module_and_the_hydra_configs(wheel):
     assert text == (REPO / "hydra_configs" / "setgrpo_trainer.yaml").read_text()
 
 
-#: What verl 0.9.1's ``vllm`` extra pins: the GPU set verl is tested with.
+#: What verl 0.9.1's ``vllm`` extra pins: the GPU set verl tests its vLLM rollout with.
 VERL_VLLM_PINS = {"vllm": "==0.24.0", "torch": "==2.11.0", "torchvision": "==0.26.0", "torchaudio": "==2.11.0",
                   "transformers": "==5.9.0"}
 
@@ -92,13 +92,32 @@ def _extra_requirements(requires: list[str], extra: str) -> list[Requirement]:
 
 
 def test_gpu_extra_installs_the_set_verl_is_tested_with(wheel):
+    """The gpu extra is verl 0.9.1's vllm extra plus its fsdp extra (flash-attn as verl's own uv source, the prebuilt
+    wheel), read against the installed verl's metadata: a verl upgrade that moves a pin fails here."""
+    from setgrpo_verl.integration.support import verl_extra_requirements
+
     metadata = email.message_from_bytes(zipfile.ZipFile(wheel).read(f"setgrpo_verl-{wheel.name.split('-')[1]}.dist-info/METADATA"))
-    (gpu,) = _extra_requirements(metadata.get_all("Requires-Dist"), "gpu")
-    assert (gpu.name, gpu.extras, str(gpu.specifier)) == ("verl", {"vllm"}, "==0.9.1")
-    # and that extra of the installed verl 0.9.1 pins exactly these (a verl upgrade that moves them fails here)
+    cluster = {"extra": "gpu", "python_version": "3.12", "platform_system": "Linux", "platform_machine": "x86_64"}
+    gpu = {r.name: r for r in map(Requirement, metadata.get_all("Requires-Dist"))
+           if r.marker is not None and r.marker.evaluate(cluster)}
+    verl = gpu.pop("verl")
+    assert (verl.extras, str(verl.specifier)) == ({"vllm", "cupy-cu130"}, "==0.9.1")
     assert md.version("verl") == "0.9.1"
     pins = {r.name: str(r.specifier) for r in _extra_requirements(md.requires("verl"), "vllm") if r.specifier}
     assert {name: pins.get(name) for name in VERL_VLLM_PINS} == VERL_VLLM_PINS
+    # verl's fsdp extra, item by item: through verl's own extras (verl-core, vllm's torch set, cupy) or pinned here
+    through_verl = {r.name for extra in ("vllm", "cupy-cu130") for r in verl_extra_requirements(extra)}
+    fsdp = {r.name: r for r in verl_extra_requirements("fsdp")}
+    assert set(fsdp) - through_verl == set(gpu), (set(fsdp) - through_verl, set(gpu))
+    for name in set(fsdp) - through_verl - {"flash-attn"}:
+        assert str(gpu[name].specifier) == str(fsdp[name].specifier), name
+    # flash-attn: verl's pinned version, built for verl's torch minor and cupy's CUDA 13.0, CPython 3.12 only
+    flash = gpu["flash-attn"]
+    wheel_name = flash.url.rsplit("/", 1)[-1]
+    version = fsdp["flash-attn"].specifier
+    assert wheel_name.startswith(f"flash_attn-{str(version).lstrip('=')}+cu130torch{VERL_VLLM_PINS['torch'][2:6]}-")
+    assert wheel_name.endswith("-cp312-cp312-linux_x86_64.whl") and wheel_name.split("-")[1] in version
+    assert not flash.marker.evaluate({**cluster, "python_version": "3.11"})
 
 
 _WHERE = ("import json, importlib.resources as r, setgrpo_verl, hydra_plugins.setgrpo_verl_searchpath as p; "

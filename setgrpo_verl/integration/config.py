@@ -24,7 +24,7 @@ from setgrpo_verl.sketch import SketchConfig
 from .prompts import read_prompt_identities
 from .resume import check_resume
 from .reward_config import REWARD_MANAGER_NAME, TRUTH_SCORE_KEY, grader_identity, reference_score_key
-from .support import check_sketch_support
+from .support import check_attention_kernels, check_sketch_support, check_trainer_settings
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
 SETGRPO_NAME = "setgrpo"
@@ -460,7 +460,10 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             micro-batch that does not divide a rank's batch (:func:`check_sketch_micro_batch`), or an
             ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run
             (:func:`check_record`), or training data holding one of its calibration prompts
-            (:func:`check_training_data`).
+            (:func:`check_training_data`); for any trainer mode, an actor ``attn_implementation`` whose kernel
+            package is not importable (:func:`~setgrpo_verl.integration.support.check_attention_kernels`); for
+            SetGRPO, ``trainer.use_v1=false`` or a sketch token budget below one full-length sequence
+            (:func:`~setgrpo_verl.integration.support.check_trainer_settings`).
     """
     estimator = config.algorithm.adv_estimator
     trainer_mode = config.trainer.v1.trainer_mode
@@ -477,11 +480,13 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
         )
     if trainer_mode != SETGRPO_NAME:
         _check_reward(config)
+        check_attention_kernels(config)
         return None
     if config.actor_rollout_ref.rollout.n < 2:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
     setgrpo = setgrpo_config_from(config.algorithm)
     setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
+    check_trainer_settings(config, setgrpo)
     check_sketch_micro_batch(config, setgrpo)
     check_sketch_support(config, setgrpo.sketch.to_sketch_config())
     _check_reward(config)
@@ -496,6 +501,7 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             prompt_key = str(config.data.get("prompt_key", "prompt"))
             check_training_data(record, config.data.train_files, prompt_key=prompt_key)
     check_resume(config, setgrpo)
+    check_attention_kernels(config)  # the environment last: a wrong setting is named before a missing package
     return setgrpo
 
 

@@ -41,8 +41,9 @@ class SetGRPOStep:
     Attributes:
         advantages: float32 [B, T] response-level coefficient times ``response_mask`` (verl's ``advantages``
             and ``returns``).
-        coefficients: float64 [B] the coefficient of every row (0 for rejected, degenerate and padding rows).
-        groups: int64 [G, K] batch row of response k of group g (groups in first-appearance order of uid).
+        coefficients: float64 [B] the coefficient of every row (0 for rejected, degenerate, padding rows and the rows
+            of incomplete groups).
+        groups: int64 [G, K] batch row of response k of complete group g (first-appearance order of uid).
         point_scores: float64 [G, K] point scores r (``token_level_rewards.sum(-1)``).
         gram: float64 [G, K, K] ``S_g S_g^T`` of the sketches.
         result: the core library's ``SetGRPOResult`` for the G groups.
@@ -58,21 +59,30 @@ class SetGRPOStep:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def group_rows(index: Any, response_mask: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
-    """Group batch rows by ``uid`` into a dense ``[G, K]`` index (docs/algorithm.md#0-notation).
+#: Metric: the share of a step's groups that lost a response (a failed rollout session) and were rejected.
+INCOMPLETE_RATIO_METRIC = "setgrpo/incomplete_ratio"
+
+
+def complete_group_rows(index: Any, response_mask: torch.Tensor,
+                        k: int) -> tuple[torch.Tensor, list[Any], dict[Any, int]]:
+    """Group batch rows by ``uid``, setting aside the groups with fewer than ``k`` responses
+    (docs/algorithm.md#0-notation, docs/verl_integration.md#partial-groups).
+
+    verl 0.9.1's agent loop keeps a group one of whose sessions failed: it reaches the trainer with fewer than
+    ``actor_rollout_ref.rollout.n`` responses (``ReplayBuffer`` marks it ``failure`` and samples it).
 
     Args:
-        index: sequence of B group ids (verl's ``non_tensor_batch["uid"]``), any hashable values.
-        response_mask: [B, T] mask of response tokens (any dtype); groups whose rows all have empty
-            masks are verl's synthetic padding groups (``trainer/ppo/padding_utils.py``) and are skipped.
+        index: B group ids (``non_tensor_batch["uid"]``).
+        response_mask: [B, T] response-token mask; groups whose rows all have empty masks are verl's synthetic
+            padding groups (``trainer/ppo/padding_utils.py``) and are skipped.
+        k: the group size K of a complete group.
 
     Returns:
-        ``(groups int64 [G, K], uids list[G])``: rows of each real group in batch order, groups in order of
-        first appearance.
+        ``(groups int64 [G, K], uids list[G], incomplete {uid: responses})``: the complete groups' rows in batch
+        order, their uids in order of first appearance, and each incomplete group's response count.
 
     Raises:
-        ValueError: lengths disagree, a real group has fewer than 2 responses, or groups differ in size
-            (SetGRPO needs complete groups of ``actor_rollout_ref.rollout.n`` responses).
+        ValueError: lengths disagree, the batch holds no real group, or a group holds more than ``k`` responses.
     """
     index = list(index)
     if len(index) != response_mask.shape[0]:
@@ -84,16 +94,13 @@ def group_rows(index: Any, response_mask: torch.Tensor) -> tuple[torch.Tensor, l
     real = {uid: r for uid, r in rows.items() if any(nonempty[i] for i in r)}
     if not real:
         raise ValueError("the batch holds no group with a non-empty response (all rows are padding)")
-    sizes = {len(r) for r in real.values()}
-    if len(sizes) != 1 or min(sizes) < 2:
-        by_size = {s: [u for u, r in real.items() if len(r) == s][:3] for s in sorted(sizes)}
-        raise ValueError(
-            f"SetGRPO needs every group (uid) to hold the same number K >= 2 of responses; found group sizes "
-            f"{sorted(sizes)} (examples per size: {by_size}). Set actor_rollout_ref.rollout.n >= 2 and do not "
-            "drop individual responses of a group."
-        )
-    uids = list(real)
-    return torch.tensor([real[u] for u in uids], dtype=torch.int64), uids
+    larger = {u: len(r) for u, r in real.items() if len(r) > k}
+    if larger:
+        raise ValueError(f"groups hold more than K={k} responses ({dict(list(larger.items())[:3])}); set "
+                         f"actor_rollout_ref.rollout.n={k} (the calibration record's K) or recalibrate")
+    uids = [u for u, r in real.items() if len(r) == k]
+    groups = torch.tensor([real[u] for u in uids], dtype=torch.int64).reshape(len(uids), k)
+    return groups, uids, {u: len(r) for u, r in real.items() if len(r) < k}
 
 
 def group_gram(sketches: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -149,14 +156,18 @@ def setgrpo_step(
         ablation: None or one ablation name of docs/algorithm.md#6-diagnostics (overrides the record's, if any).
         seed: seed of the ``random_discard`` ablation.
 
+    A group with fewer than ``record.K`` responses (a failed rollout session, which verl's agent loop keeps) is
+    rejected: its rows get coefficient 0 and it is left out of ``groups`` and of the core library's G.
+
     Returns:
-        :class:`SetGRPOStep`. Metrics: ``SetGRPOResult.metrics`` (incl. ``setgrpo/timing_s/geometry`` and
-        ``setgrpo/timing_s/recovery``, seconds), ``setgrpo/timing_s/gram`` (grouping + Gram, seconds) and, with a
-        monitor, the ``setgrpo/online_*`` metrics.
+        :class:`SetGRPOStep` over the complete groups. Metrics: ``SetGRPOResult.metrics`` (incl.
+        ``setgrpo/timing_s/geometry`` and ``setgrpo/timing_s/recovery``, seconds), ``setgrpo/timing_s/gram``
+        (grouping + Gram, seconds), ``setgrpo/incomplete_ratio`` (rejected incomplete groups over all real groups)
+        and, with a monitor, the ``setgrpo/online_*`` metrics.
 
     Raises:
-        ValueError: bad shapes, incomplete groups (see :func:`group_rows`), non-finite sketches, or a group
-            size that disagrees with the record's K.
+        ValueError: bad shapes, a group larger than the record's K or no complete group at all (see
+            :func:`complete_group_rows`), or non-finite sketches.
     """
     if token_level_rewards.shape != response_mask.shape or token_level_rewards.dim() != 2:
         raise ValueError(
@@ -165,11 +176,12 @@ def setgrpo_step(
         )
     if sketches.shape[0] != token_level_rewards.shape[0]:
         raise ValueError(f"sketches have {sketches.shape[0]} rows but the batch has {token_level_rewards.shape[0]}")
-    groups, _ = group_rows(index, response_mask)
-    if groups.shape[1] != record.K:
+    groups, _, incomplete = complete_group_rows(index, response_mask, record.K)
+    if groups.shape[0] == 0:
         raise ValueError(
-            f"groups hold K={groups.shape[1]} responses but the calibration record was made with K={record.K}; "
-            f"set actor_rollout_ref.rollout.n={record.K} or recalibrate"
+            f"every group of the batch holds fewer than the calibration record's K={record.K} responses "
+            f"({sorted(set(incomplete.values()))}): each lost a rollout session, or actor_rollout_ref.rollout.n "
+            f"differs from K; set actor_rollout_ref.rollout.n={record.K} or recalibrate"
         )
 
     t0 = time.perf_counter()
@@ -186,6 +198,8 @@ def setgrpo_step(
 
     metrics = dict(result.metrics(prefix="setgrpo/"))
     metrics["setgrpo/timing_s/gram"] = t1 - t0
+    # groups that lost a response are rejected (zero coefficient: no update from them), as verl's GRPO carries on
+    metrics[INCOMPLETE_RATIO_METRIC] = len(incomplete) / (groups.shape[0] + len(incomplete))
     if monitor is not None and reference_scores is not None:
         ref = torch.as_tensor(reference_scores).detach().to(dtype=torch.float64, device="cpu").reshape(-1)
         if ref.shape[0] != token_level_rewards.shape[0]:

@@ -8,11 +8,18 @@ trains (:func:`setgrpo_verl.sketch.sketch_coverage`): a model with trainable par
 (3-D MoE experts) is refused here rather than after the first rollout.  With packed sequences
 (``use_remove_padding=true``) a model with linear-attention layers is refused when its forward, after verl's monkey
 patch, takes no ``cu_seqlens`` (the packed responses would run as one sequence through those layers).
+
+:func:`check_attention_kernels` refuses an ``attn_implementation`` whose kernel package is not importable (verl's
+FSDP workers would fail in ``from_pretrained``), and :func:`check_trainer_settings` the settings that pass
+composition but stop a SetGRPO run after Ray started: verl's v0 trainer and a sketch token budget below one
+full-length sequence (docs/verl_integration.md#gpu-runs-of-the-recipes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import sys
@@ -20,17 +27,32 @@ from inspect import signature
 from typing import Any, Iterator, Optional
 
 import torch
+from packaging.requirements import Requirement
 
 from setgrpo_verl.sketch import SketchConfig, SketchCoverage, packed_needs_cu_seqlens, sketch_coverage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_sketch_support", "check_sketch_settings", "build_meta_policy", "verl_monkey_patched"]
+__all__ = ["check_sketch_support", "check_sketch_settings", "build_meta_policy", "verl_monkey_patched",
+           "check_attention_kernels", "attention_kernel_error", "check_trainer_settings", "verl_extra_requirements"]
 
 #: Modules whose classes verl 0.9.1's ``apply_monkey_patch`` patches besides the model's own modeling module.
 _PATCHED_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5",
                     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
                     "transformers.integrations.flash_attention")
+
+
+#: verl 0.9.1's default ``attn_implementation`` (``HFModelConfig``: ``override_config.get("attn_implementation",
+#: "flash_attention_2")``), which the FSDP engine's ``from_pretrained`` loads the actor and the reference with.
+VERL_DEFAULT_ATTENTION = "flash_attention_2"
+ATTENTION_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
+#: attn_implementation -> (the module transformers imports for it, the distribution that provides it).
+_ATTENTION_PACKAGES = {
+    "flash_attention_2": ("flash_attn", "flash-attn"),
+    "flash_attention_3": ("flash_attn_interface", "flash-attn-3"),
+}
+#: Qwen3.5's linear-attention kernels (transformers uses them when ``fla`` imports).
+_LINEAR_ATTENTION_PACKAGE = ("fla", "flash-linear-attention")
 
 
 def _get(node: Any, dotted: str, default: Any = None) -> Any:
@@ -239,6 +261,7 @@ def check_sketch_support(config: Any, sketch: SketchConfig) -> Optional[SketchCo
     coverage = sketch_coverage(module, sketch)
     coverage.check(f"actor_rollout_ref.model.path={path}")
     _check_packed_layout(config, module)
+    _warn_linear_attention_kernels(config, module)
     total = coverage.sketched_numel + coverage.left_out_numel
     logger.info(
         "setgrpo: the sketch covers %d of %d trainable text-model parameters (%.4f%% left out: %s)",
@@ -246,3 +269,153 @@ def check_sketch_support(config: Any, sketch: SketchConfig) -> Optional[SketchCo
         "input embedding / norms / per-channel vectors" if coverage.left_out else "none",
     )
     return coverage
+
+
+def verl_extra_requirements(extra: str) -> list[Requirement]:
+    """The requirements of the installed verl's ``extra``, with verl's own sub-extras (``verl[flash-attn-...]``)
+    expanded and ``verl[verl-core]`` left as it is (it is verl's base set).
+
+    Args:
+        extra: an extra of verl 0.9.1 (``vllm``, ``fsdp``, ...).
+
+    Returns:
+        The requirements, markers dropped.
+
+    Raises:
+        importlib.metadata.PackageNotFoundError: verl is not installed.
+    """
+    out: list[Requirement] = []
+    for line in importlib.metadata.requires("verl") or []:
+        req = Requirement(line)
+        if req.marker is None or not req.marker.evaluate({"extra": extra}):
+            continue
+        req.marker = None
+        if req.name == "verl" and req.extras - {"verl-core"}:
+            for sub in sorted(req.extras - {"verl-core"}):
+                out.extend(verl_extra_requirements(sub))
+        else:
+            out.append(req)
+    return out
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _verl_pin(distribution: str) -> str:
+    """``name==version`` as verl 0.9.1's ``fsdp`` extra pins ``distribution``, or the bare name."""
+    try:
+        pins = {r.name: str(r) for r in verl_extra_requirements("fsdp")}
+    except importlib.metadata.PackageNotFoundError:
+        return distribution
+    return pins.get(distribution, distribution)
+
+
+def attention_kernel_error(attn_implementation: str, *, default: bool = False) -> Optional[str]:
+    """Why verl's FSDP workers could not load the policy with ``attn_implementation`` here, or None.
+
+    transformers raises ImportError in ``from_pretrained`` when the kernel package of a FlashAttention
+    implementation is missing, and needs the ``kernels`` package for a Hub kernel (``org/name``); ``eager``,
+    ``sdpa`` and ``flex_attention`` need torch only.
+
+    Args:
+        attn_implementation: the value verl passes to ``AutoConfig.from_pretrained``.
+        default: it is verl's default (the run does not set the key), which the message says.
+
+    Returns:
+        One line naming the package, where it comes from and the fix, or None when it is importable.
+    """
+    setting = f"{ATTENTION_KEY}={attn_implementation}" + (" (verl's default)" if default else "")
+    sdpa = f"or set +{ATTENTION_KEY}=sdpa (torch's attention, no extra package)"
+    if attn_implementation in _ATTENTION_PACKAGES:
+        module, distribution = _ATTENTION_PACKAGES[attn_implementation]
+        if _importable(module):
+            return None
+        if distribution == "flash-attn":
+            source = (f"{_verl_pin(distribution)}, from verl 0.9.1's fsdp extra: setgrpo-verl's gpu extra "
+                      "(pip install -e '.[gpu]') installs its prebuilt wheel on CPython 3.12 / Linux x86_64; "
+                      "elsewhere install a flash-attn 2.8.3 build for this torch and CUDA")
+        else:
+            source = ("FlashAttention-3, built from flash-attention's hopper/ folder; in no extra of verl or "
+                      "setgrpo-verl")
+        return (f"{setting} needs the package {module} ({source}), which is not importable here: verl's FSDP "
+                f"workers would fail to load the policy; install it {sdpa}")
+    if "/" in attn_implementation and not _importable("kernels"):
+        return (f"{setting} is a Hugging Face Hub kernel, which needs the package kernels (pip install kernels; in "
+                f"no extra of verl or setgrpo-verl), not importable here; install it {sdpa}")
+    return None
+
+
+def check_attention_kernels(config: Any) -> None:
+    """Refuse, before Ray, an actor ``attn_implementation`` whose kernel package is not importable
+    (docs/verl_integration.md#gpu-runs-of-the-recipes).
+
+    The check runs where ``main_ppo`` starts (the driver), standing in for the workers of a cluster installed
+    alike.
+
+    Args:
+        config: the composed verl config (``main_ppo``'s).
+
+    Raises:
+        ValueError: :func:`attention_kernel_error`'s message.
+    """
+    override = _get(config, "actor_rollout_ref.model.override_config", {}) or {}
+    value = override.get("attn_implementation", None) if hasattr(override, "get") else None
+    error = attention_kernel_error(str(value or VERL_DEFAULT_ATTENTION), default=value is None)
+    if error:
+        raise ValueError(error)
+
+
+def _warn_linear_attention_kernels(config: Any, module: torch.nn.Module) -> None:
+    """Say that a linear-attention policy runs on transformers' torch path when its kernels are missing."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    module_name, distribution = _LINEAR_ATTENTION_PACKAGE
+    if not packed_needs_cu_seqlens(base) or _importable(module_name):
+        return
+    packed = bool(_get(config, "actor_rollout_ref.model.use_remove_padding", True))
+    how = ("with use_remove_padding=true verl's patched forward then runs the gated delta rule and the "
+           "convolution one packed sequence at a time" if packed else
+           "transformers then runs its torch gated delta rule")
+    logger.warning(
+        "setgrpo: %s has linear-attention layers but the package %s (%s, from verl 0.9.1's fsdp extra, in "
+        "setgrpo-verl's gpu extra) is not importable: %s, a slow path for every actor, reference and sketch pass",
+        type(base).__name__, module_name, _verl_pin(distribution), how,
+    )
+
+
+def check_trainer_settings(config: Any, setgrpo: Any) -> None:
+    """Refuse, before Ray, the verl settings under which a SetGRPO run would stop after Ray started
+    (docs/verl_integration.md#gpu-runs-of-the-recipes).
+
+    Args:
+        config: the composed verl config (``main_ppo``'s) of a SetGRPO run.
+        setgrpo: its :class:`~setgrpo_verl.integration.config.SetGRPOConfig`.
+
+    Raises:
+        ValueError: ``trainer.use_v1=false`` (``main_ppo`` then runs verl's v0 trainer, whose workers have no
+            sketch RPC); a token budget of the sketch pass's dynamic micro-batches below
+            ``data.max_prompt_length + data.max_response_length`` (verl's ``rearrange_micro_batches`` asserts
+            ``max_token_len >= max_seq_len`` on every rank, after the calibration rollouts).
+    """
+    if not bool(_get(config, "trainer.use_v1", True)):
+        raise ValueError(
+            "trainer.use_v1=false: main_ppo then runs verl's v0 trainer, whose workers have no SetGRPO sketch RPC "
+            "and which ignores trainer.v1.trainer_mode=setgrpo; set trainer.use_v1=true"
+        )
+    sketch = setgrpo.sketch
+    budget, key = sketch.max_token_len_per_gpu, "algorithm.setgrpo.sketch.max_token_len_per_gpu"
+    if budget is None and sketch.micro_batch_size_per_gpu is None and bool(
+            _get(config, "actor_rollout_ref.actor.use_dynamic_bsz", False)):
+        budget = _get(config, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
+        key = ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (the sketch pass's token budget when "
+               "algorithm.setgrpo.sketch.max_token_len_per_gpu is null)")
+    if budget is None:
+        return
+    prompt, response = int(_get(config, "data.max_prompt_length")), int(_get(config, "data.max_response_length"))
+    if int(budget) < prompt + response:
+        raise ValueError(
+            f"{key}={int(budget)} is below one full-length sequence, data.max_prompt_length + "
+            f"data.max_response_length = {prompt} + {response} = {prompt + response}: verl's dynamic micro-batching "
+            f"asserts max_token_len >= the longest sequence on every rank, after the calibration rollouts; set "
+            f"{key.split(' ')[0]}={prompt + response} or more (SKETCH_TOKENS_PER_GPU in recipes/_common.sh)"
+        )

@@ -23,6 +23,7 @@ dataloader and checkpoint logic behave exactly as in the stock sync trainer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,7 +31,7 @@ import math
 import os
 import time
 import uuid
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 import ray
@@ -56,7 +57,7 @@ from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor, calibrate, p
 from setgrpo_verl.sketch import SketchConfig
 
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
-from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
+from .estimator import SetGRPOStep, SetGRPOStepContext, complete_group_rows, group_gram
 from .prompts import prompt_identity
 from .resume import check_state, metrics_file, read_history, read_state, record_out_path, write_state
 from .reward_manager import (GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, grading_metrics,
@@ -113,15 +114,47 @@ def _dense(sketches: torch.Tensor) -> torch.Tensor:
 
 class CalibrationGroups(NamedTuple):
     """Calibration inputs of one batch, grouped by uid: float64 ``point [G, K]``, ``reference [G, K]``,
-    ``gram [G, K, K]`` and ``truth [G, K]`` (noise-free scores, docs/validation.md#noisy-grader) or ``None``."""
+    ``gram [G, K, K]`` and ``truth [G, K]`` (noise-free scores, docs/validation.md#noisy-grader) or ``None``; the G
+    complete groups' ``uids`` and ``incomplete``, each group left out for holding fewer than K responses -> its
+    response count."""
 
     point: torch.Tensor
     reference: torch.Tensor
     gram: torch.Tensor
     truth: Optional[torch.Tensor]
+    uids: list = []
+    incomplete: dict = {}
 
 
-def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TRUTH_SCORE_KEY) -> CalibrationGroups:
+@contextlib.contextmanager
+def calibration_sampling(replay_buffer: Any) -> Iterator[None]:
+    """Within the block, verl's sync ``ReplayBuffer`` samples the calibration prompts and nothing else
+    (docs/verl_integration.md#partial-groups).
+
+    verl 0.9.1's buffer replaces a wholly failed group (``trainer.v1.sampler.sync_refill_failed_groups=true``) and
+    the groups its DAPO filter evicts (``algorithm.filter_groups``) through ``refill_fn``, which draws *training*
+    prompts; both are off here, so a failed or filtered calibration group stays in the batch and calibration
+    accounts for it. Any other call of ``refill_fn`` raises RuntimeError. Attributes the buffer lacks (a custom
+    sampler) are left alone.
+    """
+    def refuse(count: int) -> int:
+        raise RuntimeError(f"verl's replay buffer asked for {count} more prompts during calibration, which would be "
+                           "training prompts: calibration samples only its own prompts")
+
+    saved = {}
+    for name, value in (("sync_refill_failed_groups", False), ("filter_groups_metric", None), ("refill_fn", refuse)):
+        if hasattr(replay_buffer, name):
+            saved[name] = getattr(replay_buffer, name)
+            setattr(replay_buffer, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(replay_buffer, name, value)
+
+
+def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TRUTH_SCORE_KEY, *,
+                       k: int) -> CalibrationGroups:
     """Calibration inputs of one rolled-out, scored and sketched batch (docs/algorithm.md#2-jrsc, #4-srgo).
 
     Args:
@@ -130,14 +163,17 @@ def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TR
             by :func:`reference_scores_from`).
         reference_key: ``algorithm.setgrpo.reference_score_key``.
         truth_key: key of the noise-free score in ``reward_extra_info``.
+        k: ``actor_rollout_ref.rollout.n``; a group with fewer responses (a failed rollout session, which verl's
+            agent loop keeps) is left out and counted in ``incomplete``
+            (docs/verl_integration.md#partial-groups).
 
     Returns:
-        :class:`CalibrationGroups` (float64, groups by uid, padding groups skipped; ``truth`` None when the
-        batch carries none).
+        :class:`CalibrationGroups` (float64, complete groups by uid, padding groups skipped; ``truth`` None when
+        the batch carries none).
 
     Raises:
-        ValueError: no reference scores (the run does not use the dual-reward manager), incomplete groups,
-            non-finite sketches, a truth for only some responses or a non-finite one.
+        ValueError: no reference scores (the run does not use the dual-reward manager), a group larger than
+            ``k``, non-finite sketches, a truth for only some responses or a non-finite one.
     """
     reference = reference_scores_from(data, reference_key)
     if reference is None:
@@ -148,11 +184,12 @@ def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TR
     response_mask, scores = data["response_mask"], data["rm_scores"]
     if response_mask.is_nested:
         response_mask, scores = response_mask.to_padded_tensor(0), scores.to_padded_tensor(0.0)
-    groups, _ = group_rows(list(data["uid"]), response_mask)
+    groups, uids, incomplete = complete_group_rows(list(data["uid"]), response_mask, k)
     point = scores.to(torch.float64).sum(-1)[groups]
     truth = reference_scores_from(data, truth_key)
-    return CalibrationGroups(point, reference[groups], group_gram(_dense(data[SKETCH_KEY]), groups),
-                             None if truth is None else truth[groups])
+    gram = group_gram(_dense(data[SKETCH_KEY]), groups) if uids else torch.zeros(0, k, k, dtype=torch.float64)
+    return CalibrationGroups(point, reference[groups], gram, None if truth is None else truth[groups], uids,
+                             incomplete)
 
 
 def compute_setgrpo_advantage(
@@ -444,11 +481,19 @@ class SetGRPOTrainer(PPOTrainerSync):
         after the first waking the rollout with one weight sync. When training follows, one more sync wakes the
         rollout for the first step; ``calibration.only=true`` stops without it.
 
+        verl's replay buffer samples the calibration prompts only (:func:`calibration_sampling`); a group that lost
+        some of its K responses to a failed rollout session, or all of them, is left out, and how many were left
+        out for each reason goes to the tracker (``setgrpo/calibration/dropped_incomplete`` and
+        ``.../dropped_no_response``), the log and ``paired_scores.npz`` (docs/verl_integration.md#partial-groups).
+
         Raises:
             ValueError: an empty calibration set, or a grader that gives the truth for some batches only.
+            RuntimeError: a sampled group whose prompt is not a calibration prompt.
         """
         cfg, key = self.setgrpo, self.setgrpo.reference_score_key
         points, refs, grams, truths = [], [], [], []
+        submitted: list = []  # every calibration prompt's uid, in rollout order
+        dropped = {"incomplete": 0, "no_response": 0}  # groups left out: fewer than K responses / none at all
         self._calibration_prompts: list[dict] = []
         verdict_counts: list[tuple[float, float]] = []  # (unparsed, judged) judge verdicts per calibration batch
         t0 = time.perf_counter()
@@ -458,10 +503,12 @@ class SetGRPOTrainer(PPOTrainerSync):
                 self.checkpoint_manager.update_weights(self.global_steps)
             rollouts = []
             for prompts in chunk:
+                submitted += list(prompts["uid"])
                 self._submit_batch_to_rollout(prompts)
-                batch, _ = self.replay_buffer.sample(
-                    global_steps=self.global_steps, partition_id="train", batch_size=len(prompts)
-                )
+                with calibration_sampling(self.replay_buffer):
+                    batch, _ = self.replay_buffer.sample(
+                        global_steps=self.global_steps, partition_id="train", batch_size=len(prompts)
+                    )
                 rollouts.append(batch)
             self.on_sample_end()
             for batch in rollouts:
@@ -473,7 +520,12 @@ class SetGRPOTrainer(PPOTrainerSync):
                 fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
                 fields += [k for k in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
                 data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-                groups = calibration_groups(data, key)
+                groups = calibration_groups(data, key, k=int(self.config.actor_rollout_ref.rollout.n))
+                outside = (set(groups.uids) | set(groups.incomplete)) - set(submitted)
+                if outside:
+                    raise RuntimeError(f"calibration sampled {len(outside)} group(s) of prompts outside its own set")
+                dropped["incomplete"] += len(groups.incomplete)
+                dropped["no_response"] -= len(groups.uids) + len(groups.incomplete)
                 counts = grading_counts(data)
                 if counts is not None:
                     verdict_counts.append(counts)
@@ -485,6 +537,11 @@ class SetGRPOTrainer(PPOTrainerSync):
                 logger.warning("SetGRPO calibration: %d groups so far", sum(p.shape[0] for p in points))
         if not points:
             raise ValueError("the calibration prompt set is empty (algorithm.setgrpo.calibration.files / num_prompts)")
+        dropped["no_response"] += len(submitted)  # submitted groups that came back with no response at all
+        if any(dropped.values()):
+            logger.warning("SetGRPO calibration: %d of %d groups left out: %d lost some of their K responses (a "
+                           "failed rollout session), %d came back with none", sum(dropped.values()),
+                           len(submitted), dropped["incomplete"], dropped["no_response"])
         if any(t is None for t in truths) and not all(t is None for t in truths):
             raise ValueError(f"{TRUTH_SCORE_KEY!r} came with {sum(t is not None for t in truths)} of {len(truths)} "
                              "calibration batches; the grader gives it for every response or for none")
@@ -505,8 +562,9 @@ class SetGRPOTrainer(PPOTrainerSync):
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         record.to_json(out)
         np.savez(os.path.join(os.path.dirname(os.path.abspath(out)), "paired_scores.npz"),
-                 **{name: value.numpy() for name, value in paired.items()})
-        grading = {}
+                 **{name: value.numpy() for name, value in paired.items()},
+                 **{f"dropped_{reason}": np.int64(n) for reason, n in dropped.items()})
+        grading = {f"setgrpo/calibration/dropped_{reason}": float(n) for reason, n in dropped.items()}
         if verdict_counts:
             grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(*map(sum, zip(*verdict_counts)))
         self._log_record(record, grading, timing_s=time.perf_counter() - t0)

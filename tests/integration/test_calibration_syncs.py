@@ -51,7 +51,7 @@ class _Rollout:
     def submit(self, prompts):
         assert self.awake, "a calibration batch was rolled out while the rollout slept"
         self.events.append("rollout")
-        for uid in prompts:
+        for uid in prompts["uid"]:
             scores = torch.rand(K, generator=self.gen)
             for k in range(K):
                 rm = torch.zeros(3)
@@ -99,7 +99,9 @@ def _calibrate(tmp_path, monkeypatch, batches: int, per_batch: int, *, only: boo
     trainer._submit_batch_to_rollout = fake.submit
     trainer._compute_sketches = fake.sketch
     trainer._balance_batch = lambda batch, metrics: batch
-    trainer._calibration_batches = lambda: iter([[f"p{b}x{i}" for i in range(per_batch)] for b in range(batches)])
+    trainer._calibration_batches = lambda: iter([tu.get_tensordict({"uid": np.array([f"p{b}x{i}" for i in range(per_batch)],
+                                                                                    dtype=object)})
+                                                 for b in range(batches)])
     record = trainer._calibrate()
     assert not fake.store  # every calibration rollout was cleared from TransferQueue
     return record, fake.events

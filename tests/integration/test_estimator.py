@@ -20,8 +20,8 @@ from setgrpo_verl.core import OnlineRiskMonitor, calibrate, setgrpo_coefficients
 from setgrpo_verl.integration.estimator import (
     TRAINER_MODE_OVERRIDE,
     SetGRPOStepContext,
+    complete_group_rows,
     compute_setgrpo_outcome_advantage,
-    group_rows,
     setgrpo_step,
 )
 from setgrpo_verl.integration.trainer import calibration_groups, compute_setgrpo_advantage, reference_scores_from
@@ -162,26 +162,49 @@ def test_trainer_glue_through_verl_v1_entry_point_with_monitor():
     assert monitor.seen == 9  # the 9 non-degenerate groups were monitored
 
 
-def test_incomplete_group_is_an_error():
-    rewards, mask, uids, sketches, _, _ = _batch()
-    keep = np.array([i for i, u in enumerate(uids) if u != uids[0] or i != 0])  # drop one response of a group
-    ctx = SetGRPOStepContext(_algorithm(), sketches[keep], _record())
-    with pytest.raises(ValueError, match="same number K >= 2"):
-        compute_advantage(_data(rewards[keep], mask[keep], uids[keep]), adv_estimator="setgrpo", config=ctx)
+def test_incomplete_group_is_rejected_as_grpo_carries_on():
+    """verl's agent loop keeps a group one of whose sessions failed (K - 1 responses): verl's GRPO trains on it, the
+    SetGRPO step rejects it (zero advantages, setgrpo/incomplete_ratio) and computes the other groups exactly as
+    without it."""
+    rewards, mask, uids, sketches, scores, _ = _batch()
+    record = _record()
+    lost_uid = str(uuid.UUID(int=2))  # group 1 (group 0 is the degenerate one)
+    lost_row = next(i for i, u in enumerate(uids) if u == lost_uid)
+    keep = np.array([i for i in range(len(uids)) if i != lost_row])
+    ctx = SetGRPOStepContext(_algorithm(), sketches[keep], record)
+    out = compute_advantage(_data(rewards[keep], mask[keep], uids[keep]), adv_estimator="setgrpo", config=ctx)
+    rows = uids[keep] == lost_uid
+    assert rows.sum() == K - 1 and bool((out.batch["advantages"][torch.from_numpy(rows)] == 0).all())
+    assert ctx.output.metrics["setgrpo/incomplete_ratio"] == pytest.approx(1 / 6)
+    assert ctx.output.groups.shape == (5, K) and lost_uid not in {uids[keep][int(r)] for r in ctx.output.groups[:, 0]}
+    # the complete groups: the core library's coefficients for them alone
+    rest = keep[~rows]
+    coef, _ = _core_reference(uids[rest], scores[rest], sketches[rest], mask[rest], record)
+    torch.testing.assert_close(out.batch["advantages"][torch.from_numpy(~rows)], coef.float()[:, None] * mask[rest].float(),
+                               rtol=0, atol=1e-6)
+    grpo = compute_advantage(_data(rewards[keep].clone(), mask[keep], uids[keep]),
+                             adv_estimator=AdvantageEstimator.GRPO, norm_adv_by_std_in_grpo=True)
+    assert bool((grpo.batch["advantages"][torch.from_numpy(rows)] != 0).any())  # GRPO uses the K - 1 responses
+    # no complete group at all: an error naming K, not a step that silently trains nothing
+    only_lost = np.array([i for i in keep if uids[i] == lost_uid])
+    with pytest.raises(ValueError, match=f"every group of the batch holds fewer than the calibration record's K={K}"):
+        setgrpo_step(rewards[only_lost], mask[only_lost], uids[only_lost], sketches[only_lost], record)
 
 
 def test_group_size_must_match_record():
     record = dataclasses.replace(_record(), K=3)
     rewards, mask, uids, sketches, _, _ = _batch()
-    with pytest.raises(ValueError, match="K=4.*K=3"):
+    with pytest.raises(ValueError, match=r"more than K=3 responses.*set actor_rollout_ref.rollout.n=3"):
         setgrpo_step(rewards, mask, uids, sketches, record)
 
 
-def test_group_rows_order_and_padding():
-    mask = torch.tensor([[1, 0], [1, 1], [0, 0], [1, 0], [1, 1], [0, 0]])
-    groups, uids = group_rows(["b", "a", "p", "b", "a", "p"], mask)
-    assert uids == ["b", "a"]
+def test_group_rows_order_padding_and_incomplete_groups():
+    mask = torch.tensor([[1, 0], [1, 1], [0, 0], [1, 0], [1, 1], [0, 0], [1, 1]])
+    groups, uids, incomplete = complete_group_rows(["b", "a", "p", "b", "a", "p", "c"], mask, 2)
+    assert uids == ["b", "a"] and incomplete == {"c": 1}
     assert groups.tolist() == [[0, 3], [1, 4]]
+    with pytest.raises(ValueError, match="all rows are padding"):
+        complete_group_rows(["p", "p"], torch.zeros(2, 2), 2)
 
 
 def test_non_finite_sketch_is_an_error():
@@ -211,14 +234,14 @@ def test_calibration_groups_carry_the_truth_when_the_grader_has_one():
     data = {"uid": uids, "response_mask": torch.ones(4, 3, dtype=torch.long),
             "rm_scores": torch.tensor([[0, 0, 1.0], [0, 0, 0.0], [0, 0, 0.5], [0, 0, 0.25]]),
             "extra_fields": extra, SKETCH_KEY: torch.arange(8, dtype=torch.float32).reshape(4, 2)}
-    out = calibration_groups(data, "reference_score")
+    out = calibration_groups(data, "reference_score", k=2)
     torch.testing.assert_close(out.point, torch.tensor([[1.0, 0.5], [0.0, 0.25]], dtype=torch.float64))
     torch.testing.assert_close(out.reference, torch.tensor([[0.0, 0.2], [0.1, 0.3]], dtype=torch.float64))
     torch.testing.assert_close(out.truth, torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=torch.float64))
     assert out.gram.shape == (2, 2, 2)
     for e in extra:
         del e["reward_extra_info"]["truth_score"]
-    assert calibration_groups(data, "reference_score").truth is None
+    assert calibration_groups(data, "reference_score", k=2).truth is None
     extra[1]["reward_extra_info"]["truth_score"] = 1.0
     with pytest.raises(ValueError, match="'truth_score' of reward_extra_info is missing for 3 of 4"):
-        calibration_groups(data, "reference_score")
+        calibration_groups(data, "reference_score", k=2)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.machinery
 import io
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -90,8 +92,13 @@ def test_every_recipe_composes(compositions, monkeypatch):
     # the recipes name hub models, which this offline test cannot read: the policy's parameter layout is then
     # checked on the workers, as for a remote path (tests/integration/test_support.py covers the layout check)
     monkeypatch.setattr(support, "build_meta_policy", lambda model_cfg: None)
+    # the recipes load the policy with verl's default attention, flash_attention_2: its package (flash_attn, the
+    # gpu extra) stands in here, and tests/integration/test_pre_ray_checks.py covers its refusal when missing
+    spec = importlib.machinery.ModuleSpec("flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(__spec__=spec))
     assert len(compositions) == len(RECIPES) * len(MODES)
     for (name, mode), (argv, cfg) in compositions.items():
+        assert "attn_implementation" not in cfg.actor_rollout_ref.model.override_config, (name, mode)
         for key, value in TABLE3.items():
             assert OmegaConf.select(cfg, key) == value, (name, mode, key)
         # calibration trains nothing: no validation pass before it (train and grpo validate the initial policy)
@@ -102,6 +109,8 @@ def test_every_recipe_composes(compositions, monkeypatch):
         if mode == "grpo":
             assert cfg.algorithm.adv_estimator == "grpo" and cfg.trainer.v1.trainer_mode == "sync"
             assert "setgrpo" not in cfg.algorithm and "--config-path" not in argv  # verl's stock config
+            assert ("+hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.config.SetGRPOConfigCheck"
+                    in argv)  # with the check before Ray
             continue
         assert cfg.algorithm.adv_estimator == "setgrpo" and cfg.trainer.v1.trainer_mode == "setgrpo"
         setgrpo = setgrpo_config_from(cfg.algorithm)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import sys
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import verl.trainer.main_ppo as main_ppo
@@ -22,15 +24,21 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pat
 LOCAL = "+reward.reward_kwargs.grader.type=local_hf"
 SKETCH_4 = ("actor_rollout_ref.rollout.n=3", "data.train_batch_size=3", "algorithm.setgrpo.calibration.batch_size=35",
             "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4")
+TABLE3_LENGTHS = ("data.max_prompt_length=2048", "data.max_response_length=4096")
 OPENAI_TYPO = "+reward.reward_kwargs.grader={type:openai,base_url:'http://127.0.0.1:9/v1',model:m,max_token:2048}"
 
 
-def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job"):
-    """verl's `main_ppo --cfg job` in this process (composition only: no callback, no Ray)."""
+EAGER = "+actor_rollout_ref.model.override_config.attn_implementation=eager"  # what CPU runs set
+
+
+def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job", attention: str | None = EAGER):
+    """verl's `main_ppo --cfg job` in this process (composition only: no callback, no Ray); `attention=None` keeps
+    verl's default attn_implementation (flash_attention_2)."""
     old = sys.argv
     path = ["--config-path", CONFIG_DIR] if config == "setgrpo_trainer" else []  # ppo_trainer: main_ppo's own
     # a policy whose configuration exists (the check before Ray builds it on the meta device), overridable
     policy = [f"actor_rollout_ref.model.path={embedded_model_dir()}"] if config == "setgrpo_trainer" else []
+    policy += [attention] if attention else []
     sys.argv = ["main_ppo", *path, "--config-name", config, *policy, *overrides, "--cfg", cfg]
     out = io.StringIO()
     try:
@@ -62,6 +70,17 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job")
     ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1", "algorithm.setgrpo.calibration.only=true",
       "algorithm.setgrpo.calibration.batch_size=36", "algorithm.setgrpo.calibration.num_prompts=50"),
      "does not divide the 42 responses that each of the 1 actor rank(s) gets in the last calibration batch"),
+    # verl's v0 trainer (main_ppo_v0's TaskRunner): its workers have no sketch RPC
+    ((LOCAL, "trainer.use_v1=false"), "trainer.use_v1=false: main_ppo then runs verl's v0 trainer, whose workers "
+                                      "have no SetGRPO sketch RPC"),
+    # the recipes' budget of 6144 tokens with 8192-token responses: verl's max_token_len >= max_seq_len assertion
+    ((LOCAL, *TABLE3_LENGTHS, "data.max_response_length=8192", "algorithm.setgrpo.sketch.max_token_len_per_gpu=6144"),
+     "algorithm.setgrpo.sketch.max_token_len_per_gpu=6144 is below one full-length sequence, data.max_prompt_length "
+     "+ data.max_response_length = 2048 + 8192 = 10240"),
+    ((LOCAL, *TABLE3_LENGTHS, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096"),
+     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (the sketch pass's token budget when "
+     "algorithm.setgrpo.sketch.max_token_len_per_gpu is null)=4096 is below one full-length sequence"),
 ])
 def test_check_before_ray_refuses(overrides, message):
     """Each of these passed the pre-Ray check and failed later, after Ray and the models had started."""
@@ -147,3 +166,171 @@ def test_verls_calibration_batches_carry_each_rows_identity(tmp_path):
                  zip(batch["reward_model"], batch["extra_info"], batch["raw_prompt"])]
     expected = [(r["extra_info"]["id"], rows[int(r["extra_info"]["id"][1:])]["question"]) for r in split["calibration"]]
     assert sorted(seen) == sorted(expected) == sorted(read_prompt_identities(paths["calibration"]))
+
+
+# ------------------------------------------------------------------------------- attention kernels of verl's FSDP workers
+FLASH_PIN = "flash-attn==2.8.3"  # verl 0.9.1's fsdp extra (through its flash-attn-cu130torch211 sub-extra)
+
+
+def _package(monkeypatch, module: str, present: bool) -> None:
+    """Make `module` importable (a stand-in with a spec) or not (None in sys.modules) for importlib's find_spec."""
+    import importlib.machinery
+    import types
+
+    fake = types.ModuleType(module)
+    fake.__spec__ = importlib.machinery.ModuleSpec(module, None)
+    monkeypatch.setitem(sys.modules, module, fake if present else None)
+
+
+def test_verl_loads_the_policy_with_flash_attention_2_unless_told_otherwise():
+    """verl 0.9.1's HFModelConfig reads attn_implementation from override_config with flash_attention_2 as default,
+    and the FSDP engine's from_pretrained takes that hf_config (the check's VERL_DEFAULT_ATTENTION)."""
+    import inspect
+
+    from verl.workers.config.model import HFModelConfig
+    from verl.workers.engine.fsdp import transformer_impl
+
+    from setgrpo_verl.integration.support import VERL_DEFAULT_ATTENTION
+
+    assert VERL_DEFAULT_ATTENTION == "flash_attention_2"
+    assert 'self.override_config.get("attn_implementation", "flash_attention_2")' in inspect.getsource(HFModelConfig)
+    assert "config=self.model_config.hf_config" in inspect.getsource(transformer_impl.FSDPEngine._build_module)
+
+
+def test_flash_attention_2_without_flash_attn_fails_in_from_pretrained(tmp_path):
+    """What a worker hit after Ray: transformers refuses to load the policy with verl's default attention."""
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from setgrpo_verl.integration.support import VERL_DEFAULT_ATTENTION
+    from tests.sketch._tiny import tiny_qwen3
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed here")
+    tiny_qwen3().save_pretrained(tmp_path)
+    hf_config = AutoConfig.from_pretrained(tmp_path, attn_implementation=VERL_DEFAULT_ATTENTION)  # as verl does
+    with pytest.raises(ImportError, match="FlashAttention2 has been toggled on"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, config=hf_config)
+
+
+@pytest.mark.parametrize("config", ["setgrpo_trainer", "ppo_trainer"])
+def test_default_attention_without_its_package_is_refused_naming_package_and_extra(verl_default_attention,
+                                                                                   monkeypatch, config):
+    cfg = verl_default_attention if config == "setgrpo_trainer" else _compose(LOCAL, config=config, attention=None)
+    assert "attn_implementation" not in cfg.actor_rollout_ref.model.override_config  # verl's default applies
+    _package(monkeypatch, "flash_attn", present=False)
+    with pytest.raises(ValueError) as exc:
+        check_run_config(cfg)
+    text = str(exc.value)
+    assert text.startswith("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2 "
+                           "(verl's default) needs the package flash_attn")
+    for needle in (FLASH_PIN, "verl 0.9.1's fsdp extra", "pip install -e '.[gpu]'",
+                   "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"):
+        assert needle in text, (needle, text)
+    _package(monkeypatch, "flash_attn", present=True)
+    if config == "setgrpo_trainer":
+        assert check_run_config(cfg) is not None
+    else:
+        assert check_run_config(cfg) is None  # verl's stock trainer: checked, nothing SetGRPO to return
+
+
+@pytest.fixture(scope="module")
+def verl_default_attention():
+    """A SetGRPO config composed by main_ppo with verl's default attn_implementation (the key unset)."""
+    return _compose(LOCAL, attention=None)
+
+
+def _with_attention(cfg, value: str):
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+    cfg.actor_rollout_ref.model.override_config.attn_implementation = value
+    return cfg
+
+
+@pytest.mark.parametrize(("value", "module", "needle"), [
+    ("flash_attention_3", "flash_attn_interface", "needs the package flash_attn_interface (FlashAttention-3"),
+    ("kernels-community/flash-attn", "kernels", "needs the package kernels (pip install kernels"),
+])
+def test_other_kernel_attention_needs_its_package(verl_default_attention, monkeypatch, value, module, needle):
+    cfg = _with_attention(verl_default_attention, value)
+    _package(monkeypatch, module, present=False)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        check_run_config(cfg)
+    _package(monkeypatch, module, present=True)
+    check_run_config(cfg)
+
+
+def test_torch_attention_needs_no_package(verl_default_attention, monkeypatch):
+    _package(monkeypatch, "flash_attn", present=False)
+    for value in ("eager", "sdpa", "flex_attention"):
+        check_run_config(_with_attention(verl_default_attention, value))
+
+
+def test_verl_extra_requirements_expand_its_sub_extras():
+    from setgrpo_verl.integration.support import verl_extra_requirements
+
+    fsdp = {r.name: str(r.specifier) for r in verl_extra_requirements("fsdp")}
+    assert fsdp["flash-attn"] == "==2.8.3" and fsdp["cupy-cuda13x"] == "==14.0.1"  # from two sub-extras
+    assert fsdp["flash-linear-attention"] == "==0.5.2" and "verl" in fsdp  # verl[verl-core] kept as it is
+
+
+@pytest.mark.parametrize(("packed", "needle"), [(True, "one packed sequence at a time"),
+                                                (False, "its torch gated delta rule")])
+def test_linear_attention_without_its_kernels_says_verl_takes_the_slow_path(verl_default_attention, tmp_path,
+                                                                            monkeypatch, caplog, packed, needle):
+    import logging
+
+    from setgrpo_verl.integration.support import check_sketch_support
+    from setgrpo_verl.sketch import SketchConfig
+    from tests.sketch._tiny import qwen35_vl_config, qwen3_config, save_config_dir
+
+    qwen35 = save_config_dir(qwen35_vl_config(), "Qwen3_5ForConditionalGeneration", tmp_path / "qwen35")
+    qwen3 = save_config_dir(qwen3_config(), "Qwen3ForCausalLM", tmp_path / "qwen3")
+    cfg = OmegaConf.create(OmegaConf.to_container(verl_default_attention))
+    cfg.actor_rollout_ref.model.use_remove_padding = packed
+    for present in (False, True):
+        _package(monkeypatch, "fla", present=present)
+        for path in (qwen35, qwen3):
+            cfg.actor_rollout_ref.model.path = str(path)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="setgrpo_verl.integration.support"):
+                check_sketch_support(cfg, SketchConfig())
+            warned = [r.getMessage() for r in caplog.records if "linear-attention" in r.getMessage()]
+            if present or path == qwen3:
+                assert not warned, (present, path, warned)
+            else:
+                (text,) = warned
+                assert "Qwen3_5ForConditionalGeneration" in text and needle in text
+                assert "flash-linear-attention==0.5.2" in text and "gpu extra" in text
+
+
+def test_verl_v0_trainer_runs_stock_workers_without_the_sketch_rpc():
+    """What trainer.use_v1=false meets after Ray: main_ppo hands the run to main_ppo_v0's TaskRunner, whose actor is
+    verl's stock ActorRolloutRefWorker (no compute_sketches) under the RayPPOTrainer."""
+    import inspect
+
+    import verl.trainer.main_ppo_v0 as v0
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from setgrpo_verl.integration.worker import SetGRPOActorRolloutRefWorker
+
+    assert "if config.trainer.use_v1:" in inspect.getsource(main_ppo.main)
+    assert "actor_rollout_cls = ActorRolloutRefWorker" in inspect.getsource(v0)
+    assert hasattr(SetGRPOActorRolloutRefWorker, "compute_sketches")
+    assert not hasattr(ActorRolloutRefWorker, "compute_sketches")
+
+
+def test_verls_micro_batching_asserts_a_budget_of_one_full_length_sequence():
+    """What a budget below prompt + response length meets on every rank: verl's rearrange_micro_batches (the sketch
+    pass's dynamic micro-batches) asserts max_token_len >= the longest sequence of the shard."""
+    from tensordict import TensorDict
+
+    from verl.utils.seqlen_balancing import rearrange_micro_batches
+
+    lengths = [2048 + 8192, 300]  # a full-length sequence of prompt 2048 + response 8192, and a short one
+    ids = torch.nested.as_nested_tensor([torch.ones(n, dtype=torch.long) for n in lengths], layout=torch.jagged)
+    batch = TensorDict({"input_ids": ids}, batch_size=[2])
+    with pytest.raises(AssertionError, match=r"max_token_len=6144 and max_seq_len=(tensor\()?10240"):
+        rearrange_micro_batches(batch, max_token_len=6144)
+    micro, _ = rearrange_micro_batches(batch, max_token_len=10240)
+    assert sum(len(m) for m in micro) == 2

@@ -167,7 +167,8 @@ def test_trainer_advantage_and_calibration_reads_on_transfer_queue(ray_cluster):
 
     data = tq.kv_batch_get(keys=batch.keys, partition_id="train",
                            select_fields=["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY])
-    point, reference, gram, truth = calibration_groups(data, "reference_score")
+    point, reference, gram, truth, _, incomplete = calibration_groups(data, "reference_score", k=K)
+    assert not incomplete
     assert truth is None  # a grader without a known truth
     torch.testing.assert_close(point, expected.point_scores)
     torch.testing.assert_close(gram, expected.gram)
