@@ -29,7 +29,13 @@ from typing import Any, Iterator, Optional
 import torch
 from packaging.requirements import Requirement
 
-from setgrpo_verl.sketch import SketchConfig, SketchCoverage, packed_needs_cu_seqlens, sketch_coverage
+from setgrpo_verl.sketch import (
+    SketchConfig,
+    SketchCoverage,
+    packed_linear_attention_error,
+    packed_needs_cu_seqlens,
+    sketch_coverage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +238,9 @@ def _check_packed_layout(config: Any, module: torch.nn.Module) -> None:
             "layers; set actor_rollout_ref.model.use_remove_padding=false (or load the model as "
             "Qwen3_5ForConditionalGeneration, whose verl forward takes cu_seqlens)"
         )
+    reason = packed_linear_attention_error(base)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def check_sketch_support(config: Any, sketch: SketchConfig) -> Optional[SketchCoverage]:

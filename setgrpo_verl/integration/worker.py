@@ -20,8 +20,8 @@ per rank).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -33,14 +33,16 @@ from verl.utils.device import get_device_id, get_device_name
 from verl.utils.seqlen_balancing import restore_dynamic_batch
 from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.engine_workers import ActorRolloutRefWorker
-from verl.workers.utils.padding import no_padding_2_padding, response_from_nested
+from verl.workers.utils.padding import no_padding_2_padding
 
 from setgrpo_verl.sketch import (
     GradientSketcher,
     SketchConfig,
     activation_checkpointing,
     fsdp1_reshard_in_backward,
+    packed_linear_attention_error,
     packed_needs_cu_seqlens,
+    raise_on_every_rank,
     token_weights,
 )
 
@@ -79,19 +81,35 @@ def _nested_layout(data: TensorDict) -> TensorDict:
     return data
 
 
-def _token_segments(mb: TensorDict, model_inputs: dict) -> torch.Tensor:
-    """int64 tensor with the token shape of ``model_inputs['input_ids']``: the row of the micro-batch each position
-    belongs to, -1 for padding (packed: [1, nnz + pad] with the bucket/SP pad at the tail; padded: [B, T] right-padded
-    as ``prepare_model_inputs`` builds it)."""
-    ids = model_inputs["input_ids"]
-    lengths = mb["input_ids"].offsets().diff().to(ids.device)
-    rows = torch.arange(lengths.numel(), device=ids.device)
+def _host_layout(mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the host micro-batch (before it moves to the device): int64 [b] sequence lengths and the int64 indices
+    of the response log-probs in the packed per-token log-probs (position t scores token t + 1, so response token j
+    of row i sits at ``offset_{i+1} - len_resp_i - 1 + j``, verl's ``response_from_nested``).  Host arithmetic: no
+    device sync."""
+    offsets = mb["input_ids"].offsets()
+    resp = mb["response_mask"].offsets().diff()
+    ends = offsets[1:]
+    starts = ends - resp - 1
+    index = torch.cat([torch.arange(int(a), int(e) - 1) for a, e in zip(starts.tolist(), ends.tolist())])
+    return offsets.diff(), index
+
+
+def _response_lengths(mb: TensorDict) -> list[int]:
+    """Response lengths of the host micro-batch's rows (host offsets, no device sync)."""
+    return mb["response_mask"].offsets().diff().tolist()
+
+
+def _token_segments(lengths: torch.Tensor, model_inputs: dict) -> torch.Tensor:
+    """Host int64 tensor with the token shape of ``model_inputs['input_ids']``: the row of the micro-batch each
+    position belongs to, -1 for padding (packed: [1, nnz + pad] with the bucket/SP pad at the tail; padded: [B, T]
+    right-padded as ``prepare_model_inputs`` builds it)."""
+    shape = model_inputs["input_ids"].shape
+    rows = torch.arange(lengths.numel())
     if model_inputs.get("attention_mask") is None:  # packed
         seg = torch.repeat_interleave(rows, lengths)
-        pad = ids.shape[-1] - seg.numel()
-        return torch.cat([seg, seg.new_full((pad,), -1)])[None]
-    mask = model_inputs["attention_mask"].bool()
-    return torch.where(mask, rows[:, None], torch.full_like(mask, -1, dtype=torch.long))
+        return torch.cat([seg, seg.new_full((shape[-1] - seg.numel(),), -1)])[None]
+    valid = torch.arange(shape[-1])[None, :] < lengths[:, None]
+    return torch.where(valid, rows[:, None], torch.full(valid.shape, -1, dtype=torch.long))
 
 
 def _forward_autocast(engine: Any):
@@ -101,7 +119,7 @@ def _forward_autocast(engine: Any):
     tests/integration/test_worker_unit.py fingerprints the original."""
     autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
     if autocast_dtype == torch.float32:
-        return nullcontext()
+        return contextlib.nullcontext()
     return torch.autocast(device_type=get_device_name(), dtype=autocast_dtype)
 
 
@@ -119,21 +137,29 @@ def _check_engine(engine: Any, mb: TensorDict) -> None:
             "Set actor_rollout_ref.model.use_remove_padding=False (or load the model as "
             "Qwen3_5ForConditionalGeneration, whose verl forward takes cu_seqlens)"
         )
+    reason = packed_linear_attention_error(engine.module) if packed else None
+    if reason is not None:
+        raise NotImplementedError(reason)
 
 
 def _sketch_micro_batch(
     engine: Any, sk: GradientSketcher, mb: TensorDict, loss_agg_mode: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One micro-batch through the engine's own forward path: ``prepare_model_inputs`` (packed inputs with
     ``cu_seqlens`` where the model takes them, or padded), the module forward under the engine's autocast,
     ``prepare_model_outputs`` (temperature scaling in the logits' dtype and verl's ``logprobs_from_logits``), then the
-    activation-only sketch backward of sum_i sum_t w_it log pi(o_it).  Returns ``(float32 [b, m] sketches,
-    nested [b, j] response log-probs in verl's dtype, detached)``."""
-    _check_engine(engine, mb)
+    activation-only sketch backward of sum_i sum_t w_it log pi(o_it).
+
+    Returns ``(float32 [b, m] sketches, the response log-probs of all rows concatenated [sum_i j_i] in verl's dtype,
+    bool [b]: rows with a non-finite response log-prob)``, all on the device and detached.  Nothing here waits for
+    the device: the non-finite rows are reported by the caller once per call (a row's non-finite log-prob makes only
+    its own sketch non-finite)."""
+    lengths, response_index = _host_layout(mb)
     mb = mb.to(get_device_id())  # the engine's device (parameters may be offloaded to the host)
     tu.assign_non_tensor(mb, **_NO_EXTRA_OUTPUTS)
     model_inputs, output_args = engine.prepare_model_inputs(micro_batch=mb)
-    sk.begin(_token_segments(mb, model_inputs), len(mb))
+    device = model_inputs["input_ids"].device
+    sk.begin(_token_segments(lengths, model_inputs), len(mb), device=device)
     with torch.enable_grad(), _forward_autocast(engine):
         raw_output = engine.module(**model_inputs, use_cache=False)
         model_output = engine.prepare_model_outputs(
@@ -141,15 +167,12 @@ def _sketch_micro_batch(
         )
         full = model_output["log_probs"]  # nested [b, prompt + response], position t scores token t + 1
         log_probs = no_padding_2_padding(full, mb)  # [b, R] response log-probs (verl's slicing)
-        rmask = mb["response_mask"].to_padded_tensor(0, output_size=log_probs.shape)
-        if not torch.isfinite(log_probs[rmask.bool()]).all():
-            bad = (~torch.isfinite(log_probs) & rmask.bool()).any(-1).nonzero().squeeze(1).tolist()
-            raise FloatingPointError(
-                f"non-finite log-probabilities for rows {bad} of the micro-batch (check the weights and temperature)"
-            )
+        rmask = mb["response_mask"].to_padded_tensor(0, output_size=log_probs.shape).bool()
+        nonfinite = (~torch.isfinite(log_probs) & rmask).any(-1)
         objective = (log_probs.float() * token_weights(rmask, loss_agg_mode)).sum()
         sketches = sk.backward(objective)
-    return sketches.float(), response_from_nested(full.detach(), mb["response_mask"])
+    values = full.values().detach()[response_index.to(device, non_blocking=True)]
+    return sketches.float(), values, nonfinite
 
 
 def sketch_batch(engine: Any, data: TensorDict, config: SketchConfig, *, loss_agg_mode: str) -> torch.Tensor:
@@ -197,18 +220,36 @@ def sketch_and_log_probs(
         As :func:`sketch_batch`.
     """
     data = _nested_layout(data)
-    micro_batches, indices = prepare_micro_batches(
-        data=data, dp_group=engine.get_data_parallel_group(), same_micro_num_in_dp=True
-    )
-    parts, rows = [], []
+    group = engine.get_data_parallel_group()
+    micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
     module = engine.module
-    with GradientSketcher(module, config) as sk, activation_checkpointing(module), fsdp1_reshard_in_backward(module):
+    setup_error = None
+    with contextlib.ExitStack() as stack:
+        try:  # refusals of the model or settings: agreed across the ranks before any collective of the pass
+            _check_engine(engine, micro_batches[0] if micro_batches else data)
+            sk = stack.enter_context(GradientSketcher(module, config))
+        except (ValueError, NotImplementedError, RuntimeError) as exc:
+            setup_error = exc
+        raise_on_every_rank(setup_error, group)
+        stack.enter_context(activation_checkpointing(module))
+        stack.enter_context(fsdp1_reshard_in_backward(module))
+        parts, values, nonfinite, lengths = [], [], [], []
         for mb in micro_batches:
-            sketches, log_probs = _sketch_micro_batch(engine, sk, mb, loss_agg_mode)
-            parts.append(sketches.cpu())
-            rows.extend(t.cpu() for t in log_probs.unbind())
-    sketches = torch.cat(parts)
-    log_probs = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+            lengths.extend(_response_lengths(mb))
+            sketches, log_probs, bad = _sketch_micro_batch(engine, sk, mb, loss_agg_mode)
+            parts.append(sketches)
+            values.append(log_probs)
+            nonfinite.append(bad)
+    bad_rows = torch.cat(nonfinite).nonzero().squeeze(1).tolist() if nonfinite else []  # the pass's one device sync
+    raise_on_every_rank(
+        FloatingPointError(
+            f"non-finite log-probabilities for rows {bad_rows} of this rank's shard, in micro-batch order (check the "
+            "weights, dtype and temperature)"
+        ) if bad_rows else None,
+        group,
+    )
+    sketches = torch.cat(parts).cpu()
+    log_probs = torch.nested.as_nested_tensor(list(torch.cat(values).cpu().split(lengths)), layout=torch.jagged)
     if indices is not None:
         sketches = restore_dynamic_batch(sketches, indices)
         log_probs = restore_dynamic_batch(log_probs, indices)

@@ -42,9 +42,14 @@ resharding and activation checkpointing in the sketch pass).
 
 from setgrpo_verl.sketch.config import LOSS_AGG_MODES, SketchConfig, token_weights
 from setgrpo_verl.sketch.coverage import PER_CHANNEL_MAX_KERNEL, SketchCoverage, sketch_coverage
-from setgrpo_verl.sketch.fsdp import activation_checkpointing, fsdp1_reshard_in_backward
+from setgrpo_verl.sketch.fsdp import activation_checkpointing, fsdp1_reshard_in_backward, raise_on_every_rank
 from setgrpo_verl.sketch.hooks import GradientSketcher
-from setgrpo_verl.sketch.layouts import SketchOutput, compute_sketches, packed_needs_cu_seqlens
+from setgrpo_verl.sketch.layouts import (
+    SketchOutput,
+    compute_sketches,
+    packed_linear_attention_error,
+    packed_needs_cu_seqlens,
+)
 
 __all__ = [
     "SketchConfig",
@@ -56,7 +61,9 @@ __all__ = [
     "token_weights",
     "activation_checkpointing",
     "packed_needs_cu_seqlens",
+    "packed_linear_attention_error",
     "fsdp1_reshard_in_backward",
+    "raise_on_every_rank",
     "LOSS_AGG_MODES",
     "PER_CHANNEL_MAX_KERNEL",
 ]

@@ -37,11 +37,3 @@ def project_f32(x: torch.Tensor, weight_t: torch.Tensor, rows: torch.Tensor | No
         part = x[start : start + step] if rows is None else x[rows[start : start + step]]
         out[start : start + step] = matmul_f32(part.float(), weight_t)
     return out
-
-
-def nonzero_rows(x: torch.Tensor) -> torch.Tensor:
-    """int64 indices of the rows of x [n, width] with a nonzero entry, without an [n, width] mask of x."""
-    step = chunk_rows(x.shape[1])
-    parts = [x[s : s + step].ne(0).any(-1).nonzero().squeeze(1) + s for s in range(0, x.shape[0], step)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=x.device)
-

@@ -33,8 +33,10 @@ class SketchConfig:
             are identical on every rank and across runs and are never checkpointed.
         include_embeddings: also sketch the input-embedding weight's gradient (sum_t e_{id_t}
             g_t^T, rows of ``padding_idx`` excluded as torch does).  When the embedding is tied to
-            the LM head (SmolLM2, Qwen-small, Llama-3.2-1B) both uses share one block and one pair of
-            projections, so the sketch estimates the gradient of the tied parameter itself.
+            the LM head (SmolLM2, Qwen3-4B, Llama-3.2-1B/3B) both uses share one block and one pair of
+            projections, so the sketch estimates the gradient of the tied parameter itself; this holds with
+            ``include_embeddings=False`` too, since the head's block is that parameter (sketching only its
+            head use would leave part of a sketched parameter's gradient out).
         include_norms: also sketch the 1-D parameters (weight, bias) of normalisation modules
             (class name containing "Norm": LayerNorm, RMSNorm variants), whose outputs must depend
             elementwise on them.  They use one dense N(0, 1/r) projection of

@@ -196,13 +196,17 @@ def select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> Selecti
             blocks.append(block)
             sketched.update(id(p) for _, p in params)
     emb_block = None
-    if cfg.include_embeddings and embedding.weight.requires_grad:
+    # tied to the LM head: one parameter, one block, so both of its uses are sketched whatever include_embeddings says
+    # (the head's block alone would be only part of the tied parameter's gradient)
+    tied = by_param.get(id(embedding.weight)) if embedding.weight.requires_grad else None
+    if (cfg.include_embeddings and embedding.weight.requires_grad) or tied is not None:
         if embedding.scale_grad_by_freq or embedding.max_norm is not None:
             raise ValueError(
-                f"include_embeddings: the input embedding uses scale_grad_by_freq/max_norm, whose gradient is not "
-                "a sum of per-token terms; set include_embeddings=False"
+                f"the input embedding uses scale_grad_by_freq/max_norm, whose gradient is not a sum of per-token "
+                "terms; set include_embeddings=False"
+                + (" and untie it from the LM head (tie_word_embeddings=false)" if tied is not None else "")
             )
-        emb_block = by_param.get(id(embedding.weight))  # tied to the LM head: one block, one parameter
+        emb_block = tied
         if emb_block is None:
             emb_block = Block(normalise_name(_module_name(model, embedding)), "embedding",
                                embedding.num_embeddings, embedding.embedding_dim)

@@ -7,8 +7,41 @@ import contextlib
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, _runtime_utils
+
+
+def raise_on_every_rank(error: BaseException | None, group=None) -> None:
+    """Agree on a rank-local error before raising, so that no rank is left waiting in a collective of the others
+    (verl 0.9.1's ``seqlen_balancing`` agrees on its fatal conditions the same way).
+
+    Every rank of ``group`` must call this at the same point.  The ranks exchange their error messages (one
+    ``all_gather_object``); if any rank has one, a rank re-raises its own error, and a rank without one raises
+    RuntimeError naming the failed ranks and their messages.  Outside a process group (or with one rank) ``error``
+    is raised as it is.
+
+    Args:
+        error: this rank's error, or None.
+        group: the process group (None: the default group).
+
+    Raises:
+        ``error`` itself, or RuntimeError for another rank's error.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    messages: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    failed = {rank: m for rank, m in enumerate(messages) if m is not None}
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(
+            f"the sketch pass failed on rank(s) {sorted(failed)} of the data-parallel group: "
+            + "; ".join(f"rank {rank}: {m}" for rank, m in failed.items())
+        )
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

@@ -9,10 +9,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from setgrpo_verl.sketch.chunks import matmul_f32, nonzero_rows, project_f32
+from setgrpo_verl.sketch.chunks import matmul_f32, project_f32
 from setgrpo_verl.sketch.config import SketchConfig
 from setgrpo_verl.sketch.coverage import input_embedding, select
-from setgrpo_verl.sketch.projections import Block, layout_blocks
+from setgrpo_verl.sketch.projections import Block, layout_blocks, on_device
 
 
 class GradientSketcher:
@@ -110,7 +110,8 @@ class GradientSketcher:
         self._pending = {}
 
     # ------------------------------------------------------------------ per micro-batch
-    def begin(self, segment_ids: torch.Tensor, num_segments: int | None = None) -> None:
+    def begin(self, segment_ids: torch.Tensor, num_segments: int | None = None,
+              device: torch.device | str | None = None) -> None:
         """Start a micro-batch: call before the model forward.
 
         Args:
@@ -118,6 +119,8 @@ class GradientSketcher:
                 entry = index (0..num_segments-1) of the response the position belongs to, -1 for
                 padding.
             num_segments: number of responses (default: max(segment_ids) + 1).
+            device: the device of the model's activations (default: that of ``segment_ids``).  Pass host
+                ``segment_ids`` with the device: they are checked on the host, so the check costs no device sync.
 
         Raises:
             RuntimeError: called outside the ``with`` block.
@@ -129,14 +132,15 @@ class GradientSketcher:
             raise ValueError(f"segment_ids must be an integer tensor, got dtype {segment_ids.dtype}")
         seg = segment_ids.reshape(-1).long()
         n = int(seg.max().item()) + 1 if num_segments is None else int(num_segments)
-        if seg.numel() and (int(seg.min().item()) < -1 or int(seg.max().item()) >= n):
+        if seg.numel() and bool(((seg < -1) | (seg >= n)).any()):
             raise ValueError(f"segment_ids must lie in [-1, {n - 1}] (num_segments={n})")
+        seg = seg.to(device if device is not None else seg.device, non_blocking=True)
         self._reset()
         self._segments = seg
         self._num_segments = n
-        valid = seg >= 0
+        valid = (seg >= 0).float()
         onehot = torch.zeros(seg.numel(), n, dtype=torch.float32, device=seg.device)
-        onehot[valid.nonzero().squeeze(1), seg[valid]] = 1.0
+        onehot.scatter_(1, seg.clamp(min=0)[:, None], valid[:, None])  # row t: e_{seg_t}, 0 for padding
         self._onehot = onehot
         self._out = torch.zeros(n, self.dim, dtype=torch.float32, device=seg.device)
         self._phase = "forward"
@@ -199,13 +203,12 @@ class GradientSketcher:
             )
         return flat
 
-    def _accumulate(self, block: Block, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """out[s, block] += sum_{t in s} a_t (x) b_t, per copy: a [n, k*r_out], b [n, k*r_in] (token subset rows)."""
+    def _accumulate(self, block: Block, a: torch.Tensor, b: torch.Tensor) -> None:
+        """out[s, block] += sum_{t in s} a_t (x) b_t, per copy: a [n, k*r_out], b [n, k*r_in] (one row per token)."""
         n = a.shape[0]
         k = 1 if block.p_in is None else block.shape[2]
         outer = (a.reshape(n, k, -1, 1) * b.reshape(n, k, 1, -1)).reshape(n, -1)  # [n, size]
-        onehot = self._onehot if rows is None else self._onehot[rows]
-        self._out[:, block.offset : block.offset + block.size] += matmul_f32(onehot.T, outer)
+        self._out[:, block.offset : block.offset + block.size] += matmul_f32(self._onehot.T, outer)
 
     def _project_in(self, block: Block, x: torch.Tensor) -> torch.Tensor:
         """P_in [x, 1] of the block's trainable input columns (x for a trainable weight, 1 for a trainable bias)."""
@@ -214,7 +217,7 @@ class GradientSketcher:
             x = x.float()
             parts = ([x] if w else []) + ([x.new_ones(x.shape[0], 1)] if block.bias else [])
             return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-        p_in = block.p_in = block.p_in.to(x.device)
+        p_in = on_device(block.p_in, x.device)
         y = project_f32(x, p_in[:, :w].T) if w else p_in.new_zeros(x.shape[0], p_in.shape[0])
         if block.bias:
             y = y + p_in[:, w]
@@ -240,17 +243,10 @@ class GradientSketcher:
             return None
         del self._pending[key]
         d = self._rows(grad.detach(), block.name)  # model dtype; promoted to float32 chunk by chunk
-        rows = None
-        if block.p_out is None:  # identity
-            a = d.float()
-        else:
-            if block.is_head:
-                # logits get a gradient only at loss positions: project those rows only (the costliest projection)
-                rows = nonzero_rows(d)
-                b = b[rows]
-            p_out = block.p_out = block.p_out.to(d.device)
-            a = project_f32(d, p_out.T, rows)
-        self._accumulate(block, a, b, rows)
+        # every row, the LM head's too: rows without a loss term have delta = 0 and add nothing, and selecting the
+        # loss rows would cost a device sync per micro-batch
+        a = d.float() if block.p_out is None else project_f32(d, on_device(block.p_out, d.device).T)
+        self._accumulate(block, a, b)
         return None
 
     def _embedding_forward(self, module, args, output):
@@ -271,8 +267,8 @@ class GradientSketcher:
             a = torch.nn.functional.one_hot(ids, block.rows).float()
             b = torch.cat([g, g.new_zeros(g.shape[0], block.cols - g.shape[1])], 1)
         else:
-            a = block.p_out.to(g.device)[:, ids].T
-            b = matmul_f32(g, block.p_in.to(g.device)[:, : g.shape[1]].T)
+            a = on_device(block.p_out, g.device)[:, ids].T
+            b = matmul_f32(g, on_device(block.p_in, g.device)[:, : g.shape[1]].T)
         self._accumulate(block, a, b)
 
     def _token_groups(self, t: torch.Tensor, name: str) -> torch.Tensor:
@@ -324,7 +320,7 @@ class GradientSketcher:
         d = self._token_groups(grad.detach(), block.name).float()
         per_token = torch.cat([(d * h).sum(1) for h in parts], 1)  # [N, cols]: per-token parameter gradient
         if block.p_out is not None:
-            per_token = matmul_f32(per_token, block.p_out.to(d.device).T)
+            per_token = matmul_f32(per_token, on_device(block.p_out, d.device).T)
         ones = per_token.new_ones(per_token.shape[0], 1)
         self._accumulate(block, per_token, ones)
         return None

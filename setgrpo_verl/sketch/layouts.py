@@ -73,6 +73,45 @@ def packed_needs_cu_seqlens(model: nn.Module) -> bool:
 
 
 
+def packed_linear_attention_error(model: nn.Module) -> str | None:
+    """Why the packed layout would be inexact on the model's linear-attention layers under verl 0.9.1's patch, or None
+    (docs/sketch.md#supported-settings).
+
+    verl's patched Gated DeltaNet forward hands ``cu_seqlens`` to the layer's ``chunk_gated_delta_rule`` whenever the
+    rule's signature accepts that keyword, ``**kwargs`` included, and splits the packed batch into its sequences
+    only otherwise (``verl.models.transformers.qwen3_5._packed_chunk_gated_delta_rule``).  flash-linear-attention's
+    kernel names ``cu_seqlens`` and honours it; transformers' torch fallback ``torch_chunk_gated_delta_rule`` (used
+    when flash-linear-attention is not installed) takes ``**kwargs`` and ignores it, so the recurrent state runs on
+    from one packed sequence into the next.  The causal-convolution fallback is split per sequence and exact.
+
+    Args:
+        model: the HF model (plain, FSDP1 or FSDP2 wrapped; meta device is enough).
+
+    Returns:
+        None when every layer's delta rule names ``cu_seqlens`` or takes no ``**kwargs``; else the reason, naming the
+        module, the rule and the settings that fix it.
+    """
+    for name, module in unwrapped(model).named_modules():
+        rule = getattr(module, "chunk_gated_delta_rule", None)
+        if not callable(rule):
+            continue
+        try:
+            params = inspect.signature(rule).parameters
+        except (TypeError, ValueError):
+            continue
+        swallows = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        if swallows and "cu_seqlens" not in params:
+            return (
+                f"packed sequences (use_remove_padding=True) on {type(unwrapped(model)).__name__}: its linear-attention "
+                f"layer {name!r} runs the delta rule {getattr(rule, '__name__', rule)!r}, which takes cu_seqlens "
+                "through **kwargs and ignores it (transformers' torch fallback, used when flash-linear-attention is "
+                "not installed), so verl 0.9.1 passes it the packed batch whole and each response's recurrent state "
+                "starts from the previous one's (sketches and log-probs off by about 1%). Install "
+                "flash-linear-attention (verl's fsdp extra), or set actor_rollout_ref.model.use_remove_padding=false"
+            )
+    return None
+
+
 def _scaled_by_temperature(logits: torch.Tensor, temperature) -> torch.Tensor:
     """logits / temperature in the logits' dtype (verl 0.9.1 ``_scale_logits_by_temperature``); temperature is a
     float or a float tensor broadcastable to logits."""
@@ -168,6 +207,9 @@ def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remo
                 "layers. Use the padded layout (use_remove_padding=False) or a forward that takes cu_seqlens "
                 "(verl's monkey patch of Qwen3_5ForConditionalGeneration)"
             )
+        reason = packed_linear_attention_error(model)
+        if reason is not None:
+            raise ValueError(reason)
     else:
         segments = torch.where(am.bool(), rows[:, None], torch.full_like(ids, -1))
         logit_rows = rows[:, None] * seqlen + resp_cols[None, :] - 1

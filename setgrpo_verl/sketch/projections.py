@@ -2,7 +2,9 @@
 
 A block is one sketched parameter matrix (an ``nn.Linear`` weight with its bias column, the input embedding, or a
 norm's 1-D parameters).  Its Kronecker projections P_out, P_in derive from (seed, block name) only, so they are
-identical on every rank and across runs and are never checkpointed.
+identical on every rank and across runs and are never checkpointed.  They are generated once per process on the CPU
+and copied once to each device that uses them (:func:`on_device`): later micro-batches and steps reuse the device copy,
+so a sketch pass makes no host-to-device copy of them after the first (docs/sketch.md#memory).
 """
 
 from __future__ import annotations
@@ -44,6 +46,22 @@ def projection(seed: int, key: str, rows: int, cols: int, variance: float) -> to
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     return torch.randn(rows, cols, generator=gen, dtype=torch.float32) * math.sqrt(variance)
+
+
+#: (id of the host projection, device) -> (the host projection, its copy on that device).  Holding the host tensor keeps
+#: its id from being reused while the entry lives.
+_DEVICE_COPIES: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def on_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """The copy of the host projection ``t`` on ``device``, made on the first request in this process and reused
+    afterwards (the projections are read-only).  Device memory: the projections of every sketched block stay
+    resident, k (r_out out + r_in in) float32 per block (docs/sketch.md#memory)."""
+    key = (id(t), str(torch.device(device)))
+    entry = _DEVICE_COPIES.get(key)
+    if entry is None or entry[0] is not t:
+        entry = _DEVICE_COPIES[key] = (t, t.to(device))
+    return entry[1]
 
 
 def layout_blocks(blocks: list[Block], cfg: SketchConfig) -> None:

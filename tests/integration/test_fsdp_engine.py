@@ -110,6 +110,91 @@ def engine_rank(rank: int, world: int) -> dict:
     return result
 
 
+def _uneven_rows(rank: int, world: int):
+    """Rank r's rows: rank 0 short sequences, rank 1 long ones, so a token budget gives them unequal micro-batch
+    counts (verl then pads the shorter list with empty micro-batches: ``same_micro_num_in_dp``)."""
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for r in range(world):
+        n_tok = 3 if r == 0 else 9
+        prompts = [torch.randint(1, 96, (n_tok,), generator=g) for _ in range(4)]
+        responses = [torch.randint(1, 96, (n_tok,), generator=g) for _ in range(4)]
+        rows.append((prompts, responses, [torch.ones_like(x) for x in responses]))
+    return rows[rank]
+
+
+def gpu_like_rank(rank: int, world: int) -> dict:
+    """One rank of :func:`test_bf16_offloaded_uneven_micro_batches_and_one_failing_rank_on_two_gloo_ranks`: FSDP2
+    with bf16 parameters and CPU offload under the engine's eval mode, a token budget giving the ranks 2 and 4
+    micro-batches, then non-finite log-probs on rank 1 only."""
+    import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
+
+    from setgrpo_verl.integration import worker
+    from setgrpo_verl.sketch import SketchConfig
+
+    use_cpu_platform()
+    result = {}
+    model = tiny_llama(dtype=torch.float32, layers=2)
+    prompts, responses, masks = _uneven_rows(rank, world)
+    cfg = SketchConfig(rank_out=2, rank_in=2, copies=4, seed=3)
+
+    def data():
+        td = nested_batch(prompts, responses, masks)
+        tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=20,
+                             temperature=1.0)
+        return td
+
+    ref_sk, _ = worker.sketch_and_log_probs(BareEngine(copy.deepcopy(model)), data(), cfg, loss_agg_mode="token-mean")
+    bf16 = copy.deepcopy(model)
+    bf16.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    wrapped = wrap_like_verl(bf16, "fsdp2", world, param_dtype=torch.bfloat16, offload=True)
+    engine = BareEngine(wrapped, autocast_dtype=torch.bfloat16)
+    engine.get_data_parallel_group = lambda: dist.group.WORLD
+    calls = []
+    original = worker._sketch_micro_batch
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    worker._sketch_micro_batch = counting
+    sk, _ = worker.sketch_and_log_probs(engine, data(), cfg, loss_agg_mode="token-mean")
+    worker._sketch_micro_batch = original
+    result["micro_batches"] = len(calls)
+    gram, gram_ref = sk.double() @ sk.double().T, ref_sk.double() @ ref_sk.double().T
+    result["bf16_gram_rel_err"] = float((gram - gram_ref).abs().max() / gram_ref.abs().max())
+    result["grad_none"] = all(p.grad is None for p in wrapped.parameters())
+
+    if rank == 1:  # a rank-local fault between the forward and the sketch backward
+        def poison(module, args, output):
+            return output.index_fill(-1, torch.tensor([5]), float("nan"))
+
+        wrapped.model.norm.register_forward_hook(poison)  # inside the root unit: FSDP's own hooks unchanged
+    try:
+        worker.sketch_and_log_probs(engine, data(), cfg, loss_agg_mode="token-mean")
+        result["raised"] = None
+    except Exception as exc:  # every rank must raise, none may hang
+        result["raised"] = f"{type(exc).__name__}: {exc}"
+    result["ok"] = True
+    return result
+
+
+@pytest.mark.slow
+def test_bf16_offloaded_uneven_micro_batches_and_one_failing_rank_on_two_gloo_ranks(tmp_path):
+    results, proc = run_two_gloo_ranks(f"{__name__}:gpu_like_rank", tmp_path, timeout=400)
+    for res in results:
+        assert "traceback" not in res, res["traceback"]
+        assert res["grad_none"]
+        assert res["bf16_gram_rel_err"] < 0.05, res  # bf16 parameters keep the geometry
+    # the token budget gives rank 0 two micro-batches and rank 1 four; verl splits rank 0's rows into four too
+    assert [r["micro_batches"] for r in results] == [4, 4]
+    r0, r1 = results[0]["raised"], results[1]["raised"]
+    assert r1 is not None and r1.startswith("FloatingPointError: non-finite log-probabilities"), r1
+    assert r0 is not None and r0.startswith("RuntimeError: the sketch pass failed on rank(s) [1]"), r0
+    assert proc.returncode == 0, proc.stderr[-5000:]
+
+
 @pytest.mark.slow
 def test_fsdp1_and_fsdp2_two_gloo_ranks_match_one_process_and_fsdp1_reshards(tmp_path):
     results, proc = run_two_gloo_ranks(f"{__name__}:engine_rank", tmp_path)

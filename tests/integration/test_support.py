@@ -89,7 +89,8 @@ def test_supported_offload_settings_pass():
 ])
 def test_meta_build_has_the_real_models_coverage(dirs, family, make, lora):
     """The meta-device build (no weights) is verl's module: same parameters, same coverage as the real model."""
-    cfg = _config(path=str(dirs[family]), lora_rank=4 if lora else 0)
+    # padded: packing on Qwen3.5 needs flash-linear-attention (test_packed_linear_attention_needs_...)
+    cfg = _config(path=str(dirs[family]), lora_rank=4 if lora else 0, use_remove_padding=family != "qwen35_vl")
     meta = build_meta_policy(cfg.actor_rollout_ref.model)
     assert all(p.is_meta for p in meta.parameters())
     real = make()
@@ -126,9 +127,23 @@ def test_packed_linear_attention_needs_a_forward_that_takes_cu_seqlens(dirs):
     with pytest.raises(ValueError, match=r"Qwen3_5ForCausalLM.*set actor_rollout_ref.model.use_remove_padding=false"):
         check_sketch_support(_config(path=str(dirs["qwen35_text"]), use_remove_padding=True), SketchConfig())
     assert check_sketch_support(_config(path=str(dirs["qwen35_text"]), use_remove_padding=False), SketchConfig())
+    # without flash-linear-attention the Gated DeltaNet's delta rule is transformers' torch fallback, which ignores
+    # cu_seqlens: packing is refused, naming the package and the setting ...
+    assert m.chunk_gated_delta_rule is None
     for lora in (0, 4):
-        assert check_sketch_support(_config(path=str(dirs["qwen35_vl"]), use_remove_padding=True, lora_rank=lora),
-                                    SketchConfig())
+        with pytest.raises(ValueError, match=r"flash-linear-attention.*use_remove_padding=false"):
+            check_sketch_support(_config(path=str(dirs["qwen35_vl"]), use_remove_padding=True, lora_rank=lora),
+                                 SketchConfig())
+    # ... and accepted with a delta rule that names cu_seqlens (flash-linear-attention's signature)
+    def kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+               cu_seqlens=None, **kwargs):
+        raise AssertionError("not run: the check builds the model on the meta device")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(m, "chunk_gated_delta_rule", kernel)
+        for lora in (0, 4):
+            assert check_sketch_support(_config(path=str(dirs["qwen35_vl"]), use_remove_padding=True,
+                                                lora_rank=lora), SketchConfig())
     assert m.Qwen3_5ForConditionalGeneration.forward is before
     assert "cu_seqlens" not in inspect.signature(before).parameters  # so the accepted case above is verl's patch
 

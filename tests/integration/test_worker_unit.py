@@ -15,7 +15,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from setgrpo_verl.integration import worker
 from setgrpo_verl.integration.worker import sketch_and_log_probs, sketch_batch
 from setgrpo_verl.sketch import SketchConfig, compute_sketches
-from tests.sketch._tiny import tiny_llama, tiny_qwen3, tiny_qwen35_text
+from tests.sketch._tiny import tiny_llama, tiny_qwen3, tiny_qwen35_text, with_per_sequence_delta_rule
 
 from ._engine import BareEngine, cpu_platform, nested_batch, padded_layout, verl_log_probs
 from .test_ray_cpu import SKETCH, _batch, _tiny_model
@@ -74,6 +74,8 @@ def verl_qwen35_patch(monkeypatch):
 @pytest.mark.parametrize("family", ["llama_tied", "qwen3", "qwen35_hybrid"])
 def test_packed_equals_padded_through_the_engine_for_every_family(family, verl_qwen35_patch):
     model = _families()[family]
+    if family == "qwen35_hybrid":  # the torch delta rule ignores cu_seqlens: run it per sequence, as verl's split does
+        model = with_per_sequence_delta_rule(model)
     # Qwen3_5ForConditionalGeneration's verl forward takes cu_seqlens (so verl passes them); the text-only class used
     # here receives them through its **kwargs, which is what the engine does for the VL class
     engine = BareEngine(model, pass_packed_cu_seqlens=family == "qwen35_hybrid" or None)
@@ -103,6 +105,9 @@ def test_packed_hybrid_without_cu_seqlens_is_refused(verl_qwen35_patch):
                          temperature=1.0)
     with pytest.raises(NotImplementedError, match="use_remove_padding=False"):
         sketch_batch(BareEngine(model), data, SketchConfig(), loss_agg_mode="token-mean")
+    # with cu_seqlens, transformers' torch delta rule (no flash-linear-attention) would still ignore them: refused
+    with pytest.raises(NotImplementedError, match="flash-linear-attention"):
+        sketch_batch(BareEngine(model, pass_packed_cu_seqlens=True), data, SketchConfig(), loss_agg_mode="token-mean")
     ids, am, rm = padded_layout(data)
     with pytest.raises(ValueError, match="linear-attention"):
         compute_sketches(model, ids, am, rm, use_remove_padding=True)
@@ -190,10 +195,77 @@ class _WithCuSeqlens(torch.nn.Module):
 
 
 def test_compute_sketches_passes_cu_seqlens_to_a_forward_that_takes_them(verl_qwen35_patch):
-    model = _WithCuSeqlens(tiny_qwen35_text())
+    model = _WithCuSeqlens(with_per_sequence_delta_rule(tiny_qwen35_text()))
     ids, am, rm = padded_layout(_ragged(model.config.vocab_size))
     cfg = SketchConfig(rank_out=2, rank_in=2, copies=4, seed=5)
     padded = compute_sketches(model, ids, am, rm, cfg, temperature=0.7)
     packed = compute_sketches(model, ids, am, rm, cfg, temperature=0.7, use_remove_padding=True)
     assert _rel(packed.sketches, padded.sketches) <= 1e-4
     torch.testing.assert_close(packed.log_probs, padded.log_probs, rtol=1e-4, atol=1e-5)
+
+
+#: torch calls that make the host wait for the device (a read of device values) when their tensor is on a GPU.
+_SYNCS = {"item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "cpu", "any", "all"}
+
+
+class _DeviceTraffic(torch.overrides.TorchFunctionMode):
+    """Counts, per calling function of setgrpo_verl, the torch calls that would wait for the device, and the copy
+    requests (``Tensor.to``) of the sketch's projection matrices."""
+
+    def __init__(self, projections: set):
+        super().__init__()
+        self.projections, self.syncs, self.copies = projections, {}, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "to" and args and id(args[0]) in self.projections:
+            self.copies += 1
+        syncs = name in _SYNCS and not (name in ("any", "all") and len(args) > 1)  # reductions alone do not sync
+        syncs |= name == "__getitem__" and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool
+                                               for a in (args[1] if isinstance(args[1], tuple) else (args[1],)))
+        if syncs and name not in ("any", "all"):
+            frame = inspect.currentframe().f_back
+            while frame is not None and "setgrpo_verl" not in frame.f_code.co_filename:
+                if "/torch/" not in frame.f_code.co_filename:
+                    frame = None  # called from verl or the test, not from the sketch pass
+                    break
+                frame = frame.f_back
+            if frame is not None:
+                self.syncs[frame.f_code.co_name] = self.syncs.get(frame.f_code.co_name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+#: the functions that read the host micro-batch (offsets, lengths, segment ids) before it moves to the device
+_HOST_LAYOUT = {"_host_layout", "_response_lengths", "_token_segments", "begin"}
+
+
+def test_projections_stay_on_the_device_and_micro_batches_do_not_wait_for_it(monkeypatch):
+    """The projections are copied to the device once per process, not per call or micro-batch; the sketch pass reads
+    device values only once per call (the non-finite check and the results), whatever the number of micro-batches."""
+    from setgrpo_verl.sketch import projections
+
+    made = set()
+    original = projections.projection
+
+    def recording(*args):
+        out = original(*args)
+        made.add(id(out))
+        return out
+
+    monkeypatch.setattr(projections, "projection", recording)
+    monkeypatch.setattr(projections, "_DEVICE_COPIES", {})  # as in a fresh worker process
+    model = _tiny_model()
+    runs = []
+    for micro in (4, 2, 2):  # 2, 4 and 4 micro-batches of the 8 rows
+        data = _batch()
+        tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro, use_remove_padding=True)
+        with _DeviceTraffic(made) as traffic:
+            sketch_batch(BareEngine(model), data, SKETCH, loss_agg_mode="token-mean")
+        runs.append(traffic)
+    first, second, third = runs
+    assert 0 < first.copies <= len(made)  # each projection requested once on its device ...
+    assert second.copies == third.copies == 0  # ... and never again
+    device_side = {k: v for k, v in second.syncs.items() if k not in _HOST_LAYOUT}
+    assert device_side == {k: v for k, v in first.syncs.items() if k not in _HOST_LAYOUT}, (first.syncs, second.syncs)
+    # once per call: the non-finite rows (nonzero, tolist) and the results to the host (sketches, log-probs)
+    assert device_side == {"sketch_and_log_probs": 4}, device_side

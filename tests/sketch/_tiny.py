@@ -200,3 +200,21 @@ def tiny_qwen35_text(*, seed=0, hidden=32, vocab=96, dtype=torch.float32):
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return Qwen3_5ForCausalLM(cfg).to(dtype).eval()
+
+
+def with_per_sequence_delta_rule(model):
+    """``model`` with each Gated DeltaNet layer's delta rule replaced by transformers' torch fallback behind a
+    signature without ``**kwargs``, so that verl 0.9.1's patched layer runs it on each packed sequence alone (what
+    flash-linear-attention's kernel does with ``cu_seqlens``)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    def per_sequence(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False):
+        return torch_chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                            output_final_state=output_final_state,
+                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    for module in model.modules():
+        if hasattr(module, "chunk_gated_delta_rule"):
+            module.chunk_gated_delta_rule = per_sequence
+    return model

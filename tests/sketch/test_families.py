@@ -26,6 +26,7 @@ from tests.sketch._tiny import (
     tiny_qwen3,
     tiny_qwen3_moe,
     tiny_qwen35_vl,
+    with_per_sequence_delta_rule,
     verl_batch,
     with_lora,
 )
@@ -68,10 +69,37 @@ def test_llama32_tied_embeddings_one_parameter_both_uses():
     assert set(cov.sketched) == _trainable(model) and not (cov.left_out or cov.refused)
     out = _assert_identity_is_exact(model, FULL)
     assert "model.embed_tokens" not in out.block_names  # the tied parameter is one block (named by the LM head)
-    # default: nn.Linear blocks; the tied parameter's input-embedding use and the norms are left out
+    # default: nn.Linear blocks; the tied parameter is one of them, both uses sketched; the norms are left out
     cov = sketch_coverage(model)
     assert "model.embed_tokens.weight" in cov.sketched  # the tied parameter, through the LM head block
     assert set(cov.left_out) == {n for n, p in model.named_parameters() if p.dim() == 1}  # the norm weights
+
+
+def test_tied_embedding_without_include_embeddings_sketches_the_tied_parameters_whole_gradient():
+    """include_embeddings=False on a tied model: the LM head block's identity sketch is the per-response gradient
+    of the tied weight (both uses), checked against torch.func per-response gradients."""
+    model = tiny_llama(tie=True)
+    ids, am, rm = verl_batch()
+    out = compute_sketches(model, ids, am, rm, SketchConfig(identity=True), loss_agg_mode="token-mean")
+    head = out.block_names.index("lm_head")
+    weight = model.lm_head.weight
+    offset = sum(model.get_submodule(n).weight.numel() for n in out.block_names[:head])
+    sketched = out.sketches[:, offset : offset + weight.numel()].double()
+    t_resp = rm.shape[1]
+
+    def objective(w, ids_i, am_i, rm_i):
+        logits = torch.func.functional_call(  # replaces the tied parameter in both of its uses
+            model, {"model.embed_tokens.weight": w}, args=(),
+            kwargs=dict(input_ids=ids_i[None], attention_mask=am_i[None],
+                        position_ids=torch.clip(am_i.cumsum(-1) - 1, min=0)[None], use_cache=False),
+            tie_weights=True, strict=False,
+        ).logits[0, -t_resp - 1 : -1]
+        lp = torch.log_softmax(logits.double(), -1).gather(-1, ids_i[-t_resp:, None]).squeeze(-1)
+        return (lp * rm_i).sum()
+
+    for i in range(ids.shape[0]):
+        exact = torch.func.grad(objective)(weight.detach(), ids[i], am[i], rm[i].double()).flatten()
+        torch.testing.assert_close(sketched[i], exact, rtol=1e-4, atol=1e-6 * float(exact.abs().max()))
 
 
 def test_qwen35_vision_language_under_verls_monkey_patch():
@@ -106,6 +134,29 @@ def test_qwen35_patched_sketches_equal_unpatched_text_model():
     assert not any("visual" in n for n in patched.block_names)
     torch.testing.assert_close(patched.sketches, plain.sketches, rtol=1e-4, atol=1e-5 * plain.sketches.abs().max())
     torch.testing.assert_close(patched.log_probs, plain.log_probs, rtol=0, atol=1e-5)
+
+
+def test_qwen35_packed_is_refused_where_the_delta_rule_ignores_cu_seqlens_and_exact_where_it_splits():
+    """Qwen3_5ForConditionalGeneration under verl's patch, packed: with transformers' torch delta rule (no
+    flash-linear-attention) the packed responses share one recurrent state (refused); with a rule that runs each
+    sequence alone, packed sketches and log-probs equal each sequence sketched alone."""
+    model = tiny_qwen35_vl(dtype=torch.float32)
+    ids, am, rm = verl_batch(vocab=96)
+    rm = am[:, -rm.shape[1]:].clone()
+    cfg = SketchConfig(rank_out=2, rank_in=2, copies=4)
+    with verl_monkey_patched(model, use_remove_padding=True):
+        with pytest.raises(ValueError, match=r"torch_chunk_gated_delta_rule.*flash-linear-attention"):
+            compute_sketches(model, ids, am, rm, cfg, use_remove_padding=True)
+        with_per_sequence_delta_rule(model)
+        packed = compute_sketches(model, ids, am, rm, cfg, use_remove_padding=True)
+        for i in range(ids.shape[0]):
+            keep = am[i].bool()
+            n_resp = int(am[i, -rm.shape[1]:].sum())
+            alone = compute_sketches(model, ids[i][keep][None], torch.ones(1, int(keep.sum()), dtype=torch.long),
+                                     torch.ones(1, n_resp, dtype=torch.long), cfg)
+            rel = float((packed.sketches[i] - alone.sketches[0]).norm() / alone.sketches[0].norm())
+            assert rel <= 1e-4, (i, rel)
+            torch.testing.assert_close(packed.log_probs[i, :n_resp], alone.log_probs[0], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen35_vl"])
