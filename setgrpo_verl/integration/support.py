@@ -376,19 +376,17 @@ def check_attention_kernels(config: Any) -> None:
 
 
 def _warn_linear_attention_kernels(config: Any, module: torch.nn.Module) -> None:
-    """Say that a linear-attention policy runs on transformers' torch path when its kernels are missing."""
+    """Say that a padded linear-attention policy runs transformers' torch delta rule when its kernels are missing
+    (packed, :func:`_check_packed_layout` has refused it: that rule ignores ``cu_seqlens``)."""
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     module_name, distribution = _LINEAR_ATTENTION_PACKAGE
     if not packed_needs_cu_seqlens(base) or _importable(module_name):
         return
-    packed = bool(_get(config, "actor_rollout_ref.model.use_remove_padding", True))
-    how = ("with use_remove_padding=true verl's patched forward then runs the gated delta rule and the "
-           "convolution one packed sequence at a time" if packed else
-           "transformers then runs its torch gated delta rule")
     logger.warning(
         "setgrpo: %s has linear-attention layers but the package %s (%s, from verl 0.9.1's fsdp extra, in "
-        "setgrpo-verl's gpu extra) is not importable: %s, a slow path for every actor, reference and sketch pass",
-        type(base).__name__, module_name, _verl_pin(distribution), how,
+        "setgrpo-verl's gpu extra) is not importable: transformers then runs its torch gated delta rule, a slow "
+        "path for every actor, reference and sketch pass",
+        type(base).__name__, module_name, _verl_pin(distribution),
     )
 
 

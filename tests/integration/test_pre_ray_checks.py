@@ -274,10 +274,10 @@ def test_verl_extra_requirements_expand_its_sub_extras():
     assert fsdp["flash-linear-attention"] == "==0.5.2" and "verl" in fsdp  # verl[verl-core] kept as it is
 
 
-@pytest.mark.parametrize(("packed", "needle"), [(True, "one packed sequence at a time"),
-                                                (False, "its torch gated delta rule")])
-def test_linear_attention_without_its_kernels_says_verl_takes_the_slow_path(verl_default_attention, tmp_path,
-                                                                            monkeypatch, caplog, packed, needle):
+def test_padded_linear_attention_without_its_kernels_says_transformers_takes_the_slow_path(
+        verl_default_attention, tmp_path, monkeypatch, caplog):
+    """Padded, a Qwen3.5 policy without flash-linear-attention is logged (packed, it is refused: see
+    tests/integration/test_support.py)."""
     import logging
 
     from setgrpo_verl.integration.support import check_sketch_support
@@ -287,7 +287,7 @@ def test_linear_attention_without_its_kernels_says_verl_takes_the_slow_path(verl
     qwen35 = save_config_dir(qwen35_vl_config(), "Qwen3_5ForConditionalGeneration", tmp_path / "qwen35")
     qwen3 = save_config_dir(qwen3_config(), "Qwen3ForCausalLM", tmp_path / "qwen3")
     cfg = OmegaConf.create(OmegaConf.to_container(verl_default_attention))
-    cfg.actor_rollout_ref.model.use_remove_padding = packed
+    cfg.actor_rollout_ref.model.use_remove_padding = False
     for present in (False, True):
         _package(monkeypatch, "fla", present=present)
         for path in (qwen35, qwen3):
@@ -300,7 +300,7 @@ def test_linear_attention_without_its_kernels_says_verl_takes_the_slow_path(verl
                 assert not warned, (present, path, warned)
             else:
                 (text,) = warned
-                assert "Qwen3_5ForConditionalGeneration" in text and needle in text
+                assert "Qwen3_5ForConditionalGeneration" in text and "its torch gated delta rule" in text
                 assert "flash-linear-attention==0.5.2" in text and "gpu extra" in text
 
 
