@@ -33,7 +33,7 @@ from .graders import (
     grader_identity,
     verdict_seed,
 )
-from .http_judge import OpenAIJudge
+from .http_judge import JudgeContextError, OpenAIJudge
 from .local_judge import LocalHFJudge
 from .protocol import (
     JUDGE_TEMPLATE_VERSION,
@@ -76,6 +76,7 @@ __all__ = [
     "LocalHFJudge",
     "NoisyGrader",
     "NLTK_DATA_RULES",
+    "JudgeContextError",
     "OpenAIJudge",
     "Rubric",
     "RubricGrader",

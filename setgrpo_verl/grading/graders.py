@@ -118,7 +118,14 @@ class RubricGrader:
                 slots.append((n, j))
             verdicts.append(row)
         if requests:
-            judged = await self.judge.ajudge(requests, seeds)
+            try:
+                judged = await self.judge.ajudge(requests, seeds)
+            except GradingError as exc:
+                refused = getattr(exc, "request", None)
+                if refused is None or refused not in requests:
+                    raise
+                n = slots[requests.index(refused)][0]
+                raise GradingError(f"scoring {scoring_index}, {describe_item(items[n])}: {exc}") from exc
             for (n, j), v in zip(slots, judged):
                 verdicts[n][j] = v
         check_unparsed(items, verdicts, self.max_unparsed_ratio, scoring_index=scoring_index)
@@ -327,7 +334,7 @@ def _as_verdict(v) -> Verdict:
 _JUDGE_KEYS = {
     "local_hf": {"model_path", "temperature", "batch_size", "max_question_tokens", "max_response_tokens"},
     "openai": {"base_url", "model", "api_key", "temperature", "max_tokens", "chat_template_kwargs", "max_concurrency",
-               "timeout", "max_retries", "parse_retries", "max_unparsed_ratio"},
+               "timeout", "max_retries", "parse_retries", "max_unparsed_ratio", "max_response_tokens"},
 }
 
 
@@ -357,7 +364,8 @@ def build_grader(config: Mapping[str, Any] | None):
         ``batch_size``, ``max_question_tokens``, ``max_response_tokens`` (see :class:`LocalHFJudge`);
       * ``openai``: ``base_url``, ``model`` (required), ``api_key``, ``temperature``, ``max_tokens`` (token budget
         per verdict; raise it for a reasoning judge), ``chat_template_kwargs`` (e.g. ``{enable_thinking: false}``),
-        ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries`` (see :class:`OpenAIJudge`) and
+        ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries``, ``max_response_tokens`` (responses
+        cut to fit the judge's context; see :class:`OpenAIJudge`) and
         ``max_unparsed_ratio`` (default 0: any unparsed verdict stops; see :class:`RubricGrader`);
       * ``function``: ``path``, ``name`` (default ``compute_score``), ``kwargs``;
       * ``rules``: no judge (every criterion must carry a rule);
