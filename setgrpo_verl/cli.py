@@ -357,6 +357,31 @@ def _base_grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return grader
 
 
+def _check_grader(grader: dict[str, Any]) -> None:
+    """Refuse a deterministic judge (``--judge-temperature`` <= 0) before anything is read or loaded.
+
+    Raises:
+        LaunchError: the message of :func:`setgrpo_verl.grading.check_stochastic_judge`.
+    """
+    from .grading import check_stochastic_judge
+    from .launch import LaunchError
+
+    judge = grader.get("base", grader) if grader.get("type") == "noisy" else grader
+    try:
+        check_stochastic_judge(str(judge.get("type")), judge.get("temperature"))
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+
+
+def _train_prompts(run_dir: Path, split: dict[str, Any] | None) -> int:
+    """Rows of the training split about to be written (``split``), else of the run's ``data/train.parquet``."""
+    if split is not None:
+        return len(split["train"])
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(run_dir / "data" / "train.parquet").metadata.num_rows
+
+
 @dataclass
 class _Plan:
     """What every training command needs: config values, the policy model, the grader and the shared overrides."""
@@ -410,6 +435,7 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
         if error:
             raise launch.LaunchError(error)
     grader = _grader(args, seed)
+    _check_grader(grader)
     if args.resume and args.overwrite:
         raise launch.LaunchError("--resume keeps the run directory's stages and --overwrite deletes them: pass one")
     common = [launch.format_override(k, v) for k, v in values.items() if v is not None]
@@ -424,7 +450,8 @@ def _commands(args: argparse.Namespace, plan: _Plan, stages: list[str], record: 
 
     commands = []
     for stage in stages:
-        overrides = plan.common + launch.stage_overrides(stage, args.run_dir, record=record) + list(args.overrides)
+        overrides = (plan.common + launch.stage_overrides(stage, args.run_dir, record=record)
+                     + launch.with_file_logger(args.overrides))
         config = "ppo_trainer" if stage == "grpo" else "setgrpo_trainer"
         if stage == "grpo":  # verl's stock config has no algorithm.setgrpo block
             overrides = [o for o in overrides if not o.startswith("algorithm.setgrpo")]
@@ -505,6 +532,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
         return _dry_run(commands)
     launch.check_calibration_size(plan.values)
     split = _split(args, plan, stages)
+    launch.check_training_steps(plan.values, args.overrides, _train_prompts(args.run_dir, split))
     if args.judge == "openai":
         launch.probe_judge(plan.grader)
     _write_split(args, split)
@@ -533,6 +561,7 @@ def _cmd_train(args: argparse.Namespace) -> str | None:
         raise launch.LaunchError(f"{run_dir}/data/train.parquet is missing: run `setgrpo-verl calibrate --run-dir "
                                  f"{run_dir}` first (it writes the data split and the record)")
     launch.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
+    launch.check_training_steps(plan.values, args.overrides, _train_prompts(run_dir, None))
     if stage == "train":
         if not Path(record).is_file():
             raise launch.LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "

@@ -65,7 +65,11 @@ def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
     for cmd in (setgrpo, grpo):
         assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and "trainer.device=cpu" in cmd
         assert "actor_rollout_ref.rollout.name=transformers" in cmd and "--config-path" not in cmd
-        assert cmd[-1] == "trainer.logger=[console,wandb]"  # user overrides come last and win
+        # user overrides come last and win; a tracker list keeps the file logger that metrics.jsonl is
+        assert cmd[-1] == "trainer.logger=[console,wandb,file]"
+        # Hydra's outputs/ goes to the stage directory, not to the directory the command runs from
+        stage = "train_grpo" if cmd is grpo else "train_setgrpo"
+        assert f"hydra.run.dir={(run / stage / 'hydra').resolve()}" in cmd
     assert grpo[grpo.index("--config-name") + 1] == "ppo_trainer" and "algorithm.adv_estimator=grpo" in grpo
     assert not any(a.startswith("algorithm.setgrpo") for a in grpo)
     # the quickstart calibrates and trains in one verl process: no record_path, the record goes to calibration/
@@ -197,3 +201,44 @@ def test_rules_judge_refuses_judged_criteria_and_warns_on_beta(capsys, tmp_path)
     assert "68 calibration groups per split cannot certify" in out and ">= 72 accepted risk groups" in out
     assert "row-3" in err and "criterion 1 has no rule" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_tracker_lists_keep_the_file_logger():
+    from setgrpo_verl.launch import with_file_logger
+
+    assert with_file_logger(["trainer.logger=[console,tensorboard]", "a=1"]) == [
+        "trainer.logger=[console,tensorboard,file]", "a=1"]
+    assert with_file_logger(["++trainer.logger='[wandb]'"]) == ["++trainer.logger=[wandb,file]"]
+    assert with_file_logger(["trainer.logger=tensorboard"]) == ["trainer.logger=[tensorboard,file]"]
+    assert with_file_logger(["trainer.logger=[console,file]"]) == ["trainer.logger=[console,file]"]
+
+
+def test_trackers_write_in_the_stage_directory(tmp_path, monkeypatch):
+    from setgrpo_verl.launch import run_stage
+
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    probe = "import os; print('TB', os.environ['TENSORBOARD_DIR'], os.environ['WANDB_DIR'])"
+    stage = run_stage(tmp_path / "run", "train", [sys.executable, "-c", probe], env=dict(__import__("os").environ))
+    line = next(x for x in (stage / "main_ppo.log").read_text().splitlines() if x.startswith("TB "))
+    assert line == f"TB {(stage / 'tensorboard').resolve()} {stage.resolve()}"
+
+
+def test_judge_temperature_zero_is_refused_before_anything_is_written(capsys, tmp_path):
+    err = _fail(capsys, ["calibrate", "--run-dir", str(tmp_path / "run"), "--judge-temperature", "0"])
+    assert "(reward.reward_kwargs.grader.temperature, --judge-temperature): SetGRPO calibrates a stochastic" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_steps_beyond_the_epochs_are_refused_before_verl(capsys, tmp_path):
+    from setgrpo_verl.grading import rubrics_to_verl_rows, write_verl_parquet
+
+    run = tmp_path / "run"
+    (run / "calibration").mkdir(parents=True)
+    (run / "calibration" / "COMPLETE").write_text("")
+    write_verl_parquet(rubrics_to_verl_rows(_rows(7)), run / "data" / "train.parquet")
+    err = _fail(capsys, ["train", "--profile", "smoke", "--run-dir", str(run), "--steps", "5", "--groups-per-step",
+                         "3", "trainer.total_epochs=1"])
+    assert ("--steps 5: the training split has 7 prompts, 2 steps of 3 groups per epoch (verl drops the last "
+            "partial batch), and trainer.total_epochs=1 stops verl after 2 steps: lower --steps to 2, raise "
+            "trainer.total_epochs to 3") in err
+    assert not (run / "train_setgrpo").exists()
