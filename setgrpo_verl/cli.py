@@ -163,8 +163,13 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
                    "2 CPU cores) or 'paper' (validate at the paper's levels: 16,000 groups, about 24 hours)")
     g.add_argument("--model", default=None, help="local Hugging Face causal-LM directory of the policy (default: the "
                    "embedded SmolLM2-135M-Instruct) [actor_rollout_ref.model.path]")
+    default_data = ("the composite validation rubrics shipped in the package with --judge rules, the default; "
+                    "with another judge the IFBench rubric conversion" if judge == "rules" else "the IFBench rubric conversion of the IFBench prompts shipped in the package")
     g.add_argument("--data", default=None, help="RubricHub-format .jsonl/.json/.parquet file of prompts with rubrics "
-                   "(default: the IFBench rubric conversion of the IFBench prompts shipped in the package)")
+                   f"(default: {default_data})")
+    g.add_argument("--duplicate-criteria", choices=("error", "keep_one"), default="error",
+                   help="a criterion listed twice in a --data row: 'error' (default: stop, naming how many rows) or "
+                   "'keep_one' (keep its first copy; docs/grading.md#rubric-rows)")
     g.add_argument("--judge", choices=("local", "openai", "function", "rules"), default=judge,
                    help="'local' (embedded stochastic SmolLM2 judge), 'openai' (an OpenAI-compatible HTTP judge), "
                         "'function' (a Python reward function, --reward-function) or 'rules' (rule criteria checked by "
@@ -477,7 +482,8 @@ def _split(args: argparse.Namespace, plan: _Plan, stages: list[str]) -> dict[str
                               max_prompt_length=int(values["data.max_prompt_length"]),
                               calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
                               seed=plan.seed, rules_only=args.judge == "rules",
-                              default_data="validation" if args.command == "validate" else "ifbench")
+                              default_data="validation" if args.command == "validate" else "ifbench",
+                              duplicate_criteria=args.duplicate_criteria)
     return split if launch.check_data_split(args.run_dir, split, overwrite=args.overwrite) else None
 
 

@@ -148,7 +148,8 @@ def read_rubric_rows(path: str | os.PathLike, *, duplicate_criteria: str = "erro
     rubrics = [Rubric.from_row(row, location=loc) for row, loc in zip(rows, where)]
     out = [release_row(row) for row in rows]
     if duplicate_criteria == "error":
-        check_duplicate_criteria(rubrics, where, fix="read the file with duplicate_criteria='keep_one'")
+        check_duplicate_criteria(rubrics, where, fix="read the file with duplicate_criteria='keep_one' (command line: "
+                                 "--duplicate-criteria keep_one)")
         return out
     return [{**row, "rubrics": [c.to_dict() for c in rubric.keep_one_copy().criteria]}
             if rubric.duplicate_criteria() else row for row, rubric in zip(out, rubrics)]

@@ -114,6 +114,7 @@ def test_prompt_set_smaller_than_calibration_needs(capsys, tmp_path):
     err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"),
                          "--data", _jsonl(tmp_path / "d.jsonl", _rows(5))])
     assert "5 of 5 prompts" in err and "--calib-groups" in err
+    assert "--max-prompt-length" not in err  # every prompt fits: a longer prompt length would not help
     assert not (tmp_path / "run" / "calibration").exists()
 
 
@@ -242,3 +243,30 @@ def test_train_steps_beyond_the_epochs_are_refused_before_verl(capsys, tmp_path)
             "partial batch), and trainer.total_epochs=1 stops verl after 2 steps: lower --steps to 2, raise "
             "trainer.total_epochs to 3") in err
     assert not (run / "train_setgrpo").exists()
+
+
+def test_duplicate_criteria_flag(capsys, tmp_path):
+    rows = _rows(30, points=(1.0, 2.0))
+    for row in rows[:3]:
+        row["rubrics"].append(dict(row["rubrics"][0]))
+    data = _jsonl(tmp_path / "d.jsonl", rows)
+    err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"), "--data", data])
+    assert "3 of 30 rows repeat a criterion" in err and "--duplicate-criteria keep_one" in err
+    assert not (tmp_path / "run").exists()
+    from setgrpo_verl.datasplit import split_data
+    from setgrpo_verl.models import embedded_model_dir
+
+    split = split_data(data=data, model_path=embedded_model_dir(), max_prompt_length=512, calibration_prompts=6,
+                       seed=1, duplicate_criteria="keep_one")
+    rubrics = [json.loads(r["reward_model"]["ground_truth"])["rubrics"] for r in split["calibration"] + split["train"]]
+    assert len(rubrics) == 30 and all(len(r) == 2 for r in rubrics)
+
+
+def test_validate_help_names_its_own_data_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["validate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: the composite validation rubrics shipped in the package with --judge rules" in text
+    with pytest.raises(SystemExit):
+        cli.main(["calibrate", "--help"])
+    assert "(default: the IFBench rubric conversion" in " ".join(capsys.readouterr().out.split())
