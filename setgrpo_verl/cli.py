@@ -132,6 +132,13 @@ PROFILES["paper"] = {
 }
 
 
+def _profile_levels(name: str) -> str:
+    """A profile's levels and calibration size for ``--help``, e.g. ``alpha 0.5, beta 0.65, delta 0.2, 48 groups``."""
+    values = PROFILES[name]
+    levels = ", ".join(f"{k} {values[f'algorithm.setgrpo.{k}']:g}" for k in ("alpha", "beta", "delta"))
+    return f"{levels}, {values['algorithm.setgrpo.calibration.num_prompts']:,} calibration groups"
+
+
 def _flag_help(key: str, text: str | None) -> str:
     if text is not None:
         return f"{text} [{key}]"
@@ -158,9 +165,11 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
                      flip_prob: float | None = None) -> None:
     g = p.add_argument_group("inputs (defaults: embedded, offline)")
     g.add_argument("--profile", choices=sorted(PROFILES), default=profile,
-                   help=f"preset sizes (default {profile}): 'default' (the quickstart on 2 CPU cores), 'smoke' (a "
-                   "plumbing check), 'validate' (validate at the tightest levels it certifies in about 25 minutes on "
-                   "2 CPU cores) or 'paper' (validate at the paper's levels: 16,000 groups, about 24 hours)")
+                   help=f"preset sizes (default {profile}): 'default' (the quickstart on 2 CPU cores; "
+                   f"{_profile_levels('default')}), 'smoke' (a plumbing check; {_profile_levels('smoke')}), "
+                   f"'validate' (validate at the tightest levels it certifies in about 25 minutes on 2 CPU cores; "
+                   f"{_profile_levels('validate')}) or 'paper' (validate at the paper's levels, about 24 hours; "
+                   f"{_profile_levels('paper')})")
     g.add_argument("--model", default=None, help="local Hugging Face causal-LM directory of the policy (default: the "
                    "embedded SmolLM2-135M-Instruct) [actor_rollout_ref.model.path]")
     default_data = ("the composite validation rubrics shipped in the package with --judge rules, the default; "
@@ -464,6 +473,22 @@ def _commands(args: argparse.Namespace, plan: _Plan, stages: list[str], record: 
     return commands
 
 
+def _checked_dry_run(args: argparse.Namespace, plan: _Plan, commands: list[tuple[str, list[str]]]) -> str:
+    """The commands of ``--dry-run`` after the checks of the data that a run makes before verl starts (calibration
+    size for the levels, enough prompts for the split; nothing is written), so that it never prints a command the
+    run would refuse."""
+    from . import launch
+
+    launch.check_calibration_size(plan.values)
+    values = plan.values
+    launch.split_data(data=args.data, model_path=plan.model, max_prompt_length=int(values["data.max_prompt_length"]),
+                      calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]), seed=plan.seed,
+                      rules_only=args.judge == "rules",
+                      default_data="validation" if args.command == "validate" else "ifbench",
+                      duplicate_criteria=args.duplicate_criteria)
+    return _dry_run(commands)
+
+
 def _dry_run(commands: list[tuple[str, list[str]]]) -> str:
     return "\n".join(" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands)
 
@@ -517,7 +542,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> str | None:
     plan = _plan(args)
     commands = _commands(args, plan, ["calibrate"], args.run_dir / launch.STAGES["calibrate"] / "record.json")
     if args.dry_run:
-        return _dry_run(commands)
+        return _checked_dry_run(args, plan, commands)
     launch.check_calibration_size(plan.values)
     split = _split(args, plan, ["calibrate"])
     if args.judge == "openai":
@@ -535,7 +560,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
     stages = ["calibrate_train"] + (["grpo"] if args.baseline else [])
     commands = _commands(args, plan, stages, args.run_dir / launch.STAGES["calibrate"] / "record.json")
     if args.dry_run:
-        return _dry_run(commands)
+        return _checked_dry_run(args, plan, commands)
     launch.check_calibration_size(plan.values)
     split = _split(args, plan, stages)
     launch.check_training_steps(plan.values, args.overrides, _train_prompts(args.run_dir, split))

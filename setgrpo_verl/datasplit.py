@@ -112,7 +112,8 @@ def split_data(
     if len(kept) <= calibration_prompts:
         more = "pass more prompts with --data"
         if data is None and rules_only and default_data == "validation":
-            more += (f" (more validation rubrics, the embedded ones first: python scripts/make_validation_rubrics.py "
+            more += (f" (more validation rubrics, the embedded ones first: from the repository root, python "
+                     f"scripts/make_validation_rubrics.py "
                      f"compose --rows {calibration_prompts + 500} --out rubrics.jsonl, then --data rubrics.jsonl)")
         # raising the prompt length helps only when some prompts were dropped as too long
         longer = "raise --max-prompt-length, " if len(kept) < len(rubrics) else ""

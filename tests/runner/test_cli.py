@@ -270,3 +270,18 @@ def test_validate_help_names_its_own_data_default(capsys):
     with pytest.raises(SystemExit):
         cli.main(["calibrate", "--help"])
     assert "(default: the IFBench rubric conversion" in " ".join(capsys.readouterr().out.split())
+
+
+def test_dry_run_makes_the_prompt_count_check(capsys, tmp_path):
+    err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"), "--dry-run",
+                         "--data", _jsonl(tmp_path / "d.jsonl", _rows(5))])
+    assert "5 of 5 prompts" in err and "--calib-groups" in err and not (tmp_path / "run").exists()
+
+
+def test_help_shows_each_profiles_levels(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["quickstart", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, values in cli.PROFILES.items():
+        levels = ", ".join(f"{k} {values[f'algorithm.setgrpo.{k}']:g}" for k in ("alpha", "beta", "delta"))
+        assert f"{levels}, {values['algorithm.setgrpo.calibration.num_prompts']:,} calibration groups" in text, name
