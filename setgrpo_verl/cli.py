@@ -132,6 +132,13 @@ PROFILES["paper"] = {
 }
 
 
+def _profile_levels(name: str) -> str:
+    """A profile's levels and calibration size for ``--help``, e.g. ``alpha 0.5, beta 0.65, delta 0.2, 48 groups``."""
+    values = PROFILES[name]
+    levels = ", ".join(f"{k} {values[f'algorithm.setgrpo.{k}']:g}" for k in ("alpha", "beta", "delta"))
+    return f"{levels}, {values['algorithm.setgrpo.calibration.num_prompts']:,} calibration groups"
+
+
 def _flag_help(key: str, text: str | None) -> str:
     if text is not None:
         return f"{text} [{key}]"
@@ -158,13 +165,20 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
                      flip_prob: float | None = None) -> None:
     g = p.add_argument_group("inputs (defaults: embedded, offline)")
     g.add_argument("--profile", choices=sorted(PROFILES), default=profile,
-                   help=f"preset sizes (default {profile}): 'default' (the quickstart on 2 CPU cores), 'smoke' (a "
-                   "plumbing check), 'validate' (validate at the tightest levels it certifies in about 25 minutes on "
-                   "2 CPU cores) or 'paper' (validate at the paper's levels: 16,000 groups, about 24 hours)")
+                   help=f"preset sizes (default {profile}): 'default' (the quickstart on 2 CPU cores; "
+                   f"{_profile_levels('default')}), 'smoke' (a plumbing check; {_profile_levels('smoke')}), "
+                   f"'validate' (validate at the tightest levels it certifies in about 25 minutes on 2 CPU cores; "
+                   f"{_profile_levels('validate')}) or 'paper' (validate at the paper's levels, about 24 hours; "
+                   f"{_profile_levels('paper')})")
     g.add_argument("--model", default=None, help="local Hugging Face causal-LM directory of the policy (default: the "
                    "embedded SmolLM2-135M-Instruct) [actor_rollout_ref.model.path]")
+    default_data = ("the composite validation rubrics shipped in the package with --judge rules, the default; "
+                    "with another judge the IFBench rubric conversion" if judge == "rules" else "the IFBench rubric conversion of the IFBench prompts shipped in the package")
     g.add_argument("--data", default=None, help="RubricHub-format .jsonl/.json/.parquet file of prompts with rubrics "
-                   "(default: the IFBench rubric conversion of the IFBench prompts shipped in the package)")
+                   f"(default: {default_data})")
+    g.add_argument("--duplicate-criteria", choices=("error", "keep_one"), default="error",
+                   help="a criterion listed twice in a --data row: 'error' (default: stop, naming how many rows) or "
+                   "'keep_one' (keep its first copy; docs/grading.md#rubric-rows)")
     g.add_argument("--judge", choices=("local", "openai", "function", "rules"), default=judge,
                    help="'local' (embedded stochastic SmolLM2 judge), 'openai' (an OpenAI-compatible HTTP judge), "
                         "'function' (a Python reward function, --reward-function) or 'rules' (rule criteria checked by "
@@ -357,6 +371,31 @@ def _base_grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return grader
 
 
+def _check_grader(grader: dict[str, Any]) -> None:
+    """Refuse a deterministic judge (``--judge-temperature`` <= 0) before anything is read or loaded.
+
+    Raises:
+        LaunchError: the message of :func:`setgrpo_verl.grading.check_stochastic_judge`.
+    """
+    from .grading import check_stochastic_judge
+    from .launch import LaunchError
+
+    judge = grader.get("base", grader) if grader.get("type") == "noisy" else grader
+    try:
+        check_stochastic_judge(str(judge.get("type")), judge.get("temperature"))
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+
+
+def _train_prompts(run_dir: Path, split: dict[str, Any] | None) -> int:
+    """Rows of the training split about to be written (``split``), else of the run's ``data/train.parquet``."""
+    if split is not None:
+        return len(split["train"])
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(run_dir / "data" / "train.parquet").metadata.num_rows
+
+
 @dataclass
 class _Plan:
     """What every training command needs: config values, the policy model, the grader and the shared overrides."""
@@ -410,6 +449,7 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
         if error:
             raise launch.LaunchError(error)
     grader = _grader(args, seed)
+    _check_grader(grader)
     if args.resume and args.overwrite:
         raise launch.LaunchError("--resume keeps the run directory's stages and --overwrite deletes them: pass one")
     common = [launch.format_override(k, v) for k, v in values.items() if v is not None]
@@ -424,12 +464,29 @@ def _commands(args: argparse.Namespace, plan: _Plan, stages: list[str], record: 
 
     commands = []
     for stage in stages:
-        overrides = plan.common + launch.stage_overrides(stage, args.run_dir, record=record) + list(args.overrides)
+        overrides = (plan.common + launch.stage_overrides(stage, args.run_dir, record=record)
+                     + launch.with_file_logger(args.overrides))
         config = "ppo_trainer" if stage == "grpo" else "setgrpo_trainer"
         if stage == "grpo":  # verl's stock config has no algorithm.setgrpo block
             overrides = [o for o in overrides if not o.startswith("algorithm.setgrpo")]
         commands.append((stage, launch.main_ppo_command(overrides, config_name=config)))
     return commands
+
+
+def _checked_dry_run(args: argparse.Namespace, plan: _Plan, commands: list[tuple[str, list[str]]]) -> str:
+    """The commands of ``--dry-run`` after the checks of the data that a run makes before verl starts (calibration
+    size for the levels, enough prompts for the split; nothing is written), so that it never prints a command the
+    run would refuse."""
+    from . import launch
+
+    launch.check_calibration_size(plan.values)
+    values = plan.values
+    launch.split_data(data=args.data, model_path=plan.model, max_prompt_length=int(values["data.max_prompt_length"]),
+                      calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]), seed=plan.seed,
+                      rules_only=args.judge == "rules",
+                      default_data="validation" if args.command == "validate" else "ifbench",
+                      duplicate_criteria=args.duplicate_criteria)
+    return _dry_run(commands)
 
 
 def _dry_run(commands: list[tuple[str, list[str]]]) -> str:
@@ -450,7 +507,8 @@ def _split(args: argparse.Namespace, plan: _Plan, stages: list[str]) -> dict[str
                               max_prompt_length=int(values["data.max_prompt_length"]),
                               calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
                               seed=plan.seed, rules_only=args.judge == "rules",
-                              default_data="validation" if args.command == "validate" else "ifbench")
+                              default_data="validation" if args.command == "validate" else "ifbench",
+                              duplicate_criteria=args.duplicate_criteria)
     return split if launch.check_data_split(args.run_dir, split, overwrite=args.overwrite) else None
 
 
@@ -484,7 +542,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> str | None:
     plan = _plan(args)
     commands = _commands(args, plan, ["calibrate"], args.run_dir / launch.STAGES["calibrate"] / "record.json")
     if args.dry_run:
-        return _dry_run(commands)
+        return _checked_dry_run(args, plan, commands)
     launch.check_calibration_size(plan.values)
     split = _split(args, plan, ["calibrate"])
     if args.judge == "openai":
@@ -502,9 +560,10 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
     stages = ["calibrate_train"] + (["grpo"] if args.baseline else [])
     commands = _commands(args, plan, stages, args.run_dir / launch.STAGES["calibrate"] / "record.json")
     if args.dry_run:
-        return _dry_run(commands)
+        return _checked_dry_run(args, plan, commands)
     launch.check_calibration_size(plan.values)
     split = _split(args, plan, stages)
+    launch.check_training_steps(plan.values, args.overrides, _train_prompts(args.run_dir, split))
     if args.judge == "openai":
         launch.probe_judge(plan.grader)
     _write_split(args, split)
@@ -533,6 +592,7 @@ def _cmd_train(args: argparse.Namespace) -> str | None:
         raise launch.LaunchError(f"{run_dir}/data/train.parquet is missing: run `setgrpo-verl calibrate --run-dir "
                                  f"{run_dir}` first (it writes the data split and the record)")
     launch.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
+    launch.check_training_steps(plan.values, args.overrides, _train_prompts(run_dir, None))
     if stage == "train":
         if not Path(record).is_file():
             raise launch.LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "

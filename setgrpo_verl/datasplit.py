@@ -24,7 +24,7 @@ DEFAULT_DATA = ("ifbench", "validation")
 
 
 def _rubric_rows(data: str | os.PathLike | None, rules_only: bool = False,
-                 default_data: str = "ifbench") -> tuple[list[dict], str]:
+                 default_data: str = "ifbench", duplicate_criteria: str = "error") -> tuple[list[dict], str]:
     from .grading import load_ifbench_rubrics, load_validation_rubrics, read_rubric_rows
 
     if default_data not in DEFAULT_DATA:
@@ -40,7 +40,7 @@ def _rubric_rows(data: str | os.PathLike | None, rules_only: bool = False,
         raise LaunchError(f"--data {data}: no such file; pass a RubricHub-format .jsonl/.json/.parquet file (rows "
                           "with id, question, rubrics) or omit --data for the embedded IFBench prompts")
     try:
-        return read_rubric_rows(path), str(path)
+        return read_rubric_rows(path, duplicate_criteria=duplicate_criteria), str(path)
     except (ValueError, OSError) as exc:  # the message names the file, line, row, criterion and field
         raise LaunchError(f"--data: {exc}") from None
 
@@ -54,6 +54,7 @@ def split_data(
     seed: int,
     rules_only: bool = False,
     default_data: str = "ifbench",
+    duplicate_criteria: str = "error",
 ) -> dict[str, Any]:
     """Validate the rubric rows, drop overlong prompts, shuffle and split them into verl RL rows (nothing written).
 
@@ -69,7 +70,9 @@ def split_data(
     ``data.filter_overlong_prompts`` would, but before the split so that the counts are exact.
 
     A prompt that appears more than once (the same id, or the same question text up to whitespace and case,
-    :func:`setgrpo_verl.core.question_key`) is kept once, at its first row, so the two parts stay disjoint.
+    :func:`setgrpo_verl.core.question_key`) is kept once, at its first row, so the two parts stay disjoint. A
+    criterion listed twice in a ``data`` row stops the split, or with ``duplicate_criteria="keep_one"`` keeps its
+    first copy (:func:`setgrpo_verl.grading.read_rubric_rows`).
 
     Returns:
         ``{"calibration": [rows], "train": [rows], "source": str, "duplicates": int (rows removed),
@@ -84,7 +87,7 @@ def split_data(
 
     from .grading import as_rubric, drop_duplicate_rows, rubrics_to_verl_rows
 
-    rows, source = _rubric_rows(data, rules_only, default_data)
+    rows, source = _rubric_rows(data, rules_only, default_data, duplicate_criteria)
     try:
         rubrics = [as_rubric(row) for row in rows]
     except (ValueError, TypeError) as exc:
@@ -109,11 +112,14 @@ def split_data(
     if len(kept) <= calibration_prompts:
         more = "pass more prompts with --data"
         if data is None and rules_only and default_data == "validation":
-            more += (f" (more validation rubrics, the embedded ones first: python scripts/make_validation_rubrics.py "
+            more += (f" (more validation rubrics, the embedded ones first: from the repository root, python "
+                     f"scripts/make_validation_rubrics.py "
                      f"compose --rows {calibration_prompts + 500} --out rubrics.jsonl, then --data rubrics.jsonl)")
+        # raising the prompt length helps only when some prompts were dropped as too long
+        longer = "raise --max-prompt-length, " if len(kept) < len(rubrics) else ""
         raise LaunchError(f"{source}: {len(kept)} of {len(rubrics)} prompts fit in {max_prompt_length} prompt tokens, "
-                          f"but calibration needs {calibration_prompts} and training at least one more; raise "
-                          f"--max-prompt-length, lower --calib-groups or {more}")
+                          f"but calibration needs {calibration_prompts} and training at least one more; {longer}"
+                          f"lower --calib-groups or {more}")
     random.Random(seed).shuffle(kept)
     calibration, train = kept[:calibration_prompts], kept[calibration_prompts:]
     for split, part in (("calibration", calibration), ("train", train)):

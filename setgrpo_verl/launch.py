@@ -51,6 +51,7 @@ from .preflight import (
     calibration_minimums,
     check_calibration_size,
     check_training_prompts,
+    check_training_steps,
     check_validation_size,
     probe_judge,
     requested_settings,
@@ -72,6 +73,7 @@ __all__ = [
     "check_split_flags",
     "check_stage_dirs",
     "check_training_prompts",
+    "check_training_steps",
     "check_validation_size",
     "cpu_bf16_units",
     "cpu_environment",
@@ -87,6 +89,7 @@ __all__ = [
     "latest_checkpoint_step",
     "run_stage",
     "stage_overrides",
+    "with_file_logger",
 ]
 
 
@@ -230,6 +233,23 @@ def main_ppo_command(overrides: Sequence[str], *, config_name: str = "setgrpo_tr
     return cmd + list(overrides)
 
 
+def with_file_logger(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with ``file`` added to any ``trainer.logger`` list that lacks it (docs/cli.md#run-directory).
+
+    A stage's ``metrics.jsonl`` -- its console line per step, the report, a resume's history -- is verl's file
+    logger, so a tracker list such as ``trainer.logger=[console,tensorboard]`` keeps it: ``[console,tensorboard,file]``.
+    """
+    out = []
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        if eq and key.lstrip("+") == "trainer.logger":
+            items = [v.strip().strip("'\"") for v in value.strip().strip("'\"").strip("[]").split(",") if v.strip()]
+            if "file" not in items:
+                override = f"{key}=[{','.join([*items, 'file'])}]"
+        out.append(override)
+    return out
+
+
 def stage_overrides(stage: str, run_dir: str | os.PathLike, *, record: str | os.PathLike | None = None) -> list[str]:
     """The overrides that place a stage's data, record and outputs in ``run_dir`` (paths absolute).
 
@@ -245,6 +265,8 @@ def stage_overrides(stage: str, run_dir: str | os.PathLike, *, record: str | os.
         format_override("trainer.default_local_dir", str(stage_dir / "checkpoints")),
         format_override("trainer.experiment_name", STAGES[stage]),
         "trainer.logger=[console,file]",
+        # Hydra's own output (.hydra/, its log) in the stage directory, not in the directory the command runs from
+        format_override("hydra.run.dir", str(stage_dir / "hydra")),
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
     ]

@@ -11,7 +11,8 @@ from typing import Any, Mapping, Sequence
 
 from .rundir import LaunchError
 
-__all__ = ["calibration_minimums", "check_calibration_size", "check_training_prompts", "check_validation_size",
+__all__ = ["calibration_minimums", "check_calibration_size", "check_training_prompts", "check_training_steps",
+           "check_validation_size", "override_value",
            "probe_judge", "requested_settings"]
 
 #: The command-line flag (or key) of each field of :class:`setgrpo_verl.core.CalibrationSettings`.
@@ -176,3 +177,50 @@ def check_training_prompts(record: str | os.PathLike, run_dir: str | os.PathLike
         CalibrationRecord.from_json(record).check_disjoint(read_prompt_identities(train), source=str(train))
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
+
+
+#: verl 0.9.1's ``trainer.total_epochs`` default (``ppo_trainer.yaml``).
+VERL_TOTAL_EPOCHS = 30
+
+
+def override_value(overrides: Sequence[str], key: str) -> str | None:
+    """The value the last ``key=VALUE`` (also ``+key`` / ``++key``) of Hydra ``overrides`` gives, or None."""
+    found = None
+    for override in overrides:
+        name, eq, value = override.partition("=")
+        if eq and name.lstrip("+") == key:
+            found = value
+    return found
+
+
+def check_training_steps(values: Mapping[str, Any], overrides: Sequence[str], train_prompts: int) -> None:
+    """Refuse ``--steps`` that verl's epochs would cut short (it would stop early, exit 0 and the stage be complete).
+
+    verl's trainer takes ``len(train) // data.train_batch_size`` steps per epoch (the last partial batch is
+    dropped) and stops after ``trainer.total_epochs`` epochs even when ``trainer.total_training_steps`` asks for more.
+
+    Args:
+        values: the command's config values (``trainer.total_training_steps``, ``data.train_batch_size``,
+            ``trainer.total_epochs``).
+        overrides: the user's own Hydra overrides (they win over ``values``).
+        train_prompts: the rows of the training split.
+
+    Raises:
+        LaunchError: the steps asked for exceed steps per epoch x epochs, naming both and the fixes.
+    """
+    steps = override_value(overrides, "trainer.total_training_steps") or values.get("trainer.total_training_steps")
+    if steps in (None, "null"):
+        return
+    batch = int(override_value(overrides, "data.train_batch_size") or values["data.train_batch_size"])
+    epochs = int(override_value(overrides, "trainer.total_epochs") or values.get("trainer.total_epochs")
+                  or VERL_TOTAL_EPOCHS)
+    per_epoch = int(train_prompts) // batch
+    if int(steps) <= per_epoch * epochs:
+        return
+    need = -(-int(steps) // per_epoch) if per_epoch else None
+    raise LaunchError(
+        f"--steps {steps}: the training split has {train_prompts} prompts, {per_epoch} steps of {batch} groups per "
+        f"epoch (verl drops the last partial batch), and trainer.total_epochs={epochs} stops verl after "
+        f"{per_epoch * epochs} steps: lower --steps to {per_epoch * epochs}"
+        + (f", raise trainer.total_epochs to {need}" if need else "")
+        + " or give more training prompts")

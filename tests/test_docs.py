@@ -118,3 +118,10 @@ _OUTSIDE_EXAMPLES = ["see " + "/".join(("..", "shared", "design", "SETGRPO.md"))
 @pytest.mark.parametrize("line", _OUTSIDE_EXAMPLES)
 def test_outside_patterns_catch_the_usual_forms(line):
     assert any(p.search(line) for p in _OUTSIDE)
+
+
+def test_repository_scripts_in_docs_say_where_to_run_them():
+    """The compose command of docs/validation.md runs a repository script: the page says to run it from the root."""
+    text = (DOCS / "validation.md").read_text()
+    block = text[text.index("python scripts/make_validation_rubrics.py compose") - 400:]
+    assert "from the repository root" in block[:400] or "repository root" in block[:400]

@@ -29,11 +29,12 @@ from .graders import (
     RubricGrader,
     as_rubric,
     build_grader,
+    check_stochastic_judge,
     check_unparsed,
     grader_identity,
     verdict_seed,
 )
-from .http_judge import OpenAIJudge
+from .http_judge import JudgeContextError, OpenAIJudge
 from .local_judge import LocalHFJudge
 from .protocol import (
     JUDGE_TEMPLATE_VERSION,
@@ -76,6 +77,7 @@ __all__ = [
     "LocalHFJudge",
     "NoisyGrader",
     "NLTK_DATA_RULES",
+    "JudgeContextError",
     "OpenAIJudge",
     "Rubric",
     "RubricGrader",
@@ -87,6 +89,7 @@ __all__ = [
     "Verdict",
     "as_rubric",
     "build_grader",
+    "check_stochastic_judge",
     "check_rule",
     "check_unparsed",
     "convert_rubric_file",

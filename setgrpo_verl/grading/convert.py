@@ -64,7 +64,35 @@ IFBENCH_QUALITY_CRITERIA: tuple[tuple[str, float], ...] = (
 )
 
 
-def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
+#: What :func:`read_rubric_rows` does with a criterion listed twice in a row: ``error`` (stop, naming how many rows)
+#: or ``keep_one`` (keep its first copy).
+DUPLICATE_CRITERIA = ("error", "keep_one")
+
+
+def check_duplicate_criteria(rubrics: Sequence[Rubric], locations: Sequence[str], *, fix: str) -> None:
+    """Stop when a rubric lists a criterion twice (it would be judged and counted twice).
+
+    Args:
+        rubrics: the parsed rows.
+        locations: where each row came from, for the message.
+        fix: how the user keeps one copy (the option of the caller), for the message.
+
+    Raises:
+        RubricRowError: (a ``ValueError``) naming the number of rows affected, the first one and its criteria.
+    """
+    affected = [(r, loc) for r, loc in zip(rubrics, locations) if r.duplicate_criteria()]
+    if not affected:
+        return
+    rubric, location = affected[0]
+    j, i = rubric.duplicate_criteria()[0]
+    raise RubricRowError(
+        f"lists criterion {j} again as criterion {i} ({rubric.criteria[j].criterion!r}); {len(affected)} of "
+        f"{len(rubrics)} rows repeat a criterion, and each copy is judged and counted in the score. Remove the "
+        f"copies, or keep one copy of each: {fix} (docs/grading.md#rubric-rows)",
+        row_id=rubric.id, location=location, criterion_index=j, field="criterion")
+
+
+def read_rubric_rows(path: str | os.PathLike, *, duplicate_criteria: str = "error") -> list[dict]:
     """Read RubricHub rows from ``.jsonl``, ``.json`` (a list) or ``.parquet`` and validate every row.
 
     This is what a ``--data`` file goes through: each row is checked with :meth:`Rubric.from_row` (the one rubric
@@ -75,11 +103,17 @@ def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
     come back in our layout (:func:`~.rubrichub.release_row`: ``question`` from the user turn, ``prompt`` kept,
     ``rubrics``, a derived ``id``); their rule-tagged criteria are checked by code.
 
+    Args:
+        path: the file.
+        duplicate_criteria: a criterion listed twice in a row (:meth:`Rubric.duplicate_criteria`): ``error``
+            stops (:func:`check_duplicate_criteria`), ``keep_one`` keeps its first copy.
+
     Returns:
         The rows as plain dicts (pandas/numpy values converted to Python), in file order.
 
     Raises:
-        RubricRowError: a row that does not validate (a ``ValueError``; see :meth:`Rubric.from_row`).
+        RubricRowError: a row that does not validate (a ``ValueError``; see :meth:`Rubric.from_row`), or rows that
+            repeat a criterion under ``duplicate_criteria="error"``.
         ValueError: unsupported extension, a line that is not JSON, or a ``.json`` file that is not a list of rows.
         OSError: the file cannot be read.
     """
@@ -109,9 +143,16 @@ def read_rubric_rows(path: str | os.PathLike) -> list[dict]:
         where = [f"{p}, row {i + 1}" for i in range(len(rows))]
     else:
         raise ValueError(f"{p}: unsupported rubric file type {suffix!r} (use .jsonl, .json or .parquet)")
-    for row, loc in zip(rows, where):
-        Rubric.from_row(row, location=loc)
-    return [release_row(row) for row in rows]
+    if duplicate_criteria not in DUPLICATE_CRITERIA:
+        raise ValueError(f"duplicate_criteria={duplicate_criteria!r}: use one of {', '.join(DUPLICATE_CRITERIA)}")
+    rubrics = [Rubric.from_row(row, location=loc) for row, loc in zip(rows, where)]
+    out = [release_row(row) for row in rows]
+    if duplicate_criteria == "error":
+        check_duplicate_criteria(rubrics, where, fix="read the file with duplicate_criteria='keep_one' (command line: "
+                                 "--duplicate-criteria keep_one)")
+        return out
+    return [{**row, "rubrics": [c.to_dict() for c in rubric.keep_one_copy().criteria]}
+            if rubric.duplicate_criteria() else row for row, rubric in zip(out, rubrics)]
 
 
 def prompt_identity(row: Mapping[str, Any] | Rubric) -> tuple[str | None, str]:
@@ -221,9 +262,12 @@ def validate_verl_rows(rows: Iterable[Mapping[str, Any]], *, source: str = "verl
         The number of rows checked.
 
     Raises:
-        RubricRowError: (a ``ValueError``) the first bad row: location, row id, criterion index and field.
+        RubricRowError: (a ``ValueError``) the first bad row: location, row id, criterion index and field; or rows
+            that repeat a criterion (:func:`check_duplicate_criteria`).
     """
     n = 0
+    rubrics: list[Rubric] = []
+    locations: list[str] = []
     for n, row in enumerate(rows, 1):
         location = f"{source}, row {n}"
         reward_model = row.get("reward_model") if isinstance(row, Mapping) else None
@@ -234,7 +278,10 @@ def validate_verl_rows(rows: Iterable[Mapping[str, Any]], *, source: str = "verl
                 "has no reward_model.ground_truth rubric; write rubric rows with setgrpo_verl.grading.convert "
                 "(rubrics_to_verl_rows / convert_rubric_file)", row_id=None if row_id is None else str(row_id),
                 location=location, field="reward_model")
-        Rubric.from_row(reward_model["ground_truth"], location=location)
+        rubrics.append(Rubric.from_row(reward_model["ground_truth"], location=location))
+        locations.append(location)
+    check_duplicate_criteria(rubrics, locations, fix="rewrite the file from its RubricHub rows with "
+                             "setgrpo_verl.grading.convert_rubric_file(src, dst, duplicate_criteria='keep_one')")
     return n
 
 
@@ -256,9 +303,11 @@ def convert_rubric_file(
     split: str = "train",
     limit: int | None = None,
     system_prompt: str | None = None,
+    duplicate_criteria: str = "error",
 ) -> Path:
-    """Convert a RubricHub file (``.jsonl`` / ``.json`` / ``.parquet``) to a verl RL parquet file."""
-    rows = read_rubric_rows(src)
+    """Convert a RubricHub file (``.jsonl`` / ``.json`` / ``.parquet``) to a verl RL parquet file
+    (``duplicate_criteria``: as :func:`read_rubric_rows`)."""
+    rows = read_rubric_rows(src, duplicate_criteria=duplicate_criteria)
     if limit is not None:
         rows = rows[:limit]
     return write_verl_parquet(

@@ -118,7 +118,14 @@ class RubricGrader:
                 slots.append((n, j))
             verdicts.append(row)
         if requests:
-            judged = await self.judge.ajudge(requests, seeds)
+            try:
+                judged = await self.judge.ajudge(requests, seeds)
+            except GradingError as exc:
+                refused = getattr(exc, "request", None)
+                if refused is None or refused not in requests:
+                    raise
+                n = slots[requests.index(refused)][0]
+                raise GradingError(f"scoring {scoring_index}, {describe_item(items[n])}: {exc}") from exc
             for (n, j), v in zip(slots, judged):
                 verdicts[n][j] = v
         check_unparsed(items, verdicts, self.max_unparsed_ratio, scoring_index=scoring_index)
@@ -205,7 +212,7 @@ class FunctionGrader:
     It returns a finite float score, or a dict with a finite ``"score"`` and optionally ``"verdicts"`` (a list of
     ``True`` / ``False`` / ``None`` or of ``"met"``/``"unmet"``/``"unparsed"`` strings). NaN, +-inf, a bool or a
     non-number raise :class:`GradingError` naming the row and the response (verl's group normalisation would turn
-    one such score into NaN advantages for the whole group). ``ground_truth`` is the item's
+    one such score into NaN advantages for the whole group); so does an exception the function raises (chained). ``ground_truth`` is the item's
     ``ground_truth`` if set, else its rubric as a RubricHub dict. The seed passed is
     ``verdict_seed(seed, scoring_index, question, response, -1, "")`` (question = the item's prompt, else its
     rubric's question, else ``""``).
@@ -257,10 +264,17 @@ class FunctionGrader:
             item.rubric.to_row() if item.rubric is not None else None)
         kwargs = dict(data_source=item.data_source, solution_str=item.response, ground_truth=ground_truth,
                       extra_info=dict(item.extra_info or {}), scoring_index=int(scoring_index), seed=seed, **self.kwargs)
-        if inspect.iscoroutinefunction(self.fn):
-            out = await self.fn(**kwargs)
-        else:
-            out = await asyncio.get_running_loop().run_in_executor(None, lambda: self.fn(**kwargs))
+        try:
+            if inspect.iscoroutinefunction(self.fn):
+                out = await self.fn(**kwargs)
+            else:
+                out = await asyncio.get_running_loop().run_in_executor(None, lambda: self.fn(**kwargs))
+        except Exception as exc:
+            # a bare KeyError('criteria') from the user's code would name neither the function nor the input
+            raise GradingError(
+                f"{self.identity['name']} raised {type(exc).__name__}: {exc} in scoring {scoring_index} for "
+                f"{describe_item(item)}; fix the function for this input"
+            ) from exc
         verdicts: tuple[Verdict, ...] = ()
         if isinstance(out, Mapping):
             if "score" not in out:
@@ -320,8 +334,26 @@ def _as_verdict(v) -> Verdict:
 _JUDGE_KEYS = {
     "local_hf": {"model_path", "temperature", "batch_size", "max_question_tokens", "max_response_tokens"},
     "openai": {"base_url", "model", "api_key", "temperature", "max_tokens", "chat_template_kwargs", "max_concurrency",
-               "timeout", "max_retries", "parse_retries", "max_unparsed_ratio"},
+               "timeout", "max_retries", "parse_retries", "max_unparsed_ratio", "max_response_tokens"},
 }
+
+
+def check_stochastic_judge(kind: str, temperature: Any) -> None:
+    """Refuse a judge temperature at or below 0 for a ``local_hf`` / ``openai`` grader.
+
+    SetGRPO calibrates a stochastic grader: the reference score r' is a second, independent scoring
+    (docs/algorithm.md#2-jrsc). A judge at temperature 0 scores each response the same twice, so the conformal
+    set is a point and SetGRPO silently becomes GRPO.
+
+    Raises:
+        ValueError: ``temperature`` <= 0, naming the key (``reward.reward_kwargs.grader.temperature``, the command
+            line's ``--judge-temperature``) and the fix.
+    """
+    if kind in _JUDGE_KEYS and temperature is not None and float(temperature) <= 0:
+        raise ValueError(
+            f"grader temperature {temperature} (reward.reward_kwargs.grader.temperature, --judge-temperature): "
+            "SetGRPO calibrates a stochastic grader, and a judge at temperature <= 0 scores every response the same "
+            "twice, so the conformal set is a point and SetGRPO becomes GRPO; use a temperature > 0 (default 1.0)")
 
 
 def build_grader(config: Mapping[str, Any] | None):
@@ -332,7 +364,8 @@ def build_grader(config: Mapping[str, Any] | None):
         ``batch_size``, ``max_question_tokens``, ``max_response_tokens`` (see :class:`LocalHFJudge`);
       * ``openai``: ``base_url``, ``model`` (required), ``api_key``, ``temperature``, ``max_tokens`` (token budget
         per verdict; raise it for a reasoning judge), ``chat_template_kwargs`` (e.g. ``{enable_thinking: false}``),
-        ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries`` (see :class:`OpenAIJudge`) and
+        ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries``, ``max_response_tokens`` (responses
+        cut to fit the judge's context; see :class:`OpenAIJudge`) and
         ``max_unparsed_ratio`` (default 0: any unparsed verdict stops; see :class:`RubricGrader`);
       * ``function``: ``path``, ``name`` (default ``compute_score``), ``kwargs``;
       * ``rules``: no judge (every criterion must carry a rule);
@@ -341,7 +374,8 @@ def build_grader(config: Mapping[str, Any] | None):
         docs/validation.md#noisy-grader).
 
     Raises:
-        ValueError: missing ``type``, unknown type or unknown / missing key (named).
+        ValueError: missing ``type``, unknown type or unknown / missing key (named); a judge temperature <= 0
+            (:func:`check_stochastic_judge`).
     """
     if not config or "type" not in config:
         raise ValueError(
@@ -374,6 +408,7 @@ def build_grader(config: Mapping[str, Any] | None):
     unknown = set(cfg) - _JUDGE_KEYS[kind]
     if unknown:
         raise ValueError(f"unknown keys for a {kind} grader: {sorted(unknown)} (allowed: {sorted(_JUDGE_KEYS[kind])})")
+    check_stochastic_judge(kind, cfg.get("temperature"))
     if kind == "openai":
         missing = [k for k in ("base_url", "model") if not cfg.get(k)]
         if missing:
@@ -404,6 +439,7 @@ def grader_identity(config: Mapping[str, Any] | None) -> dict:
         return build_grader(config).identity
     if kind not in _JUDGE_KEYS or set(cfg) - _JUDGE_KEYS[kind]:
         build_grader(config)  # raises the explanatory error
+    check_stochastic_judge(kind, cfg.get("temperature"))
     judge_cls = OpenAIJudge if kind == "openai" else LocalHFJudge
     defaults = {k: p.default for k, p in inspect.signature(judge_cls.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}

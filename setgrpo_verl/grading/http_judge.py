@@ -10,6 +10,11 @@ times, then it is an ``unparsed`` verdict, which the grader's ``max_unparsed_rat
 (docs/grading.md#unparsed-verdicts). A reply cut off by the token budget (``finish_reason="length"``) before any
 verdict is an error that names ``max_tokens`` and ``chat_template_kwargs``: re-asking with the same budget would
 keep only the replies whose reasoning happened to be short.
+
+Any other HTTP 4xx (400 Bad Request, 401, 404, ...) is a refusal that repeating the request cannot change: it is
+never retried. A request longer than the judge's context (vLLM: HTTP 400 "maximum context length is N tokens") is
+a :class:`JudgeContextError` naming the response and the fix: ``max_response_tokens`` cuts every response before it
+is sent, as the ``local_hf`` grader's does.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from typing import Any, Sequence
 
 from .protocol import (
@@ -32,7 +38,40 @@ from .protocol import (
 )
 from .types import GradingError, Verdict
 
-__all__ = ["OpenAIJudge"]
+__all__ = ["JudgeContextError", "OpenAIJudge", "cut_to_tokens"]
+
+#: HTTP statuses the ``openai`` client retries (with backoff); any other 4xx is final.
+_RETRIED_STATUSES = (408, 409, 429)
+#: How OpenAI-compatible servers word a request longer than the model's context (vLLM, SGLang, OpenAI).
+_CONTEXT_WORDS = re.compile(r"context length|context window|max_model_len|maximum input length|prompt is too long|"
+                            r"too many tokens|input is too long", re.IGNORECASE)
+_CONTEXT_TOKENS = re.compile(r"(?:context length|context window)[^0-9]{0,20}(\d+)", re.IGNORECASE)
+
+
+class JudgeContextError(GradingError):
+    """The judge server refused a request longer than its context; ``request`` is the
+    :class:`~.protocol.JudgeRequest` (so that the grader can name the row)."""
+
+    def __init__(self, message: str, request: JudgeRequest):
+        super().__init__(message)
+        self.request = request
+
+
+def cut_to_tokens(text: str, limit: int | None) -> str:
+    """``text`` cut so that it holds at most ``limit`` tokens of any byte-level or SentencePiece tokenizer.
+
+    The judge's tokenizer lives on the server, so tokens are counted from above by UTF-8 bytes (every token of
+    such a tokenizer covers at least one byte): the text is cut to its first ``limit`` bytes, at a character
+    boundary. English text keeps about ``limit / 4`` tokens of the judge's tokenizer this way.
+
+    Args:
+        text: the response.
+        limit: the token budget (>= 1), or None for no cut.
+    """
+    if limit is None:
+        return text
+    data = text.encode("utf-8")
+    return text if len(data) <= limit else data[:limit].decode("utf-8", errors="ignore")
 
 
 def _completion_choice(body: str) -> tuple[dict | None, str]:
@@ -57,6 +96,21 @@ def _completion_choice(body: str) -> tuple[dict | None, str]:
     return choices[0], ""
 
 
+def _server_message(exc) -> str:
+    """The server's own message of an ``openai.APIStatusError`` (its ``message`` field when the body is JSON)."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+    return str(exc)
+
+
+def _is_context_refusal(exc) -> bool:
+    """True for an HTTP 400 whose message says the request is longer than the model's context."""
+    return getattr(exc, "status_code", None) == 400 and bool(_CONTEXT_WORDS.search(_server_message(exc)))
+
+
 class OpenAIJudge:
     """Judge backed by an OpenAI-compatible ``/v1/chat/completions`` endpoint.
 
@@ -77,6 +131,10 @@ class OpenAIJudge:
             retries (same backoff) for HTTP 200 bodies that are not a chat completion.
         parse_retries: how many times an unparseable answer is re-asked (with seed + attempt); after that the
             verdict is ``unparsed`` (what the grader does with it: its ``max_unparsed_ratio``).
+        max_response_tokens: every response is cut to at most this many tokens before it is sent
+            (:func:`cut_to_tokens`; enters the identity); None sends responses whole. Set it from the judge's
+            context: context minus ``max_tokens`` minus room for the prompt template, the question and the
+            criterion (about 1,000 tokens), e.g. 7,000 for an 8,192-token judge.
 
     Each request carries ``seed`` (the verdict seed from the grader, 31 bits), so a server that honours seeds
     (vLLM, SGLang) makes scoring i reproducible. Transport failures that outlast the retries raise
@@ -99,10 +157,13 @@ class OpenAIJudge:
         timeout: float = 60.0,
         max_retries: int = 4,
         parse_retries: int = 2,
+        max_response_tokens: int | None = None,
     ):
         if max_concurrency < 1 or timeout <= 0 or max_retries < 0 or parse_retries < 0 or int(max_tokens) < 1:
             raise ValueError("need max_tokens >= 1, max_concurrency >= 1, timeout > 0, max_retries >= 0 and "
                              "parse_retries >= 0")
+        if max_response_tokens is not None and (isinstance(max_response_tokens, bool) or int(max_response_tokens) < 1):
+            raise ValueError(f"max_response_tokens must be an integer >= 1 or null, got {max_response_tokens!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a mapping such as {{'enable_thinking': False}}, got "
                              f"{chat_template_kwargs!r}")
@@ -116,23 +177,27 @@ class OpenAIJudge:
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)
         self.parse_retries = int(parse_retries)
+        self.max_response_tokens = None if max_response_tokens is None else int(max_response_tokens)
         self._clients: dict[int, tuple[Any, Any, asyncio.Semaphore]] = {}  # id(loop) -> (loop, client, semaphore)
 
     @property
     def identity(self) -> dict:
         """``{name, model, temperature, template_hash}`` (docs/algorithm.md#7-record)."""
         return self.identity_for(model=self.model, temperature=self.temperature, max_tokens=self.max_tokens,
-                                 chat_template_kwargs=self.chat_template_kwargs)
+                                 chat_template_kwargs=self.chat_template_kwargs,
+                                 max_response_tokens=self.max_response_tokens)
 
     @classmethod
     def identity_for(cls, *, model: str, temperature: float, max_tokens: int, chat_template_kwargs: dict | None = None,
-                     **_) -> dict:
-        """The identity a judge with these settings reports (no client is created). ``chat_template_kwargs``
-        changes what the judge model is asked, so it enters ``template_hash`` (only when given: the hash of a
-        judge without it is unchanged)."""
+                     max_response_tokens: int | None = None, **_) -> dict:
+        """The identity a judge with these settings reports (no client is created). ``chat_template_kwargs`` and
+        ``max_response_tokens`` change what the judge model is asked, so they enter ``template_hash`` (only when
+        given: the hash of a judge without them is unchanged)."""
         protocol: dict[str, Any] = {"max_tokens": int(max_tokens)}
         if chat_template_kwargs:
             protocol["chat_template_kwargs"] = dict(chat_template_kwargs)
+        if max_response_tokens is not None:
+            protocol["max_response_tokens"] = int(max_response_tokens)
         return {"name": cls.name, "model": model, "temperature": float(temperature),
                 "template_hash": template_hash(**protocol)}
 
@@ -177,14 +242,20 @@ class OpenAIJudge:
                         seed=seed,
                         extra_body=extra,
                     )
+            except openai.APIStatusError as exc:
+                if exc.status_code in _RETRIED_STATUSES or exc.status_code >= 500:
+                    raise self._failed(exc, "the server answered with an error: check the model name and the "
+                                       "server's log") from exc
+                raise GradingError(
+                    f"judge {self.model!r} at {self.base_url} answered HTTP {exc.status_code}, a refusal that "
+                    f"repeating the request cannot change (not retried): {_server_message(exc)}; check the model "
+                    "name, the API key and the server's log"
+                ) from exc
             except openai.APIError as exc:
                 hint = ("the server cannot be reached: start the OpenAI-compatible server or fix the base URL "
                         "(it ends in /v1)" if isinstance(exc, openai.APIConnectionError) else
                         "the server answered with an error: check the model name and the server's log")
-                raise GradingError(
-                    f"judge request to {self.base_url} failed after {self.max_retries} retries "
-                    f"(timeout {self.timeout}s per attempt): {type(exc).__name__}: {exc}; {hint}"
-                ) from exc
+                raise self._failed(exc, hint) from exc
             response = raw.http_response
             url, status, body = str(response.url), response.status_code, response.text
             choice, what = _completion_choice(body)
@@ -196,6 +267,29 @@ class OpenAIJudge:
             "proxy error page in between) and that the server is healthy"
         )
 
+    def _failed(self, exc: Exception, hint: str) -> GradingError:
+        return GradingError(
+            f"judge request to {self.base_url} failed after {self.max_retries} retries "
+            f"(timeout {self.timeout}s per attempt): {type(exc).__name__}: {exc}; {hint}"
+        )
+
+    def _context_error(self, exc: GradingError, request: JudgeRequest) -> JudgeContextError:
+        """The refusal of a request longer than the judge's context, naming the response and the fix."""
+        message = _server_message(exc.__cause__)
+        context = _CONTEXT_TOKENS.search(message)
+        budget = (f"; for this judge's {context.group(1)}-token context, e.g. max_response_tokens="
+                  f"{max(int(context.group(1)) - self.max_tokens - 1000, 1)}" if context else "")
+        cut = ("every response is cut to max_response_tokens="
+               f"{self.max_response_tokens}, still too long with the question and criterion: lower it"
+               if self.max_response_tokens is not None else
+               "set the openai grader's max_response_tokens so that responses are cut to fit")
+        return JudgeContextError(
+            f"judge {self.model!r} at {self.base_url} refused the request for response {said(request.response)} "
+            f"and criterion {request.criterion!r} as longer than its context "
+            f"(HTTP 400, not retried: {message[:300]}); {cut}{budget}, or serve the judge with a longer context (vLLM --max-model-len)",
+            request,
+        )
+
     async def _one(self, request: JudgeRequest, seed: int) -> Verdict:
         """One verdict: asked, read (:func:`~.protocol.read_reply`), re-asked while unparsed up to ``parse_retries``.
 
@@ -203,11 +297,18 @@ class OpenAIJudge:
             GradingError: transport failure (:meth:`_complete`), a reply of an unsupported shape (tool call,
                 refusal, ...), or a reply cut off by ``max_tokens`` before any verdict.
         """
-        messages = judge_messages(request)
+        sent = JudgeRequest(request.question, cut_to_tokens(request.response, self.max_response_tokens),
+                            request.criterion)
+        messages = judge_messages(sent)
         where = f"judge {self.model!r} at {self.base_url}"
         answer = None
         for attempt in range(self.parse_retries + 1):
-            choice = await self._complete(messages, (seed + attempt) % 2**31)
+            try:
+                choice = await self._complete(messages, (seed + attempt) % 2**31)
+            except GradingError as exc:
+                if _is_context_refusal(exc.__cause__):
+                    raise self._context_error(exc, request) from exc.__cause__
+                raise
             reply = read_reply(choice["message"], where=where)
             answer = reply.answer
             met = parse_verdict(answer)

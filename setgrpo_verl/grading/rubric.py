@@ -220,6 +220,28 @@ class Rubric:
                  "non-zero points", field="rubrics", row_id=rid)
         return cls(question=question, id=rid, criteria=tuple(criteria), messages=messages)
 
+    def duplicate_criteria(self) -> tuple[tuple[int, int], ...]:
+        """``(j, i)`` for each criterion ``j`` that repeats an earlier criterion ``i``: the same text (whitespace
+        runs collapsed, ends stripped) and the same rule. A repeated criterion is judged and counted once per copy
+        (docs/grading.md#rubric-rows)."""
+        first: dict[tuple, int] = {}
+        out = []
+        for j, c in enumerate(self.criteria):
+            key = (" ".join(c.criterion.split()), None if c.rule is None else repr(c.rule))
+            if key in first:
+                out.append((j, first[key]))
+            else:
+                first[key] = j
+        return tuple(out)
+
+    def keep_one_copy(self) -> "Rubric":
+        """This rubric with each repeated criterion (:meth:`duplicate_criteria`) left out; its first copy stays."""
+        repeated = {j for j, _ in self.duplicate_criteria()}
+        if not repeated:
+            return self
+        return Rubric(question=self.question, id=self.id, messages=self.messages,
+                      criteria=tuple(c for j, c in enumerate(self.criteria) if j not in repeated))
+
     def to_row(self) -> dict:
         """The RubricHub row (a plain dict, JSON-serialisable)."""
         return {"question": self.question, "id": self.id, "rubrics": [c.to_dict() for c in self.criteria]}

@@ -21,7 +21,7 @@ from verl.trainer.config.algorithm import AlgoConfig
 from setgrpo_verl.core import ABLATIONS, DEFAULT_TAU_GRID, CalibrationRecord, CalibrationSettings
 from setgrpo_verl.sketch import SketchConfig
 
-from .prompts import read_prompt_identities
+from .prompts import check_calibration_disjoint, read_prompt_identities
 from .resume import check_resume
 from .reward_config import REWARD_MANAGER_NAME, TRUTH_SCORE_KEY, grader_identity, reference_score_key
 from .support import check_attention_kernels, check_sketch_support, check_trainer_settings
@@ -50,8 +50,8 @@ def _field(default: Any = None, doc: str = "", *, factory: Any = None) -> Any:
 class SetGRPOCalibrationConfig(BaseConfig):
     """``algorithm.setgrpo.calibration``: the calibration phase (docs/algorithm.md#2-jrsc, #4-srgo)."""
 
-    files: Optional[Any] = _field(None, "parquet file(s) of calibration prompts in verl's RL format; null = "
-                                        "data.train_files (use prompts disjoint from training)")
+    files: Optional[Any] = _field(None, "parquet file(s) of calibration prompts in verl's RL format, disjoint "
+                                        "from data.train_files (checked); null = data.train_files, only with only=true")
     num_prompts: int = _field(512, "number of calibration prompts (groups of rollout.n responses), split 50/50 "
                                    "into coverage and risk groups up to coverage_groups coverage groups")
     coverage_groups: Optional[int] = _field(1000, "most coverage groups (the conformal radius needs a few hundred "
@@ -490,6 +490,7 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
     check_sketch_micro_batch(config, setgrpo)
     check_sketch_support(config, setgrpo.sketch.to_sketch_config())
     _check_reward(config)
+    check_calibration_disjoint(config)
     if setgrpo.record_path:
         path = os.path.expanduser(setgrpo.record_path)
         if not os.path.isfile(path):

@@ -18,9 +18,8 @@ A registry module that is already imported when the plugin loads gets its regist
 logs a failing plugin at DEBUG level, so every failure here is logged at ERROR level with its traceback; the
 registry module itself still imports (verl stays usable for other estimators, managers and trainers).
 
-In the driver of ``python -m verl.trainer.main_ppo`` the plugin also stops the one invocation that cannot
-work -- ``algorithm.adv_estimator=setgrpo`` on verl's stock ``ppo_trainer`` config -- before Hydra and Ray
-start, with one line naming the fix (:func:`check_invocation`).
+In the driver of ``python -m verl.trainer.main_ppo`` the plugin also makes ``algorithm.adv_estimator=setgrpo`` on
+verl's default ``ppo_trainer`` config run SetGRPO's config, ``setgrpo_trainer`` (:func:`redirect_invocation`).
 """
 
 from __future__ import annotations
@@ -196,12 +195,17 @@ def install(wanted: tuple[Registration, ...] | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- stock invocation
-#: The one line printed when ``main_ppo`` is asked for SetGRPO on verl's stock config.
-STOCK_CONFIG_MESSAGE = (
-    "error: algorithm.adv_estimator=setgrpo needs SetGRPO's Hydra config, which verl's default ppo_trainer lacks: "
-    "add `--config-name setgrpo_trainer` to this python -m verl.trainer.main_ppo command"
+#: The config that ``main_ppo`` on verl's default config runs when it is asked for the setgrpo estimator.
+SETGRPO_CONFIG = "setgrpo_trainer"
+#: verl 0.9.1's ``main_ppo`` default: ``@hydra.main(config_path="config", config_name="ppo_trainer")``.
+STOCK_CONFIG = "ppo_trainer"
+#: The one line logged when ``main_ppo`` on verl's default config runs SetGRPO's config instead.
+REDIRECT_MESSAGE = (
+    "setgrpo_verl: algorithm.adv_estimator=setgrpo on verl's default ppo_trainer config runs SetGRPO's config, "
+    "exactly as `--config-name setgrpo_trainer` (verl's ppo_trainer plus algorithm.setgrpo)"
 )
 _CONFIG_NAME_FLAGS = ("--config-name", "-cn")
+_CONFIG_PATH_FLAGS = ("--config-path", "-cp")
 
 
 def _main_ppo_arguments(orig_argv: list[str]) -> list[str] | None:
@@ -214,35 +218,81 @@ def _main_ppo_arguments(orig_argv: list[str]) -> list[str] | None:
     return None
 
 
+def _flag(arguments: list[str], i: int, flags: tuple[str, ...]) -> tuple[str | None, int]:
+    """``(value, tokens)`` when ``arguments[i]`` is one of ``flags`` (``--flag value`` or ``--flag=value``)."""
+    flag, eq, value = arguments[i].partition("=")
+    if flag not in flags:
+        return None, 0
+    if eq:
+        return value, 1
+    return (arguments[i + 1], 2) if i + 1 < len(arguments) else ("", 1)
+
+
 def stock_config_requests_setgrpo(arguments: list[str]) -> bool:
     """True when ``main_ppo`` arguments select the ``setgrpo`` estimator on verl's default ``ppo_trainer`` config.
 
-    Any other ``--config-name`` (``setgrpo_trainer`` or a user's own config) is left to Hydra and the config's
-    own checks.
+    Any other ``--config-name`` (``setgrpo_trainer`` or a user's own config) and any ``--config-path`` (the user's
+    own config directory) is left to Hydra and the config's own checks.
     """
-    config_name = "ppo_trainer"
+    config_name = STOCK_CONFIG
     estimator = None
-    for i, arg in enumerate(arguments):
-        flag, eq, value = arg.partition("=")
-        if flag in _CONFIG_NAME_FLAGS:
-            config_name = value if eq else (arguments[i + 1] if i + 1 < len(arguments) else "")
-        elif flag.lstrip("+") == "algorithm.adv_estimator" and eq:
+    i = 0
+    while i < len(arguments):
+        name, used = _flag(arguments, i, _CONFIG_NAME_FLAGS)
+        if used:
+            config_name, i = name, i + used
+            continue
+        if _flag(arguments, i, _CONFIG_PATH_FLAGS)[1]:
+            return False
+        flag, eq, value = arguments[i].partition("=")
+        if flag.lstrip("+") == "algorithm.adv_estimator" and eq:
             estimator = value.strip("'\"")
-    return estimator == "setgrpo" and config_name.removesuffix(".yaml") == "ppo_trainer"
+        i += 1
+    return estimator == "setgrpo" and config_name.removesuffix(".yaml") == STOCK_CONFIG
 
 
-def check_invocation(orig_argv: list[str] | None = None) -> None:
-    """Exit with :data:`STOCK_CONFIG_MESSAGE` (status 2) when this process is ``main_ppo`` on the stock config
-    with ``algorithm.adv_estimator=setgrpo``; such a run would otherwise start Ray and fail only at the first
-    advantage computation."""
+def setgrpo_arguments(arguments: list[str]) -> list[str]:
+    """``arguments`` with the config name set to :data:`SETGRPO_CONFIG` (any ``--config-name ppo_trainer`` replaced);
+    the overrides stay as given, so ``algorithm.setgrpo.*`` keys need no ``+``."""
+    kept = []
+    i = 0
+    while i < len(arguments):
+        used = _flag(arguments, i, _CONFIG_NAME_FLAGS)[1]
+        if not used:
+            kept.append(arguments[i])
+        i += used or 1
+    return [f"--config-name={SETGRPO_CONFIG}", *kept]
+
+
+def redirect_invocation(orig_argv: list[str] | None = None, argv: list[str] | None = None) -> bool:
+    """Make ``python -m verl.trainer.main_ppo algorithm.adv_estimator=setgrpo ...`` on verl's default config run
+    :data:`SETGRPO_CONFIG`, logging :data:`REDIRECT_MESSAGE` once (stderr).
+
+    verl's ``main_ppo`` is ``@hydra.main(config_name="ppo_trainer")``, and Hydra lets ``--config-name`` on the command
+    line choose another config; Hydra reads ``sys.argv`` when ``main()`` is called, after ``import verl`` has loaded
+    this plugin. So the driver's ``argv`` (``sys.argv``, edited in place) gets ``--config-name=setgrpo_trainer`` in
+    front of the user's overrides, and the run is the one ``--config-name setgrpo_trainer`` composes. Other
+    processes (Ray workers, other programs), other estimators and a user's own ``--config-name`` or
+    ``--config-path`` are left alone.
+
+    Args:
+        orig_argv: the process's command line (default ``sys.orig_argv``), to recognise ``main_ppo``.
+        argv: the list Hydra parses (default ``sys.argv``), edited in place.
+
+    Returns:
+        True when the arguments were redirected.
+    """
     arguments = _main_ppo_arguments(list(sys.orig_argv if orig_argv is None else orig_argv))
-    if arguments is not None and stock_config_requests_setgrpo(arguments):
-        print(STOCK_CONFIG_MESSAGE, file=sys.stderr, flush=True)
-        raise SystemExit(2)
+    if arguments is None or not stock_config_requests_setgrpo(arguments):
+        return False
+    argv = sys.argv if argv is None else argv
+    argv[1:] = setgrpo_arguments(argv[1:])
+    print(REDIRECT_MESSAGE, file=sys.stderr, flush=True)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- on import
-check_invocation()
+redirect_invocation()
 
 _verl = sys.modules.get("verl")
 if _verl is not None and getattr(_verl, "__version__", VERL_VERSION) != VERL_VERSION:

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["prompt_identity", "read_prompt_identities"]
+__all__ = ["check_calibration_disjoint", "prompt_identity", "read_prompt_identities"]
 
 
 def _as_mapping(value: Any) -> Mapping | None:
@@ -93,3 +93,56 @@ def read_prompt_identities(files: str | os.PathLike | Sequence[str | os.PathLike
         for reward_model, extra_info, prompt in zip(rm, ei, pr):
             prompt_id, question, _ = prompt_identity(reward_model, extra_info, prompt)
             yield prompt_id, question
+
+
+def _files(value: Any) -> list[str]:
+    return [os.fspath(value)] if isinstance(value, (str, os.PathLike)) else [os.fspath(v) for v in value]
+
+
+def check_calibration_disjoint(config: Any) -> None:
+    """Refuse a run that calibrates and then trains on prompts it calibrated on (docs/record.md#compatibility-with-a-run).
+
+    Only a run that calibrates and trains in one ``main_ppo`` (``algorithm.setgrpo.record_path`` null,
+    ``calibration.only`` false) is checked here; a run with a record is checked against the record's prompts.
+    ``calibration.files=null`` takes the calibration prompts from ``data.train_files``, which training then uses
+    too; otherwise no row of ``calibration.files`` may share an id or a question text
+    (:func:`setgrpo_verl.core.question_key`) with a row of ``data.train_files``: the calibration groups certify
+    the guarantees for fresh prompts only.
+
+    Args:
+        config: the composed ``main_ppo`` config.
+
+    Raises:
+        ValueError: ``calibration.files=null``, or the first shared prompt and how many there are, with the fix.
+    """
+    from setgrpo_verl.core import question_key
+
+    setgrpo = config.algorithm.setgrpo
+    cal = setgrpo.calibration
+    if setgrpo.get("record_path") or cal.get("only"):
+        return
+    fix = ("give algorithm.setgrpo.calibration.files prompts disjoint from data.train_files (`setgrpo-verl "
+           "calibrate` splits one --data file in two), or calibrate alone (calibration.only=true) and train with "
+           "algorithm.setgrpo.record_path")
+    if cal.get("files") is None:
+        raise ValueError(
+            "algorithm.setgrpo.calibration.files=null calibrates on the first calibration.num_prompts prompts of "
+            "data.train_files, and this run then trains on the same file: calibration prompts must stay out of "
+            f"training (their groups certify the guarantees for fresh prompts); {fix}")
+    prompt_key = str(config.data.get("prompt_key", "prompt"))
+    ids, questions = set(), set()
+    for prompt_id, question in read_prompt_identities(_files(cal.files), prompt_key=prompt_key):
+        if prompt_id is not None:
+            ids.add(prompt_id)
+        if question is not None:
+            questions.add(question_key(question))
+    shared = [(prompt_id, question) for prompt_id, question in
+              read_prompt_identities(_files(config.data.train_files), prompt_key=prompt_key)
+              if (prompt_id is not None and prompt_id in ids)
+              or (question is not None and question_key(question) in questions)]
+    if shared:
+        prompt_id, question = shared[0]
+        raise ValueError(
+            f"data.train_files shares {len(shared)} prompt(s) with algorithm.setgrpo.calibration.files, the first "
+            f"{prompt_id!r} ({' '.join(str(question).split())[:80]!r}); calibration prompts must stay out of "
+            f"training (their groups certify the guarantees for fresh prompts): {fix}")

@@ -105,6 +105,21 @@ def check_sketch_settings(config: Any) -> None:
         )
 
 
+def model_config_error(path: str, exc: Exception) -> str:
+    """The message for a policy whose configuration transformers cannot read: for a hub id that is neither
+    reachable nor in the Hugging Face cache (``HF_HUB_OFFLINE=1`` or no network), the id, the cache and the fix."""
+    if not os.path.exists(os.path.expanduser(path)) and isinstance(exc, OSError) and (
+            "cached files" in str(exc) or "offline" in str(exc).lower()):
+        from huggingface_hub import constants
+
+        how = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
+        return (f"actor_rollout_ref.model.path={path}: not a local directory, and the hub model {path!r} is not in "
+                f"the Hugging Face cache ({constants.HF_HUB_CACHE}) while {how}. Pass a local model directory, or "
+                f"download the model first where the hub is reachable (`hf download {path}`, the same HF_HOME), "
+                "then run again (a cached model works with HF_HUB_OFFLINE=1)")
+    return f"cannot read the model configuration of actor_rollout_ref.model.path={path}: {exc}"
+
+
 def _hf_config(model_cfg: Any):
     """The policy's HF configuration as verl's ``HFModelConfig`` reads it (``hf_config_path`` or ``path``, then
     ``override_config``); None for a remote path (``hdfs://`` ...) that verl copies to local only on the workers."""
@@ -123,9 +138,7 @@ def _hf_config(model_cfg: Any):
         hf_config = AutoConfig.from_pretrained(local if os.path.isdir(local) else path,
                                                trust_remote_code=bool(_get(model_cfg, "trust_remote_code", False)))
     except Exception as exc:  # transformers raises OSError / ValueError / KeyError for unreadable configs
-        raise ValueError(
-            f"cannot read the model configuration of actor_rollout_ref.model.path={path}: {exc}"
-        ) from exc
+        raise ValueError(model_config_error(path, exc)) from exc
     override = convert_to_regular_types(_get(model_cfg, "override_config", {})) or {}
     override = override.get("model_config", override)
     update_model_config(hf_config, override_config_kwargs={k: v for k, v in override.items()

@@ -75,6 +75,19 @@ def policy_label(record) -> str:
     return Path(model).name or model
 
 
+#: What each Table 4 column of :func:`format_table4` is (docs/record.md#table-4-summary), printed by inspect-record.
+TABLE4_COLUMNS = (
+    "Cov.: coverage groups (fit q_alpha)",
+    "Risk: risk groups (fit tau_sel)",
+    "Qα: the conformal quantile of the nonconformity scores",
+    "τsel: the selected full-geometry threshold (none: reject-all)",
+    "N: accepted risk groups at τsel",
+    "F: reversals among them",
+    "ECR: empirical conditional risk F/N",
+    "U: normalised cumulative recovery",
+)
+
+
 def format_table4(record, label: str = "this run") -> str:
     """The paper's Table 4 row (Cov., Risk, Q_alpha, tau_sel, N, F, ECR, U) of a record, as a fixed-width table."""
     row = record.table4_row()
@@ -131,7 +144,7 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False, resplit
         raise ReportError(str(exc)) from None
     label = policy_label(rec)
     versions = "  ".join(f"{k} {v}" for k, v in rec.package_versions.items()) or "not recorded"
-    lines = [format_table4(rec, label), "",
+    lines = [format_table4(rec, label), "columns: " + "; ".join(TABLE4_COLUMNS), "",
              f"alpha={rec.alpha}  beta={rec.beta}  delta={rec.delta}  rho={rec.rho}  K={rec.K}  "
              f"norm_by_std={rec.norm_by_std}  loss_agg_mode={rec.loss_agg_mode}  ablation={rec.ablation}",
              rec.selection_text(), *rec.tests_lines(), f"degenerate groups dropped={rec.n_degenerate}",

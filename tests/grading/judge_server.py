@@ -20,7 +20,8 @@ unless the request's ``chat_template_kwargs`` has ``enable_thinking: false``; a 
 route, so a thinking judge with a large enough budget gives exactly the plain judge's verdicts.
 
 The routes of :data:`SHAPES` (``/shape-content-parts/v1``, ...) give the plain route's verdict in another reply shape
-of OpenAI-compatible servers; a marker ``[[lang:<code>]]`` in the criterion makes the judge answer in that language
+of OpenAI-compatible servers. The route ``/ctx-<N>/v1`` is a judge whose context holds ``N`` characters: a longer
+user message gets vLLM's HTTP 400 "maximum context length"; a marker ``[[lang:<code>]]`` in the criterion makes the judge answer in that language
 (:data:`ANSWERS`).
 """
 
@@ -95,9 +96,17 @@ class JudgeServer:
     async def _chat(self, request: Request, flavour: str | None = None):
         body = await request.json()
         self.requests.append(body)
+        context = re.fullmatch(r"ctx-(\d+)", flavour or "")
+        if context:
+            flavour = None
         if flavour not in (None, "reasoning-parser-on", "reasoning-parser-off") and flavour not in SHAPES:
             return JSONResponse({"error": {"message": f"no route {flavour}"}}, status_code=404)
         user = body["messages"][-1]["content"]
+        if context and len(user) > int(context.group(1)):
+            return JSONResponse({"object": "error", "type": "BadRequestError", "code": 400, "message": (
+                f"This model's maximum context length is {int(context.group(1)) // 4} tokens. However, you requested "
+                f"{len(user) // 4 + 4} tokens. Please reduce the length of the messages or completion.")},
+                status_code=400)
         m = _USER_RE.match(user)
         if m is None:
             return JSONResponse({"error": {"message": "not a judge prompt"}}, status_code=400)

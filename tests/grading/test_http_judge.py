@@ -327,3 +327,50 @@ def test_cli_probe_of_a_thinking_judge_names_the_token_budget(server, capsys, tm
     assert server.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(argv + ["--judge-chat-template-kwargs", "enable_thinking=false"])
+
+
+def test_request_longer_than_the_judge_context_names_row_and_response_and_is_not_retried(server):
+    long = "word " * 1500
+    judge = OpenAIJudge(server.base_url.replace("/v1", "/ctx-3000/v1"), "smollm2-135m-judge", timeout=120.0,
+                        max_retries=2)
+    rubric = Rubric.from_row({"id": "long-1", "question": Q, "rubrics": [
+        {"criterion": "The response is an essay about colours.", "points": 1}]})
+    before = len(server.requests)
+    with pytest.raises(GradingError) as info:
+        DualScorer(RubricGrader(judge)).score([Q, Q], [R, long], [rubric, rubric])
+    message = str(info.value)
+    assert "row 'long-1', response 'word word" in message
+    assert "as longer than its context (HTTP 400, not retried: This model's maximum context length is 750" in message
+    assert "max_response_tokens" in message and "retries" not in message
+    sent_long = [b for b in server.requests[before:] if "word word" in b["messages"][-1]["content"]]
+    assert len(sent_long) <= 2  # one request per scoring at most, none repeated
+
+
+def test_max_response_tokens_cuts_responses_to_fit_the_judge_context(server):
+    long = "word " * 1500
+    judge = OpenAIJudge(server.base_url.replace("/v1", "/ctx-3000/v1"), "smollm2-135m-judge", timeout=120.0,
+                        max_response_tokens=1000)
+    rubric = Rubric.from_row({"id": "long-1", "question": Q, "rubrics": [
+        {"criterion": "The response is an essay about colours.", "points": 1}]})
+    before = len(server.requests)
+    out = DualScorer(RubricGrader(judge)).score([Q], [long], [rubric])
+    assert out.point[0] in (0.0, 1.0)
+    sent = server.requests[before:][0]["messages"][-1]["content"]
+    assert ("word " * 200).strip() in sent and "word " * 201 not in sent  # 1,000 UTF-8 bytes = 200 words
+    assert judge.identity["template_hash"] != OpenAIJudge("http://x/v1", "smollm2-135m-judge").identity["template_hash"]
+
+
+def test_other_client_errors_are_not_retried(server):
+    judge = OpenAIJudge(server.base_url.replace("/v1", "/no-such-route/v1"), "smollm2-135m-judge", max_retries=3)
+
+    async def body():
+        try:
+            await judge.ajudge([JudgeRequest(Q, R, "The response names a colour.")], [5])
+        finally:
+            await judge.aclose()
+
+    before = len(server.requests)
+    with pytest.raises(GradingError, match="answered HTTP 404, a refusal that repeating the request cannot change "
+                                           r"\(not retried\): no route no-such-route"):
+        _run(body)
+    assert len(server.requests) - before == 1

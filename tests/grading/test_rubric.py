@@ -182,3 +182,38 @@ def test_build_grader_errors_and_identity():
     a = grader_identity({"type": "local_hf"})
     b = grader_identity({"type": "local_hf", "max_response_tokens": 64})
     assert a["name"] == "rubric+local_hf" and a["template_hash"] != b["template_hash"]
+
+
+@pytest.mark.parametrize("config", [
+    {"type": "local_hf", "temperature": 0.0},
+    {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m", "temperature": 0},
+    {"type": "noisy", "flip_prob": 0.1, "base": {"type": "local_hf", "temperature": -1.0}},
+])
+def test_temperature_zero_judge_is_refused_before_any_model_loads(config, monkeypatch):
+    """A judge at temperature 0 scores each response the same twice: the conformal set is a point (GRPO)."""
+    from setgrpo_verl.grading import graders
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a judge was built")
+
+    monkeypatch.setattr(graders, "LocalHFJudge", no_model)
+    monkeypatch.setattr(graders, "OpenAIJudge", no_model)
+    for check in (build_grader, grader_identity):
+        with pytest.raises(ValueError, match=r"reward\.reward_kwargs\.grader\.temperature, --judge-temperature\): "
+                                             "SetGRPO calibrates a stochastic grader"):
+            check(config)
+
+
+def test_a_reward_function_that_raises_names_function_row_and_response():
+    def scorer(data_source, solution_str, ground_truth, extra_info, **kwargs):
+        if "boom" in solution_str:
+            raise KeyError("criteria")
+        return 0.5
+
+    other = {**ROW, "id": "cat-2"}
+    with pytest.raises(GradingError) as info:
+        DualScorer(FunctionGrader(fn=scorer)).score([None, None], ["fine", "boom"], [ROW, other])
+    message = str(info.value)
+    assert "scorer raised KeyError: 'criteria' in scoring 0" in message
+    assert "row 'cat-2', response 'boom'" in message
+    assert isinstance(info.value.__cause__, KeyError)

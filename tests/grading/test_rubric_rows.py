@@ -143,3 +143,30 @@ def test_cli_data_gives_one_error_line_and_exit_2_before_any_model_loads(tmp_pat
     assert f"{data}, line 8" in errors[0] and "'r7'" in errors[0] and "rubrics[1].rule.id" in errors[0]
     # refused before the judge probe, the policy load and the rollouts: no calibration stage was started
     assert not (run_dir / "calibration").exists()
+
+
+def test_a_criterion_listed_twice_is_refused_with_the_row_count_or_kept_once(tmp_path):
+    from setgrpo_verl.grading import read_rubric_rows, validate_verl_rows, rubrics_to_verl_rows
+    from setgrpo_verl.grading.convert import convert_rubric_file
+
+    twice = {"id": "r1", "question": "Q1?", "rubrics": [
+        {"criterion": "Is short.", "points": 2}, {"criterion": "Is polite.", "points": 1},
+        {"criterion": "  Is   short. ", "points": 2}]}
+    clean = {"id": "r2", "question": "Q2?", "rubrics": [{"criterion": "Is short.", "points": 1}]}
+    also = {"id": "r3", "question": "Q3?", "rubrics": [{"criterion": "A.", "points": 1}, {"criterion": "A.", "points": 1}]}
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in (twice, clean, also)))
+    with pytest.raises(RubricRowError) as info:
+        read_rubric_rows(src)
+    message = str(info.value)
+    assert "line 1: rubric row 'r1', rubrics[2].criterion: lists criterion 2 again as criterion 0" in message
+    assert "2 of 3 rows repeat a criterion" in message and "duplicate_criteria='keep_one'" in message
+    kept = read_rubric_rows(src, duplicate_criteria="keep_one")
+    assert [[c["criterion"] for c in r["rubrics"]] for r in kept] == [["Is short.", "Is polite."], ["Is short."],
+                                                                      ["A."]]
+    with pytest.raises(RubricRowError, match="2 of 3 rows repeat a criterion"):
+        validate_verl_rows(rubrics_to_verl_rows([twice, clean, also]), source="train.parquet")
+    out = convert_rubric_file(src, tmp_path / "train.parquet", duplicate_criteria="keep_one")
+    import pandas as pd
+
+    assert validate_verl_rows(pd.read_parquet(out).to_dict(orient="records")) == 3

@@ -25,6 +25,7 @@ LOCAL = "+reward.reward_kwargs.grader.type=local_hf"
 SKETCH_4 = ("actor_rollout_ref.rollout.n=3", "data.train_batch_size=3", "algorithm.setgrpo.calibration.batch_size=35",
             "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4")
 TABLE3_LENGTHS = ("data.max_prompt_length=2048", "data.max_response_length=4096")
+CAL_ONLY = "algorithm.setgrpo.calibration.only=true"
 OPENAI_TYPO = "+reward.reward_kwargs.grader={type:openai,base_url:'http://127.0.0.1:9/v1',model:m,max_token:2048}"
 
 
@@ -91,7 +92,7 @@ def test_check_before_ray_refuses(overrides, message):
 
 
 def test_rho_zero_is_admissible_for_dr_grpo():
-    cfg = _compose(LOCAL, "algorithm.setgrpo.rho=0", "algorithm.norm_adv_by_std_in_grpo=false")
+    cfg = _compose(LOCAL, "algorithm.setgrpo.rho=0", "algorithm.norm_adv_by_std_in_grpo=false", CAL_ONLY)
     setgrpo = check_run_config(cfg)
     assert setgrpo.calibration_settings(norm_by_std=False) == CalibrationSettings(rho=0.0, norm_by_std=False)
 
@@ -100,7 +101,7 @@ def test_reference_score_key_has_one_source():
     """The reward manager writes r' under the key the trainer reads: algorithm.setgrpo.reference_score_key."""
     from setgrpo_verl.integration.reward_config import reference_score_key
 
-    cfg = _compose(LOCAL, "algorithm.setgrpo.reference_score_key=r_prime")
+    cfg = _compose(LOCAL, "algorithm.setgrpo.reference_score_key=r_prime", CAL_ONLY)
     assert check_run_config(cfg).reference_score_key == reference_score_key(cfg) == "r_prime"
     assert reference_score_key(_compose(LOCAL, config="ppo_trainer")) == "reference_score"
 
@@ -334,3 +335,22 @@ def test_verls_micro_batching_asserts_a_budget_of_one_full_length_sequence():
         rearrange_micro_batches(batch, max_token_len=6144)
     micro, _ = rearrange_micro_batches(batch, max_token_len=10240)
     assert sum(len(m) for m in micro) == 2
+def test_calibrating_and_training_on_shared_prompts_is_refused(tmp_path):
+    """One main_ppo run that calibrates and then trains: calibration prompts must stay out of training."""
+    from setgrpo_verl.grading import rubrics_to_verl_rows, write_verl_parquet
+    from setgrpo_verl.integration.prompts import check_calibration_disjoint
+
+    rows = [{"id": f"p{i}", "question": f"Question number {i}?", "rubrics": [{"criterion": "Is short.", "points": 1}]}
+            for i in range(6)]
+    train = write_verl_parquet(rubrics_to_verl_rows(rows[:4]), tmp_path / "train.parquet")
+    overlap = write_verl_parquet(rubrics_to_verl_rows(rows[3:]), tmp_path / "overlap.parquet")
+    disjoint = write_verl_parquet(rubrics_to_verl_rows(rows[4:]), tmp_path / "calibration.parquet")
+    data = f"data.train_files={train}"
+    with pytest.raises(ValueError, match=r"calibration.files=null calibrates on the first calibration.num_prompts "
+                                         "prompts of data.train_files, and this run then trains on the same file"):
+        check_calibration_disjoint(_compose(LOCAL, data))
+    with pytest.raises(ValueError, match=r"data.train_files shares 1 prompt\(s\) with algorithm.setgrpo.calibration."
+                                         r"files, the first 'p3' \('Question number 3\?'\)"):
+        check_calibration_disjoint(_compose(LOCAL, data, f"algorithm.setgrpo.calibration.files={overlap}"))
+    check_calibration_disjoint(_compose(LOCAL, data, f"algorithm.setgrpo.calibration.files={disjoint}"))
+    check_calibration_disjoint(_compose(LOCAL, data, CAL_ONLY))  # calibration alone trains on nothing

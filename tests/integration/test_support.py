@@ -206,3 +206,38 @@ def test_lora_adapter_path_gives_its_adapters(dirs, tmp_path):
     with pytest.raises(ValueError, match="cannot read the LoRA adapter configuration"):
         check_sketch_support(_config(path=str(dirs["qwen3"]), lora_rank=8, lora_adapter_path=str(tmp_path / "no")),
                              SketchConfig())
+
+
+_HUB_CHECK = """
+import sys
+from omegaconf import OmegaConf
+from setgrpo_verl.integration.support import build_meta_policy
+for path in sys.argv[1:]:
+    try:
+        print(path, "BUILT", type(build_meta_policy(OmegaConf.create({"path": path}))).__name__)
+    except ValueError as exc:
+        print(path, "REFUSED", exc)
+"""
+
+
+@pytest.mark.slow
+def test_hub_ids_offline_cached_work_uncached_name_the_id_and_the_fix(tmp_path):
+    from transformers import LlamaConfig
+
+    snapshot = tmp_path / "hf" / "hub" / "models--acme--tiny-llama" / "snapshots" / "0123abcd"
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    proc = subprocess.run([sys.executable, "-c", _HUB_CHECK, "acme/tiny-llama", "acme/not-cached"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("acme/")]
+    assert lines[0] == "acme/tiny-llama BUILT LlamaForCausalLM"
+    assert lines[1].startswith("acme/not-cached REFUSED actor_rollout_ref.model.path=acme/not-cached: not a local "
+                               "directory, and the hub model 'acme/not-cached' is not in the Hugging Face cache")
+    assert "HF_HUB_OFFLINE=1 is set" in lines[1] and "Pass a local model directory" in lines[1]
+    assert "`hf download acme/not-cached`" in lines[1]

@@ -65,7 +65,11 @@ def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
     for cmd in (setgrpo, grpo):
         assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and "trainer.device=cpu" in cmd
         assert "actor_rollout_ref.rollout.name=transformers" in cmd and "--config-path" not in cmd
-        assert cmd[-1] == "trainer.logger=[console,wandb]"  # user overrides come last and win
+        # user overrides come last and win; a tracker list keeps the file logger that metrics.jsonl is
+        assert cmd[-1] == "trainer.logger=[console,wandb,file]"
+        # Hydra's outputs/ goes to the stage directory, not to the directory the command runs from
+        stage = "train_grpo" if cmd is grpo else "train_setgrpo"
+        assert f"hydra.run.dir={(run / stage / 'hydra').resolve()}" in cmd
     assert grpo[grpo.index("--config-name") + 1] == "ppo_trainer" and "algorithm.adv_estimator=grpo" in grpo
     assert not any(a.startswith("algorithm.setgrpo") for a in grpo)
     # the quickstart calibrates and trains in one verl process: no record_path, the record goes to calibration/
@@ -110,6 +114,7 @@ def test_prompt_set_smaller_than_calibration_needs(capsys, tmp_path):
     err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"),
                          "--data", _jsonl(tmp_path / "d.jsonl", _rows(5))])
     assert "5 of 5 prompts" in err and "--calib-groups" in err
+    assert "--max-prompt-length" not in err  # every prompt fits: a longer prompt length would not help
     assert not (tmp_path / "run" / "calibration").exists()
 
 
@@ -197,3 +202,86 @@ def test_rules_judge_refuses_judged_criteria_and_warns_on_beta(capsys, tmp_path)
     assert "68 calibration groups per split cannot certify" in out and ">= 72 accepted risk groups" in out
     assert "row-3" in err and "criterion 1 has no rule" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_tracker_lists_keep_the_file_logger():
+    from setgrpo_verl.launch import with_file_logger
+
+    assert with_file_logger(["trainer.logger=[console,tensorboard]", "a=1"]) == [
+        "trainer.logger=[console,tensorboard,file]", "a=1"]
+    assert with_file_logger(["++trainer.logger='[wandb]'"]) == ["++trainer.logger=[wandb,file]"]
+    assert with_file_logger(["trainer.logger=tensorboard"]) == ["trainer.logger=[tensorboard,file]"]
+    assert with_file_logger(["trainer.logger=[console,file]"]) == ["trainer.logger=[console,file]"]
+
+
+def test_trackers_write_in_the_stage_directory(tmp_path, monkeypatch):
+    from setgrpo_verl.launch import run_stage
+
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    probe = "import os; print('TB', os.environ['TENSORBOARD_DIR'], os.environ['WANDB_DIR'])"
+    stage = run_stage(tmp_path / "run", "train", [sys.executable, "-c", probe], env=dict(__import__("os").environ))
+    line = next(x for x in (stage / "main_ppo.log").read_text().splitlines() if x.startswith("TB "))
+    assert line == f"TB {(stage / 'tensorboard').resolve()} {stage.resolve()}"
+
+
+def test_judge_temperature_zero_is_refused_before_anything_is_written(capsys, tmp_path):
+    err = _fail(capsys, ["calibrate", "--run-dir", str(tmp_path / "run"), "--judge-temperature", "0"])
+    assert "(reward.reward_kwargs.grader.temperature, --judge-temperature): SetGRPO calibrates a stochastic" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_steps_beyond_the_epochs_are_refused_before_verl(capsys, tmp_path):
+    from setgrpo_verl.grading import rubrics_to_verl_rows, write_verl_parquet
+
+    run = tmp_path / "run"
+    (run / "calibration").mkdir(parents=True)
+    (run / "calibration" / "COMPLETE").write_text("")
+    write_verl_parquet(rubrics_to_verl_rows(_rows(7)), run / "data" / "train.parquet")
+    err = _fail(capsys, ["train", "--profile", "smoke", "--run-dir", str(run), "--steps", "5", "--groups-per-step",
+                         "3", "trainer.total_epochs=1"])
+    assert ("--steps 5: the training split has 7 prompts, 2 steps of 3 groups per epoch (verl drops the last "
+            "partial batch), and trainer.total_epochs=1 stops verl after 2 steps: lower --steps to 2, raise "
+            "trainer.total_epochs to 3") in err
+    assert not (run / "train_setgrpo").exists()
+
+
+def test_duplicate_criteria_flag(capsys, tmp_path):
+    rows = _rows(30, points=(1.0, 2.0))
+    for row in rows[:3]:
+        row["rubrics"].append(dict(row["rubrics"][0]))
+    data = _jsonl(tmp_path / "d.jsonl", rows)
+    err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"), "--data", data])
+    assert "3 of 30 rows repeat a criterion" in err and "--duplicate-criteria keep_one" in err
+    assert not (tmp_path / "run").exists()
+    from setgrpo_verl.datasplit import split_data
+    from setgrpo_verl.models import embedded_model_dir
+
+    split = split_data(data=data, model_path=embedded_model_dir(), max_prompt_length=512, calibration_prompts=6,
+                       seed=1, duplicate_criteria="keep_one")
+    rubrics = [json.loads(r["reward_model"]["ground_truth"])["rubrics"] for r in split["calibration"] + split["train"]]
+    assert len(rubrics) == 30 and all(len(r) == 2 for r in rubrics)
+
+
+def test_validate_help_names_its_own_data_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["validate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: the composite validation rubrics shipped in the package with --judge rules" in text
+    with pytest.raises(SystemExit):
+        cli.main(["calibrate", "--help"])
+    assert "(default: the IFBench rubric conversion" in " ".join(capsys.readouterr().out.split())
+
+
+def test_dry_run_makes_the_prompt_count_check(capsys, tmp_path):
+    err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"), "--dry-run",
+                         "--data", _jsonl(tmp_path / "d.jsonl", _rows(5))])
+    assert "5 of 5 prompts" in err and "--calib-groups" in err and not (tmp_path / "run").exists()
+
+
+def test_help_shows_each_profiles_levels(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["quickstart", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, values in cli.PROFILES.items():
+        levels = ", ".join(f"{k} {values[f'algorithm.setgrpo.{k}']:g}" for k in ("alpha", "beta", "delta"))
+        assert f"{levels}, {values['algorithm.setgrpo.calibration.num_prompts']:,} calibration groups" in text, name

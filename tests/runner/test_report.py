@@ -104,6 +104,11 @@ def test_report_and_inspect_record_show_the_coverage_band_and_flag_a_split_below
     text = report.inspect_record(path, resplits=10)
     assert expected in text and "over 10 re-splits of the stored paired scores" in text and "WARNING" not in text
     assert "risk: realised risk <= beta=0.3 in" in text
+    # every Table 4 column is explained under the row
+    header = text.splitlines()[0]
+    legend = next(line for line in text.splitlines() if line.startswith("columns: "))
+    for column in ("Cov.", "Risk", "Qα", "τsel", "N", "F", "ECR", "U"):
+        assert column in header and f"{column}: " in legend, column
 
     low = dataclasses.replace(record, coverage_risk_set=24 / 40)  # 24 of 40 held-out groups, far below 1 - alpha
     assert band.position(low.coverage_risk_set) == "below"

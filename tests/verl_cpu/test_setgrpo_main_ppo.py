@@ -81,7 +81,10 @@ def test_train_with_the_record_logs_setgrpo_metrics(calibrated):
         assert m["actor/update_skipped"] == float(not any(g["accepted"] for g in step_groups))
 
 
-def _hand_written(run, tiny_model, reward_file, record, *extra: str, precision: str | None = None) -> list[str]:
+def _hand_written(run, tiny_model, reward_file, record, *extra: str, precision: str | None = None,
+                  plain: bool = False) -> list[str]:
+    """A ``main_ppo`` command with ``--config-name setgrpo_trainer``, or (``plain``) the documented plain form
+    ``python -m verl.trainer.main_ppo algorithm.adv_estimator=setgrpo ...`` on verl's default config."""
     from setgrpo_verl.launch import cpu_overrides, main_ppo_command
 
     overrides = cpu_overrides(precision=precision) + [
@@ -96,6 +99,8 @@ def _hand_written(run, tiny_model, reward_file, record, *extra: str, precision: 
         "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "trainer.logger=[console]", f"trainer.default_local_dir={run / 'hand'}", *extra,
     ]
+    if plain:
+        return [sys.executable, "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=setgrpo", *overrides]
     return main_ppo_command(overrides)
 
 
@@ -105,15 +110,19 @@ def _main_ppo(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=cpu_environment(), timeout=900)
 
 
-def test_hand_written_main_ppo_accepts_the_record(calibrated, tiny_model, reward_file):
+def test_plain_main_ppo_command_accepts_the_record(calibrated, tiny_model, reward_file):
     import re
 
+    from setgrpo_verl.integration.plugin import REDIRECT_MESSAGE
+
     run, _ = calibrated
+    # the plain form on verl's default config, algorithm.setgrpo.* without '+', on the CPU backend
     # float32, as in test_grpo_main_ppo: bf16 rounding alone differs from the rollout by about 1e-6 there
     proc = _main_ppo(_hand_written(run, tiny_model, reward_file, run / "calibration" / "record.json",
-                                   "actor_rollout_ref.rollout.calculate_log_probs=true", precision="fp32"))
+                                   "actor_rollout_ref.rollout.calculate_log_probs=true", precision="fp32", plain=True))
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout + proc.stderr
+    assert out.count(REDIRECT_MESSAGE) == 1
     assert "setgrpo/accepted_ratio" in out
     # the fused old-log-prob + sketch pass (the default) gives the rollout's token probabilities to float rounding,
     # as verl's own old-log-prob pass does (test_grpo_main_ppo)
