@@ -19,10 +19,10 @@ it is. ``--dry-run`` prints the verl command lines without running them. A faili
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shlex
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -432,35 +432,63 @@ def _commands(args: argparse.Namespace, plan: _Plan, stages: list[str], record: 
     return commands
 
 
-def _dry_run(commands: list[tuple[str, list[str]]]) -> str:
-    return "\n".join(" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands)
+def _dry_run(commands: list[tuple[str, list[str]]], lifecycle=None) -> str:
+    """``--dry-run``'s text: the run directory's plan (what each directory would get) and the verl command lines."""
+    lines = [] if lifecycle is None else [lifecycle.text()]
+    if lifecycle is not None:
+        from .runlock import holder
+
+        if holder(lifecycle.run_dir) is not None:
+            lines.append(f"[setgrpo-verl] plan: {lifecycle.run_dir} is locked by another command: "
+                         f"{holder(lifecycle.run_dir)}")
+        refused = [d for d in lifecycle.dirs if d.action == "refuse"]
+        if refused:
+            lines.append(f"[setgrpo-verl] plan: the command would stop before writing anything: "
+                         f"{lifecycle.run_dir / refused[0].name} {refused[0].reason}")
+    return "\n".join(lines + [" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands])
 
 
-def _split(args: argparse.Namespace, plan: _Plan, stages: list[str]) -> dict[str, Any] | None:
-    """Check every stage directory and split the data (nothing written); None when the run's split is kept as is.
+def _split(args: argparse.Namespace, plan: _Plan) -> dict[str, Any] | None:
+    """The data split these flags make (nothing written); None in a dry run where it fails (said in one line).
 
     Raises:
-        LaunchError: an existing stage directory or another existing split without --overwrite, or bad data.
+        LaunchError: bad data.
     """
-    from . import launch
+    from . import datasplit
+    from .rundir import LaunchError
 
-    launch.check_stage_dirs(args.run_dir, stages, overwrite=args.overwrite, resume=args.resume)
     values = plan.values
-    split = launch.split_data(data=args.data, model_path=plan.model,
-                              max_prompt_length=int(values["data.max_prompt_length"]),
-                              calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
-                              seed=plan.seed, rules_only=args.judge == "rules",
-                              default_data="validation" if args.command == "validate" else "ifbench")
-    return split if launch.check_data_split(args.run_dir, split, overwrite=args.overwrite) else None
+    if args.dry_run:  # a dry run shows the plan even where the split would fail; the real run stops with that error
+        try:
+            return _split(argparse.Namespace(**{**vars(args), "dry_run": False}), plan)
+        except LaunchError as exc:
+            print(f"[setgrpo-verl] plan: the data split would fail: {exc}", flush=True)
+            return None
+    return datasplit.split_data(data=args.data, model_path=plan.model,
+                                max_prompt_length=int(values["data.max_prompt_length"]),
+                                calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
+                                seed=plan.seed, rules_only=args.judge == "rules",
+                                default_data="validation" if args.command == "validate" else "ifbench")
 
 
-def _write_split(args: argparse.Namespace, split: dict[str, Any] | None) -> None:
-    from . import launch
+def _lifecycle(args: argparse.Namespace, writes: list[str], reads: tuple[str, ...] = (),
+               split: dict[str, Any] | None = None):
+    """The run directory's plan of this command (:func:`setgrpo_verl.lifecycle.plan_run`)."""
+    from .datasplit import split_matches
+    from .lifecycle import plan_run
 
-    if split is None:
+    same = split_matches(args.run_dir, split) if split is not None else None
+    return plan_run(args.run_dir, writes, reads=reads, overwrite=args.overwrite, resume=args.resume, same_data=same)
+
+
+def _write_split(args: argparse.Namespace, lifecycle, split: dict[str, Any]) -> None:
+    from .datasplit import write_data
+
+    if lifecycle.action("data") == "keep":
         print(f"[setgrpo-verl] data: {args.run_dir / 'data'} already holds this split; kept", flush=True)
         return
-    launch.write_data(args.run_dir, split)
+    lifecycle.prepare("data")
+    write_data(args.run_dir, split)
     print(f"[setgrpo-verl] data: {len(split['calibration'])} calibration and {len(split['train'])} training prompts "
           f"from {split['source']}", flush=True)
     if split["duplicates"]:
@@ -468,113 +496,136 @@ def _write_split(args: argparse.Namespace, split: dict[str, Any] | None) -> None
               flush=True)
 
 
-def _run_stages(args: argparse.Namespace, commands: list[tuple[str, list[str]]]) -> None:
-    from . import launch
+def _start(args: argparse.Namespace, plan: _Plan, lifecycle, split: dict[str, Any] | None) -> None:
+    """Everything checked: probe the judge, remove what the replaced directories' results no longer match, print
+    the plan and write the data split."""
+    from .preflight import probe_judge
 
-    env = launch.cpu_environment()
+    lifecycle.check()
+    if args.judge == "openai":
+        probe_judge(plan.grader)
+    _hold_lock(args)
+    if any(d.action != "create" for d in lifecycle.dirs):
+        print(lifecycle.text(), flush=True)
+    lifecycle.remove_derived()
+    if split is not None:
+        _write_split(args, lifecycle, split)
+
+
+def _run_stages(args: argparse.Namespace, commands: list[tuple[str, list[str]]], lifecycle) -> None:
+    from .launch import cpu_environment
+    from .stages import run_stage
+
+    env = cpu_environment()
     for stage, cmd in commands:
-        launch.run_stage(args.run_dir, stage, cmd, env=env, overwrite=args.overwrite, resume=args.resume,
-                         verbose=args.verbose)
+        run_stage(args.run_dir, stage, cmd, env=env, plan=lifecycle, verbose=args.verbose)
+
+
+def _record_of(run_dir: Path) -> Path:
+    from .rundir import STAGES
+
+    return run_dir / STAGES["calibrate"] / "record.json"
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> str | None:
     """``calibrate``: split the data, then the calibration stage (the frozen record)."""
-    from . import launch
+    from .preflight import check_calibration_size
 
     plan = _plan(args)
-    commands = _commands(args, plan, ["calibrate"], args.run_dir / launch.STAGES["calibrate"] / "record.json")
+    commands = _commands(args, plan, ["calibrate"], _record_of(args.run_dir))
+    check_calibration_size(plan.values)
+    split = _split(args, plan)
+    lifecycle = _lifecycle(args, ["data", "calibration"], split=split)
     if args.dry_run:
-        return _dry_run(commands)
-    launch.check_calibration_size(plan.values)
-    split = _split(args, plan, ["calibrate"])
-    if args.judge == "openai":
-        launch.probe_judge(plan.grader)
-    _write_split(args, split)
-    _run_stages(args, commands)
+        return _dry_run(commands, lifecycle)
+    _start(args, plan, lifecycle, split)
+    _run_stages(args, commands, lifecycle)
     return None
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> str | None:
-    """``quickstart``: calibrate and train in one verl process, the GRPO baseline, then the report."""
-    from . import launch
+    """``quickstart``: calibrate and train in one verl process (or train with a kept calibration), the GRPO
+    baseline, then the report."""
+    from .preflight import check_calibration_size
 
     plan = _plan(args)
-    stages = ["calibrate_train"] + (["grpo"] if args.baseline else [])
-    commands = _commands(args, plan, stages, args.run_dir / launch.STAGES["calibrate"] / "record.json")
+    check_calibration_size(plan.values)
+    split = _split(args, plan)
+    writes = ["data", "calibration", "train_setgrpo"] + (["train_grpo"] if args.baseline else []) + ["report"]
+    lifecycle = _lifecycle(args, writes, split=split)
+    first = "train" if lifecycle.action("calibration") == "keep" else "calibrate_train"
+    commands = _commands(args, plan, [first] + (["grpo"] if args.baseline else []), _record_of(args.run_dir))
     if args.dry_run:
-        return _dry_run(commands)
-    launch.check_calibration_size(plan.values)
-    split = _split(args, plan, stages)
-    if args.judge == "openai":
-        launch.probe_judge(plan.grader)
-    _write_split(args, split)
-    _run_stages(args, commands)
+        return _dry_run(commands, lifecycle)
+    _start(args, plan, lifecycle, split)
+    _run_stages(args, commands, lifecycle)
     from .report import make_report
 
+    lifecycle.prepare("report")
     return make_report(args.run_dir)
 
 
 def _cmd_train(args: argparse.Namespace) -> str | None:
     """``train``: SetGRPO with the run's record (or ``--estimator grpo``) on the split ``calibrate`` wrote."""
-    from . import launch
+    from . import datasplit, preflight
+    from .rundir import STAGES, LaunchError
 
     plan = _plan(args)
     run_dir = args.run_dir
     stage = "train" if args.estimator == "setgrpo" else "grpo"
-    record = args.record if args.record is not None else run_dir / launch.STAGES["calibrate"] / "record.json"
+    record = args.record if args.record is not None else _record_of(run_dir)
     commands = _commands(args, plan, [stage], record)
+    reads = ("data",) + (("calibration",) if stage == "train" and args.record is None else ())
+    lifecycle = _lifecycle(args, [STAGES[stage]], reads=reads)
     if args.dry_run:
-        return _dry_run(commands)
-    calibration = run_dir / launch.STAGES["calibrate"]
-    if args.record is None and not (calibration / launch.COMPLETE).is_file():
-        raise launch.LaunchError(f"{calibration} is incomplete (no {launch.COMPLETE} marker): rerun `setgrpo-verl "
-                                 f"calibrate --run-dir {run_dir} --overwrite` or pass --record")
-    if not (run_dir / "data" / "train.parquet").is_file():
-        raise launch.LaunchError(f"{run_dir}/data/train.parquet is missing: run `setgrpo-verl calibrate --run-dir "
-                                 f"{run_dir}` first (it writes the data split and the record)")
-    launch.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
+        return _dry_run(commands, lifecycle)
+    lifecycle.check()
+    datasplit.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
     if stage == "train":
         if not Path(record).is_file():
-            raise launch.LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
-                                     f"{run_dir}` first or pass --record")
-        launch.check_training_prompts(record, run_dir)
-    launch.check_stage_dirs(run_dir, [stage], overwrite=args.overwrite, resume=args.resume)
-    if args.judge == "openai":
-        launch.probe_judge(plan.grader)
-    _run_stages(args, commands)
+            raise LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
+                              f"{run_dir}` first or pass --record")
+        preflight.check_training_prompts(record, run_dir)
+    _start(args, plan, lifecycle, None)
+    _run_stages(args, commands, lifecycle)
     return None
 
 
 def _cmd_validate(args: argparse.Namespace) -> str | None:
     """``validate``: a calibration stage with a grader of known noise, then the held-out analysis."""
-    from . import launch
+    from .preflight import check_validation_size
 
     # the stage's own record is not what validate measures: each split calibrates again (reject_all there too)
     plan = _plan(args, defaults={} if args.analysis_only else {"algorithm.setgrpo.calibration.on_infeasible":
                                                                  "reject_all"})
     _check_validate(args, plan.values)
     if args.analysis_only:
-        return _analyse(args, plan.values)
-    commands = _commands(args, plan, ["calibrate"], args.run_dir / launch.STAGES["calibrate"] / "record.json")
-    if args.dry_run:
-        return _dry_run(commands)
-    if (args.run_dir / "validation").exists() and not args.overwrite:
-        raise launch.LaunchError(f"{args.run_dir / 'validation'} already exists; pass --overwrite to replace it")
-    warning = launch.check_validation_size(plan.values, args.holdout_fraction)
-    if warning:
+        lifecycle = _lifecycle(args, ["validation"], reads=("calibration",))
+        if args.dry_run:
+            return _dry_run([], lifecycle)
+        lifecycle.check()
+        return _analyse(args, plan.values, lifecycle)
+    commands = _commands(args, plan, ["calibrate"], _record_of(args.run_dir))
+    warning = check_validation_size(plan.values, args.holdout_fraction)
+    if warning and not args.dry_run:
         print(f"[setgrpo-verl] warning: {warning}", flush=True)
-    split = _split(args, plan, ["calibrate"])
-    if args.judge == "openai":
-        launch.probe_judge(plan.grader)
-    _write_split(args, split)
-    _run_stages(args, commands)
-    return _analyse(args, plan.values)
+    split = _split(args, plan)
+    lifecycle = _lifecycle(args, ["data", "calibration", "validation"], split=split)
+    if args.dry_run:
+        return _dry_run(commands, lifecycle)
+    _start(args, plan, lifecycle, split)
+    _run_stages(args, commands, lifecycle)
+    return _analyse(args, plan.values, lifecycle)
 
 
 def _cmd_report(args: argparse.Namespace) -> str:
     """``report``: PNG plots and a text summary of a run directory."""
     from .report import make_report
 
+    if (args.run_dir / "report").exists():
+        from .lifecycle import plan_run
+
+        plan_run(args.run_dir, ["report"]).prepare("report")
     return make_report(args.run_dir)
 
 
@@ -610,22 +661,18 @@ def _check_validate(args: argparse.Namespace, values: dict[str, Any]) -> None:
         raise LaunchError("validate calibrates the full method and every ablation itself: drop --ablation / --fixed-tau")
 
 
-def _analyse(args: argparse.Namespace, values: dict[str, Any]) -> str:
-    """The offline part of ``validate``: repeated splits of the stage's paired scores, JSON + PNG + table."""
+def _analyse(args: argparse.Namespace, values: dict[str, Any], lifecycle) -> str:
+    """The offline part of ``validate``: repeated splits of the stage's paired scores, JSON + PNG + table; the
+    ``validation/`` directory is only replaced once the new results exist."""
     from .core import CalibrationRecord
-    from .launch import COMPLETE, STAGES, LaunchError
     from .report import summary_table, write_validation
+    from .rundir import STAGES, LaunchError, complete_seconds
     from .validate import ValidationLevels, load_paired, run_validation
 
     calibration = args.run_dir / STAGES["calibrate"]
-    if not (calibration / COMPLETE).is_file():
-        raise LaunchError(f"{calibration} is incomplete (no {COMPLETE} marker): run `setgrpo-verl validate --run-dir "
-                          f"{args.run_dir}` without --analysis-only first")
     out = args.run_dir / "validation"
-    if out.exists():
-        if not args.overwrite and args.analysis_only:
-            raise LaunchError(f"{out} already exists; pass --overwrite to replace it")
-        shutil.rmtree(out)
+    if lifecycle.action("validation") == "keep":
+        return f"{out} is complete, kept (--resume): {out / 'validation.json'}"
     record = CalibrationRecord.from_json(calibration / "record.json")
     explicit = {"alpha": args.alpha, "beta": args.beta, "delta": args.delta, "rho": args.rho,
                 "tau_grid": None if args.tau_grid is None else tuple(args.tau_grid)}
@@ -643,20 +690,39 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any]) -> str:
     except (OSError, ValueError) as exc:
         raise LaunchError(f"validate: {exc}") from None
     result.report["analysis_seconds"] = round(time.perf_counter() - t0, 1)
-    stage_time = (calibration / COMPLETE).read_text().split()[0]
-    result.report["calibration_stage_seconds"] = float(stage_time)
+    # None where calibration/ was written by quickstart's combined stage (its time is the whole stage's)
+    result.report["calibration_stage_seconds"] = complete_seconds(calibration)
+    lifecycle.prepare("validation")
     paths = write_validation(result, out)
+    from .rundir import mark_complete
+
+    mark_complete(out, result.report["analysis_seconds"])
     return f"{summary_table(result.report)}\nwritten: {paths['json']}, {paths['png']}, {paths['groups']}"
+
+
+def _hold_lock(args: argparse.Namespace) -> None:
+    """Take the run directory's lock (:func:`setgrpo_verl.runlock.run_dir_lock`) for the rest of the command,
+    unless it is held already or this is a dry run."""
+    if getattr(args, "dry_run", False) or getattr(args, "locked", False) or getattr(args, "lock", None) is None:
+        return
+    from .runlock import run_dir_lock
+
+    args.lock.enter_context(run_dir_lock(args.run_dir, args.argv))
+    args.locked = True
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``setgrpo-verl``; returns the process exit status."""
     args = build_parser().parse_args(argv)
-    from .launch import LaunchError
     from .report import ReportError
+    from .rundir import LaunchError
 
     try:
-        text = HANDLERS[args.command](args)
+        with contextlib.ExitStack() as args.lock:
+            args.argv = ["setgrpo-verl", *(sys.argv[1:] if argv is None else argv)]
+            if getattr(args, "run_dir", None) is not None and args.run_dir.is_dir():
+                _hold_lock(args)  # before the run directory is looked at; a new one is locked when it is created
+            text = HANDLERS[args.command](args)
         if text:
             print(text)
         return 0

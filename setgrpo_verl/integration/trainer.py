@@ -474,7 +474,7 @@ class SetGRPOTrainer(PPOTrainerSync):
                 fields += [k for k in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
                 data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
                 groups = calibration_groups(data, key)
-                counts = grading_counts(data)
+                counts = grading_counts(data, batch.tags)
                 if counts is not None:
                     verdict_counts.append(counts)
                 points.append(groups.point)
@@ -503,9 +503,10 @@ class SetGRPOTrainer(PPOTrainerSync):
         )
         out = self._record_out()
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        record.to_json(out)
+        # the paired scores first: a record next to them means the calibration finished
         np.savez(os.path.join(os.path.dirname(os.path.abspath(out)), "paired_scores.npz"),
                  **{name: value.numpy() for name, value in paired.items()})
+        record.to_json(out)
         grading = {}
         if verdict_counts:
             grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(*map(sum, zip(*verdict_counts)))
@@ -564,7 +565,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         sketches = _dense(data.pop(SKETCH_KEY))
         reference = reference_scores_from(data, key) if self.monitor is not None else None
-        metrics.update(grading_metrics(data))
+        metrics.update(grading_metrics(data, batch.tags))
         for k in ("extra_fields", key, *GRADING_COUNT_KEYS):
             if k in data.keys():
                 data.pop(k)

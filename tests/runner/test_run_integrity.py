@@ -67,7 +67,7 @@ def test_rerun_without_overwrite_touches_nothing(capsys, finished, command):
         argv += ["--calib-groups", "12", "--alpha", "0.5", "--flip-prob", "0.1"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert "calibration already exists; pass --overwrite" in err.replace(f"{run}/", ""), err
+    assert "calibration is complete: pass --resume to keep it, --overwrite to replace it" in err.replace(f"{run}/", ""), err
     assert _digest(run) == before and not (run / "train_setgrpo").exists()
 
 
