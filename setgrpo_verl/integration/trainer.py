@@ -58,7 +58,8 @@ from setgrpo_verl.sketch import SketchConfig
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, group_gram, group_rows
 from .prompts import prompt_identity
-from .resume import check_state, metrics_file, read_history, read_state, record_out_path, write_state
+from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
+                     write_state)
 from .reward_manager import (GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, grading_metrics,
                              unparsed_ratio)
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
@@ -317,11 +318,33 @@ class SetGRPOTrainer(PPOTrainerSync):
         return record_out_path(self.config, self.setgrpo)
 
     def on_train_begin(self):
+        """Two steps: load the record (``record_path``, or on a resume the record this run wrote) or calibrate, then,
+        on a resume, restore SetGRPO's state from the checkpoint folder verl loaded (:func:`resume_folder`, the
+        same choice as verl's ``_load_checkpoint`` and the check before Ray).
+
+        Raises:
+            ValueError: a resume without a record, an existing record that calibration would overwrite, or a
+                checkpoint trained with another record (:func:`setgrpo_verl.integration.resume.check_state`).
+        """
         super().on_train_begin()
+        folder = resume_folder(self.config) if self.global_steps > 1 else None  # fit() counts from step + 1
+        self.record, loaded = self._load_or_calibrate(resumed=folder is not None)
+        self._record_sha256 = self.record.to_dict()["content_sha256"]
+        if self.setgrpo.monitor.enable:
+            self.monitor = OnlineRiskMonitor(self.record)
+        restored = self._restore_setgrpo_state(folder, loaded or self._record_out()) if folder else False
+        if loaded and not restored:
+            self._log_record(self.record)
+        if self.setgrpo.calibration.only and not self.setgrpo.record_path:
+            raise _CalibrationDone(self._record_out())
+
+    def _load_or_calibrate(self, *, resumed: bool) -> tuple[CalibrationRecord, Optional[str]]:
+        """The run's record and the path it was loaded from (None when calibrated now): ``record_path``; on a
+        resume without one, the record this run wrote at its start (never a recalibration on a trained policy);
+        else a new calibration into ``record_out``, which must not exist yet (a frozen record is never
+        overwritten)."""
         record_path, out = self.setgrpo.record_path, self._record_out()
-        resumed = self.global_steps > 1  # verl's fit() counts from the checkpoint's step + 1
         if not record_path and resumed:
-            # resumed run: never recalibrate on a trained policy; reuse the record this run wrote at its start
             if not os.path.exists(out):
                 raise ValueError(
                     f"resuming at step {self.global_steps} without a calibration record: calibration must use the "
@@ -329,24 +352,16 @@ class SetGRPOTrainer(PPOTrainerSync):
                 )
             record_path = out
         if record_path:
-            self.record = CalibrationRecord.from_json(os.path.expanduser(record_path))
-            self._check_record(self.record)
-            logger.warning("SetGRPO: loaded calibration record %s: %s", record_path, self.record.table4_row())
-        else:
-            if os.path.exists(out):
-                raise ValueError(
-                    f"calibration record {out} already exists: pass it as algorithm.setgrpo.record_path to reuse it, or "
-                    "delete it / set algorithm.setgrpo.record_out to recalibrate (a frozen record is never overwritten)"
-                )
-            self.record = self._calibrate()
-        self._record_sha256 = self.record.to_dict()["content_sha256"]
-        if self.setgrpo.monitor.enable:
-            self.monitor = OnlineRiskMonitor(self.record)
-        restored = self._restore_setgrpo_state(record_path or out) if resumed else False
-        if record_path and not restored:
-            self._log_record(self.record)
-        if self.setgrpo.calibration.only and not self.setgrpo.record_path:
-            raise _CalibrationDone(self._record_out())
+            record = CalibrationRecord.from_json(os.path.expanduser(record_path))
+            self._check_record(record)
+            logger.warning("SetGRPO: loaded calibration record %s: %s", record_path, record.table4_row())
+            return record, record_path
+        if os.path.exists(out):
+            raise ValueError(
+                f"calibration record {out} already exists: pass it as algorithm.setgrpo.record_path to reuse it, or "
+                "delete it / set algorithm.setgrpo.record_out to recalibrate (a frozen record is never overwritten)"
+            )
+        return self._calibrate(), None
 
     # ------------------------------------------------------------------ checkpoints (docs/cli.md#resuming-a-run)
     def _checkpoint_folder(self, step: int) -> str:
@@ -366,16 +381,15 @@ class SetGRPOTrainer(PPOTrainerSync):
         self._write_setgrpo_state(self._checkpoint_folder(self.global_steps))
         return super()._save_checkpoint()
 
-    def _restore_setgrpo_state(self, record_path: str) -> bool:
-        """On resume: check the checkpoint's record hash, continue the monitor, cut the group log back to the
-        checkpoint's step and give verl's metrics file back its rows up to that step; True when restored.
+    def _restore_setgrpo_state(self, folder: str, record_path: str) -> bool:
+        """On resume from checkpoint ``folder``: check its record hash, continue the monitor, cut the group log back
+        to the checkpoint's step and give verl's metrics file back its rows up to that step; True when restored.
 
         Raises:
             ValueError: the checkpoint was trained with another record or has no SetGRPO state (see
                 :func:`setgrpo_verl.integration.resume.check_state`).
         """
         step = self.global_steps - 1
-        folder = self._checkpoint_folder(step)
         state = read_state(folder)
         if not check_state(folder, state, record_path, self._record_sha256, self.setgrpo.resume_other_record):
             logger.warning("SetGRPO: resuming %s with another calibration record (resume_other_record=true): the "
