@@ -327,12 +327,18 @@ class SetGRPOTrainer(PPOTrainerSync):
                 checkpoint trained with another record (:func:`setgrpo_verl.integration.resume.check_state`).
         """
         super().on_train_begin()
-        folder = resume_folder(self.config) if self.global_steps > 1 else None  # fit() counts from step + 1
-        self.record, loaded = self._load_or_calibrate(resumed=folder is not None)
+        resumed = self.global_steps > 1  # verl's fit() counts from the checkpoint's step + 1
+        self.record, loaded = self._load_or_calibrate(resumed=resumed)
         self._record_sha256 = self.record.to_dict()["content_sha256"]
         if self.setgrpo.monitor.enable:
             self.monitor = OnlineRiskMonitor(self.record)
-        restored = self._restore_setgrpo_state(folder, loaded or self._record_out()) if folder else False
+        restored = False
+        if resumed:
+            folder = resume_folder(self.config)
+            if folder is None:
+                raise ValueError(f"verl resumed at step {self.global_steps - 1}, but trainer.resume_mode="
+                                 f"{self.config.trainer.get('resume_mode', 'auto')} names no checkpoint folder")
+            restored = self._restore_setgrpo_state(folder, loaded)
         if loaded and not restored:
             self._log_record(self.record)
         if self.setgrpo.calibration.only and not self.setgrpo.record_path:
