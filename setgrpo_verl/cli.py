@@ -12,7 +12,8 @@ Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (
 
 Flags are shorthands for keys of the one configuration (``algorithm.setgrpo.*``, whose ``--help`` texts come from
 its field docs, and a few of verl's keys); any further ``key=value`` argument is passed to verl's Hydra config as
-it is. ``--dry-run`` prints the verl command lines without running them. A failing command prints one line
+it is. ``--dry-run`` prints the run directory's plan (:mod:`setgrpo_verl.lifecycle`) and the verl command lines
+without running them. A failing command prints one line
 ``error: ...`` and exits with status 2.
 """
 
@@ -88,6 +89,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         # says so and trains no group instead of stopping
         "algorithm.setgrpo.calibration.on_infeasible": "reject_all",
         "actor_rollout_ref.actor.optim.lr": 1e-5,
+        # a checkpoint after every step (the latest kept), so that --resume continues an interrupted training
+        "trainer.save_freq": 1,
+        "trainer.max_actor_ckpt_to_keep": 1,
     },
     "smoke": {
         "actor_rollout_ref.rollout.n": 3,
@@ -196,12 +200,13 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
 
     g.add_argument("--precision", choices=CPU_PRECISIONS, default=None,
                    help="CPU compute precision: bf16 (the GPU recipes', default where the CPU has bf16 units) or fp32")
-    g.add_argument("--dry-run", action="store_true", help="print the verl command line(s) and exit")
+    g.add_argument("--dry-run", action="store_true", help="print the run directory's plan (keep / continue / replace "
+                   "/ remove / refuse per directory) and the verl command line(s), and exit")
     g.add_argument("--verbose", action="store_true", help="stream verl's full output (always written to the stage's "
                    "main_ppo.log) instead of progress bars and one line per step")
-    g.add_argument("--resume", action="store_true", help="continue an interrupted run directory: finished stages are "
-                   "kept, an interrupted one resumes from its latest verl checkpoint (trainer.resume_mode=auto), the "
-                   "data split is not rewritten (docs/cli.md#resuming-a-run)")
+    g.add_argument("--resume", action="store_true", help="continue an interrupted run directory: finished directories "
+                   "are kept, an interrupted stage resumes from its latest verl checkpoint (trainer.resume_mode=auto) "
+                   "or starts over without one, the data split is not rewritten (docs/cli.md#resuming-a-run)")
     c = p.add_argument_group("configuration keys (docs/algorithm.md; any other key: pass key=value)")
     for flag, key, typ, text in FLAGS:
         kwargs: dict[str, Any] = dict(dest=_dest(flag), type=typ, default=None, help=_flag_help(key, text))
@@ -225,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="roll out, score twice, sketch, and write the frozen calibration record")
     p.add_argument("--run-dir", required=True, type=Path, help="run directory (data/ and calibration/ inside)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing calibration/ of the run directory")
+    p.add_argument("--overwrite", action="store_true", help="replace data/ and calibration/ and remove what was made from them (training stages, validation/, report/)")
     _add_run_options(p)
 
     p = sub.add_parser("train", help="SetGRPO (or --estimator grpo) training steps through verl's main_ppo")
@@ -233,20 +238,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--estimator", choices=("setgrpo", "grpo"), default="setgrpo")
     p.add_argument("--record", type=Path, default=None,
                    help="frozen record to train with (default: <run-dir>/calibration/record.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing train_<estimator>/")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing train_<estimator>/ (and remove report/)")
     _add_run_options(p)
 
     p = sub.add_parser("quickstart", help="calibrate + train (SetGRPO and GRPO) + report on the embedded defaults")
     p.add_argument("--run-dir", type=Path, default=Path("runs/quickstart"))
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the GRPO baseline run")
-    p.add_argument("--overwrite", action="store_true", help="replace existing stages of the run directory")
+    p.add_argument("--overwrite", action="store_true", help="replace the run directory's data, calibration and stages, and remove what was made from them")
     _add_run_options(p)
 
     p = sub.add_parser("validate", help="calibrate on a noisy grader with known truth, then check coverage and "
                        "reversal risk on held-out groups over repeated splits (docs/validation.md#validation)")
     p.add_argument("--run-dir", required=True, type=Path,
                    help="run directory (data/, calibration/ and validation/ inside)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing calibration/ and validation/")
+    p.add_argument("--overwrite", action="store_true", help="replace data/, calibration/ and validation/ (with --analysis-only: validation/ only) and remove what was made from them")
     p.add_argument("--splits", type=int, default=20, help="R, repeated calibration / held-out splits (default 20)")
     p.add_argument("--holdout-fraction", type=float, default=0.25,
                    help="share of the groups held out in each split (default 0.25)")

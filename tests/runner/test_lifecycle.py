@@ -286,3 +286,10 @@ def test_padding_rows_are_not_counted_as_verdicts():
     assert grading_counts({"extra_fields": padded}, padded_tags) == (3.0, 32.0)
     with pytest.raises(ValueError, match="tags for a batch"):
         grading_counts({"extra_fields": padded}, tags)
+
+
+def test_the_default_profile_saves_checkpoints_to_resume_from():
+    values = cli.PROFILES["default"]
+    assert 1 <= values["trainer.save_freq"] <= values["trainer.total_training_steps"]
+    args = cli.build_parser().parse_args(["quickstart", "--dry-run"])
+    assert "trainer.save_freq=1" in cli._plan(args).common
