@@ -539,6 +539,34 @@ class SetGRPOTrainer(PPOTrainerSync):
         return record
 
     # ------------------------------------------------------------------ per step
+    def _compute_reward_colocate(self, batch, metrics: Optional[dict] = None):
+        """verl's reward in the trainer process (a reward model without its own pool), with the fields it wrote
+        (``rm_scores`` and the reward's ``reward_extra_keys``: the reference score, verdict counts, truth) added to
+        ``batch.fields``, so that calibration and the advantage read them like the streaming reward loop's.
+
+        verl 0.9.1 ``PPOTrainer._compute_reward_colocate`` writes those fields to TransferQueue but returns the
+        batch's metadata unchanged; the keys are taken from the reward output it writes.
+        """
+        manager = self.reward_loop_manager
+        compute, own = manager.compute_rm_score, "compute_rm_score" in vars(manager)
+        written: list[str] = []
+
+        def recording(rm_input):
+            output = compute(rm_input)
+            written.extend(output.meta_info.get("reward_extra_keys", []))
+            return output
+
+        manager.compute_rm_score = recording
+        try:
+            batch = super()._compute_reward_colocate(batch, metrics=metrics)
+        finally:
+            if own:
+                manager.compute_rm_score = compute
+            else:
+                del manager.compute_rm_score  # the class's method again
+        batch.fields = list(dict.fromkeys([*(batch.fields or []), "rm_scores", *written]))
+        return batch
+
     def _compute_sketches(self, batch, fused: bool = False) -> None:
         """Sketch RPC on the actor workers; the sketches land in TransferQueue under ``setgrpo_sketch``
         (with ``fused``, verl's ``old_log_probs`` too, from the same forward)."""
