@@ -311,16 +311,39 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 16) -> int:
-    """Responses per micro-batch and rank: whole groups, at most ``max_responses``, dividing every batch a rank sees.
+def _sketch_batches(values: dict[str, Any], command: str, trains: bool) -> dict[str, int]:
+    """The batches the sketch pass sees (description -> prompts): a training step when the command trains, the
+    calibration batches (the last, smaller one too) when it calibrates."""
+    train = int(values["data.train_batch_size"])
+    batches = {f"a training step (--groups-per-step {train})": train} if trains else {}
+    if command != "train":
+        size = int(values.get("algorithm.setgrpo.calibration.batch_size") or train)
+        prompts = int(values["algorithm.setgrpo.calibration.num_prompts"])
+        batches[f"a calibration batch (--calib-batch-size {size})"] = min(size, prompts)
+        if prompts > size and prompts % size:
+            batches[f"the last calibration batch (--calib-groups {prompts} in batches of {size})"] = prompts % size
+    return batches
 
-    verl's fixed micro-batching needs each rank's share of a batch (training steps and calibration batches) to be a
-    multiple of the micro-batch size.
+
+def _padding_multiple(values: dict[str, Any], ranks: int) -> int:
+    from .integration.config import padded_batch_multiple
+
+    mini = values.get("actor_rollout_ref.actor.ppo_mini_batch_size") or values.get("data.train_batch_size", 1)
+    return padded_batch_multiple(ranks=ranks, mini_batch_prompts=int(mini),
+                                 k=int(values.get("actor_rollout_ref.rollout.n", 8)))
+
+
+def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 16) -> int:
+    """Responses per micro-batch and rank: whole groups, at most ``max_responses``, dividing every batch a rank sees
+    (training steps and every calibration batch, the last one too, as verl pads them).
+
+    verl's fixed micro-batching needs each rank's share of a batch to be a multiple of the micro-batch size.
 
     Raises:
         LaunchError: the batches cannot be split evenly over ``ranks``.
     """
-    from .launch import LaunchError
+    from .integration.config import sketch_micro_batch_error
+    from .rundir import LaunchError
 
     k = int(values.get("actor_rollout_ref.rollout.n", 8))
     train = int(values.get("data.train_batch_size", 1))
@@ -330,8 +353,15 @@ def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 1
         raise LaunchError(f"--groups-per-step {train} and --calib-batch-size {calibration} must both be multiples of "
                           f"--actor-ranks {ranks}")
     per_rank = groups // ranks
-    best = max(d for d in range(1, per_rank + 1) if per_rank % d == 0 and (d == 1 or k * d <= max_responses))
-    return k * best
+    batches = _sketch_batches({"algorithm.setgrpo.calibration.num_prompts": calibration, **values,
+                               "data.train_batch_size": train}, "quickstart", True)
+    multiple = _padding_multiple(values, ranks)
+    for d in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0 and (d == 1 or k * d <= max_responses)),
+                    reverse=True):
+        if sketch_micro_batch_error(k=k, prompts=batches, ranks=ranks, micro=k * d, source="",
+                                    multiple=multiple) is None:
+            return k * d
+    return k
 
 
 def _grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -400,18 +430,17 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
     values.setdefault("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", micro)
     values.setdefault("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", micro)
     sketch_key = "algorithm.setgrpo.sketch.micro_batch_size_per_gpu"
-    if values.get(sketch_key) is not None:
-        k, train = int(values["actor_rollout_ref.rollout.n"]), int(values["data.train_batch_size"])
+    # the sketch pass's micro-batch (its own, else the log-prob one), checked here before anything is written
+    sketch_micro = values.get(sketch_key)
+    source = sketch_key if sketch_micro is not None else "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
+    if sketch_micro is None and values.get("algorithm.setgrpo.sketch.max_token_len_per_gpu") is None:
+        sketch_micro = values["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"]
+    if sketch_micro is not None and not (args.command == "train" and args.estimator == "grpo"):
         trains = args.command == "quickstart" or (args.command == "train" and args.estimator == "setgrpo")
-        batches = {f"a training step (--groups-per-step {train})": train} if trains else {}
-        if args.command != "train":
-            size = int(values.get("algorithm.setgrpo.calibration.batch_size") or train)
-            prompts = int(values["algorithm.setgrpo.calibration.num_prompts"])
-            batches[f"a calibration batch (--calib-batch-size {size})"] = min(size, prompts)
-            if prompts > size and prompts % size:
-                batches[f"the last calibration batch (--calib-groups {prompts} in batches of {size})"] = prompts % size
-        error = sketch_micro_batch_error(k=k, prompts=batches, ranks=args.actor_ranks, micro=int(values[sketch_key]),
-                                         source=sketch_key)
+        error = sketch_micro_batch_error(k=int(values["actor_rollout_ref.rollout.n"]),
+                                         prompts=_sketch_batches(values, args.command, trains), ranks=args.actor_ranks,
+                                         micro=int(sketch_micro), source=source,
+                                         multiple=_padding_multiple(values, args.actor_ranks))
         if error:
             raise launch.LaunchError(error)
     grader = _grader(args, seed)

@@ -293,3 +293,30 @@ def test_the_default_profile_saves_checkpoints_to_resume_from():
     assert 1 <= values["trainer.save_freq"] <= values["trainer.total_training_steps"]
     args = cli.build_parser().parse_args(["quickstart", "--dry-run"])
     assert "trainer.save_freq=1" in cli._plan(args).common
+
+
+def test_the_default_sketch_micro_batch_fits_the_last_calibration_batch_as_verl_pads_it(tmp_path):
+    from omegaconf import OmegaConf
+
+    from setgrpo_verl.integration.config import check_sketch_micro_batch, setgrpo_config_from, sketch_micro_batch_error
+
+    args = cli.build_parser().parse_args(["calibrate", "--run-dir", str(tmp_path / "run"), "--calib-groups", "50"])
+    values = cli._plan(args).values
+    cfg = OmegaConf.create({})
+    for key, value in {**values, "trainer.n_gpus_per_node": 1, "trainer.nnodes": 1,
+                       "algorithm.setgrpo.calibration.only": True}.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    check_sketch_micro_batch(cfg, setgrpo_config_from(cfg.algorithm))  # main_ppo's check before Ray agrees
+    # 2 prompts x 4 responses in the last batch: verl pads 8 up to lcm(1 rank, 4 prompts x 4) = 16
+    last = {"the last batch": 2}
+    assert sketch_micro_batch_error(k=4, prompts=last, ranks=1, micro=16, source="s", multiple=16) is None
+    assert "padded to" not in sketch_micro_batch_error(k=4, prompts=last, ranks=1, micro=16, source="s")
+    assert "padded to 16" in sketch_micro_batch_error(k=4, prompts=last, ranks=1, micro=32, source="s", multiple=16)
+
+
+def test_a_sketch_micro_batch_that_cannot_split_a_batch_is_refused_before_anything_is_written(tmp_path, capsys):
+    run = tmp_path / "run"
+    # 6 prompts x 3 responses = 18 per calibration batch (verl pads to a multiple of 6 x 3): 4 does not divide it
+    assert cli.main(["validate", "--run-dir", str(run), "--calib-batch-size", "6", "--rollout-n", "3",
+                     "--groups-per-step", "6", "--dry-run"]) == 2
+    assert "micro_batch_size_per_gpu=4 does not divide" in capsys.readouterr().err and not run.exists()
