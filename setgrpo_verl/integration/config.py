@@ -416,8 +416,9 @@ def check_sketch_micro_batch(config: Any, setgrpo: SetGRPOConfig) -> None:
         if cal.num_prompts > size and cal.num_prompts % size:
             batches[f"the last calibration batch ({cal.num_prompts} calibration prompts in batches of {size})"] = (
                 cal.num_prompts % size)
-    multiple = padded_batch_multiple(ranks=max(ranks, 1), k=int(arr.rollout.n),
-                                     mini_batch_prompts=int(arr.actor.get("ppo_mini_batch_size", 1) or 1))
+    # verl refuses a mini-batch larger than a step's prompts; at most those are padded to
+    mini = min(int(arr.actor.get("ppo_mini_batch_size", train) or train), train)
+    multiple = padded_batch_multiple(ranks=max(ranks, 1), k=int(arr.rollout.n), mini_batch_prompts=mini)
     error = sketch_micro_batch_error(k=int(arr.rollout.n), prompts=batches, ranks=max(ranks, 1), micro=int(micro),
                                      source=source, multiple=multiple)
     if error:

@@ -56,12 +56,15 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job")
     ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1"),
      "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 9 responses that each of the 1 actor "
      "rank(s) gets in a training step (data.train_batch_size=3)"),
-    ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1", "algorithm.setgrpo.calibration.only=true"),
-     "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 105 responses that each of the 1 actor "
-     "rank(s) gets in a calibration batch (algorithm.setgrpo.calibration.batch_size=35)"),
+    # verl pads a calibration batch of 37 x 3 = 111 responses to 117 (a multiple of 3 prompts x 3)
+    ((LOCAL, *SKETCH_4[:2], "algorithm.setgrpo.calibration.batch_size=37", SKETCH_4[3], "trainer.n_gpus_per_node=1",
+      "algorithm.setgrpo.calibration.only=true"),
+     "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 117 responses that each of the 1 actor "
+     "rank(s) gets in a calibration batch (algorithm.setgrpo.calibration.batch_size=37) (37 prompts x "
+     "actor_rollout_ref.rollout.n=3, padded to 117)"),
     ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1", "algorithm.setgrpo.calibration.only=true",
       "algorithm.setgrpo.calibration.batch_size=36", "algorithm.setgrpo.calibration.num_prompts=50"),
-     "does not divide the 42 responses that each of the 1 actor rank(s) gets in the last calibration batch"),
+     "does not divide the 45 responses that each of the 1 actor rank(s) gets in the last calibration batch"),
 ])
 def test_check_before_ray_refuses(overrides, message):
     """Each of these passed the pre-Ray check and failed later, after Ray and the models had started."""
