@@ -12,17 +12,18 @@ Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (
 
 Flags are shorthands for keys of the one configuration (``algorithm.setgrpo.*``, whose ``--help`` texts come from
 its field docs, and a few of verl's keys); any further ``key=value`` argument is passed to verl's Hydra config as
-it is. ``--dry-run`` prints the verl command lines without running them. A failing command prints one line
+it is. ``--dry-run`` prints the run directory's plan (:mod:`setgrpo_verl.lifecycle`) and the verl command lines
+without running them. A failing command prints one line
 ``error: ...`` and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shlex
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -88,6 +89,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         # says so and trains no group instead of stopping
         "algorithm.setgrpo.calibration.on_infeasible": "reject_all",
         "actor_rollout_ref.actor.optim.lr": 1e-5,
+        # a checkpoint after every step (the latest kept), so that --resume continues an interrupted training
+        "trainer.save_freq": 1,
+        "trainer.max_actor_ckpt_to_keep": 1,
     },
     "smoke": {
         "actor_rollout_ref.rollout.n": 3,
@@ -210,12 +214,13 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
 
     g.add_argument("--precision", choices=CPU_PRECISIONS, default=None,
                    help="CPU compute precision: bf16 (the GPU recipes', default where the CPU has bf16 units) or fp32")
-    g.add_argument("--dry-run", action="store_true", help="print the verl command line(s) and exit")
+    g.add_argument("--dry-run", action="store_true", help="print the run directory's plan (keep / continue / replace "
+                   "/ remove / refuse per directory) and the verl command line(s), and exit")
     g.add_argument("--verbose", action="store_true", help="stream verl's full output (always written to the stage's "
                    "main_ppo.log) instead of progress bars and one line per step")
-    g.add_argument("--resume", action="store_true", help="continue an interrupted run directory: finished stages are "
-                   "kept, an interrupted one resumes from its latest verl checkpoint (trainer.resume_mode=auto), the "
-                   "data split is not rewritten (docs/cli.md#resuming-a-run)")
+    g.add_argument("--resume", action="store_true", help="continue an interrupted run directory: finished directories "
+                   "are kept, an interrupted stage resumes from its latest verl checkpoint (trainer.resume_mode=auto) "
+                   "or starts over without one, the data split is not rewritten (docs/cli.md#resuming-a-run)")
     c = p.add_argument_group("configuration keys (docs/algorithm.md; any other key: pass key=value)")
     for flag, key, typ, text in FLAGS:
         kwargs: dict[str, Any] = dict(dest=_dest(flag), type=typ, default=None, help=_flag_help(key, text))
@@ -239,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="roll out, score twice, sketch, and write the frozen calibration record")
     p.add_argument("--run-dir", required=True, type=Path, help="run directory (data/ and calibration/ inside)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing calibration/ of the run directory")
+    p.add_argument("--overwrite", action="store_true", help="replace data/ and calibration/ and remove what was made from them (training stages, validation/, report/)")
     _add_run_options(p)
 
     p = sub.add_parser("train", help="SetGRPO (or --estimator grpo) training steps through verl's main_ppo")
@@ -247,20 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--estimator", choices=("setgrpo", "grpo"), default="setgrpo")
     p.add_argument("--record", type=Path, default=None,
                    help="frozen record to train with (default: <run-dir>/calibration/record.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing train_<estimator>/")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing train_<estimator>/ (and remove report/)")
     _add_run_options(p)
 
     p = sub.add_parser("quickstart", help="calibrate + train (SetGRPO and GRPO) + report on the embedded defaults")
     p.add_argument("--run-dir", type=Path, default=Path("runs/quickstart"))
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the GRPO baseline run")
-    p.add_argument("--overwrite", action="store_true", help="replace existing stages of the run directory")
+    p.add_argument("--overwrite", action="store_true", help="replace the run directory's data, calibration and stages, and remove what was made from them")
     _add_run_options(p)
 
     p = sub.add_parser("validate", help="calibrate on a noisy grader with known truth, then check coverage and "
                        "reversal risk on held-out groups over repeated splits (docs/validation.md#validation)")
     p.add_argument("--run-dir", required=True, type=Path,
                    help="run directory (data/, calibration/ and validation/ inside)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing calibration/ and validation/")
+    p.add_argument("--overwrite", action="store_true", help="replace data/, calibration/ and validation/ (with --analysis-only: validation/ only) and remove what was made from them")
     p.add_argument("--splits", type=int, default=20, help="R, repeated calibration / held-out splits (default 20)")
     p.add_argument("--holdout-fraction", type=float, default=0.25,
                    help="share of the groups held out in each split (default 0.25)")
@@ -320,16 +325,39 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 16) -> int:
-    """Responses per micro-batch and rank: whole groups, at most ``max_responses``, dividing every batch a rank sees.
+def _sketch_batches(values: dict[str, Any], command: str, trains: bool) -> dict[str, int]:
+    """The batches the sketch pass sees (description -> prompts): a training step when the command trains, the
+    calibration batches (the last, smaller one too) when it calibrates."""
+    train = int(values["data.train_batch_size"])
+    batches = {f"a training step (--groups-per-step {train})": train} if trains else {}
+    if command != "train":
+        size = int(values.get("algorithm.setgrpo.calibration.batch_size") or train)
+        prompts = int(values["algorithm.setgrpo.calibration.num_prompts"])
+        batches[f"a calibration batch (--calib-batch-size {size})"] = min(size, prompts)
+        if prompts > size and prompts % size:
+            batches[f"the last calibration batch (--calib-groups {prompts} in batches of {size})"] = prompts % size
+    return batches
 
-    verl's fixed micro-batching needs each rank's share of a batch (training steps and calibration batches) to be a
-    multiple of the micro-batch size.
+
+def _padding_multiple(values: dict[str, Any], ranks: int) -> int:
+    from .integration.config import padded_batch_multiple
+
+    mini = values.get("actor_rollout_ref.actor.ppo_mini_batch_size") or values.get("data.train_batch_size", 1)
+    return padded_batch_multiple(ranks=ranks, mini_batch_prompts=int(mini),
+                                 k=int(values.get("actor_rollout_ref.rollout.n", 8)))
+
+
+def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 16) -> int:
+    """Responses per micro-batch and rank: whole groups, at most ``max_responses``, dividing every batch a rank sees
+    (training steps and every calibration batch, the last one too, as verl pads them).
+
+    verl's fixed micro-batching needs each rank's share of a batch to be a multiple of the micro-batch size.
 
     Raises:
         LaunchError: the batches cannot be split evenly over ``ranks``.
     """
-    from .launch import LaunchError
+    from .integration.config import sketch_micro_batch_error
+    from .rundir import LaunchError
 
     k = int(values.get("actor_rollout_ref.rollout.n", 8))
     train = int(values.get("data.train_batch_size", 1))
@@ -339,8 +367,15 @@ def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 1
         raise LaunchError(f"--groups-per-step {train} and --calib-batch-size {calibration} must both be multiples of "
                           f"--actor-ranks {ranks}")
     per_rank = groups // ranks
-    best = max(d for d in range(1, per_rank + 1) if per_rank % d == 0 and (d == 1 or k * d <= max_responses))
-    return k * best
+    batches = _sketch_batches({"algorithm.setgrpo.calibration.num_prompts": calibration, **values,
+                               "data.train_batch_size": train}, "quickstart", True)
+    multiple = _padding_multiple(values, ranks)
+    for d in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0 and (d == 1 or k * d <= max_responses)),
+                    reverse=True):
+        if sketch_micro_batch_error(k=k, prompts=batches, ranks=ranks, micro=k * d, source="",
+                                    multiple=multiple) is None:
+            return k * d
+    return k
 
 
 def _grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -434,18 +469,17 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
     values.setdefault("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", micro)
     values.setdefault("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", micro)
     sketch_key = "algorithm.setgrpo.sketch.micro_batch_size_per_gpu"
-    if values.get(sketch_key) is not None:
-        k, train = int(values["actor_rollout_ref.rollout.n"]), int(values["data.train_batch_size"])
+    # the sketch pass's micro-batch (its own, else the log-prob one), checked here before anything is written
+    sketch_micro = values.get(sketch_key)
+    source = sketch_key if sketch_micro is not None else "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
+    if sketch_micro is None and values.get("algorithm.setgrpo.sketch.max_token_len_per_gpu") is None:
+        sketch_micro = values["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"]
+    if sketch_micro is not None and not (args.command == "train" and args.estimator == "grpo"):
         trains = args.command == "quickstart" or (args.command == "train" and args.estimator == "setgrpo")
-        batches = {f"a training step (--groups-per-step {train})": train} if trains else {}
-        if args.command != "train":
-            size = int(values.get("algorithm.setgrpo.calibration.batch_size") or train)
-            prompts = int(values["algorithm.setgrpo.calibration.num_prompts"])
-            batches[f"a calibration batch (--calib-batch-size {size})"] = min(size, prompts)
-            if prompts > size and prompts % size:
-                batches[f"the last calibration batch (--calib-groups {prompts} in batches of {size})"] = prompts % size
-        error = sketch_micro_batch_error(k=k, prompts=batches, ranks=args.actor_ranks, micro=int(values[sketch_key]),
-                                         source=sketch_key)
+        error = sketch_micro_batch_error(k=int(values["actor_rollout_ref.rollout.n"]),
+                                         prompts=_sketch_batches(values, args.command, trains), ranks=args.actor_ranks,
+                                         micro=int(sketch_micro), source=source,
+                                         multiple=_padding_multiple(values, args.actor_ranks))
         if error:
             raise launch.LaunchError(error)
     grader = _grader(args, seed)
@@ -473,52 +507,58 @@ def _commands(args: argparse.Namespace, plan: _Plan, stages: list[str], record: 
     return commands
 
 
-def _checked_dry_run(args: argparse.Namespace, plan: _Plan, commands: list[tuple[str, list[str]]]) -> str:
-    """The commands of ``--dry-run`` after the checks of the data that a run makes before verl starts (calibration
-    size for the levels, enough prompts for the split; nothing is written), so that it never prints a command the
-    run would refuse."""
-    from . import launch
+def _dry_run(commands: list[tuple[str, list[str]]], lifecycle=None) -> str:
+    """``--dry-run``'s text: the run directory's plan (what each directory would get) and the verl command lines."""
+    lines = [] if lifecycle is None else [lifecycle.text()]
+    if lifecycle is not None:
+        from .runlock import holder
 
-    launch.check_calibration_size(plan.values)
-    values = plan.values
-    launch.split_data(data=args.data, model_path=plan.model, max_prompt_length=int(values["data.max_prompt_length"]),
-                      calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]), seed=plan.seed,
-                      rules_only=args.judge == "rules",
-                      default_data="validation" if args.command == "validate" else "ifbench",
-                      duplicate_criteria=args.duplicate_criteria)
-    return _dry_run(commands)
-
-
-def _dry_run(commands: list[tuple[str, list[str]]]) -> str:
-    return "\n".join(" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands)
+        if holder(lifecycle.run_dir) is not None:
+            lines.append(f"[setgrpo-verl] plan: {lifecycle.run_dir} is locked by another command: "
+                         f"{holder(lifecycle.run_dir)}")
+        refused = [d for d in lifecycle.dirs if d.action == "refuse"]
+        if refused:
+            lines.append(f"[setgrpo-verl] plan: the command would stop before writing anything: "
+                         f"{lifecycle.run_dir / refused[0].name} {refused[0].reason}")
+    return "\n".join(lines + [" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands])
 
 
-def _split(args: argparse.Namespace, plan: _Plan, stages: list[str]) -> dict[str, Any] | None:
-    """Check every stage directory and split the data (nothing written); None when the run's split is kept as is.
+def _split(args: argparse.Namespace, plan: _Plan) -> dict[str, Any] | None:
+    """The data split these flags make (nothing written; a dry run makes it too, so that it never prints a command
+    the run would refuse).
 
     Raises:
-        LaunchError: an existing stage directory or another existing split without --overwrite, or bad data.
+        LaunchError: bad data, or too few prompts for the calibration.
     """
-    from . import launch
+    from . import datasplit
 
-    launch.check_stage_dirs(args.run_dir, stages, overwrite=args.overwrite, resume=args.resume)
     values = plan.values
-    split = launch.split_data(data=args.data, model_path=plan.model,
-                              max_prompt_length=int(values["data.max_prompt_length"]),
-                              calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
-                              seed=plan.seed, rules_only=args.judge == "rules",
-                              default_data="validation" if args.command == "validate" else "ifbench",
-                              duplicate_criteria=args.duplicate_criteria)
-    return split if launch.check_data_split(args.run_dir, split, overwrite=args.overwrite) else None
+    return datasplit.split_data(data=args.data, model_path=plan.model,
+                                max_prompt_length=int(values["data.max_prompt_length"]),
+                                calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
+                                seed=plan.seed, rules_only=args.judge == "rules",
+                                default_data="validation" if args.command == "validate" else "ifbench",
+                                duplicate_criteria=args.duplicate_criteria)
 
 
-def _write_split(args: argparse.Namespace, split: dict[str, Any] | None) -> None:
-    from . import launch
+def _lifecycle(args: argparse.Namespace, writes: list[str], reads: tuple[str, ...] = (),
+               split: dict[str, Any] | None = None):
+    """The run directory's plan of this command (:func:`setgrpo_verl.lifecycle.plan_run`)."""
+    from .datasplit import split_matches
+    from .lifecycle import plan_run
 
-    if split is None:
+    same = split_matches(args.run_dir, split) if split is not None else None
+    return plan_run(args.run_dir, writes, reads=reads, overwrite=args.overwrite, resume=args.resume, same_data=same)
+
+
+def _write_split(args: argparse.Namespace, lifecycle, split: dict[str, Any]) -> None:
+    from .datasplit import write_data
+
+    if lifecycle.action("data") == "keep":
         print(f"[setgrpo-verl] data: {args.run_dir / 'data'} already holds this split; kept", flush=True)
         return
-    launch.write_data(args.run_dir, split)
+    lifecycle.prepare("data")
+    write_data(args.run_dir, split)
     print(f"[setgrpo-verl] data: {len(split['calibration'])} calibration and {len(split['train'])} training prompts "
           f"from {split['source']}", flush=True)
     if split["duplicates"]:
@@ -526,115 +566,139 @@ def _write_split(args: argparse.Namespace, split: dict[str, Any] | None) -> None
               flush=True)
 
 
-def _run_stages(args: argparse.Namespace, commands: list[tuple[str, list[str]]]) -> None:
-    from . import launch
+def _start(args: argparse.Namespace, plan: _Plan, lifecycle, split: dict[str, Any] | None) -> None:
+    """Everything checked: probe the judge, remove what the replaced directories' results no longer match, print
+    the plan and write the data split."""
+    from .preflight import probe_judge
 
-    env = launch.cpu_environment()
+    lifecycle.check()
+    if args.judge == "openai":
+        probe_judge(plan.grader)
+    _hold_lock(args)
+    if any(d.action != "create" for d in lifecycle.dirs):
+        print(lifecycle.text(), flush=True)
+    lifecycle.remove_derived()
+    if split is not None:
+        _write_split(args, lifecycle, split)
+
+
+def _run_stages(args: argparse.Namespace, commands: list[tuple[str, list[str]]], lifecycle) -> None:
+    from .launch import cpu_environment
+    from .stages import run_stage
+
+    env = cpu_environment()
     for stage, cmd in commands:
-        launch.run_stage(args.run_dir, stage, cmd, env=env, overwrite=args.overwrite, resume=args.resume,
-                         verbose=args.verbose)
+        run_stage(args.run_dir, stage, cmd, env=env, plan=lifecycle, verbose=args.verbose)
+
+
+def _record_of(run_dir: Path) -> Path:
+    from .rundir import STAGES
+
+    return run_dir / STAGES["calibrate"] / "record.json"
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> str | None:
     """``calibrate``: split the data, then the calibration stage (the frozen record)."""
-    from . import launch
+    from .preflight import check_calibration_size
 
     plan = _plan(args)
-    commands = _commands(args, plan, ["calibrate"], args.run_dir / launch.STAGES["calibrate"] / "record.json")
+    commands = _commands(args, plan, ["calibrate"], _record_of(args.run_dir))
+    check_calibration_size(plan.values)
+    split = _split(args, plan)
+    lifecycle = _lifecycle(args, ["data", "calibration"], split=split)
     if args.dry_run:
-        return _checked_dry_run(args, plan, commands)
-    launch.check_calibration_size(plan.values)
-    split = _split(args, plan, ["calibrate"])
-    if args.judge == "openai":
-        launch.probe_judge(plan.grader)
-    _write_split(args, split)
-    _run_stages(args, commands)
+        return _dry_run(commands, lifecycle)
+    _start(args, plan, lifecycle, split)
+    _run_stages(args, commands, lifecycle)
     return None
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> str | None:
-    """``quickstart``: calibrate and train in one verl process, the GRPO baseline, then the report."""
-    from . import launch
+    """``quickstart``: calibrate and train in one verl process (or train with a kept calibration), the GRPO
+    baseline, then the report."""
+    from .preflight import check_calibration_size, check_training_steps
 
     plan = _plan(args)
-    stages = ["calibrate_train"] + (["grpo"] if args.baseline else [])
-    commands = _commands(args, plan, stages, args.run_dir / launch.STAGES["calibrate"] / "record.json")
+    check_calibration_size(plan.values)
+    split = _split(args, plan)
+    writes = ["data", "calibration", "train_setgrpo"] + (["train_grpo"] if args.baseline else []) + ["report"]
+    lifecycle = _lifecycle(args, writes, split=split)
+    first = "train" if lifecycle.action("calibration") == "keep" else "calibrate_train"
+    commands = _commands(args, plan, [first] + (["grpo"] if args.baseline else []), _record_of(args.run_dir))
+    if split is not None:
+        check_training_steps(plan.values, args.overrides, _train_prompts(args.run_dir, split))
     if args.dry_run:
-        return _checked_dry_run(args, plan, commands)
-    launch.check_calibration_size(plan.values)
-    split = _split(args, plan, stages)
-    launch.check_training_steps(plan.values, args.overrides, _train_prompts(args.run_dir, split))
-    if args.judge == "openai":
-        launch.probe_judge(plan.grader)
-    _write_split(args, split)
-    _run_stages(args, commands)
+        return _dry_run(commands, lifecycle)
+    _start(args, plan, lifecycle, split)
+    _run_stages(args, commands, lifecycle)
     from .report import make_report
 
+    lifecycle.prepare("report")
     return make_report(args.run_dir)
 
 
 def _cmd_train(args: argparse.Namespace) -> str | None:
     """``train``: SetGRPO with the run's record (or ``--estimator grpo``) on the split ``calibrate`` wrote."""
-    from . import launch
+    from . import datasplit, preflight
+    from .rundir import STAGES, LaunchError
 
     plan = _plan(args)
     run_dir = args.run_dir
     stage = "train" if args.estimator == "setgrpo" else "grpo"
-    record = args.record if args.record is not None else run_dir / launch.STAGES["calibrate"] / "record.json"
+    record = args.record if args.record is not None else _record_of(run_dir)
     commands = _commands(args, plan, [stage], record)
+    reads = ("data",) + (("calibration",) if stage == "train" and args.record is None else ())
+    lifecycle = _lifecycle(args, [STAGES[stage]], reads=reads)
     if args.dry_run:
-        return _dry_run(commands)
-    calibration = run_dir / launch.STAGES["calibrate"]
-    if args.record is None and not (calibration / launch.COMPLETE).is_file():
-        raise launch.LaunchError(f"{calibration} is incomplete (no {launch.COMPLETE} marker): rerun `setgrpo-verl "
-                                 f"calibrate --run-dir {run_dir} --overwrite` or pass --record")
-    if not (run_dir / "data" / "train.parquet").is_file():
-        raise launch.LaunchError(f"{run_dir}/data/train.parquet is missing: run `setgrpo-verl calibrate --run-dir "
-                                 f"{run_dir}` first (it writes the data split and the record)")
-    launch.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
-    launch.check_training_steps(plan.values, args.overrides, _train_prompts(run_dir, None))
+        return _dry_run(commands, lifecycle)
+    lifecycle.check()
+    datasplit.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
+    preflight.check_training_steps(plan.values, args.overrides, _train_prompts(run_dir, None))
     if stage == "train":
         if not Path(record).is_file():
-            raise launch.LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
-                                     f"{run_dir}` first or pass --record")
-        launch.check_training_prompts(record, run_dir)
-    launch.check_stage_dirs(run_dir, [stage], overwrite=args.overwrite, resume=args.resume)
-    if args.judge == "openai":
-        launch.probe_judge(plan.grader)
-    _run_stages(args, commands)
+            raise LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
+                              f"{run_dir}` first or pass --record")
+        preflight.check_training_prompts(record, run_dir)
+    _start(args, plan, lifecycle, None)
+    _run_stages(args, commands, lifecycle)
     return None
 
 
 def _cmd_validate(args: argparse.Namespace) -> str | None:
     """``validate``: a calibration stage with a grader of known noise, then the held-out analysis."""
-    from . import launch
+    from .preflight import check_validation_size
 
     # the stage's own record is not what validate measures: each split calibrates again (reject_all there too)
     plan = _plan(args, defaults={} if args.analysis_only else {"algorithm.setgrpo.calibration.on_infeasible":
                                                                  "reject_all"})
     _check_validate(args, plan.values)
     if args.analysis_only:
-        return _analyse(args, plan.values)
-    commands = _commands(args, plan, ["calibrate"], args.run_dir / launch.STAGES["calibrate"] / "record.json")
-    if args.dry_run:
-        return _dry_run(commands)
-    if (args.run_dir / "validation").exists() and not args.overwrite:
-        raise launch.LaunchError(f"{args.run_dir / 'validation'} already exists; pass --overwrite to replace it")
-    warning = launch.check_validation_size(plan.values, args.holdout_fraction)
-    if warning:
+        lifecycle = _lifecycle(args, ["validation"], reads=("calibration",))
+        if args.dry_run:
+            return _dry_run([], lifecycle)
+        lifecycle.check()
+        return _analyse(args, plan.values, lifecycle)
+    commands = _commands(args, plan, ["calibrate"], _record_of(args.run_dir))
+    warning = check_validation_size(plan.values, args.holdout_fraction)
+    if warning and not args.dry_run:
         print(f"[setgrpo-verl] warning: {warning}", flush=True)
-    split = _split(args, plan, ["calibrate"])
-    if args.judge == "openai":
-        launch.probe_judge(plan.grader)
-    _write_split(args, split)
-    _run_stages(args, commands)
-    return _analyse(args, plan.values)
+    split = _split(args, plan)
+    lifecycle = _lifecycle(args, ["data", "calibration", "validation"], split=split)
+    if args.dry_run:
+        return _dry_run(commands, lifecycle)
+    _start(args, plan, lifecycle, split)
+    _run_stages(args, commands, lifecycle)
+    return _analyse(args, plan.values, lifecycle)
 
 
 def _cmd_report(args: argparse.Namespace) -> str:
     """``report``: PNG plots and a text summary of a run directory."""
     from .report import make_report
 
+    if (args.run_dir / "report").exists():
+        from .lifecycle import plan_run
+
+        plan_run(args.run_dir, ["report"]).prepare("report")
     return make_report(args.run_dir)
 
 
@@ -670,22 +734,18 @@ def _check_validate(args: argparse.Namespace, values: dict[str, Any]) -> None:
         raise LaunchError("validate calibrates the full method and every ablation itself: drop --ablation / --fixed-tau")
 
 
-def _analyse(args: argparse.Namespace, values: dict[str, Any]) -> str:
-    """The offline part of ``validate``: repeated splits of the stage's paired scores, JSON + PNG + table."""
+def _analyse(args: argparse.Namespace, values: dict[str, Any], lifecycle) -> str:
+    """The offline part of ``validate``: repeated splits of the stage's paired scores, JSON + PNG + table; the
+    ``validation/`` directory is only replaced once the new results exist."""
     from .core import CalibrationRecord
-    from .launch import COMPLETE, STAGES, LaunchError
     from .report import summary_table, write_validation
+    from .rundir import STAGES, LaunchError, complete_seconds
     from .validate import ValidationLevels, load_paired, run_validation
 
     calibration = args.run_dir / STAGES["calibrate"]
-    if not (calibration / COMPLETE).is_file():
-        raise LaunchError(f"{calibration} is incomplete (no {COMPLETE} marker): run `setgrpo-verl validate --run-dir "
-                          f"{args.run_dir}` without --analysis-only first")
     out = args.run_dir / "validation"
-    if out.exists():
-        if not args.overwrite and args.analysis_only:
-            raise LaunchError(f"{out} already exists; pass --overwrite to replace it")
-        shutil.rmtree(out)
+    if lifecycle.action("validation") == "keep":
+        return f"{out} is complete, kept (--resume): {out / 'validation.json'}"
     record = CalibrationRecord.from_json(calibration / "record.json")
     explicit = {"alpha": args.alpha, "beta": args.beta, "delta": args.delta, "rho": args.rho,
                 "tau_grid": None if args.tau_grid is None else tuple(args.tau_grid)}
@@ -703,20 +763,39 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any]) -> str:
     except (OSError, ValueError) as exc:
         raise LaunchError(f"validate: {exc}") from None
     result.report["analysis_seconds"] = round(time.perf_counter() - t0, 1)
-    stage_time = (calibration / COMPLETE).read_text().split()[0]
-    result.report["calibration_stage_seconds"] = float(stage_time)
+    # None where calibration/ was written by quickstart's combined stage (its time is the whole stage's)
+    result.report["calibration_stage_seconds"] = complete_seconds(calibration)
+    lifecycle.prepare("validation")
     paths = write_validation(result, out)
+    from .rundir import mark_complete
+
+    mark_complete(out, result.report["analysis_seconds"])
     return f"{summary_table(result.report)}\nwritten: {paths['json']}, {paths['png']}, {paths['groups']}"
+
+
+def _hold_lock(args: argparse.Namespace) -> None:
+    """Take the run directory's lock (:func:`setgrpo_verl.runlock.run_dir_lock`) for the rest of the command,
+    unless it is held already or this is a dry run."""
+    if getattr(args, "dry_run", False) or getattr(args, "locked", False) or getattr(args, "lock", None) is None:
+        return
+    from .runlock import run_dir_lock
+
+    args.lock.enter_context(run_dir_lock(args.run_dir, args.argv))
+    args.locked = True
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``setgrpo-verl``; returns the process exit status."""
     args = build_parser().parse_args(argv)
-    from .launch import LaunchError
     from .report import ReportError
+    from .rundir import LaunchError
 
     try:
-        text = HANDLERS[args.command](args)
+        with contextlib.ExitStack() as args.lock:
+            args.argv = ["setgrpo-verl", *(sys.argv[1:] if argv is None else argv)]
+            if getattr(args, "run_dir", None) is not None and args.run_dir.is_dir():
+                _hold_lock(args)  # before the run directory is looked at; a new one is locked when it is created
+            text = HANDLERS[args.command](args)
         if text:
             print(text)
         return 0

@@ -13,10 +13,11 @@ import random
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .rundir import LaunchError
+from .lifecycle import dir_state, plan_run
+from .rundir import LaunchError, mark_complete
 
 __all__ = ["DEFAULT_DATA", "SPLIT_FILE", "check_data_split", "check_split_flags", "existing_split", "split_data",
-           "write_data"]
+           "split_matches", "write_data"]
 
 #: The embedded default data of :func:`split_data` without ``data``: ``ifbench`` (the IFBench prompts) or
 #: ``validation`` (under ``rules_only``: the composite validation rubrics, docs/validation.md#validation-rubrics).
@@ -142,8 +143,8 @@ def _split_ids(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def write_data(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> dict[str, Path]:
-    """Write :func:`split_data`'s rows as ``<run_dir>/data/{calibration,train}.parquet`` and its settings and prompt
-    ids as ``data/split.json``; returns the two parquet paths."""
+    """Write :func:`split_data`'s rows as ``<run_dir>/data/{calibration,train}.parquet``, its settings and prompt
+    ids as ``data/split.json`` and then ``data/COMPLETE``; returns the two parquet paths."""
     from .grading import write_verl_parquet
 
     out = Path(run_dir) / "data"
@@ -151,17 +152,19 @@ def write_data(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> dict[str
     meta = {**split.get("settings", {}), "source": split["source"], "duplicates_removed": split.get("duplicates", 0),
             "ids": {name: _split_ids(split[name]) for name in ("calibration", "train")}}
     (out / SPLIT_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    mark_complete(out)
     return paths
 
 
 def existing_split(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The ``data/split.json`` of a run directory, or None when it has no data split.
+    """The ``data/split.json`` of a run directory whose ``data/`` is complete, or None when it has no finished data
+    split (:func:`setgrpo_verl.lifecycle.dir_state`).
 
     Raises:
-        LaunchError: parquet files without a readable ``split.json`` (a run directory of an older version).
+        LaunchError: a complete ``data/`` without a readable ``split.json``.
     """
     data = Path(run_dir) / "data"
-    if not any((data / f"{n}.parquet").exists() for n in ("calibration", "train")):
+    if dir_state(data) != "complete":
         return None
     try:
         return json.loads((data / SPLIT_FILE).read_text())
@@ -170,27 +173,30 @@ def existing_split(run_dir: str | os.PathLike) -> dict[str, Any] | None:
                           "data again, or choose another --run-dir") from None
 
 
+def split_matches(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> bool | None:
+    """Whether the run directory's finished data split holds exactly the prompts of ``split`` (same calibration and
+    training ids in the same order); None when it has no finished split, False when its ``split.json`` is
+    unreadable."""
+    try:
+        old = existing_split(run_dir)
+    except LaunchError:
+        return False
+    if old is None:
+        return None
+    return old.get("ids") == {name: _split_ids(split[name]) for name in ("calibration", "train")}
+
+
 def check_data_split(run_dir: str | os.PathLike, split: Mapping[str, Any], *, overwrite: bool) -> bool:
-    """Whether :func:`write_data` must write ``split`` into ``run_dir``: True for a run directory without a split,
-    False when the existing split holds exactly these prompts (it stays untouched).
+    """Whether :func:`write_data` must write ``split`` into ``run_dir`` (the ``data`` decision of
+    :func:`setgrpo_verl.lifecycle.plan_run`): True for a run directory without a finished split or under
+    ``overwrite``, False when the existing split holds exactly these prompts.
 
     Raises:
-        LaunchError: without ``overwrite``, an existing split of other prompts (the message names how many
-            calibration prompts would move and the fix).
+        LaunchError: without ``overwrite``, an existing split of other prompts or an unfinished ``data/``.
     """
-    if overwrite:
-        return True
-    old = existing_split(run_dir)
-    if old is None:
-        return True
-    new = {name: _split_ids(split[name]) for name in ("calibration", "train")}
-    if old.get("ids") == new:
-        return False
-    moved = len(set(old.get("ids", {}).get("calibration", [])) - set(new["calibration"]))
-    raise LaunchError(f"{Path(run_dir) / 'data'} already holds another data split (from {old.get('source')}, "
-                      f"seed {old.get('seed')}, {old.get('calibration_prompts')} calibration prompts); these settings "
-                      f"would move {moved} of its calibration prompts: pass --overwrite to replace the run, or choose "
-                      "another --run-dir")
+    plan = plan_run(run_dir, ["data"], overwrite=overwrite, same_data=split_matches(run_dir, split))
+    plan.check()
+    return plan.action("data") != "keep"
 
 
 def check_split_flags(run_dir: str | os.PathLike, *, data: str | os.PathLike | None, calib_groups: int | None) -> None:

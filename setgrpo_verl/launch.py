@@ -57,7 +57,7 @@ from .preflight import (
     requested_settings,
 )
 from .rundir import COMPLETE, FAILED, STAGES, LaunchError, latest_checkpoint_step
-from .stages import check_stage_dirs, run_stage
+from .stages import run_stage, stage_writes
 
 __all__ = [
     "COMPLETE",
@@ -71,7 +71,6 @@ __all__ = [
     "check_calibration_size",
     "check_data_split",
     "check_split_flags",
-    "check_stage_dirs",
     "check_training_prompts",
     "check_training_steps",
     "check_validation_size",

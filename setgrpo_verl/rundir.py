@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["COMPLETE", "FAILED", "STAGES", "LaunchError", "latest_checkpoint_step"]
+__all__ = ["COMPLETE", "FAILED", "STAGES", "LaunchError", "complete_seconds", "latest_checkpoint_step", "mark_complete"]
 
 #: Marker written last into a finished stage directory; its absence means "incomplete".
 COMPLETE = "COMPLETE"
@@ -37,3 +37,22 @@ def latest_checkpoint_step(stage_dir: str | os.PathLike) -> int | None:
     except (OSError, ValueError):
         return None
 
+
+def mark_complete(path: str | os.PathLike, seconds: float | None = None, note: str = "") -> None:
+    """Write ``<path>/COMPLETE`` (last, once the directory's work is finished): ``<seconds> s`` or ``- s`` where
+    the directory's own time is not known, then ``note``."""
+    head = "-" if seconds is None else f"{seconds:.1f}"
+    Path(path, COMPLETE).write_text(f"{head} s{' ' + note if note else ''}\n")
+
+
+def complete_seconds(path: str | os.PathLike) -> float | None:
+    """The seconds a finished directory's work took (:func:`mark_complete`), None where its ``COMPLETE`` does not
+    say (absent, or written for a directory whose time is not its own)."""
+    try:
+        head = Path(path, COMPLETE).read_text().split()
+    except OSError:
+        return None
+    try:
+        return float(head[0]) if len(head) > 1 and head[1] == "s" else None
+    except ValueError:
+        return None

@@ -9,62 +9,20 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .rundir import COMPLETE, FAILED, STAGES, LaunchError, latest_checkpoint_step
+from .lifecycle import RunPlan, plan_run
+from .rundir import FAILED, STAGES, LaunchError, latest_checkpoint_step, mark_complete
 
-__all__ = ["check_stage_dirs", "run_stage"]
+__all__ = ["run_stage", "stage_writes"]
 
-def check_stage_dirs(run_dir: str | os.PathLike, stages: Sequence[str], *, overwrite: bool, resume: bool = False) -> None:
-    """Refuse, before anything is written, stage directories that already exist (``--overwrite`` replaces them;
-    with ``--resume`` :func:`run_stage` keeps complete stages and continues interrupted ones).
-
-    ``calibrate_train`` also writes ``calibration/``.
-
-    Raises:
-        LaunchError: the first existing stage directory, with the fix.
-    """
-    if overwrite or resume:
-        return
-    dirs = []
-    for stage in stages:
-        dirs += [STAGES[stage]] + ([STAGES["calibrate"]] if stage == "calibrate_train" else [])
-    for name in dict.fromkeys(dirs):
-        path = Path(run_dir) / name
-        if path.exists():
-            raise LaunchError(f"{path} already exists; {_existing_stage_hint(path)}")
-
-
-
-def _existing_stage_hint(path: Path) -> str:
-    """What to do about an existing stage directory: replace a complete one, resume or restart an interrupted one."""
-    if (path / COMPLETE).exists():
-        return "pass --overwrite to replace it or choose another --run-dir"
-    step = latest_checkpoint_step(path)
-    if step is not None:
-        return (f"it was interrupted after its checkpoint of step {step}: pass --resume to continue from there, "
-                "--overwrite to start it over, or choose another --run-dir")
-    return "it is incomplete and has no checkpoint: pass --overwrite (or --resume) to start it over"
-
-
-def _stage_dir(run_dir: Path, stage: str, *, overwrite: bool, resume: bool = False) -> Path:
-    """The stage's directory, created empty; with ``resume`` an interrupted stage's directory is kept when it holds
-    a verl checkpoint to resume from (else it is started over), its ``FAILED`` marker removed."""
-    path = run_dir / STAGES[stage]
-    if path.exists():
-        step = latest_checkpoint_step(path)
-        if resume and step is not None and not (path / COMPLETE).exists():
-            (path / FAILED).unlink(missing_ok=True)
-            return path
-        if not overwrite and not resume:
-            raise LaunchError(f"{path} already exists; {_existing_stage_hint(path)}")
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    return path
+def stage_writes(stage: str) -> list[str]:
+    """The run-directory parts a stage writes (:data:`setgrpo_verl.lifecycle.DEPENDS` keys): its own directory and,
+    for ``calibrate_train``, ``calibration/``."""
+    return [STAGES[stage]] + (["calibration"] if stage == "calibrate_train" else [])
 
 
 def run_stage(
@@ -75,6 +33,7 @@ def run_stage(
     env: Mapping[str, str],
     overwrite: bool = False,
     resume: bool = False,
+    plan: RunPlan | None = None,
     verbose: bool = False,
     stop_grace: float = 30.0,
 ) -> Path:
@@ -89,11 +48,15 @@ def run_stage(
     SIGHUP it and the local Ray instance it started are stopped (docs/cli.md#stopping-a-run), nothing of that
     session is left running, and ``FAILED`` says which signal stopped it and at which checkpoint to resume.
 
-    With ``resume``, a ``COMPLETE`` stage is kept and not run again, and an interrupted one continues from its latest
-    verl checkpoint (``trainer.resume_mode=auto``, verl's default); one without a checkpoint starts over.
+    What happens to the stage's directory is ``plan``'s decision (:func:`setgrpo_verl.lifecycle.plan_run`; without
+    one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
+    again, a continued one resumes from its latest verl checkpoint (``trainer.resume_mode=auto``, verl's default), a
+    created or replaced one starts from an empty directory. ``calibrate_train`` marks ``calibration/`` complete as
+    soon as its record exists, however the process ends, so that a resumed run trains with that record.
 
     Raises:
-        LaunchError: the stage directory exists without ``overwrite`` or ``resume``, or verl exited with a
+        LaunchError: the plan refuses the stage's directory (the message names the flag), ``calibrate_train`` with
+            a kept ``calibration/`` (train with its record instead), or verl exited with a
             non-zero status (the message quotes the last error line of the log).
         SystemExit: with status 128 + the signal number, after a stop signal stopped the stage.
     """
@@ -101,18 +64,20 @@ def run_stage(
     from .supervise import Supervisor
 
     run_dir = Path(run_dir)
-    if resume and (run_dir / STAGES[stage] / COMPLETE).is_file():
+    if plan is None:
+        plan = plan_run(run_dir, stage_writes(stage), overwrite=overwrite, resume=resume)
+        plan.check()
+    if plan.action(STAGES[stage]) == "keep":
         print(f"[setgrpo-verl] {stage}: {run_dir / STAGES[stage]} is complete, kept", flush=True)
         return run_dir / STAGES[stage]
-    stage_dir = _stage_dir(run_dir, stage, overwrite=overwrite, resume=resume)
-    resumed_from = latest_checkpoint_step(stage_dir)
     calibration = run_dir / STAGES["calibrate"]
-    if stage == "calibrate_train":  # its record goes to calibration/, marked complete once the record exists
-        if resumed_from is None:
-            calibration = _stage_dir(run_dir, "calibrate", overwrite=overwrite, resume=resume)
-        elif not (calibration / "record.json").is_file():
-            raise LaunchError(f"{stage_dir} has a checkpoint but {calibration}/record.json, the record it was trained "
-                              "with, is missing: pass --overwrite to start over")
+    if stage == "calibrate_train":
+        if plan.action("calibration") not in ("create", "replace"):
+            raise LaunchError(f"{stage}: {calibration} is {plan['calibration'].state} and kept; run the train stage "
+                              "with its record instead of calibrating again")
+        plan.prepare("calibration")
+    stage_dir = plan.prepare(STAGES[stage])
+    resumed_from = latest_checkpoint_step(stage_dir) if plan.action(STAGES[stage]) == "continue" else None
     env = dict(env)
     metrics = (stage_dir / "metrics.jsonl").resolve()
     env["VERL_FILE_LOGGER_PATH"] = str(metrics)
@@ -141,6 +106,8 @@ def run_stage(
             status = child.run(poll=console.poll)
         finally:
             console.close()
+            if stage == "calibrate_train" and (calibration / "record.json").is_file():
+                mark_complete(calibration, note=f"calibrated by {stage_dir.name}/")
     elapsed = time.perf_counter() - t0
     _keep_history(metrics, history)
     if child.stopped_by is not None:
@@ -158,11 +125,9 @@ def run_stage(
         if not verbose:  # the log was not shown: its end says what went wrong
             sys.stderr.write("".join(t + "\n" for t in console.tail[-15:]))
         raise LaunchError(f"{stage}: verl's main_ppo exited with status {status}: {reason} (full log: {log_path})")
-    (stage_dir / COMPLETE).write_text(f"{elapsed:.1f} s\n")
-    if stage == "calibrate_train":
-        if not (calibration / "record.json").is_file():
-            raise LaunchError(f"{stage}: verl exited normally but wrote no record to {calibration}/record.json")
-        (calibration / COMPLETE).write_text(f"calibrated by {stage_dir.name}/\n")
+    if stage == "calibrate_train" and not (calibration / "record.json").is_file():
+        raise LaunchError(f"{stage}: verl exited normally but wrote no record to {calibration}/record.json")
+    mark_complete(stage_dir, elapsed)
     print(f"[setgrpo-verl] {stage}: done in {elapsed:.0f} s", flush=True)
     return stage_dir
 

@@ -25,12 +25,14 @@ reported as ``unparsed`` in the metrics; if no criterion with non-zero normalise
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ..core import question_key
 from .rubrichub import release_row, rule_from_tags
 from .rules import UnknownRuleError, validate_rule
 from .types import GradingError, RubricRowError, Rule, Verdict
@@ -44,6 +46,7 @@ __all__ = [
     "RubricRowError",
     "Rule",
     "Verdict",
+    "question_id",
     "rubric_score",
 ]
 
@@ -64,6 +67,13 @@ class Criterion:
             out["rule"] = self.rule.to_dict()
         return out
 
+
+
+def question_id(question: str) -> str:
+    """The id of a rubric row that has none: ``q-`` and the first 16 hex digits of the SHA-256 of its question
+    text after :func:`setgrpo_verl.core.question_key`, so that rows without ids stay distinct prompts and a row
+    given twice keeps one id (docs/grading.md#rubric-rows)."""
+    return "q-" + hashlib.sha256(question_key(question).encode("utf-8")).hexdigest()[:16]
 
 @dataclass(frozen=True)
 class Rubric:
@@ -218,7 +228,8 @@ class Rubric:
         if all(c.points == 0 for c in criteria):
             fail("all criteria have 0 points, so the score would be undefined; give at least one criterion "
                  "non-zero points", field="rubrics", row_id=rid)
-        return cls(question=question, id=rid, criteria=tuple(criteria), messages=messages)
+        return cls(question=question, id=rid if raw_id is not None else question_id(question), criteria=tuple(criteria),
+                   messages=messages)
 
     def duplicate_criteria(self) -> tuple[tuple[int, int], ...]:
         """``(j, i)`` for each criterion ``j`` that repeats an earlier criterion ``i``: the same text (whitespace

@@ -9,6 +9,7 @@ Every key's meaning and default is documented in the YAML file; this module only
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -35,7 +36,8 @@ TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 __all__ = [
     "ABLATIONS", "SETGRPO_NAME", "TRAINER_MODE_OVERRIDE", "TRUTH_SCORE_KEY", "SetGRPOAlgoConfig", "SetGRPOConfig",
     "SetGRPOConfigCheck", "check_record", "check_run_config", "check_sketch_micro_batch", "check_training_data",
-    "field_doc", "render_yaml", "run_identity", "setgrpo_config_from", "sketch_micro_batch_error",
+    "field_doc", "padded_batch_multiple", "render_yaml", "run_identity", "setgrpo_config_from",
+    "sketch_micro_batch_error",
 ]
 
 
@@ -353,12 +355,13 @@ def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
 
 
 def sketch_micro_batch_error(*, k: int, prompts: Mapping[str, int], ranks: int, micro: int,
-                             source: str) -> Optional[str]:
+                             source: str, multiple: int = 1) -> Optional[str]:
     """Why a fixed sketch micro-batch cannot split the batches a rank sees, or None (docs/sketch.md).
 
     verl's ``prepare_micro_batches`` (used by the sketch pass) needs every rank's share of a batch to be a multiple
-    of the micro-batch size; a batch of ``p`` prompts is ``p * k`` responses over ``ranks`` data-parallel ranks,
-    ``ceil(p * k / ranks)`` on the fullest rank when they do not split evenly.
+    of the micro-batch size; a batch of ``p`` prompts is ``p * k`` responses, padded by verl's ``_balance_batch``
+    up to a multiple of ``multiple`` (:func:`padded_batch_multiple`), over ``ranks`` data-parallel ranks,
+    ``ceil(responses / ranks)`` on the fullest rank when they do not split evenly.
 
     Args:
         k: responses per prompt (``actor_rollout_ref.rollout.n``).
@@ -366,22 +369,31 @@ def sketch_micro_batch_error(*, k: int, prompts: Mapping[str, int], ranks: int, 
         ranks: data-parallel actor ranks.
         micro: the fixed micro-batch size, in responses per rank.
         source: the key that set ``micro`` (named in the message).
+        multiple: verl pads every batch to a multiple of this many responses (1: no padding).
 
     Returns:
         None when every batch splits evenly, else the message naming the batch, the sizes and the fix.
     """
     for what, count in prompts.items():
-        responses = int(count) * int(k)
         if count < 1:
             continue
+        responses = -(-int(count) * int(k) // multiple) * multiple
         per_rank = -(-responses // ranks)  # the fullest rank's share
         if per_rank % micro:
             fits = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+            padded = f", padded to {responses}" if responses != count * k else ""
             return (f"{source}={micro} does not divide the {per_rank} responses that each of the {ranks} actor "
-                    f"rank(s) gets in {what} ({count} prompts x actor_rollout_ref.rollout.n={k}): verl's "
+                    f"rank(s) gets in {what} ({count} prompts x actor_rollout_ref.rollout.n={k}{padded}): verl's "
                     f"micro-batching needs equal chunks; use a divisor of {per_rank} (e.g. {fits}), null, or batch "
                     "sizes that are multiples of it")
     return None
+
+
+def padded_batch_multiple(*, ranks: int, mini_batch_prompts: int, k: int) -> int:
+    """The multiple of responses verl 0.9.1's ``_balance_batch`` pads every batch to with copies tagged
+    ``is_padding`` (``PPOTrainer._get_required_batch_multiple`` without a critic): ``lcm(ranks,
+    actor.ppo_mini_batch_size * k)``."""
+    return math.lcm(int(ranks), int(mini_batch_prompts) * int(k))
 
 
 def check_sketch_micro_batch(config: Any, setgrpo: SetGRPOConfig) -> None:
@@ -422,8 +434,11 @@ def check_sketch_micro_batch(config: Any, setgrpo: SetGRPOConfig) -> None:
         if cal.num_prompts > size and cal.num_prompts % size:
             batches[f"the last calibration batch ({cal.num_prompts} calibration prompts in batches of {size})"] = (
                 cal.num_prompts % size)
+    # verl refuses a mini-batch larger than a step's prompts; at most those are padded to
+    mini = min(int(arr.actor.get("ppo_mini_batch_size", train) or train), train)
+    multiple = padded_batch_multiple(ranks=max(ranks, 1), k=int(arr.rollout.n), mini_batch_prompts=mini)
     error = sketch_micro_batch_error(k=int(arr.rollout.n), prompts=batches, ranks=max(ranks, 1), micro=int(micro),
-                                     source=source)
+                                     source=source, multiple=multiple)
     if error:
         raise ValueError(error)
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from verl import DataProto
 from verl.experimental.reward_loop.reward_manager import register as _verl_register
@@ -84,13 +84,15 @@ UNPARSED_RATIO_METRIC = "setgrpo/grading/unparsed_ratio"
 GRADING_COUNT_KEYS = ("unparsed", "judged")
 
 
-def grading_counts(data: Any) -> Optional[tuple[float, float]]:
+def grading_counts(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = None) -> Optional[tuple[float, float]]:
     """``(unparsed, judged)`` judge verdicts of one scored batch, summed over its responses and both scorings, or
     ``None`` when the batch carries no counts (another reward manager). docs/grading.md#unparsed-verdicts.
 
     Args:
         data: a TensorDict / mapping with verl's per-sample ``extra_fields`` (each ``{"reward_extra_info": {...}}``,
             the streaming reward loop) or top-level ``unparsed`` and ``judged`` arrays (the colocated path).
+        tags: verl's per-sample tags of the batch (``KVBatchMeta.tags``), one per row; rows tagged ``is_padding``
+            (verl's copies of a real row that fill a batch up to its divisor) are left out.
     """
     keys = set(data.keys())
     if set(GRADING_COUNT_KEYS) <= keys:
@@ -103,16 +105,23 @@ def grading_counts(data: Any) -> Optional[tuple[float, float]]:
         judged = [i.get("judged") for i in infos]
     else:
         return None
+    if tags is not None:
+        if len(tags) != len(unparsed):
+            raise ValueError(f"{len(tags)} tags for a batch of {len(unparsed)} rows")
+        real = [not (t or {}).get("is_padding", False) for t in tags]
+        unparsed = [u for u, keep in zip(unparsed, real) if keep]
+        judged = [j for j, keep in zip(judged, real) if keep]
     pairs = [(float(u), float(j)) for u, j in zip(unparsed, judged) if u is not None and j is not None]
     if not pairs:
         return None
     return sum(u for u, _ in pairs), sum(j for _, j in pairs)
 
 
-def grading_metrics(data: Any) -> dict[str, float]:
-    """``{UNPARSED_RATIO_METRIC: unparsed / judged}`` of one scored batch (:func:`grading_counts`; 0 when nothing
-    was judged), or ``{}`` when the batch carries no counts. docs/grading.md#unparsed-verdicts."""
-    counts = grading_counts(data)
+def grading_metrics(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = None) -> dict[str, float]:
+    """``{UNPARSED_RATIO_METRIC: unparsed / judged}`` of one scored batch (:func:`grading_counts`, padding rows
+    left out by ``tags``; 0 when nothing was judged), or ``{}`` when the batch carries no counts.
+    docs/grading.md#unparsed-verdicts."""
+    counts = grading_counts(data, tags)
     return {} if counts is None else {UNPARSED_RATIO_METRIC: unparsed_ratio(*counts)}
 
 

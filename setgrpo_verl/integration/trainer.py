@@ -59,7 +59,8 @@ from setgrpo_verl.sketch import SketchConfig
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, complete_group_rows, group_gram
 from .prompts import prompt_identity
-from .resume import check_state, metrics_file, read_history, read_state, record_out_path, write_state
+from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
+                     write_state)
 from .reward_manager import (GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, grading_metrics,
                              unparsed_ratio)
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
@@ -354,11 +355,39 @@ class SetGRPOTrainer(PPOTrainerSync):
         return record_out_path(self.config, self.setgrpo)
 
     def on_train_begin(self):
+        """Two steps: load the record (``record_path``, or on a resume the record this run wrote) or calibrate, then,
+        on a resume, restore SetGRPO's state from the checkpoint folder verl loaded (:func:`resume_folder`, the
+        same choice as verl's ``_load_checkpoint`` and the check before Ray).
+
+        Raises:
+            ValueError: a resume without a record, an existing record that calibration would overwrite, or a
+                checkpoint trained with another record (:func:`setgrpo_verl.integration.resume.check_state`).
+        """
         super().on_train_begin()
-        record_path, out = self.setgrpo.record_path, self._record_out()
         resumed = self.global_steps > 1  # verl's fit() counts from the checkpoint's step + 1
+        self.record, loaded = self._load_or_calibrate(resumed=resumed)
+        self._record_sha256 = self.record.to_dict()["content_sha256"]
+        if self.setgrpo.monitor.enable:
+            self.monitor = OnlineRiskMonitor(self.record)
+        restored = False
+        if resumed:
+            folder = resume_folder(self.config)
+            if folder is None:
+                raise ValueError(f"verl resumed at step {self.global_steps - 1}, but trainer.resume_mode="
+                                 f"{self.config.trainer.get('resume_mode', 'auto')} names no checkpoint folder")
+            restored = self._restore_setgrpo_state(folder, loaded)
+        if loaded and not restored:
+            self._log_record(self.record)
+        if self.setgrpo.calibration.only and not self.setgrpo.record_path:
+            raise _CalibrationDone(self._record_out())
+
+    def _load_or_calibrate(self, *, resumed: bool) -> tuple[CalibrationRecord, Optional[str]]:
+        """The run's record and the path it was loaded from (None when calibrated now): ``record_path``; on a
+        resume without one, the record this run wrote at its start (never a recalibration on a trained policy);
+        else a new calibration into ``record_out``, which must not exist yet (a frozen record is never
+        overwritten)."""
+        record_path, out = self.setgrpo.record_path, self._record_out()
         if not record_path and resumed:
-            # resumed run: never recalibrate on a trained policy; reuse the record this run wrote at its start
             if not os.path.exists(out):
                 raise ValueError(
                     f"resuming at step {self.global_steps} without a calibration record: calibration must use the "
@@ -366,24 +395,16 @@ class SetGRPOTrainer(PPOTrainerSync):
                 )
             record_path = out
         if record_path:
-            self.record = CalibrationRecord.from_json(os.path.expanduser(record_path))
-            self._check_record(self.record)
-            logger.warning("SetGRPO: loaded calibration record %s: %s", record_path, self.record.table4_row())
-        else:
-            if os.path.exists(out):
-                raise ValueError(
-                    f"calibration record {out} already exists: pass it as algorithm.setgrpo.record_path to reuse it, or "
-                    "delete it / set algorithm.setgrpo.record_out to recalibrate (a frozen record is never overwritten)"
-                )
-            self.record = self._calibrate()
-        self._record_sha256 = self.record.to_dict()["content_sha256"]
-        if self.setgrpo.monitor.enable:
-            self.monitor = OnlineRiskMonitor(self.record)
-        restored = self._restore_setgrpo_state(record_path or out) if resumed else False
-        if record_path and not restored:
-            self._log_record(self.record)
-        if self.setgrpo.calibration.only and not self.setgrpo.record_path:
-            raise _CalibrationDone(self._record_out())
+            record = CalibrationRecord.from_json(os.path.expanduser(record_path))
+            self._check_record(record)
+            logger.warning("SetGRPO: loaded calibration record %s: %s", record_path, record.table4_row())
+            return record, record_path
+        if os.path.exists(out):
+            raise ValueError(
+                f"calibration record {out} already exists: pass it as algorithm.setgrpo.record_path to reuse it, or "
+                "delete it / set algorithm.setgrpo.record_out to recalibrate (a frozen record is never overwritten)"
+            )
+        return self._calibrate(), None
 
     # ------------------------------------------------------------------ checkpoints (docs/cli.md#resuming-a-run)
     def _checkpoint_folder(self, step: int) -> str:
@@ -403,16 +424,15 @@ class SetGRPOTrainer(PPOTrainerSync):
         self._write_setgrpo_state(self._checkpoint_folder(self.global_steps))
         return super()._save_checkpoint()
 
-    def _restore_setgrpo_state(self, record_path: str) -> bool:
-        """On resume: check the checkpoint's record hash, continue the monitor, cut the group log back to the
-        checkpoint's step and give verl's metrics file back its rows up to that step; True when restored.
+    def _restore_setgrpo_state(self, folder: str, record_path: str) -> bool:
+        """On resume from checkpoint ``folder``: check its record hash, continue the monitor, cut the group log back
+        to the checkpoint's step and give verl's metrics file back its rows up to that step; True when restored.
 
         Raises:
             ValueError: the checkpoint was trained with another record or has no SetGRPO state (see
                 :func:`setgrpo_verl.integration.resume.check_state`).
         """
         step = self.global_steps - 1
-        folder = self._checkpoint_folder(step)
         state = read_state(folder)
         if not check_state(folder, state, record_path, self._record_sha256, self.setgrpo.resume_other_record):
             logger.warning("SetGRPO: resuming %s with another calibration record (resume_other_record=true): the "
@@ -526,7 +546,7 @@ class SetGRPOTrainer(PPOTrainerSync):
                     raise RuntimeError(f"calibration sampled {len(outside)} group(s) of prompts outside its own set")
                 dropped["incomplete"] += len(groups.incomplete)
                 dropped["no_response"] -= len(groups.uids) + len(groups.incomplete)
-                counts = grading_counts(data)
+                counts = grading_counts(data, batch.tags)
                 if counts is not None:
                     verdict_counts.append(counts)
                 points.append(groups.point)
@@ -560,10 +580,11 @@ class SetGRPOTrainer(PPOTrainerSync):
         )
         out = self._record_out()
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        record.to_json(out)
+        # the paired scores first: a record next to them means the calibration finished
         np.savez(os.path.join(os.path.dirname(os.path.abspath(out)), "paired_scores.npz"),
                  **{name: value.numpy() for name, value in paired.items()},
                  **{f"dropped_{reason}": np.int64(n) for reason, n in dropped.items()})
+        record.to_json(out)
         grading = {f"setgrpo/calibration/dropped_{reason}": float(n) for reason, n in dropped.items()}
         if verdict_counts:
             grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(*map(sum, zip(*verdict_counts)))
@@ -576,6 +597,34 @@ class SetGRPOTrainer(PPOTrainerSync):
         return record
 
     # ------------------------------------------------------------------ per step
+    def _compute_reward_colocate(self, batch, metrics: Optional[dict] = None):
+        """verl's reward in the trainer process (a reward model without its own pool), with the fields it wrote
+        (``rm_scores`` and the reward's ``reward_extra_keys``: the reference score, verdict counts, truth) added to
+        ``batch.fields``, so that calibration and the advantage read them like the streaming reward loop's.
+
+        verl 0.9.1 ``PPOTrainer._compute_reward_colocate`` writes those fields to TransferQueue but returns the
+        batch's metadata unchanged; the keys are taken from the reward output it writes.
+        """
+        manager = self.reward_loop_manager
+        compute, own = manager.compute_rm_score, "compute_rm_score" in vars(manager)
+        written: list[str] = []
+
+        def recording(rm_input):
+            output = compute(rm_input)
+            written.extend(output.meta_info.get("reward_extra_keys", []))
+            return output
+
+        manager.compute_rm_score = recording
+        try:
+            batch = super()._compute_reward_colocate(batch, metrics=metrics)
+        finally:
+            if own:
+                manager.compute_rm_score = compute
+            else:
+                del manager.compute_rm_score  # the class's method again
+        batch.fields = list(dict.fromkeys([*(batch.fields or []), "rm_scores", *written]))
+        return batch
+
     def _compute_sketches(self, batch, fused: bool = False) -> None:
         """Sketch RPC on the actor workers; the sketches land in TransferQueue under ``setgrpo_sketch``
         (with ``fused``, verl's ``old_log_probs`` too, from the same forward)."""
@@ -622,7 +671,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         sketches = _dense(data.pop(SKETCH_KEY))
         reference = reference_scores_from(data, key) if self.monitor is not None else None
-        metrics.update(grading_metrics(data))
+        metrics.update(grading_metrics(data, batch.tags))
         for k in ("extra_fields", key, *GRADING_COUNT_KEYS):
             if k in data.keys():
                 data.pop(k)

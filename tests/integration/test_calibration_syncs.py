@@ -135,3 +135,32 @@ def test_chunk_size_from_transfer_queue_capacity():
     assert calibration_chunk_prompts(config({"storage_backend": "MooncakeStore"})) is None
     assert calibration_chunk_prompts(config({"storage_backend": "SimpleStorage",
                                              "SimpleStorage": {"total_storage_size": 4}})) == 1
+
+
+def test_a_reward_computed_in_the_trainer_process_brings_its_extra_keys(monkeypatch):
+    """Reward model without its own pool: verl's _compute_reward_colocate writes rm_scores and the reward's extra
+    keys to TransferQueue; the batch the SetGRPO trainer reads next names them, so the reference score is read."""
+    import verl.trainer.ppo.v1.trainer_base as base
+    from verl import DataProto
+
+    store = {"prompts": torch.nested.as_nested_tensor([torch.tensor([1, 2]), torch.tensor([3])], layout=torch.jagged),
+             "responses": torch.nested.as_nested_tensor([torch.tensor([4]), torch.tensor([5, 6])], layout=torch.jagged),
+             "raw_prompt": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}
+    fake = SimpleNamespace(kv_batch_get=lambda keys, partition_id, select_fields: {k: store[k] for k in select_fields},
+                           kv_batch_put=lambda keys, partition_id, fields: store.update(dict(fields.items())))
+    monkeypatch.setattr(base, "tq", fake)
+
+    class Manager:
+        def compute_rm_score(self, rm_input):
+            out = DataProto.from_dict(tensors={"rm_scores": torch.tensor([[0.5, 0.0], [0.25, 0.0]])},
+                                      non_tensors={"setgrpo_reference_score": np.array([0.4, 0.3], dtype=object)})
+            out.meta_info["reward_extra_keys"] = ["setgrpo_reference_score"]
+            return out
+
+    trainer = trainer_module.SetGRPOTrainer.__new__(trainer_module.SetGRPOTrainer)
+    trainer.reward_loop_manager, trainer.tokenizer = Manager(), SimpleNamespace(pad_token_id=0)
+    batch = KVBatchMeta(keys=["a", "b"], tags=[{}, {}], partition_id="train", fields=["prompts", "responses"])
+    batch = trainer._compute_reward_colocate(batch, metrics={})
+    assert batch.fields == ["prompts", "responses", "rm_scores", "setgrpo_reference_score"]
+    assert "setgrpo_reference_score" in store and "rm_scores" in store
+    assert "compute_rm_score" not in vars(trainer.reward_loop_manager)

@@ -152,6 +152,7 @@ def test_trainer_loads_validates_and_never_overwrites_records(tmp_path):
 
     write_state(str(tmp_path / "global_step_50"), step=50, record_sha256=record_sha256(str(path)), monitor=None,
                 group_log_bytes=None)  # what the SetGRPO trainer saved with verl's checkpoint of step 50
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("50")  # verl's tracker of that checkpoint
     trainer.global_steps = 51
     trainer.on_train_begin()
     assert trainer.record == _record(metadata=identity).__class__.from_json(path)

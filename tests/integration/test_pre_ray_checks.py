@@ -65,20 +65,23 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job",
     ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1"),
      "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 9 responses that each of the 1 actor "
      "rank(s) gets in a training step (data.train_batch_size=3)"),
-    ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1", "algorithm.setgrpo.calibration.only=true"),
-     "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 105 responses that each of the 1 actor "
-     "rank(s) gets in a calibration batch (algorithm.setgrpo.calibration.batch_size=35)"),
+    # verl pads a calibration batch of 37 x 3 = 111 responses to 117 (a multiple of 3 prompts x 3)
+    ((LOCAL, *SKETCH_4[:2], "algorithm.setgrpo.calibration.batch_size=37", SKETCH_4[3], "trainer.n_gpus_per_node=1",
+      "algorithm.setgrpo.calibration.only=true"),
+     "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 117 responses that each of the 1 actor "
+     "rank(s) gets in a calibration batch (algorithm.setgrpo.calibration.batch_size=37) (37 prompts x "
+     "actor_rollout_ref.rollout.n=3, padded to 117)"),
     ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1", "algorithm.setgrpo.calibration.only=true",
       "algorithm.setgrpo.calibration.batch_size=36", "algorithm.setgrpo.calibration.num_prompts=50"),
-     "does not divide the 42 responses that each of the 1 actor rank(s) gets in the last calibration batch"),
+     "does not divide the 45 responses that each of the 1 actor rank(s) gets in the last calibration batch"),
     # verl's v0 trainer (main_ppo_v0's TaskRunner): its workers have no sketch RPC
-    ((LOCAL, "trainer.use_v1=false"), "trainer.use_v1=false: main_ppo then runs verl's v0 trainer, whose workers "
+    ((LOCAL, CAL_ONLY, "trainer.use_v1=false"), "trainer.use_v1=false: main_ppo then runs verl's v0 trainer, whose workers "
                                       "have no SetGRPO sketch RPC"),
     # the recipes' budget of 6144 tokens with 8192-token responses: verl's max_token_len >= max_seq_len assertion
-    ((LOCAL, *TABLE3_LENGTHS, "data.max_response_length=8192", "algorithm.setgrpo.sketch.max_token_len_per_gpu=6144"),
+    ((LOCAL, CAL_ONLY, *TABLE3_LENGTHS, "data.max_response_length=8192", "algorithm.setgrpo.sketch.max_token_len_per_gpu=6144"),
      "algorithm.setgrpo.sketch.max_token_len_per_gpu=6144 is below one full-length sequence, data.max_prompt_length "
      "+ data.max_response_length = 2048 + 8192 = 10240"),
-    ((LOCAL, *TABLE3_LENGTHS, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    ((LOCAL, CAL_ONLY, *TABLE3_LENGTHS, "actor_rollout_ref.actor.use_dynamic_bsz=true",
       "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096"),
      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (the sketch pass's token budget when "
      "algorithm.setgrpo.sketch.max_token_len_per_gpu is null)=4096 is below one full-length sequence"),
@@ -239,7 +242,7 @@ def test_default_attention_without_its_package_is_refused_naming_package_and_ext
 @pytest.fixture(scope="module")
 def verl_default_attention():
     """A SetGRPO config composed by main_ppo with verl's default attn_implementation (the key unset)."""
-    return _compose(LOCAL, attention=None)
+    return _compose(LOCAL, CAL_ONLY, attention=None)
 
 
 def _with_attention(cfg, value: str):

@@ -184,3 +184,20 @@ def test_a_fresh_start_is_not_checked_and_prints_nothing(tmp_path, capsys):
         trainer = _trainer(tmp_path, 0, record_path=record)
         check_resume(trainer.config, trainer.setgrpo)
     assert capsys.readouterr().out == ""
+
+
+def test_resume_from_a_path_outside_the_run_restores_that_checkpoint(tmp_path):
+    """trainer.resume_mode=resume_path: the check before Ray and the restore read the same folder, the one verl
+    loads (trainer.resume_from_path), not <default_local_dir>/global_step_N."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir(), new.mkdir()
+    rec_a, _ = _records(old)
+    first, _ = _interrupted_run(old, rec_a)
+    state = json.loads((old / "checkpoints" / "global_step_3" / STATE_FILE).read_text())
+    trainer = _trainer(new, 3, record_path=rec_a)
+    trainer.config.trainer.resume_mode = "resume_path"
+    trainer.config.trainer.resume_from_path = str(old / "checkpoints" / "global_step_3")
+    check_resume(trainer.config, trainer.setgrpo)
+    trainer.global_steps = 4  # verl's _load_checkpoint loaded step 3, fit() added 1
+    trainer.on_train_begin()
+    assert trainer.monitor.state_dict() == state["monitor"] and state["monitor"]["seen"] > 0

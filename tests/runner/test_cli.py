@@ -59,8 +59,11 @@ def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
     run = tmp_path / "run"
     assert cli.main(["quickstart", "--run-dir", str(run), "--dry-run", "--alpha", "0.3",
                      "trainer.logger=[console,wandb]"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    out = capsys.readouterr().out.strip().splitlines()
+    plan, lines = [x for x in out if x.startswith("[setgrpo-verl] plan:")], [x for x in out if not x.startswith("[")]
     assert len(lines) == 2 and not run.exists()
+    assert [p.split(f"{run}/")[1] for p in plan] == [f"{d}/ (absent): create, written by this command" for d in
+                                                     ("data", "calibration", "train_setgrpo", "train_grpo", "report")]
     setgrpo, grpo = (shlex.split(line) for line in lines)
     for cmd in (setgrpo, grpo):
         assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"] and "trainer.device=cpu" in cmd
@@ -78,10 +81,10 @@ def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
     assert f"algorithm.setgrpo.record_out={record}" in setgrpo
     assert not any(a.startswith(("algorithm.setgrpo.record_path", "algorithm.setgrpo.calibration.only")) for a in setgrpo)
     assert cli.main(["calibrate", "--run-dir", str(run), "--dry-run"]) == 0
-    (calibrate,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines())
+    (calibrate,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines() if line[0] != "[")
     assert "algorithm.setgrpo.calibration.only=true" in calibrate
     assert cli.main(["train", "--run-dir", str(run), "--dry-run"]) == 0
-    (train,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines())
+    (train,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines() if line[0] != "[")
     assert f"algorithm.setgrpo.record_path={record}" in train
 
 
@@ -155,7 +158,7 @@ def test_train_refuses_an_incomplete_calibration(capsys, tmp_path):
 def test_validate_dry_run_uses_the_noisy_rules_grader_at_the_profiles_levels(capsys, tmp_path, profile):
     run = tmp_path / "run"
     assert cli.main(["validate", "--run-dir", str(run), "--dry-run", "--noise-seed", "4", "--profile", profile]) == 0
-    (line,) = capsys.readouterr().out.strip().splitlines()
+    (line,) = [x for x in capsys.readouterr().out.strip().splitlines() if not x.startswith("[")]
     cmd = shlex.split(line)
     assert "+reward.reward_kwargs.grader={type:noisy,flip_prob:0.1,seed:4,base:{type:rules,seed:1}}" in cmd
     values = cli.PROFILES[profile]

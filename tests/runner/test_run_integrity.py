@@ -67,7 +67,7 @@ def test_rerun_without_overwrite_touches_nothing(capsys, finished, command):
         argv += ["--calib-groups", "12", "--alpha", "0.5", "--flip-prob", "0.1"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert "calibration already exists; pass --overwrite" in err.replace(f"{run}/", ""), err
+    assert "calibration is complete: pass --resume to keep it, --overwrite to replace it" in err.replace(f"{run}/", ""), err
     assert _digest(run) == before and not (run / "train_setgrpo").exists()
 
 
@@ -149,8 +149,9 @@ def test_training_data_holding_a_calibration_prompt_is_refused(capsys, finished)
     (["calibrate", "--tau-grid", "0,1"], "strictly inside (-1, 1)"),
     (["calibrate", "--ablation", "fixed_threshold"], "--fixed-tau: fixed_tau=None must be set exactly when"),
     (["validate", "-K", "3", "--calib-batch-size", "35", "--groups-per-step", "3"],
-     "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 105 responses that each of the 1 actor "
-     "rank(s) gets in a calibration batch (--calib-batch-size 35)"),
+     # verl pads a batch of 105 responses to 108 (a multiple of 3 prompts x K), which 4 divides; not the last one's 90
+     "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 90 responses that each of the 1 actor "
+     "rank(s) gets in the last calibration batch (--calib-groups 240 in batches of 35)"),
 ])
 def test_settings_core_would_refuse_stop_the_command_line_first(capsys, tmp_path, argv, needle):
     """Even --dry-run stops: the command line builds the same CalibrationSettings and micro-batch check as verl's run."""
