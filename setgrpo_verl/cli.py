@@ -630,6 +630,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
     if args.dry_run:
         return _dry_run(commands, lifecycle)
     _start(args, plan, lifecycle, split)
+    lifecycle.prepare("report")  # an old report describes the stages about to be run again
     _run_stages(args, commands, lifecycle)
     from .report import make_report
 
@@ -687,6 +688,8 @@ def _cmd_validate(args: argparse.Namespace) -> str | None:
     if args.dry_run:
         return _dry_run(commands, lifecycle)
     _start(args, plan, lifecycle, split)
+    if lifecycle.action("calibration") == "replace":
+        lifecycle.prepare("validation")  # its results were made from the calibration about to be replaced
     _run_stages(args, commands, lifecycle)
     return _analyse(args, plan.values, lifecycle)
 

@@ -49,14 +49,27 @@ ACTIONS = ("create", "keep", "continue", "replace", "remove", "refuse")
 _DERIVED = ("report",)
 
 
+#: What a finished ``data/`` holds (``split.json`` written last).
+_DATA_FILES = ("calibration.parquet", "train.parquet", "split.json")
+
+
 def dir_state(path: str | os.PathLike) -> str:
     """The state of one directory (one of :data:`STATES`): ``complete`` when it holds ``COMPLETE``, ``checkpointed``
     when it holds a verl checkpoint (:func:`setgrpo_verl.rundir.latest_checkpoint_step`) but no ``COMPLETE``,
-    ``partial`` when it exists with neither, ``absent`` otherwise."""
+    ``partial`` when it exists with neither, ``absent`` otherwise. A ``data/`` holding both parquet files and
+    ``split.json`` (written last) is complete without the marker, as run directories of earlier versions are, and
+    so is a ``calibration/`` holding ``record.json`` (written after the paired scores)."""
     path = Path(path)
     if not path.exists():
         return "absent"
     if (path / COMPLETE).is_file():
+        return "complete"
+    if path.name == "data" and all((path / f).is_file() for f in _DATA_FILES):
+        # a data split written before data/ had its own marker: split.json is written after both parquet files
+        return "complete"
+    if path.name == "calibration" and (path / "record.json").is_file():
+        # the trainer writes the record after the paired scores: a record means a finished calibration, even when
+        # main_ppo failed after writing it
         return "complete"
     if latest_checkpoint_step(path) is not None:
         return "checkpointed"

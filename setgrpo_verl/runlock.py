@@ -65,6 +65,18 @@ def holder(run_dir: str | os.PathLike) -> dict | None:
     return info if isinstance(info, dict) else {}
 
 
+#: How long an empty or unparsable lock file counts as one being written (seconds), not a stale one.
+_WRITE_GRACE_S = 10.0
+
+
+def _age_s(path: Path) -> float | None:
+    """Seconds since ``path`` was last written, or None when it is gone."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def _describe(info: dict) -> str:
     return (f"pid {info.get('pid')} on {info.get('host')}, `{info.get('command')}`, started "
             f"{info.get('started')}")
@@ -94,6 +106,12 @@ def run_dir_lock(run_dir: str | os.PathLike, command: Sequence[str] | None = Non
             old = holder(run_dir)
             if old is None:
                 continue  # released in between
+            age = _age_s(path)
+            if age is None:
+                continue  # released in between
+            if not old and age < _WRITE_GRACE_S:  # created, not yet written: another command is taking it
+                raise LaunchError(f"{run_dir} is being locked by another command right now: one command at a time "
+                                  f"per run directory; wait for it to finish, then run this one again")
             if old and _alive(old):
                 raise LaunchError(f"{run_dir} is in use by another command ({_describe(old)}): one command at a time "
                                   f"per run directory; wait for it to finish or stop it, then run this one again")

@@ -54,7 +54,6 @@ from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
 
 from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor, calibrate, prompt_fingerprint
-from setgrpo_verl.sketch import SketchConfig
 
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, complete_group_rows, group_gram

@@ -154,7 +154,14 @@ def test_train_refuses_an_incomplete_calibration(capsys, tmp_path):
     assert not (tmp_path / "run" / "train_setgrpo").exists()
 
 
-@pytest.mark.parametrize("profile", ["validate", "paper"])
+def test_paper_dry_run_without_data_names_the_compose_command(capsys, tmp_path):
+    """The dry run makes the run's prompt-count check: the paper profile's 16,000 groups need composed rows."""
+    err = _fail(capsys, ["validate", "--run-dir", str(tmp_path / "run"), "--dry-run", "--profile", "paper"])
+    assert "calibration needs 16000" in err and "make_validation_rubrics.py compose" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("profile", ["validate"])
 def test_validate_dry_run_uses_the_noisy_rules_grader_at_the_profiles_levels(capsys, tmp_path, profile):
     run = tmp_path / "run"
     assert cli.main(["validate", "--run-dir", str(run), "--dry-run", "--noise-seed", "4", "--profile", profile]) == 0
@@ -240,6 +247,7 @@ def test_train_steps_beyond_the_epochs_are_refused_before_verl(capsys, tmp_path)
     (run / "calibration").mkdir(parents=True)
     (run / "calibration" / "COMPLETE").write_text("")
     write_verl_parquet(rubrics_to_verl_rows(_rows(7)), run / "data" / "train.parquet")
+    (run / "data" / "COMPLETE").write_text("")
     err = _fail(capsys, ["train", "--profile", "smoke", "--run-dir", str(run), "--steps", "5", "--groups-per-step",
                          "3", "trainer.total_epochs=1"])
     assert ("--steps 5: the training split has 7 prompts, 2 steps of 3 groups per epoch (verl drops the last "

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -273,6 +274,37 @@ def test_a_stale_lock_of_a_dead_process_is_recognised(tmp_path, capsys):
     with run_dir_lock(run):
         pass
     assert "stale lock" in capsys.readouterr().err
+
+
+def test_a_lock_file_being_written_is_held_and_an_old_unreadable_one_is_stale(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).write_text("")  # another command created it with O_EXCL and has not written it yet
+    with pytest.raises(LaunchError, match="being locked by another command"):
+        with run_dir_lock(run):
+            pass
+    assert (run / LOCK_FILE).read_text() == ""
+    old = time.time() - 60
+    os.utime(run / LOCK_FILE, (old, old))  # a holder that died while writing it
+    with run_dir_lock(run):
+        pass
+    assert "removing a stale lock (unreadable" in capsys.readouterr().err
+
+
+def test_earlier_data_splits_and_written_records_count_as_finished(tmp_path):
+    data = tmp_path / "run" / "data"
+    data.mkdir(parents=True)
+    for name in ("calibration.parquet", "train.parquet"):
+        (data / name).write_bytes(b"")
+    assert dir_state(data) == "partial"  # split.json is written last
+    (data / "split.json").write_text("{}")
+    assert dir_state(data) == "complete"
+    calibration = tmp_path / "run" / "calibration"
+    calibration.mkdir()
+    (calibration / "paired_scores.npz").write_bytes(b"")
+    assert dir_state(calibration) == "partial"
+    (calibration / "record.json").write_text("{}")  # written after the paired scores
+    assert dir_state(calibration) == "complete"
 
 
 # ---------------------------------------------------------------- verl's padding rows
