@@ -57,7 +57,7 @@ from .preflight import (
     requested_settings,
 )
 from .rundir import COMPLETE, FAILED, STAGES, LaunchError, latest_checkpoint_step
-from .stages import run_stage, stage_writes
+from .stages import run_stage
 
 __all__ = [
     "COMPLETE",

@@ -338,6 +338,8 @@ def test_verls_micro_batching_asserts_a_budget_of_one_full_length_sequence():
         rearrange_micro_batches(batch, max_token_len=6144)
     micro, _ = rearrange_micro_batches(batch, max_token_len=10240)
     assert sum(len(m) for m in micro) == 2
+
+
 def test_calibrating_and_training_on_shared_prompts_is_refused(tmp_path):
     """One main_ppo run that calibrates and then trains: calibration prompts must stay out of training."""
     from setgrpo_verl.grading import rubrics_to_verl_rows, write_verl_parquet

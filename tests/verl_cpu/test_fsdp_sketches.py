@@ -19,7 +19,9 @@ from setgrpo_verl.sketch import SketchConfig, compute_sketches
 
 from .conftest import tail
 
-pytestmark = pytest.mark.slow
+# a module's first test also waits for the other modules' verl runs (serial_main_ppo), which pytest-timeout
+# counts: its limit covers that wait as well as the module's own runs
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
 _DUMP = '''
 import os

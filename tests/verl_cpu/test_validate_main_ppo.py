@@ -21,7 +21,9 @@ from setgrpo_verl.validate import split_groups
 
 from .conftest import jsonl, tail
 
-pytestmark = pytest.mark.slow
+# a module's first test also waits for the other modules' verl runs (serial_main_ppo), which pytest-timeout
+# counts: its limit covers that wait as well as the module's own runs
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
 _FLAGS = ["--flip-prob", "0.2", "--noise-seed", "3", "-K", "3", "--calib-groups", "24", "--calib-batch-size", "24",
           "--groups-per-step", "3", "--max-prompt-length", "128", "--max-response-length", "8", "--alpha", "0.4",
