@@ -299,7 +299,8 @@ def test_padded_linear_attention_without_its_kernels_says_transformers_takes_the
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="setgrpo_verl.integration.support"):
                 check_sketch_support(cfg, SketchConfig())
-            warned = [r.getMessage() for r in caplog.records if "linear-attention" in r.getMessage()]
+            # one message, however many handlers the logger has by then (records can repeat in a long session)
+            warned = sorted({r.getMessage() for r in caplog.records if "has linear-attention layers" in r.getMessage()})
             if present or path == qwen3:
                 assert not warned, (present, path, warned)
             else:
