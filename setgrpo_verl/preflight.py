@@ -9,11 +9,11 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .console import override_value
 from .rundir import LaunchError
 
 __all__ = ["calibration_minimums", "check_calibration_size", "check_training_prompts", "check_training_steps",
-           "check_validation_size", "override_value",
-           "probe_judge", "requested_settings"]
+           "check_validation_size", "probe_judge", "requested_settings"]
 
 #: The command-line flag (or key) of each field of :class:`setgrpo_verl.core.CalibrationSettings`.
 _SETTING_FLAGS = {"alpha": "--alpha", "beta": "--beta", "delta": "--delta", "tau_grid": "--tau-grid", "rho": "--rho",
@@ -181,16 +181,6 @@ def check_training_prompts(record: str | os.PathLike, run_dir: str | os.PathLike
 
 #: verl 0.9.1's ``trainer.total_epochs`` default (``ppo_trainer.yaml``).
 VERL_TOTAL_EPOCHS = 30
-
-
-def override_value(overrides: Sequence[str], key: str) -> str | None:
-    """The value the last ``key=VALUE`` (also ``+key`` / ``++key``) of Hydra ``overrides`` gives, or None."""
-    found = None
-    for override in overrides:
-        name, eq, value = override.partition("=")
-        if eq and name.lstrip("+") == key:
-            found = value
-    return found
 
 
 def check_training_steps(values: Mapping[str, Any], overrides: Sequence[str], train_prompts: int) -> None:
