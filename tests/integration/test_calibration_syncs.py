@@ -20,6 +20,7 @@ from transfer_queue.metadata import KVBatchMeta
 from verl.utils import tensordict_utils as tu
 
 import setgrpo_verl.integration.trainer as trainer_module
+from setgrpo_verl.core import prompt_fingerprint
 from setgrpo_verl.integration.trainer import calibration_chunk_prompts
 from setgrpo_verl.integration.worker import SKETCH_KEY
 
@@ -84,12 +85,14 @@ class _Rollout:
             del self.store[k]
 
 
-def _calibrate(tmp_path, monkeypatch, batches: int, per_batch: int, *, only: bool, storage: int | None = None):
-    trainer = _record_trainer(tmp_path, calibration={"only": only, "on_infeasible": "reject_all"})
+def _calibrate(tmp_path, monkeypatch, batches: int, per_batch: int, *, only: bool, storage: int | None = None,
+               chunk_batches: int = 1, fake: "_Rollout | None" = None, **calibration):
+    trainer = _record_trainer(tmp_path, calibration={"only": only, "on_infeasible": "reject_all",
+                                                     "chunk_batches": chunk_batches, **calibration})
     if storage is not None:
         trainer.config.transfer_queue = {"backend": {"storage_backend": "SimpleStorage",
                                                      "SimpleStorage": {"total_storage_size": storage}}}
-    fake = _Rollout()
+    fake = fake or _Rollout()
     monkeypatch.setattr(trainer_module, "tq", fake)
     trainer.checkpoint_manager = fake
     trainer.replay_buffer = SimpleNamespace(sample=fake.sample)
@@ -99,26 +102,39 @@ def _calibrate(tmp_path, monkeypatch, batches: int, per_batch: int, *, only: boo
     trainer._submit_batch_to_rollout = fake.submit
     trainer._compute_sketches = fake.sketch
     trainer._balance_batch = lambda batch, metrics: batch
-    trainer._calibration_batches = lambda: iter([tu.get_tensordict({"uid": np.array([f"p{b}x{i}" for i in range(per_batch)],
-                                                                                    dtype=object)})
-                                                 for b in range(batches)])
+
+    def calibration_batches():
+        for b in range(batches):
+            uids = [f"p{b}x{i}" for i in range(per_batch)]
+            trainer._calibration_prompts += [prompt_fingerprint(u, f"question {u}", []) for u in uids]
+            yield tu.get_tensordict({"uid": np.array(uids, dtype=object)})
+
+    trainer._calibration_batches = calibration_batches
     record = trainer._calibrate()
     assert not fake.store  # every calibration rollout was cleared from TransferQueue
     return record, fake.events
 
 
 @pytest.mark.parametrize("only", [True, False])
-def test_one_phase_rolls_out_every_batch_then_sleeps_once_without_a_sync(tmp_path, monkeypatch, only):
-    record, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=only)
+def test_one_chunk_rolls_out_every_batch_then_sleeps_once_without_a_sync(tmp_path, monkeypatch, only):
+    record, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=only, chunk_batches=3)
     assert events == ["rollout"] * 3 + ["sleep"] + ["sketch"] * 3 + ([] if only else ["sync"])
     paired = np.load(tmp_path / "paired_scores.npz")
     assert paired["point"].shape == (24, K) and paired["gram"].shape == (24, K, K)
     assert record.K == K
 
 
+def test_streaming_writes_a_shard_per_batch_with_one_sync_per_further_batch(tmp_path, monkeypatch):
+    record, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=False)
+    assert events == ["rollout", "sleep", "sketch", "sync"] * 3
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"batch_{b:06d}.npz" for b in range(3)]
+    assert len(record.calibration_prompts) == 24
+
+
 def test_a_set_larger_than_transfer_queue_holds_is_chunked_with_one_sync_per_further_chunk(tmp_path, monkeypatch):
     # room for 2 * K * 8 responses: chunks of at most 8 prompts, i.e. two batches of 4
-    _, events = _calibrate(tmp_path, monkeypatch, batches=5, per_batch=4, only=True, storage=2 * K * 8)
+    _, events = _calibrate(tmp_path, monkeypatch, batches=5, per_batch=4, only=True, storage=2 * K * 8,
+                           chunk_batches=5)
     chunk = ["rollout", "rollout", "sleep", "sketch", "sketch"]
     assert events == chunk + ["sync"] + chunk + ["sync", "rollout", "sleep", "sketch"]
     assert events.count("sync") == 2  # against 4 when every batch after the first syncs
