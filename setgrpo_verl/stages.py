@@ -51,7 +51,8 @@ def run_stage(
     What happens to the stage's directory is ``plan``'s decision (:func:`setgrpo_verl.lifecycle.plan_run`; without
     one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
     again, a continued one resumes from its latest verl checkpoint (``trainer.resume_mode=auto``, verl's default), a
-    created or replaced one starts from an empty directory. ``calibrate_train`` marks ``calibration/`` complete as
+    created or replaced one starts from an empty directory; a continued ``calibration/`` (shards, no record) calibrates
+    only the batches without a shard (docs/record.md#calibration-shards). ``calibrate_train`` marks ``calibration/`` complete as
     soon as its record exists, however the process ends, so that a resumed run trains with that record.
 
     Raises:
@@ -72,12 +73,14 @@ def run_stage(
         return run_dir / STAGES[stage]
     calibration = run_dir / STAGES["calibrate"]
     if stage == "calibrate_train":
-        if plan.action("calibration") not in ("create", "replace"):
+        if plan.action("calibration") not in ("create", "replace", "continue"):
             raise LaunchError(f"{stage}: {calibration} is {plan['calibration'].state} and kept; run the train stage "
                               "with its record instead of calibrating again")
         plan.prepare("calibration")
     stage_dir = plan.prepare(STAGES[stage])
-    resumed_from = latest_checkpoint_step(stage_dir) if plan.action(STAGES[stage]) == "continue" else None
+    continued = plan.action(STAGES[stage]) == "continue" or (stage == "calibrate_train"
+                                                             and plan.action("calibration") == "continue")
+    resumed_from = latest_checkpoint_step(stage_dir) if continued else None
     env = dict(env)
     metrics = (stage_dir / "metrics.jsonl").resolve()
     env["VERL_FILE_LOGGER_PATH"] = str(metrics)
@@ -88,7 +91,8 @@ def run_stage(
     line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()), *map(shlex.quote, command)])
     (stage_dir / "command.sh").write_text("#!/usr/bin/env bash\n" + line + "\n")
     log_path = stage_dir / "main_ppo.log"
-    start = "resuming after its checkpoint of step " + str(resumed_from) if resumed_from is not None else "starting"
+    start = ("resuming after its checkpoint of step " + str(resumed_from) if resumed_from is not None
+             else "continuing the calibration from its shards with" if continued else "starting")
     if verbose:
         print(f"[setgrpo-verl] {stage}: {line}", flush=True)
     print(f"[setgrpo-verl] {stage}: {start} verl's main_ppo (command: {stage_dir / 'command.sh'}, log: {log_path})",
@@ -99,7 +103,7 @@ def run_stage(
 
         history = read_history(str(metrics), resumed_from)
     t0 = time.perf_counter()
-    with open(log_path, "a" if resumed_from is not None else "w", encoding="utf-8") as log:
+    with open(log_path, "a" if continued else "w", encoding="utf-8") as log:
         console = StageConsole(stage, command, metrics, log, verbose=verbose)
         child = Supervisor(command, env=env, on_line=console.line, grace=stop_grace)
         try:

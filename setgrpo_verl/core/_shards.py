@@ -27,7 +27,8 @@ from ._api import calibrate
 from ._record import CalibrationRecord, check_identity
 
 __all__ = ["SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
-           "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name", "write_shard"]
+           "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name", "write_calibration",
+           "write_shard"]
 
 #: The directory of a calibration's shards, next to its record.
 SHARD_DIR = "shards"
@@ -333,3 +334,13 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
         tau_start_source=tau_start_source, created_at=max(s.created_at for s in ordered),
     )
     return record, paired
+
+
+def write_calibration(record: CalibrationRecord, paired: dict[str, np.ndarray], record_path: str | os.PathLike) -> None:
+    """Write ``paired_scores.npz`` (:func:`record_from_shards`'s paired scores and dropped-group counts) next to
+    ``record_path``, then the record: a record next to its paired scores means the calibration finished."""
+    folder = Path(record_path).resolve().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez(folder / "paired_scores.npz", **{name: paired[name] for name in _FLOATS + (
+        "dropped_incomplete", "dropped_no_response") if name in paired})
+    record.to_json(record_path)

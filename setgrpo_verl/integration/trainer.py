@@ -57,7 +57,7 @@ from verl.workers.utils.padding import response_to_nested
 
 from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, OnlineRiskMonitor, in_part,
                                load_shards, prompt_fingerprint, record_from_shards, shard_identity, shard_name,
-                               write_shard)
+                               write_calibration, write_shard)
 
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, complete_group_rows, group_gram
@@ -612,11 +612,7 @@ class SetGRPOTrainer(PPOTrainerSync):
             logger.warning("SetGRPO calibration: %d of %d groups left out: %d lost some of their K responses (a "
                            "failed rollout session), %d came back with none", sum(dropped.values()),
                            len(self._calibration_prompts), dropped["incomplete"], dropped["no_response"])
-        os.makedirs(folder, exist_ok=True)
-        # the paired scores first: a record next to them means the calibration finished
-        np.savez(os.path.join(folder, "paired_scores.npz"), **{name: paired[name] for name in
-                 ("point", "reference", "gram", "truth", "dropped_incomplete", "dropped_no_response") if name in paired})
-        record.to_json(out)
+        write_calibration(record, paired, out)
         grading = {f"setgrpo/calibration/dropped_{reason}": float(n) for reason, n in dropped.items()}
         if "judged_verdicts" in paired:
             grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(float(paired["unparsed_verdicts"]),
