@@ -86,9 +86,11 @@ class _Rollout:
 
 
 def _calibrate(tmp_path, monkeypatch, batches: int, per_batch: int, *, only: bool, storage: int | None = None,
-               chunk_batches: int = 1, fake: "_Rollout | None" = None, **calibration):
+               chunk_batches: int = 1, fake: "_Rollout | None" = None, setgrpo: dict | None = None,
+               resume_mode: str = "auto", **calibration):
     trainer = _record_trainer(tmp_path, calibration={"only": only, "on_infeasible": "reject_all",
-                                                     "chunk_batches": chunk_batches, **calibration})
+                                                     "chunk_batches": chunk_batches, **calibration}, **(setgrpo or {}))
+    trainer.config.trainer.resume_mode = resume_mode
     if storage is not None:
         trainer.config.transfer_queue = {"backend": {"storage_backend": "SimpleStorage",
                                                      "SimpleStorage": {"total_storage_size": storage}}}
@@ -180,3 +182,73 @@ def test_a_reward_computed_in_the_trainer_process_brings_its_extra_keys(monkeypa
     assert batch.fields == ["prompts", "responses", "rm_scores", "setgrpo_reference_score"]
     assert "setgrpo_reference_score" in store and "rm_scores" in store
     assert "compute_rm_score" not in vars(trainer.reward_loop_manager)
+
+
+class _Stop(Exception):
+    """A stop (SIGTERM, a lost node) in the middle of the calibration."""
+
+
+def _stopping(after: int) -> _Rollout:
+    fake = _Rollout()
+    sketch, calls = fake.sketch, []
+
+    def stop_after(batch, fused=False):
+        if len(calls) == after:
+            raise _Stop
+        calls.append(1)
+        sketch(batch, fused)
+
+    fake.sketch = stop_after
+    return fake
+
+
+def test_a_stopped_calibration_resumes_from_its_shards_without_rolling_them_out_again(tmp_path, monkeypatch):
+    with pytest.raises(_Stop):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, fake=_stopping(after=1))
+    first = (tmp_path / "shards" / "batch_000000.npz").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["batch_000000.npz"]
+    record, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
+    assert events.count("rollout") == 2  # batch 0 was not rolled out again
+    assert (tmp_path / "shards" / "batch_000000.npz").read_bytes() == first
+    paired = np.load(tmp_path / "paired_scores.npz")
+    with np.load(tmp_path / "shards" / "batch_000000.npz") as shard:
+        np.testing.assert_array_equal(paired["point"][:8], shard["point"])
+    ids = [p["id"] for p in record.calibration_prompts]
+    assert sorted(ids) == sorted(f"p{b}x{i}" for b in range(3) for i in range(8)) and len(set(ids)) == 24
+    # the record is the shard set's: building it again from the shards gives the same bytes
+    from setgrpo_verl.core import load_shards, record_from_shards
+
+    shards, _ = load_shards(tmp_path / "shards")
+    again, _ = record_from_shards([(tmp_path / "shards" / f"batch_{b:06d}.npz", s) for b, s in shards.items()])
+    again.to_json(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == (tmp_path / "setgrpo_calibration.json").read_bytes()
+
+
+def test_a_torn_shard_is_refused_on_resume_and_calibrated_again(tmp_path, monkeypatch):
+    with pytest.raises(_Stop):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, fake=_stopping(after=2))
+    torn = tmp_path / "shards" / "batch_000001.npz"
+    torn.write_bytes(torn.read_bytes()[:300])  # cut off mid-file
+    (tmp_path / "shards" / ".batch_000002.npz.tmp").write_bytes(b"half")  # a write that did not reach its rename
+    _, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
+    assert events.count("rollout") == 2  # batches 1 (torn) and 2
+    assert (tmp_path / "shards" / "batch_000001.npz.torn").is_file()
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.npz")) == [f"batch_{b:06d}.npz" for b in range(3)]
+    assert not list((tmp_path / "shards").glob(".*.tmp"))
+
+
+def test_shards_of_another_run_or_without_resume_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(_Stop):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, fake=_stopping(after=1))
+    with pytest.raises(ValueError, match=r"batch_000000.npz mismatch in settings.alpha: shard has 0.1, this run has "
+                                         r"0.2"):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, setgrpo={"alpha": 0.2})
+    with pytest.raises(ValueError, match="trainer.resume_mode=disable"):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, resume_mode="disable")
+
+
+def test_a_part_of_a_sharded_calibration_writes_its_shards_and_no_record(tmp_path, monkeypatch):
+    record, events = _calibrate(tmp_path, monkeypatch, batches=5, per_batch=4, only=True, shard="1/2")
+    assert record is None and events.count("rollout") == 2
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["batch_000001.npz", "batch_000003.npz"]
+    assert not (tmp_path / "setgrpo_calibration.json").exists()
