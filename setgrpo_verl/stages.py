@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .lifecycle import RunPlan, plan_run
+from .lifecycle import RunPlan, calibration_shards, plan_run
 from .rundir import FAILED, STAGES, LaunchError, latest_checkpoint_step, mark_complete
 
 __all__ = ["run_stage", "stage_writes"]
@@ -115,8 +115,10 @@ def run_stage(
     elapsed = time.perf_counter() - t0
     _keep_history(metrics, history)
     if child.stopped_by is not None:
-        step = latest_checkpoint_step(stage_dir)
+        step, shards = latest_checkpoint_step(stage_dir), calibration_shards(calibration)
         where = (f"its latest checkpoint is step {step}: rerun with --resume to continue from there" if step is not None
+                 else f"it wrote {shards} calibration shard(s): rerun with --resume to calibrate only the batches "
+                      "without one" if shards and not (calibration / "record.json").is_file()
                  else "it saved no checkpoint: rerun (with --overwrite or --resume) to start it over")
         reason = (f"stopped by {child.stopped_by.name} after {elapsed:.0f} s; main_ppo and the Ray instance it started "
                   f"were stopped; {where}")
