@@ -156,3 +156,4 @@ def test_merge_refuses_missing_overlapping_and_foreign_parts(tmp_path):
     with pytest.raises(LaunchError, match=r"overlap: prompt 'q20' is in .*only1/batch_000001.npz and in "):
         merge_calibration([tmp_path / "p0", tmp_path / "only1", tmp_path / "shifted"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+

@@ -252,3 +252,16 @@ def test_a_part_of_a_sharded_calibration_writes_its_shards_and_no_record(tmp_pat
     assert record is None and events.count("rollout") == 2
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["batch_000001.npz", "batch_000003.npz"]
     assert not (tmp_path / "setgrpo_calibration.json").exists()
+
+
+def test_a_part_without_calibration_only_or_a_bad_part_is_refused_in_the_config():
+    from setgrpo_verl.integration.config import SetGRPOCalibrationConfig
+
+    assert SetGRPOCalibrationConfig(shard="1/4", only=True).part() == (1, 4)
+    assert SetGRPOCalibrationConfig().part() == (0, 1)
+    with pytest.raises(ValueError, match=r"calibration.shard=1/4 .* set calibration.only=true"):
+        SetGRPOCalibrationConfig(shard="1/4")
+    with pytest.raises(ValueError, match=r"algorithm.setgrpo.calibration.shard '4/4': give I/N"):
+        SetGRPOCalibrationConfig(shard="4/4", only=True)
+    with pytest.raises(ValueError, match=r"chunk_batches=0 must be >= 1"):
+        SetGRPOCalibrationConfig(chunk_batches=0)
