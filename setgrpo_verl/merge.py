@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from .core import (SHARD_DIR, CalibrationRecord, TornShardError, load_shards, pilot_start, record_from_shards,
+from .core import (SHARD_DIR, CalibrationRecord, TornShardError, load_shards, pilot_source, record_from_shards,
                    shard_name, write_calibration)
 from .rundir import LaunchError
 
@@ -65,14 +65,9 @@ def merge_calibration(dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
             sources += [(d / shard_name(index), shard) for index, shard in shards.items()]
         source = None
         if pilot is not None:
-            settings = sources[0][1].identity["settings"]
             prompts = [p for _, s in sorted(sources, key=lambda x: x[1].index) for p in s.prompts]
-            tau_start, source = pilot_start(CalibrationRecord.from_json(pilot), settings["tau_grid"],
-                                            calibration_prompts=prompts)
-            if settings["srgo_procedure"] != "fixed_sequence" or settings["tau_start"] != tau_start:
-                raise ValueError(f"the pilot record {pilot} starts the fixed sequence at tau={tau_start}, but the shards "
-                                 f"were calibrated with srgo_procedure={settings['srgo_procedure']}, tau_start="
-                                 f"{settings['tau_start']}: calibrate with tau_start={tau_start}")
+            source = pilot_source(CalibrationRecord.from_json(pilot), sources[0][1].identity["settings"], prompts,
+                                  name=f"the pilot record {pilot}")
         record, paired = record_from_shards(sources, tau_start_source=source)
     except TornShardError as exc:
         raise LaunchError(f"{exc}; rerun that part with --resume to calibrate its batch again") from None

@@ -46,6 +46,7 @@ from ._shards import (
     in_part,
     load_shards,
     parse_part,
+    pilot_source,
     read_shard,
     record_from_shards,
     shard_identity,
@@ -84,6 +85,6 @@ __all__ = [
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "package_versions", "path_point",
     "projections", "prompt_fingerprint", "question_key", "recovery_ratios", "required_accepted_groups", "safe_anchor", "select_threshold", "set_shape",
     "setgrpo_coefficients", "check_identity", "SHARD_DIR", "CalibrationShard", "TornShardError", "in_part",
-    "load_shards", "parse_part", "read_shard", "record_from_shards", "shard_identity", "shard_name", "write_calibration",
+    "load_shards", "parse_part", "pilot_source", "read_shard", "record_from_shards", "shard_identity", "shard_name", "write_calibration",
     "write_shard",
 ]

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from ._api import calibrate
-from ._record import CalibrationRecord, check_identity
+from ._record import CalibrationRecord, check_identity, pilot_start
 
 __all__ = ["SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
-           "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name", "write_calibration",
+           "pilot_source", "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name", "write_calibration",
            "write_shard"]
 
 #: The directory of a calibration's shards, next to its record.
@@ -344,3 +344,28 @@ def write_calibration(record: CalibrationRecord, paired: dict[str, np.ndarray], 
     np.savez(folder / "paired_scores.npz", **{name: paired[name] for name in _FLOATS + (
         "dropped_incomplete", "dropped_no_response") if name in paired})
     record.to_json(record_path)
+
+
+def pilot_source(pilot: CalibrationRecord, settings: dict, prompts: Sequence[dict], *, name: str = "the pilot") -> dict:
+    """The ``tau_start_source`` of a fixed sequence whose ``tau_start`` came from ``pilot`` (docs/algorithm.md#4-srgo).
+
+    Args:
+        pilot: the pilot record, calibrated on other prompts.
+        settings: this calibration's settings (:meth:`~setgrpo_verl.core.CalibrationSettings.to_dict`).
+        prompts: this calibration's prompt fingerprints (checked disjoint from the pilot's).
+        name: the pilot in messages (its path).
+
+    Returns:
+        ``{"kind": "pilot", "record_sha256": <the pilot's content hash>}``.
+
+    Raises:
+        ValueError: the settings are not a fixed sequence from the pilot's ``tau_sel``, or anything
+            :func:`~setgrpo_verl.core.pilot_start` refuses (a reject-all pilot, a start off the grid, shared
+            prompts).
+    """
+    tau_start, source = pilot_start(pilot, settings["tau_grid"], calibration_prompts=prompts)
+    if settings["srgo_procedure"] != "fixed_sequence" or settings["tau_start"] != tau_start:
+        raise ValueError(f"{name} starts the fixed sequence at tau={tau_start}, but this calibration has "
+                         f"srgo_procedure={settings['srgo_procedure']}, tau_start={settings['tau_start']}: calibrate "
+                         f"with srgo_procedure=fixed_sequence and tau_start={tau_start}")
+    return source

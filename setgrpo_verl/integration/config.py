@@ -180,6 +180,10 @@ class SetGRPOConfig(BaseConfig):
     tau_start: Optional[float] = _field(None, "fixed_sequence only: the first threshold tested, one of tau_grid, "
                                               "chosen without the calibration prompts (e.g. a pilot record's "
                                               "tau_sel); null for bonferroni")
+    tau_start_pilot: Optional[str] = _field(None, "fixed_sequence only: a pilot record (JSON) calibrated on other "
+                                                  "prompts whose tau_sel is tau_start; the record names it as the "
+                                                  "start's source (checked: same start, disjoint prompts); null = "
+                                                  "tau_start set by the user")
     rho: float = _field(0.1, "scale-free ridge of the set shape Sigma = J J^T + rho tr(J J^T)/(K-1) P (docs/algorithm.md#2-jrsc)")
     recovery_grid: int = _field(100, "N of the recovery grid {0, 1/N, ..., 1} for eta, then bisection to 1e-4 "
                                      "(docs/algorithm.md#3-ggsr)")

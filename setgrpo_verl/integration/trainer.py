@@ -56,7 +56,7 @@ from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
 
 from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, OnlineRiskMonitor, in_part,
-                               load_shards, prompt_fingerprint, record_from_shards, shard_identity, shard_name,
+                               load_shards, pilot_source, prompt_fingerprint, record_from_shards, shard_identity, shard_name,
                                write_calibration, write_shard)
 
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
@@ -571,6 +571,11 @@ class SetGRPOTrainer(PPOTrainerSync):
         identity = shard_identity(k=k, settings=settings.to_dict(), split_seed=cfg.calibration.split_seed,
                                   run=self._run_identity(), prompts=self._calibration_prompts,
                                   batch_size=len(batches[0][0]))
+        source = None  # where tau_start came from, checked before any rollout
+        if cfg.tau_start_pilot:
+            path = os.path.expanduser(cfg.tau_start_pilot)
+            source = pilot_source(CalibrationRecord.from_json(path), identity["settings"], self._calibration_prompts,
+                                  name=f"algorithm.setgrpo.tau_start_pilot={path}")
         done = self._existing_shards(shard_dir, identity, batches)
         part, parts = cfg.calibration.part()
         todo = [b for b in range(len(batches)) if in_part(b, part, parts) and b not in done]
@@ -606,7 +611,8 @@ class SetGRPOTrainer(PPOTrainerSync):
                            time.perf_counter() - t0)
             return None
         shards, _ = load_shards(shard_dir, identity)
-        record, paired = record_from_shards([(os.path.join(shard_dir, shard_name(b)), s) for b, s in shards.items()])
+        record, paired = record_from_shards([(os.path.join(shard_dir, shard_name(b)), s) for b, s in shards.items()],
+                                            tau_start_source=source)
         dropped = {reason: int(paired[f"dropped_{reason}"]) for reason in ("incomplete", "no_response")}
         if any(dropped.values()):
             logger.warning("SetGRPO calibration: %d of %d groups left out: %d lost some of their K responses (a "

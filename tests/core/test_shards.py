@@ -157,3 +157,26 @@ def test_merge_refuses_missing_overlapping_and_foreign_parts(tmp_path):
         merge_calibration([tmp_path / "p0", tmp_path / "only1", tmp_path / "shifted"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
+
+
+def test_merge_names_a_pilot_as_the_source_of_tau_start_and_refuses_one_that_does_not_give_it(tmp_path):
+    from setgrpo_verl.core import content_sha256
+
+    other = [prompt_fingerprint(f"pilot{i}", f"pilot question {i}", []) for i in range(200)]
+    pilot = calibrate(*make_groups(200, K, seed=9), alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6),
+                      on_infeasible="reject_all", metadata={"calibration_prompts": other})
+    assert pilot.tau_sel is not None
+    pilot.to_json(tmp_path / "pilot.json")
+    fixed = _identity(srgo_procedure="fixed_sequence", tau_start=pilot.tau_sel)
+    _write(tmp_path / "run", _shards(fixed))
+    record = merge_calibration([tmp_path / "run"], tmp_path / "out", pilot=tmp_path / "pilot.json")
+    assert record.tau_start_source == {"kind": "pilot", "record_sha256": content_sha256(pilot)}
+    start = next(t for t in (0.0, 0.3, 0.6) if t != pilot.tau_sel)
+    _write(tmp_path / "elsewhere", _shards(_identity(srgo_procedure="fixed_sequence", tau_start=start)))
+    with pytest.raises(LaunchError, match=rf"starts the fixed sequence at tau={pilot.tau_sel}"):
+        merge_calibration([tmp_path / "elsewhere"], tmp_path / "out2", pilot=tmp_path / "pilot.json")
+    shared = calibrate(*make_groups(200, K, seed=9), alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6),
+                       on_infeasible="reject_all", metadata={"calibration_prompts": PROMPTS[:3] + other[3:]})
+    shared.to_json(tmp_path / "shared.json")
+    with pytest.raises(LaunchError, match="3 calibration prompt.* were also the pilot's"):
+        merge_calibration([tmp_path / "run"], tmp_path / "out3", pilot=tmp_path / "shared.json")
