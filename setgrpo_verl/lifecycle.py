@@ -237,6 +237,11 @@ def plan_run(
             action, reason = "replace", "rewritten from the stages"
         elif overwrite:
             action, reason = "replace", "--overwrite"
+        elif (resume and name == "calibration" and state == "checkpointed" and calibration_shards(path)
+              and all(decided[u].state == "absent" for u in stale)):
+            # shards copied into a fresh run directory: the split is made again, and each shard's identity (the
+            # calibration prompt set) is checked against it before any rollout
+            action, reason = "continue", f"continued {_checkpoint_text(path)} (checked against the new data split)"
         elif stale and state in ("complete", "checkpointed"):
             action, reason = "refuse", (f"is {state} but made from {', '.join(stale)}/, which this command writes "
                                         "again: pass --overwrite to replace both, or choose another --run-dir")

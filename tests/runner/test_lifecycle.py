@@ -161,6 +161,10 @@ def test_a_calibration_with_shards_and_no_record_is_continued_under_resume(tmp_p
     refused = plan_run(tmp_path, ["calibration"])["calibration"]
     assert refused.action == "refuse" and "interrupted after 1 calibration shard(s): pass --resume" in refused.reason
     assert plan_run(tmp_path, ["calibration"], overwrite=True)["calibration"].action == "replace"
+    # shards copied into a run directory without its data split: the split is made again and the shards continued
+    fresh = plan_run(tmp_path, ["data", "calibration"], resume=True)
+    assert (fresh["data"].action, fresh["calibration"].action) == ("create", "continue")
+    assert plan_run(tmp_path, ["data", "calibration"])["calibration"].action == "refuse"
     (tmp_path / "calibration" / "record.json").write_text("{}")
     assert dir_state(tmp_path / "calibration") == C
 
