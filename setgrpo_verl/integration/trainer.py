@@ -12,7 +12,8 @@ changes exactly three things:
 3. before the first step it loads and validates ``algorithm.setgrpo.record_path`` or, when that is null,
    runs the calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): roll out the calibration prompts with the initial
    policy (the same sampling as training), read the point (``rm_scores``) and reference scores from the
-   dual-reward manager, sketch, call ``calibrate`` and write the record; ``calibration.only=true`` stops there.
+   dual-reward manager, sketch, write one shard per batch (docs/record.md#calibration-shards) and build the
+   record from the complete shard set; ``calibration.only=true`` stops there.
 
 Every diagnostic of docs/algorithm.md#6-diagnostics goes to verl's tracker under ``setgrpo/``; with reference scores
 present during training the online coverage / reversal monitor runs and warns on drift.
@@ -240,9 +241,9 @@ def compute_setgrpo_advantage(
 def calibration_chunk_prompts(config: Any) -> Optional[int]:
     """Most calibration prompts whose rollouts the calibration phase holds in TransferQueue at once, or None.
 
-    The phase rolls out every calibration batch before it scores and sketches them (one weight sync,
-    docs/verl_integration.md#trainer-mode), so all ``rollout.n`` responses of every prompt sit in
-    TransferQueue together. verl's SimpleStorage backend refuses entries beyond
+    The phase rolls out a chunk of calibration batches (``calibration.chunk_batches``) before it scores and
+    sketches them (docs/verl_integration.md#trainer-mode), so all ``rollout.n`` responses of a chunk's prompts sit
+    in TransferQueue together. verl's SimpleStorage backend refuses entries beyond
     ``transfer_queue.backend.SimpleStorage.total_storage_size`` (spread over its storage units by index); half
     of it is left for the uneven spread and other partitions.
 
