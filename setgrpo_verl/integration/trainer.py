@@ -284,7 +284,8 @@ class _Progress:
     def __init__(self, batches: int, groups_done: int):
         self.total, self.done, self.groups = batches, 0, groups_done
         self.t0 = time.perf_counter()
-        self.bar = tqdm(total=batches, desc="SetGRPO calibration", unit="batch", mininterval=5.0)
+        self.bar = tqdm(total=batches, desc="SetGRPO calibration", unit="batch", mininterval=5.0,
+                        disable=batches == 0)
 
     def phase(self, name: str, index: int) -> None:
         self.bar.set_postfix_str(f"batch {index}: {name}", refresh=False)
@@ -496,7 +497,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         try:
             return super().fit(agent_loop_manager)
         except _CalibrationDone as done:
-            logger.warning("SetGRPO: calibration.only=true - record written to %s, stopping before training", done)
+            logger.warning("SetGRPO: calibration.only=true - written to %s, stopping before training", done)
             self._shutdown_dump_executor()
 
     # ------------------------------------------------------------------ calibration phase
