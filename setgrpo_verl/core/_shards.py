@@ -138,7 +138,7 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
     """Write ``shard`` into ``directory`` as :func:`shard_name` atomically (a temporary file, then a rename) and
     return its path.
 
-    The file is an ``.npz`` of the arrays (float64; ``prompt_index`` int64), a ``meta`` JSON string (batch, prompts,
+    The file is a compressed ``.npz`` of the arrays (float64; ``prompt_index`` int64), a ``meta`` JSON string (batch, prompts,
     identity, dropped counts, verdict counts, created_at and each array's SHA-256) and ``content_sha256``, the
     SHA-256 of ``meta``.
     """
@@ -157,8 +157,8 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
     path = directory / shard_name(shard.index)
     tmp = directory / f".{path.name}.tmp"
     with open(tmp, "wb") as fh:
-        np.savez(fh, meta=np.array(meta), content_sha256=np.array(hashlib.sha256(meta.encode()).hexdigest()),
-                 **arrays)
+        np.savez_compressed(fh, meta=np.array(meta),
+                            content_sha256=np.array(hashlib.sha256(meta.encode()).hexdigest()), **arrays)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)

@@ -558,7 +558,7 @@ class SetGRPOTrainer(PPOTrainerSync):
                 ``trainer.resume_mode=disable``.
             RuntimeError: a sampled group whose prompt is not in the batch rolled out.
         """
-        cfg, key = self.setgrpo, self.setgrpo.reference_score_key
+        cfg = self.setgrpo
         k = int(self.config.actor_rollout_ref.rollout.n)
         self._calibration_prompts: list[dict] = []
         t0 = time.perf_counter()
