@@ -87,7 +87,9 @@ def calibration_shards(path: str | os.PathLike) -> int:
 def _checkpoint_text(path: Path) -> str:
     """Where an interrupted directory stopped: its calibration shards or its verl checkpoint's step."""
     shards = calibration_shards(path)
-    return f"after {shards} calibration shard(s)" if shards else f"after its checkpoint of step {latest_checkpoint_step(path)}"
+    if shards:
+        return f"after {shards} calibration shard(s)"
+    return f"after its checkpoint of step {latest_checkpoint_step(path)}"
 
 
 @dataclass(frozen=True)

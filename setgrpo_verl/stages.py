@@ -51,9 +51,10 @@ def run_stage(
     What happens to the stage's directory is ``plan``'s decision (:func:`setgrpo_verl.lifecycle.plan_run`; without
     one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
     again, a continued one resumes from its latest verl checkpoint (``trainer.resume_mode=auto``, verl's default), a
-    created or replaced one starts from an empty directory; a continued ``calibration/`` (shards, no record) calibrates
-    only the batches without a shard (docs/record.md#calibration-shards). ``calibrate_train`` marks ``calibration/`` complete as
-    soon as its record exists, however the process ends, so that a resumed run trains with that record.
+    created or replaced one starts from an empty directory; a continued ``calibration/`` (shards, no record)
+    calibrates only the batches without a shard (docs/record.md#calibration-shards). ``calibrate_train`` marks
+    ``calibration/`` complete as soon as its record exists, however the process ends, so that a resumed run trains
+    with that record.
 
     Raises:
         LaunchError: the plan refuses the stage's directory (the message names the flag), ``calibrate_train`` with

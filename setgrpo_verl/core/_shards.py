@@ -27,8 +27,8 @@ from ._api import calibrate
 from ._record import CalibrationRecord, check_identity, pilot_start
 
 __all__ = ["SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
-           "pilot_source", "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name", "write_calibration",
-           "write_shard"]
+           "pilot_source", "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name",
+           "write_calibration", "write_shard"]
 
 #: The directory of a calibration's shards, next to its record.
 SHARD_DIR = "shards"
@@ -138,9 +138,9 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
     """Write ``shard`` into ``directory`` as :func:`shard_name` atomically (a temporary file, then a rename) and
     return its path.
 
-    The file is a compressed ``.npz`` of the arrays (float64; ``prompt_index`` int64), a ``meta`` JSON string (batch, prompts,
-    identity, dropped counts, verdict counts, created_at and each array's SHA-256) and ``content_sha256``, the
-    SHA-256 of ``meta``.
+    The file is a compressed ``.npz`` of the arrays (float64; ``prompt_index`` int64), a ``meta`` JSON string
+    (batch, prompts, identity, dropped counts, verdict counts, created_at and each array's SHA-256) and
+    ``content_sha256``, the SHA-256 of ``meta``.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -685,7 +685,8 @@ class SetGRPOTrainer(PPOTrainerSync):
         position = {uid: i for i, uid in enumerate(uids)}
         outside = (set(groups.uids) | set(groups.incomplete)) - set(position)
         if outside:
-            raise RuntimeError(f"calibration sampled {len(outside)} group(s) of prompts outside the batch it rolled out")
+            raise RuntimeError(f"calibration sampled {len(outside)} group(s) of prompts outside the batch it rolled "
+                               "out")
         counts = grading_counts(data, batch.tags)
         tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
         order = sorted(range(len(groups.uids)), key=lambda g: position[groups.uids[g]])
@@ -696,7 +697,8 @@ class SetGRPOTrainer(PPOTrainerSync):
             point=groups.point[order].numpy(), reference=groups.reference[order].numpy(),
             gram=groups.gram[order].numpy(), truth=None if groups.truth is None else groups.truth[order].numpy(),
             prompt_index=np.array([position[groups.uids[g]] for g in order], dtype=np.int64), identity=identity,
-            dropped={"incomplete": len(groups.incomplete), "no_response": n - len(groups.uids) - len(groups.incomplete)},
+            dropped={"incomplete": len(groups.incomplete),
+                     "no_response": n - len(groups.uids) - len(groups.incomplete)},
             verdicts=None if counts is None else tuple(float(c) for c in counts),
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
