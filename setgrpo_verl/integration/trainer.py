@@ -288,7 +288,7 @@ class _Progress:
                         disable=batches == 0)
 
     def phase(self, name: str, index: int) -> None:
-        self.bar.set_postfix_str(f"batch {index}: {name}", refresh=False)
+        self.bar.set_postfix_str(f"batch {index}: {name}")
         logger.info("SetGRPO calibration: batch %d: %s", index, name)
 
     def shard_done(self, groups: int, name: str) -> None:
