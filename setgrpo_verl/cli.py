@@ -8,7 +8,9 @@ Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (
 * ``validate``       a calibration stage with a noisy grader of known noise, then coverage and reversal risk on
                      held-out groups over repeated splits, against the re-scoring and the truth (docs/validation.md);
 * ``report``         PNG plots and a text summary from verl's metrics files and the record;
-* ``inspect-record`` a calibration record as the paper's Table 4 row.
+* ``inspect-record`` a calibration record as the paper's Table 4 row;
+* ``merge-calibration`` one record from the shard directories of a calibration run as ``calibrate --shard I/N``
+                     parts (docs/record.md#calibration-shards).
 
 Flags are shorthands for keys of the one configuration (``algorithm.setgrpo.*``, whose ``--help`` texts come from
 its field docs, and a few of verl's keys); any further ``key=value`` argument is passed to verl's Hydra config as
@@ -245,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="roll out, score twice, sketch, and write the frozen calibration record")
     p.add_argument("--run-dir", required=True, type=Path, help="run directory (data/ and calibration/ inside)")
     p.add_argument("--overwrite", action="store_true", help="replace data/ and calibration/ and remove what was made from them (training stages, validation/, report/)")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help=_flag_help("algorithm.setgrpo.calibration.shard", None))
     _add_run_options(p)
 
     p = sub.add_parser("train", help="SetGRPO (or --estimator grpo) training steps through verl's main_ppo")
@@ -276,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="PNG plots and a text summary of a run directory")
     p.add_argument("--run-dir", required=True, type=Path)
+
+    p = sub.add_parser("merge-calibration", help="one record from the shard directories of calibrate --shard I/N parts")
+    p.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
+                   help="each part's calibration directory (<run-dir>/calibration, or its shards/)")
+    p.add_argument("--out", required=True, type=Path, help="directory of the record (record.json, paired_scores.npz)")
+    p.add_argument("--pilot", type=Path, default=None, help="pilot record on other prompts whose tau_sel is the fixed "
+                   "sequence's tau_start; the record names it as the start's source")
 
     p = sub.add_parser("inspect-record", help="print a calibration record as the paper's Table 4 row")
     p.add_argument("record", type=Path, help="record.json, or a run directory holding calibration/record.json")
@@ -599,9 +610,16 @@ def _record_of(run_dir: Path) -> Path:
 
 def _cmd_calibrate(args: argparse.Namespace) -> str | None:
     """``calibrate``: split the data, then the calibration stage (the frozen record)."""
+    from .core import parse_part
     from .preflight import check_calibration_size
+    from .rundir import LaunchError
 
-    plan = _plan(args)
+    if args.shard is not None:
+        try:
+            parse_part(args.shard)
+        except ValueError as exc:
+            raise LaunchError(f"--{exc}") from None
+    plan = _plan(args, defaults={"algorithm.setgrpo.calibration.shard": args.shard} if args.shard else None)
     commands = _commands(args, plan, ["calibrate"], _record_of(args.run_dir))
     check_calibration_size(plan.values)
     split = _split(args, plan)
@@ -712,6 +730,14 @@ def _cmd_inspect_record(args: argparse.Namespace) -> str:
     return inspect_record(args.record, thresholds=args.thresholds)
 
 
+def _cmd_merge_calibration(args: argparse.Namespace) -> str:
+    """``merge-calibration``: the record of a sharded calibration from its parts' shard directories."""
+    from .merge import merge_calibration
+
+    record = merge_calibration(args.dirs, args.out, pilot=args.pilot)
+    return f"record written to {args.out / 'record.json'}: {record.table4_row()}"
+
+
 #: The handler of each subcommand: ``handler(args) -> text to print or None``.
 HANDLERS: dict[str, Callable[[argparse.Namespace], str | None]] = {
     "calibrate": _cmd_calibrate,
@@ -720,6 +746,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], str | None]] = {
     "validate": _cmd_validate,
     "report": _cmd_report,
     "inspect-record": _cmd_inspect_record,
+    "merge-calibration": _cmd_merge_calibration,
 }
 
 

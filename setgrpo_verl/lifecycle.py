@@ -7,7 +7,8 @@ directory's state (:func:`dir_state`) and gives it one action:
 
 * ``create``: absent, written from scratch;
 * ``keep``: ``COMPLETE`` and kept as it is (``--resume``, or the data split this command would write anyway);
-* ``continue``: interrupted after a verl checkpoint, continued from it (``--resume``);
+* ``continue``: interrupted after a verl checkpoint (for ``calibration``: after some of its shards), continued from
+  it (``--resume``);
 * ``replace``: deleted and written again (``--overwrite``; an interrupted one without a checkpoint under
   ``--resume``; the report, which is always rewritten from the stages);
 * ``remove``: not written by this command but derived from a directory it replaces (its results would no longer
@@ -29,7 +30,7 @@ from typing import Iterable, Mapping, Sequence
 
 from .rundir import COMPLETE, FAILED, LaunchError, latest_checkpoint_step
 
-__all__ = ["ACTIONS", "DEPENDS", "STATES", "DirPlan", "RunPlan", "dir_state", "plan_run"]
+__all__ = ["ACTIONS", "DEPENDS", "STATES", "DirPlan", "RunPlan", "calibration_shards", "dir_state", "plan_run"]
 
 #: What each directory of a run directory is made from (its inputs among the other directories).
 DEPENDS: Mapping[str, tuple[str, ...]] = {
@@ -56,7 +57,8 @@ _DATA_FILES = ("calibration.parquet", "train.parquet", "split.json")
 def dir_state(path: str | os.PathLike) -> str:
     """The state of one directory (one of :data:`STATES`): ``complete`` when it holds ``COMPLETE``, ``checkpointed``
     when it holds a verl checkpoint (:func:`setgrpo_verl.rundir.latest_checkpoint_step`) but no ``COMPLETE``,
-    ``partial`` when it exists with neither, ``absent`` otherwise. A ``data/`` holding both parquet files and
+    ``partial`` when it exists with neither, ``absent`` otherwise; a ``calibration/`` holding shards
+    (:func:`calibration_shards`) but no record is ``checkpointed`` too. A ``data/`` holding both parquet files and
     ``split.json`` (written last) is complete without the marker, as run directories of earlier versions are, and
     so is a ``calibration/`` holding ``record.json`` (written after the paired scores)."""
     path = Path(path)
@@ -71,9 +73,23 @@ def dir_state(path: str | os.PathLike) -> str:
         # the trainer writes the record after the paired scores: a record means a finished calibration, even when
         # main_ppo failed after writing it
         return "complete"
-    if latest_checkpoint_step(path) is not None:
+    if latest_checkpoint_step(path) is not None or calibration_shards(path):
         return "checkpointed"
     return "partial"
+
+
+def calibration_shards(path: str | os.PathLike) -> int:
+    """How many calibration shards (``shards/batch_*.npz``, one per calibrated batch) a ``calibration/`` holds."""
+    path = Path(path)
+    return len(list((path / "shards").glob("batch_*.npz"))) if path.name == "calibration" else 0
+
+
+def _checkpoint_text(path: Path) -> str:
+    """Where an interrupted directory stopped: its calibration shards or its verl checkpoint's step."""
+    shards = calibration_shards(path)
+    if shards:
+        return f"after {shards} calibration shard(s)"
+    return f"after its checkpoint of step {latest_checkpoint_step(path)}"
 
 
 @dataclass(frozen=True)
@@ -148,11 +164,11 @@ class RunPlan:
                 self.prepare(d.name)
 
 
-def _hint(state: str, path_step: int | None) -> str:
+def _hint(state: str, path: Path) -> str:
     if state == "complete":
         return "is complete: pass --resume to keep it, --overwrite to replace it, or choose another --run-dir"
     if state == "checkpointed":
-        return (f"was interrupted after its checkpoint of step {path_step}: pass --resume to continue from there, "
+        return (f"was interrupted {_checkpoint_text(path)}: pass --resume to continue from there, "
                 "--overwrite to start it over, or choose another --run-dir")
     return ("is incomplete and has no checkpoint: pass --overwrite (or --resume) to start it over, or choose another "
             "--run-dir")
@@ -223,6 +239,11 @@ def plan_run(
             action, reason = "replace", "rewritten from the stages"
         elif overwrite:
             action, reason = "replace", "--overwrite"
+        elif (resume and name == "calibration" and state == "checkpointed" and calibration_shards(path)
+              and all(decided[u].state == "absent" for u in stale)):
+            # shards copied into a fresh run directory: the split is made again, and each shard's identity (the
+            # calibration prompt set) is checked against it before any rollout
+            action, reason = "continue", f"continued {_checkpoint_text(path)} (checked against the new data split)"
         elif stale and state in ("complete", "checkpointed"):
             action, reason = "refuse", (f"is {state} but made from {', '.join(stale)}/, which this command writes "
                                         "again: pass --overwrite to replace both, or choose another --run-dir")
@@ -236,11 +257,11 @@ def plan_run(
         elif resume and state == "complete":
             action, reason = "keep", "complete, kept (--resume)"
         elif resume and state == "checkpointed":
-            action, reason = "continue", f"continued from its checkpoint of step {latest_checkpoint_step(path)}"
+            action, reason = "continue", f"continued {_checkpoint_text(path)}"
         elif resume:
             action, reason = "replace", "incomplete without a checkpoint, started over (--resume)"
         else:
-            action, reason = "refuse", _hint(state, latest_checkpoint_step(path))
+            action, reason = "refuse", _hint(state, path)
         decided[name] = DirPlan(name, state, action, reason)
         if action in ("create", "replace"):
             fresh.add(name)

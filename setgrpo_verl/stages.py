@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .lifecycle import RunPlan, plan_run
+from .lifecycle import RunPlan, calibration_shards, plan_run
 from .rundir import FAILED, STAGES, LaunchError, latest_checkpoint_step, mark_complete
 
 __all__ = ["run_stage", "stage_writes"]
@@ -51,8 +51,10 @@ def run_stage(
     What happens to the stage's directory is ``plan``'s decision (:func:`setgrpo_verl.lifecycle.plan_run`; without
     one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
     again, a continued one resumes from its latest verl checkpoint (``trainer.resume_mode=auto``, verl's default), a
-    created or replaced one starts from an empty directory. ``calibrate_train`` marks ``calibration/`` complete as
-    soon as its record exists, however the process ends, so that a resumed run trains with that record.
+    created or replaced one starts from an empty directory; a continued ``calibration/`` (shards, no record)
+    calibrates only the batches without a shard (docs/record.md#calibration-shards). ``calibrate_train`` marks
+    ``calibration/`` complete as soon as its record exists, however the process ends, so that a resumed run trains
+    with that record.
 
     Raises:
         LaunchError: the plan refuses the stage's directory (the message names the flag), ``calibrate_train`` with
@@ -72,12 +74,14 @@ def run_stage(
         return run_dir / STAGES[stage]
     calibration = run_dir / STAGES["calibrate"]
     if stage == "calibrate_train":
-        if plan.action("calibration") not in ("create", "replace"):
+        if plan.action("calibration") not in ("create", "replace", "continue"):
             raise LaunchError(f"{stage}: {calibration} is {plan['calibration'].state} and kept; run the train stage "
                               "with its record instead of calibrating again")
         plan.prepare("calibration")
     stage_dir = plan.prepare(STAGES[stage])
-    resumed_from = latest_checkpoint_step(stage_dir) if plan.action(STAGES[stage]) == "continue" else None
+    continued = plan.action(STAGES[stage]) == "continue" or (stage == "calibrate_train"
+                                                             and plan.action("calibration") == "continue")
+    resumed_from = latest_checkpoint_step(stage_dir) if continued else None
     env = dict(env)
     metrics = (stage_dir / "metrics.jsonl").resolve()
     env["VERL_FILE_LOGGER_PATH"] = str(metrics)
@@ -88,7 +92,8 @@ def run_stage(
     line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()), *map(shlex.quote, command)])
     (stage_dir / "command.sh").write_text("#!/usr/bin/env bash\n" + line + "\n")
     log_path = stage_dir / "main_ppo.log"
-    start = "resuming after its checkpoint of step " + str(resumed_from) if resumed_from is not None else "starting"
+    start = ("resuming after its checkpoint of step " + str(resumed_from) if resumed_from is not None
+             else "continuing the calibration from its shards with" if continued else "starting")
     if verbose:
         print(f"[setgrpo-verl] {stage}: {line}", flush=True)
     print(f"[setgrpo-verl] {stage}: {start} verl's main_ppo (command: {stage_dir / 'command.sh'}, log: {log_path})",
@@ -99,7 +104,7 @@ def run_stage(
 
         history = read_history(str(metrics), resumed_from)
     t0 = time.perf_counter()
-    with open(log_path, "a" if resumed_from is not None else "w", encoding="utf-8") as log:
+    with open(log_path, "a" if continued else "w", encoding="utf-8") as log:
         console = StageConsole(stage, command, metrics, log, verbose=verbose)
         child = Supervisor(command, env=env, on_line=console.line, grace=stop_grace)
         try:
@@ -111,8 +116,10 @@ def run_stage(
     elapsed = time.perf_counter() - t0
     _keep_history(metrics, history)
     if child.stopped_by is not None:
-        step = latest_checkpoint_step(stage_dir)
+        step, shards = latest_checkpoint_step(stage_dir), calibration_shards(calibration)
         where = (f"its latest checkpoint is step {step}: rerun with --resume to continue from there" if step is not None
+                 else f"it wrote {shards} calibration shard(s): rerun with --resume to calibrate only the batches "
+                      "without one" if shards and not (calibration / "record.json").is_file()
                  else "it saved no checkpoint: rerun (with --overwrite or --resume) to start it over")
         reason = (f"stopped by {child.stopped_by.name} after {elapsed:.0f} s; main_ppo and the Ray instance it started "
                   f"were stopped; {where}")

@@ -15,6 +15,10 @@ Building blocks (for diagnostics and tests): ``degenerate_groups``, ``set_shape`
 ``threshold_tests``, ``select_threshold``, ``certification_power``, ``required_accepted_groups``, ``pilot_start``,
 ``risk_evidence``, ``anytime_upper_bound``.
 
+Calibration shards (docs/record.md#calibration-shards): ``shard_identity``, ``write_shard``, ``read_shard``,
+``load_shards``, ``record_from_shards``, ``in_part`` / ``parse_part``; ``check_identity`` is the one compatibility
+check of records and shards.
+
 Reading a record's figures (docs/record.md#reading-the-guarantees): ``coverage_band``, ``risk_share_floor``,
 ``resplit`` and ``guarantee_lines``.
 """
@@ -28,11 +32,27 @@ from ._record import (
     SCHEMA_VERSION,
     CalibrationRecord,
     RecordVersionWarning,
+    check_identity,
     content_sha256,
     package_versions,
     pilot_start,
     prompt_fingerprint,
     question_key,
+)
+from ._shards import (
+    SHARD_DIR,
+    CalibrationShard,
+    TornShardError,
+    in_part,
+    load_shards,
+    parse_part,
+    pilot_source,
+    read_shard,
+    record_from_shards,
+    shard_identity,
+    shard_name,
+    write_calibration,
+    write_shard,
 )
 from ._reversal import reference_coefficients, reversal_events
 from ._sequential import anytime_upper_bound, risk_evidence
@@ -64,5 +84,7 @@ __all__ = [
     "risk_share_floor", "degenerate_groups", "grpo_coefficients",
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "package_versions", "path_point",
     "projections", "prompt_fingerprint", "question_key", "recovery_ratios", "required_accepted_groups", "safe_anchor", "select_threshold", "set_shape",
-    "setgrpo_coefficients",
+    "setgrpo_coefficients", "check_identity", "SHARD_DIR", "CalibrationShard", "TornShardError", "in_part",
+    "load_shards", "parse_part", "pilot_source", "read_shard", "record_from_shards", "shard_identity", "shard_name", "write_calibration",
+    "write_shard",
 ]

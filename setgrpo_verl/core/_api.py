@@ -91,6 +91,7 @@ def calibrate(
     srgo_procedure: str = "bonferroni",
     tau_start: float | None = None,
     tau_start_source: dict | None = None,
+    created_at: str | None = None,
 ) -> CalibrationRecord:
     """Calibrate SetGRPO on paired scorings: JRSC radius on coverage groups, SRGO threshold on risk groups.
 
@@ -135,6 +136,8 @@ def calibrate(
         tau_start: the fixed sequence's first threshold, on the grid; chosen without these groups.
         tau_start_source: where ``tau_start`` came from, stored in the record: ``{"kind": "user"}`` (the default
             for a fixed sequence) or ``{"kind": "pilot", "record_sha256": ...}`` from :func:`pilot_start`.
+        created_at: the record's ``created_at`` (ISO 8601, UTC); default now. Calibration from shards passes the
+            time its last shard was written, so that one shard set always gives the same record, byte for byte.
 
     Returns:
         A frozen, validated :class:`CalibrationRecord`.
@@ -221,7 +224,8 @@ def calibrate(
         split_seed=int(split_seed), grid_size=int(grid_size), ablation=ablation, on_infeasible=on_infeasible,
         loss_agg_mode=str(metadata.get("loss_agg_mode", "token-mean")), sketch=dict(metadata.get("sketch", {})),
         grader=dict(metadata.get("grader", {})), policy=dict(metadata.get("policy", {})),
-        package_versions=package_versions(), created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        package_versions=package_versions(),
+        created_at=created_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         degenerate_rtol=float(degenerate_rtol),
         calibration_prompts=tuple(dict(p) for p in metadata.get("calibration_prompts", ())),
         srgo_procedure=procedure, tau_start=settings.tau_start, tau_start_source=source,

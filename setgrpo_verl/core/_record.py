@@ -239,25 +239,10 @@ class CalibrationRecord:
         Raises:
             ValueError: naming the first mismatched field, both values, and the fix.
         """
-        for name, value in run.items():
+        for name in run:
             if not hasattr(self, name) or name.startswith("_"):
                 raise ValueError(f"calibration record has no field {name!r}")
-            mine = getattr(self, name)
-            if isinstance(mine, dict) and isinstance(value, dict):
-                diff = {k: (mine.get(k), value.get(k)) for k in set(mine) | set(value) if mine.get(k) != value.get(k)}
-                if diff:
-                    k, (rec, cur) = sorted(diff.items())[0]
-                    why = ("the coverage and risk guarantees hold only for the grader that was calibrated"
-                           if name == "grader" else "the calibration was made under other settings")
-                    raise ValueError(
-                        f"calibration record mismatch in {name}.{k}: record has {rec!r}, this run has {cur!r}; {why} - "
-                        f"recalibrate for this run or run with the record's {name}.{k}"
-                    )
-            elif mine != value:
-                raise ValueError(
-                    f"calibration record mismatch in {name}: record has {mine!r}, this run has {value!r}; "
-                    "recalibrate for this setting or run with the record's value"
-                )
+        check_identity({name: getattr(self, name) for name in run}, run, what="calibration record", holder="record")
 
     def check_disjoint(self, prompts: Any, *, source: str = "the training data") -> None:
         """Refuse training prompts that the record was calibrated on (docs/record.md#compatibility-with-a-run).
@@ -377,6 +362,41 @@ class CalibrationRecord:
         except json.JSONDecodeError as exc:
             raise ValueError(f"calibration record {os.fspath(path)!r} is not valid JSON: {exc}") from None
         return cls.from_dict(data)
+
+
+def check_identity(stored: dict[str, Any], current: dict[str, Any], *, what: str, holder: str,
+                   fix: str | None = None) -> None:
+    """The one compatibility check of stored calibration data (a record, a shard) against a run or another part.
+
+    Args:
+        stored: field -> value as the data holds them (records: record fields; shards: the shard identity).
+        current: field -> value of the run (or part) they are compared with; each key of ``current`` is checked.
+        what: the data named in the message (``"calibration record"``, ``"calibration shard <file>"``).
+        holder: what the stored side is called in the message (``"record"``, ``"shard"``).
+        fix: what to do instead, in the message; default: recalibrate or run with the stored value.
+
+    Raises:
+        ValueError: naming the first mismatched field (for dict fields the first differing key, as
+            ``name.key``), both values, why it matters and the fix.
+    """
+    owner = f"{holder}'s"
+    for name, value in current.items():
+        mine = stored.get(name)
+        if isinstance(mine, dict) and isinstance(value, dict):
+            diff = {k: (mine.get(k), value.get(k)) for k in set(mine) | set(value) if mine.get(k) != value.get(k)}
+            if diff:
+                k, (rec, cur) = sorted(diff.items())[0]
+                why = ("the coverage and risk guarantees hold only for the grader that was calibrated"
+                       if name == "grader" else "the calibration was made under other settings")
+                raise ValueError(
+                    f"{what} mismatch in {name}.{k}: {holder} has {rec!r}, this run has {cur!r}; {why} - "
+                    f"{fix or f'recalibrate for this run or run with the {owner} {name}.{k}'}"
+                )
+        elif mine != value:
+            raise ValueError(
+                f"{what} mismatch in {name}: {holder} has {mine!r}, this run has {value!r}; "
+                f"{fix or f'recalibrate for this setting or run with the {owner} value'}"
+            )
 
 
 def _content_hash(d: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from verl.base_config import BaseConfig
 from verl.trainer.config.algorithm import AlgoConfig
 
-from setgrpo_verl.core import ABLATIONS, DEFAULT_TAU_GRID, CalibrationRecord, CalibrationSettings
+from setgrpo_verl.core import ABLATIONS, DEFAULT_TAU_GRID, CalibrationRecord, CalibrationSettings, parse_part
 from setgrpo_verl.sketch import SketchConfig
 
 from .prompts import check_calibration_disjoint, read_prompt_identities
@@ -65,6 +65,13 @@ class SetGRPOCalibrationConfig(BaseConfig):
                                          "or 'reject_all' (a record that accepts no group)")
     only: bool = _field(False, "true: stop after writing the record (a calibration-only run); false: calibrate, "
                                "then train")
+    chunk_batches: int = _field(1, "calibration batches rolled out before they are scored, sketched and written as "
+                                   "shards (one weight sync per further chunk); 1 = stream batch by batch, so a "
+                                   "stop loses at most one batch (docs/record.md#calibration-shards)")
+    shard: Optional[str] = _field(None, "I/N: calibrate only the I-th of N parts of the calibration batches (0 <= I "
+                                        "< N; every N-th batch from I), writing shards and no record, for N jobs at "
+                                        "once; merge them with setgrpo-verl merge-calibration; needs only=true; "
+                                        "null = all (docs/record.md#calibration-shards)")
 
     def __post_init__(self):
         if self.num_prompts < 2:
@@ -78,6 +85,21 @@ class SetGRPOCalibrationConfig(BaseConfig):
             raise ValueError(
                 f"algorithm.setgrpo.calibration.on_infeasible={self.on_infeasible!r}: use 'error' or 'reject_all'"
             )
+        if self.chunk_batches < 1:
+            raise ValueError(f"algorithm.setgrpo.calibration.chunk_batches={self.chunk_batches} must be >= 1")
+        if self.shard is not None:
+            try:
+                _, parts = parse_part(self.shard)
+            except ValueError as exc:
+                raise ValueError(f"algorithm.setgrpo.calibration.{exc}") from None
+            if parts > 1 and not self.only:
+                raise ValueError(f"algorithm.setgrpo.calibration.shard={self.shard} calibrates a part of the prompts "
+                                 "and writes no record, so nothing can train after it: set calibration.only=true and "
+                                 "train with the record that setgrpo-verl merge-calibration builds from all parts")
+
+    def part(self) -> tuple[int, int]:
+        """``(I, N)`` of ``shard`` (``(0, 1)`` when null: every batch)."""
+        return (0, 1) if self.shard is None else parse_part(self.shard)
 
 
 _SKETCH = SketchConfig()
@@ -158,6 +180,10 @@ class SetGRPOConfig(BaseConfig):
     tau_start: Optional[float] = _field(None, "fixed_sequence only: the first threshold tested, one of tau_grid, "
                                               "chosen without the calibration prompts (e.g. a pilot record's "
                                               "tau_sel); null for bonferroni")
+    tau_start_pilot: Optional[str] = _field(None, "fixed_sequence only: a pilot record (JSON) calibrated on other "
+                                                  "prompts whose tau_sel is tau_start; the record names it as the "
+                                                  "start's source (checked: same start, disjoint prompts); null = "
+                                                  "tau_start set by the user")
     rho: float = _field(0.1, "scale-free ridge of the set shape Sigma = J J^T + rho tr(J J^T)/(K-1) P (docs/algorithm.md#2-jrsc)")
     recovery_grid: int = _field(100, "N of the recovery grid {0, 1/N, ..., 1} for eta, then bisection to 1e-4 "
                                      "(docs/algorithm.md#3-ggsr)")

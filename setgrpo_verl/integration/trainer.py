@@ -12,7 +12,8 @@ changes exactly three things:
 3. before the first step it loads and validates ``algorithm.setgrpo.record_path`` or, when that is null,
    runs the calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): roll out the calibration prompts with the initial
    policy (the same sampling as training), read the point (``rm_scores``) and reference scores from the
-   dual-reward manager, sketch, call ``calibrate`` and write the record; ``calibration.only=true`` stops there.
+   dual-reward manager, sketch, write one shard per batch (docs/record.md#calibration-shards) and build the
+   record from the complete shard set; ``calibration.only=true`` stops there.
 
 Every diagnostic of docs/algorithm.md#6-diagnostics goes to verl's tracker under ``setgrpo/``; with reference scores
 present during training the online coverage / reversal monitor runs and warns on drift.
@@ -31,6 +32,7 @@ import math
 import os
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
@@ -39,6 +41,7 @@ import torch
 import transfer_queue as tq
 from tensordict import TensorDict
 from torchdata.stateful_dataloader import StatefulDataLoader
+from tqdm import tqdm
 
 from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import apply_kl_penalty
@@ -53,7 +56,9 @@ from verl.utils.debug import marked_timer
 from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
 
-from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor, calibrate, prompt_fingerprint
+from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, OnlineRiskMonitor, in_part,
+                               load_shards, pilot_source, prompt_fingerprint, record_from_shards, shard_identity, shard_name,
+                               write_calibration, write_shard)
 
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, complete_group_rows, group_gram
@@ -236,9 +241,9 @@ def compute_setgrpo_advantage(
 def calibration_chunk_prompts(config: Any) -> Optional[int]:
     """Most calibration prompts whose rollouts the calibration phase holds in TransferQueue at once, or None.
 
-    The phase rolls out every calibration batch before it scores and sketches them (one weight sync,
-    docs/verl_integration.md#trainer-mode), so all ``rollout.n`` responses of every prompt sit in
-    TransferQueue together. verl's SimpleStorage backend refuses entries beyond
+    The phase rolls out a chunk of calibration batches (``calibration.chunk_batches``) before it scores and
+    sketches them (docs/verl_integration.md#trainer-mode), so all ``rollout.n`` responses of a chunk's prompts sit
+    in TransferQueue together. verl's SimpleStorage backend refuses entries beyond
     ``transfer_queue.backend.SimpleStorage.total_storage_size`` (spread over its storage units by index); half
     of it is left for the uneven spread and other partitions.
 
@@ -258,17 +263,44 @@ def calibration_chunk_prompts(config: Any) -> Optional[int]:
     return max(1, int(size) // (2 * int(config.actor_rollout_ref.rollout.n)))
 
 
-def _chunks(batches, limit: Optional[int]):
-    """Consecutive calibration batches grouped into lists of at most ``limit`` prompts (one batch at least)."""
+def _chunks(batches, limit: Optional[int], most: int = 1):
+    """Consecutive ``(index, batch)`` calibration batches grouped into lists of at most ``most`` batches and at most
+    ``limit`` prompts (one batch at least)."""
     chunk, held = [], 0
-    for batch in batches:
-        if chunk and limit is not None and held + len(batch) > limit:
+    for item in batches:
+        if chunk and (len(chunk) >= most or (limit is not None and held + len(item[1]) > limit)):
             yield chunk
             chunk, held = [], 0
-        chunk.append(batch)
-        held += len(batch)
+        chunk.append(item)
+        held += len(item[1])
     if chunk:
         yield chunk
+
+
+class _Progress:
+    """Progress of the calibration phase in the log: the phase of each batch (rollout, scoring, sketch) and, per
+    shard written, the groups so far (the line the command line's progress bar counts) with the ETA."""
+
+    def __init__(self, batches: int, groups_done: int):
+        self.total, self.done, self.groups = batches, 0, groups_done
+        self.t0 = time.perf_counter()
+        self.bar = tqdm(total=batches, desc="SetGRPO calibration", unit="batch", mininterval=5.0,
+                        disable=batches == 0)
+
+    def phase(self, name: str, index: int) -> None:
+        self.bar.set_postfix_str(f"batch {index}: {name}")
+        logger.info("SetGRPO calibration: batch %d: %s", index, name)
+
+    def shard_done(self, groups: int, name: str) -> None:
+        self.done += 1
+        self.groups += groups
+        self.bar.update(1)
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / self.done * (self.total - self.done)
+        logger.warning("SetGRPO calibration: %d groups so far (%s written, %d of %d batches, %.0f s, ETA %.0f s)",
+                       self.groups, name, self.done, self.total, elapsed, eta)
+        if self.done == self.total:
+            self.bar.close()
 
 
 def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]:
@@ -365,6 +397,8 @@ class SetGRPOTrainer(PPOTrainerSync):
         super().on_train_begin()
         resumed = self.global_steps > 1  # verl's fit() counts from the checkpoint's step + 1
         self.record, loaded = self._load_or_calibrate(resumed=resumed)
+        if self.record is None:  # a part of a sharded calibration: its shards are written, there is no record
+            raise _CalibrationDone(os.path.join(os.path.dirname(os.path.abspath(self._record_out())), SHARD_DIR))
         self._record_sha256 = self.record.to_dict()["content_sha256"]
         if self.setgrpo.monitor.enable:
             self.monitor = OnlineRiskMonitor(self.record)
@@ -380,8 +414,9 @@ class SetGRPOTrainer(PPOTrainerSync):
         if self.setgrpo.calibration.only and not self.setgrpo.record_path:
             raise _CalibrationDone(self._record_out())
 
-    def _load_or_calibrate(self, *, resumed: bool) -> tuple[CalibrationRecord, Optional[str]]:
-        """The run's record and the path it was loaded from (None when calibrated now): ``record_path``; on a
+    def _load_or_calibrate(self, *, resumed: bool) -> tuple[Optional[CalibrationRecord], Optional[str]]:
+        """The run's record and the path it was loaded from (None when calibrated now; the record is None for a part
+        of a sharded calibration): ``record_path``; on a
         resume without one, the record this run wrote at its start (never a recalibration on a trained policy);
         else a new calibration into ``record_out``, which must not exist yet (a frozen record is never
         overwritten)."""
@@ -462,7 +497,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         try:
             return super().fit(agent_loop_manager)
         except _CalibrationDone as done:
-            logger.warning("SetGRPO: calibration.only=true - record written to %s, stopping before training", done)
+            logger.warning("SetGRPO: calibration.only=true - written to %s, stopping before training", done)
             self._shutdown_dump_executor()
 
     # ------------------------------------------------------------------ calibration phase
@@ -490,110 +525,183 @@ class SetGRPOTrainer(PPOTrainerSync):
             tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
             yield batch
 
-    def _calibrate(self) -> CalibrationRecord:
-        """Calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): rollouts of the initial policy, two scorings, sketches.
+    def _calibrate(self) -> Optional[CalibrationRecord]:
+        """Calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record, docs/record.md#calibration-shards):
+        rollouts of the initial policy, two scorings, sketches, one shard per batch, then the record.
 
-        The policy does not change during calibration, so the rollout keeps the weights verl synced at start-up:
-        every calibration batch is rolled out first, then the rollout sleeps once (freeing its memory, as verl's
-        sync trainer does before its actor passes) for the reward and sketch passes. Only a calibration set larger
-        than :func:`calibration_chunk_prompts` allows in TransferQueue at once is split into chunks, each chunk
-        after the first waking the rollout with one weight sync. When training follows, one more sync wakes the
-        rollout for the first step; ``calibration.only=true`` stops without it.
+        The calibration batches are streamed: each chunk of ``calibration.chunk_batches`` batches (1 by default;
+        fewer when :func:`calibration_chunk_prompts` limits what TransferQueue holds) is rolled out, the rollout
+        sleeps (freeing its memory, as verl's sync trainer does before its actor passes), and each batch is scored,
+        sketched and written at once to ``<record dir>/shards/`` (:func:`setgrpo_verl.core.write_shard`). The policy
+        does not change during calibration, so a further chunk wakes the rollout with one weight sync of the same
+        weights; when training follows, one more sync wakes it for the first step.
+
+        Batches that already have a shard (a stopped calibration, resumed) are not rolled out again: their shards
+        are checked against this run's identity (refused, naming the file and field, when another run wrote them)
+        and a torn file is renamed ``*.torn`` and its batch calibrated again. With ``trainer.resume_mode=disable``
+        existing shards are refused. With ``calibration.shard=I/N`` (N > 1) only every N-th batch from I is
+        calibrated and no record is written (``setgrpo-verl merge-calibration`` builds it from all parts). Otherwise
+        the record is built from the complete shard set read back from disk
+        (:func:`setgrpo_verl.core.record_from_shards`): the same record however the set was reached.
 
         verl's replay buffer samples the calibration prompts only (:func:`calibration_sampling`); a group that lost
         some of its K responses to a failed rollout session, or all of them, is left out, and how many were left
         out for each reason goes to the tracker (``setgrpo/calibration/dropped_incomplete`` and
         ``.../dropped_no_response``), the log and ``paired_scores.npz`` (docs/verl_integration.md#partial-groups).
 
+        Returns:
+            The record, or None for a part of a sharded calibration.
+
         Raises:
-            ValueError: an empty calibration set, or a grader that gives the truth for some batches only.
-            RuntimeError: a sampled group whose prompt is not a calibration prompt.
+            ValueError: an empty calibration set, a grader that gives the truth for some batches only, shards of
+                another run or with another content, or shards left by an earlier run under
+                ``trainer.resume_mode=disable``.
+            RuntimeError: a sampled group whose prompt is not in the batch rolled out.
         """
-        cfg, key = self.setgrpo, self.setgrpo.reference_score_key
-        points, refs, grams, truths = [], [], [], []
-        submitted: list = []  # every calibration prompt's uid, in rollout order
-        dropped = {"incomplete": 0, "no_response": 0}  # groups left out: fewer than K responses / none at all
+        cfg = self.setgrpo
+        k = int(self.config.actor_rollout_ref.rollout.n)
         self._calibration_prompts: list[dict] = []
-        verdict_counts: list[tuple[float, float]] = []  # (unparsed, judged) judge verdicts per calibration batch
         t0 = time.perf_counter()
+        batches = [(list(b["uid"]), b) for b in self._calibration_batches()]
+        if not batches:
+            raise ValueError("the calibration prompt set is empty (algorithm.setgrpo.calibration.files / num_prompts)")
+        out = self._record_out()
+        folder = os.path.dirname(os.path.abspath(out))
+        shard_dir = os.path.join(folder, SHARD_DIR)
+        norm_by_std = bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True))
+        settings = cfg.calibration_settings(norm_by_std=norm_by_std)
+        identity = shard_identity(k=k, settings=settings.to_dict(), split_seed=cfg.calibration.split_seed,
+                                  run=self._run_identity(), prompts=self._calibration_prompts,
+                                  batch_size=len(batches[0][0]))
+        source = None  # where tau_start came from, checked before any rollout
+        if cfg.tau_start_pilot:
+            path = os.path.expanduser(cfg.tau_start_pilot)
+            source = pilot_source(CalibrationRecord.from_json(path), identity["settings"], self._calibration_prompts,
+                                  name=f"algorithm.setgrpo.tau_start_pilot={path}")
+        done = self._existing_shards(shard_dir, identity, batches)
+        part, parts = cfg.calibration.part()
+        todo = [b for b in range(len(batches)) if in_part(b, part, parts) and b not in done]
+        logger.warning("SetGRPO calibration: %d batches of %d prompts in part %d/%d, %d with a shard already, %d to "
+                       "calibrate; shards in %s", len(batches), len(self._calibration_prompts), part, parts,
+                       sum(in_part(b, part, parts) for b in done), len(todo), shard_dir)
+        progress = _Progress(len(todo), sum(len(batches[b][0]) for b in done))
         limit = calibration_chunk_prompts(self.config)
-        for chunk_index, chunk in enumerate(_chunks(self._calibration_batches(), limit)):
-            if chunk_index > 0:  # the rollout slept through the previous chunk's passes: wake it, same weights
+        asleep = False
+        for chunk in _chunks(((b, *batches[b]) for b in todo), limit, cfg.calibration.chunk_batches):
+            if asleep:  # the rollout slept through the previous chunk's passes: wake it, same weights
                 self.checkpoint_manager.update_weights(self.global_steps)
             rollouts = []
-            for prompts in chunk:
-                submitted += list(prompts["uid"])
+            for index, uids, prompts in chunk:
+                progress.phase("rollout", index)
                 self._submit_batch_to_rollout(prompts)
                 with calibration_sampling(self.replay_buffer):
                     batch, _ = self.replay_buffer.sample(
                         global_steps=self.global_steps, partition_id="train", batch_size=len(prompts)
                     )
-                rollouts.append(batch)
+                rollouts.append((index, uids, batch))
             self.on_sample_end()
-            for batch in rollouts:
-                metrics: dict = {}
-                if self.reward_loop_manager.reward_loop_worker_handles is None:
-                    batch = self._compute_reward_colocate(batch, metrics=metrics)
-                batch = self._balance_batch(batch, metrics=metrics)
-                self._compute_sketches(batch)
-                fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-                fields += [k for k in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
-                data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-                groups = calibration_groups(data, key, k=int(self.config.actor_rollout_ref.rollout.n))
-                outside = (set(groups.uids) | set(groups.incomplete)) - set(submitted)
-                if outside:
-                    raise RuntimeError(f"calibration sampled {len(outside)} group(s) of prompts outside its own set")
-                dropped["incomplete"] += len(groups.incomplete)
-                dropped["no_response"] -= len(groups.uids) + len(groups.incomplete)
-                counts = grading_counts(data, batch.tags)
-                if counts is not None:
-                    verdict_counts.append(counts)
-                points.append(groups.point)
-                refs.append(groups.reference)
-                grams.append(groups.gram)
-                truths.append(groups.truth)
-                tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
-                logger.warning("SetGRPO calibration: %d groups so far", sum(p.shape[0] for p in points))
-        if not points:
-            raise ValueError("the calibration prompt set is empty (algorithm.setgrpo.calibration.files / num_prompts)")
-        dropped["no_response"] += len(submitted)  # submitted groups that came back with no response at all
+            asleep = True
+            for index, uids, batch in rollouts:
+                shard = self._calibration_shard(index, uids, batch, identity, k, progress)
+                path = write_shard(shard_dir, shard)
+                progress.shard_done(len(uids), os.path.basename(path))
+        if parts > 1:
+            if not cfg.calibration.only:  # check_run_config refuses this; a stopped part never trains
+                raise RuntimeError("a part of a sharded calibration cannot train: calibration.only=true is needed")
+            logger.warning("SetGRPO calibration: part %d/%d finished in %.0f s; build the record from every part's "
+                           "shard directory with `setgrpo-verl merge-calibration`", part, parts,
+                           time.perf_counter() - t0)
+            return None
+        shards, _ = load_shards(shard_dir, identity)
+        record, paired = record_from_shards([(os.path.join(shard_dir, shard_name(b)), s) for b, s in shards.items()],
+                                            tau_start_source=source)
+        dropped = {reason: int(paired[f"dropped_{reason}"]) for reason in ("incomplete", "no_response")}
         if any(dropped.values()):
             logger.warning("SetGRPO calibration: %d of %d groups left out: %d lost some of their K responses (a "
                            "failed rollout session), %d came back with none", sum(dropped.values()),
-                           len(submitted), dropped["incomplete"], dropped["no_response"])
-        if any(t is None for t in truths) and not all(t is None for t in truths):
-            raise ValueError(f"{TRUTH_SCORE_KEY!r} came with {sum(t is not None for t in truths)} of {len(truths)} "
-                             "calibration batches; the grader gives it for every response or for none")
-        paired = {"point": torch.cat(points), "reference": torch.cat(refs), "gram": torch.cat(grams)}
-        if truths[0] is not None:
-            paired["truth"] = torch.cat(truths)
-        norm_by_std = bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True))
-        settings = cfg.calibration_settings(norm_by_std=norm_by_std)
-        record = calibrate(
-            paired["point"],
-            paired["reference"],
-            paired["gram"],
-            **settings.as_kwargs(),
-            split_seed=cfg.calibration.split_seed,
-            metadata={**self._run_identity(), "calibration_prompts": self._calibration_prompts},
-        )
-        out = self._record_out()
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        # the paired scores first: a record next to them means the calibration finished
-        np.savez(os.path.join(os.path.dirname(os.path.abspath(out)), "paired_scores.npz"),
-                 **{name: value.numpy() for name, value in paired.items()},
-                 **{f"dropped_{reason}": np.int64(n) for reason, n in dropped.items()})
-        record.to_json(out)
+                           len(self._calibration_prompts), dropped["incomplete"], dropped["no_response"])
+        write_calibration(record, paired, out)
         grading = {f"setgrpo/calibration/dropped_{reason}": float(n) for reason, n in dropped.items()}
-        if verdict_counts:
-            grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(*map(sum, zip(*verdict_counts)))
+        if "judged_verdicts" in paired:
+            grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(float(paired["unparsed_verdicts"]),
+                                                            float(paired["judged_verdicts"]))
         self._log_record(record, grading, timing_s=time.perf_counter() - t0)
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
         if record.tau_sel is None:
             logger.warning("SetGRPO: %s", record.selection_text())
-        if not cfg.calibration.only:  # training follows: verl's sync trainer starts a step with the rollout awake
+        if not cfg.calibration.only and asleep:  # training follows: verl's sync trainer starts with the rollout awake
             self.checkpoint_manager.update_weights(self.global_steps)
         return record
+
+    def _existing_shards(self, shard_dir: str, identity: dict, batches: list) -> dict:
+        """The shards a stopped calibration left (batch index -> shard), each checked against this run's identity
+        and its batch's prompts; torn files are renamed ``*.torn`` (kept for a look, never read) and calibrated
+        again; stale temporary files are removed.
+
+        Raises:
+            ValueError: shards under ``trainer.resume_mode=disable``, of another run (file and field named), or
+                holding other prompts than their batch.
+        """
+        if not os.path.isdir(shard_dir):
+            return {}
+        for name in os.listdir(shard_dir):
+            if name.startswith(".") and name.endswith(".tmp"):  # a write that did not reach its rename
+                os.remove(os.path.join(shard_dir, name))
+        if not any(n.endswith(".npz") for n in os.listdir(shard_dir)):
+            return {}
+        if str(self.config.trainer.get("resume_mode", "auto")) == "disable":
+            raise ValueError(f"{shard_dir} holds calibration shards of an earlier run and trainer.resume_mode=disable: "
+                             "set trainer.resume_mode=auto to continue that calibration, or delete the shards to "
+                             "start it over")
+        shards, torn = load_shards(shard_dir, identity, torn="skip")
+        for path in torn:
+            logger.warning("SetGRPO calibration: %s cannot be read whole (a write cut off): renamed to %s.torn, its "
+                           "batch is calibrated again", path, path.name)
+            os.replace(path, f"{path}.torn")
+        for index, shard in shards.items():
+            if index >= len(batches) or list(shard.prompts) != self._calibration_prompts[
+                    index * identity["prompts"]["batch_size"]:][:len(batches[index][0])]:
+                raise ValueError(f"calibration shard {os.path.join(shard_dir, shard_name(index))}: field prompts "
+                                 f"differs from calibration batch {index}'s prompts; delete the shards to calibrate "
+                                 "again")
+        return shards
+
+    def _calibration_shard(self, index: int, uids: list, batch: Any, identity: dict, k: int,
+                           progress: "_Progress") -> CalibrationShard:
+        """Score and sketch one rolled-out calibration batch (its prompts' ``uids`` in order) and return its shard
+        (groups in prompt order)."""
+        key = self.setgrpo.reference_score_key
+        metrics: dict = {}
+        progress.phase("scoring", index)
+        if self.reward_loop_manager.reward_loop_worker_handles is None:
+            batch = self._compute_reward_colocate(batch, metrics=metrics)
+        batch = self._balance_batch(batch, metrics=metrics)
+        progress.phase("sketch", index)
+        self._compute_sketches(batch)
+        fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
+        fields += [f for f in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and f in batch.fields]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        groups = calibration_groups(data, key, k=k)
+        position = {uid: i for i, uid in enumerate(uids)}
+        outside = (set(groups.uids) | set(groups.incomplete)) - set(position)
+        if outside:
+            raise RuntimeError(f"calibration sampled {len(outside)} group(s) of prompts outside the batch it rolled "
+                               "out")
+        counts = grading_counts(data, batch.tags)
+        tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+        order = sorted(range(len(groups.uids)), key=lambda g: position[groups.uids[g]])
+        n = len(uids)
+        size = identity["prompts"]["batch_size"]
+        return CalibrationShard(
+            index=index, prompts=tuple(self._calibration_prompts[index * size:index * size + n]),
+            point=groups.point[order].numpy(), reference=groups.reference[order].numpy(),
+            gram=groups.gram[order].numpy(), truth=None if groups.truth is None else groups.truth[order].numpy(),
+            prompt_index=np.array([position[groups.uids[g]] for g in order], dtype=np.int64), identity=identity,
+            dropped={"incomplete": len(groups.incomplete),
+                     "no_response": n - len(groups.uids) - len(groups.incomplete)},
+            verdicts=None if counts is None else tuple(float(c) for c in counts),
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )
 
     # ------------------------------------------------------------------ per step
     def _compute_reward_colocate(self, batch, metrics: Optional[dict] = None):

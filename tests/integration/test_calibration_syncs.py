@@ -20,6 +20,7 @@ from transfer_queue.metadata import KVBatchMeta
 from verl.utils import tensordict_utils as tu
 
 import setgrpo_verl.integration.trainer as trainer_module
+from setgrpo_verl.core import prompt_fingerprint
 from setgrpo_verl.integration.trainer import calibration_chunk_prompts
 from setgrpo_verl.integration.worker import SKETCH_KEY
 
@@ -84,12 +85,16 @@ class _Rollout:
             del self.store[k]
 
 
-def _calibrate(tmp_path, monkeypatch, batches: int, per_batch: int, *, only: bool, storage: int | None = None):
-    trainer = _record_trainer(tmp_path, calibration={"only": only, "on_infeasible": "reject_all"})
+def _calibrate(tmp_path, monkeypatch, batches: int, per_batch: int, *, only: bool, storage: int | None = None,
+               chunk_batches: int = 1, fake: "_Rollout | None" = None, setgrpo: dict | None = None,
+               resume_mode: str = "auto", **calibration):
+    trainer = _record_trainer(tmp_path, calibration={"only": only, "on_infeasible": "reject_all",
+                                                     "chunk_batches": chunk_batches, **calibration}, **(setgrpo or {}))
+    trainer.config.trainer.resume_mode = resume_mode
     if storage is not None:
         trainer.config.transfer_queue = {"backend": {"storage_backend": "SimpleStorage",
                                                      "SimpleStorage": {"total_storage_size": storage}}}
-    fake = _Rollout()
+    fake = fake or _Rollout()
     monkeypatch.setattr(trainer_module, "tq", fake)
     trainer.checkpoint_manager = fake
     trainer.replay_buffer = SimpleNamespace(sample=fake.sample)
@@ -99,26 +104,39 @@ def _calibrate(tmp_path, monkeypatch, batches: int, per_batch: int, *, only: boo
     trainer._submit_batch_to_rollout = fake.submit
     trainer._compute_sketches = fake.sketch
     trainer._balance_batch = lambda batch, metrics: batch
-    trainer._calibration_batches = lambda: iter([tu.get_tensordict({"uid": np.array([f"p{b}x{i}" for i in range(per_batch)],
-                                                                                    dtype=object)})
-                                                 for b in range(batches)])
+
+    def calibration_batches():
+        for b in range(batches):
+            uids = [f"p{b}x{i}" for i in range(per_batch)]
+            trainer._calibration_prompts += [prompt_fingerprint(u, f"question {u}", []) for u in uids]
+            yield tu.get_tensordict({"uid": np.array(uids, dtype=object)})
+
+    trainer._calibration_batches = calibration_batches
     record = trainer._calibrate()
     assert not fake.store  # every calibration rollout was cleared from TransferQueue
     return record, fake.events
 
 
 @pytest.mark.parametrize("only", [True, False])
-def test_one_phase_rolls_out_every_batch_then_sleeps_once_without_a_sync(tmp_path, monkeypatch, only):
-    record, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=only)
+def test_one_chunk_rolls_out_every_batch_then_sleeps_once_without_a_sync(tmp_path, monkeypatch, only):
+    record, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=only, chunk_batches=3)
     assert events == ["rollout"] * 3 + ["sleep"] + ["sketch"] * 3 + ([] if only else ["sync"])
     paired = np.load(tmp_path / "paired_scores.npz")
     assert paired["point"].shape == (24, K) and paired["gram"].shape == (24, K, K)
     assert record.K == K
 
 
+def test_streaming_writes_a_shard_per_batch_with_one_sync_per_further_batch(tmp_path, monkeypatch):
+    record, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=False)
+    assert events == ["rollout", "sleep", "sketch", "sync"] * 3
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"batch_{b:06d}.npz" for b in range(3)]
+    assert len(record.calibration_prompts) == 24
+
+
 def test_a_set_larger_than_transfer_queue_holds_is_chunked_with_one_sync_per_further_chunk(tmp_path, monkeypatch):
     # room for 2 * K * 8 responses: chunks of at most 8 prompts, i.e. two batches of 4
-    _, events = _calibrate(tmp_path, monkeypatch, batches=5, per_batch=4, only=True, storage=2 * K * 8)
+    _, events = _calibrate(tmp_path, monkeypatch, batches=5, per_batch=4, only=True, storage=2 * K * 8,
+                           chunk_batches=5)
     chunk = ["rollout", "rollout", "sleep", "sketch", "sketch"]
     assert events == chunk + ["sync"] + chunk + ["sync", "rollout", "sleep", "sketch"]
     assert events.count("sync") == 2  # against 4 when every batch after the first syncs
@@ -164,3 +182,86 @@ def test_a_reward_computed_in_the_trainer_process_brings_its_extra_keys(monkeypa
     assert batch.fields == ["prompts", "responses", "rm_scores", "setgrpo_reference_score"]
     assert "setgrpo_reference_score" in store and "rm_scores" in store
     assert "compute_rm_score" not in vars(trainer.reward_loop_manager)
+
+
+class _Stop(Exception):
+    """A stop (SIGTERM, a lost node) in the middle of the calibration."""
+
+
+def _stopping(after: int) -> _Rollout:
+    fake = _Rollout()
+    sketch, calls = fake.sketch, []
+
+    def stop_after(batch, fused=False):
+        if len(calls) == after:
+            raise _Stop
+        calls.append(1)
+        sketch(batch, fused)
+
+    fake.sketch = stop_after
+    return fake
+
+
+def test_a_stopped_calibration_resumes_from_its_shards_without_rolling_them_out_again(tmp_path, monkeypatch):
+    with pytest.raises(_Stop):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, fake=_stopping(after=1))
+    first = (tmp_path / "shards" / "batch_000000.npz").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["batch_000000.npz"]
+    record, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
+    assert events.count("rollout") == 2  # batch 0 was not rolled out again
+    assert (tmp_path / "shards" / "batch_000000.npz").read_bytes() == first
+    paired = np.load(tmp_path / "paired_scores.npz")
+    with np.load(tmp_path / "shards" / "batch_000000.npz") as shard:
+        np.testing.assert_array_equal(paired["point"][:8], shard["point"])
+    ids = [p["id"] for p in record.calibration_prompts]
+    assert sorted(ids) == sorted(f"p{b}x{i}" for b in range(3) for i in range(8)) and len(set(ids)) == 24
+    # the record is the shard set's: building it again from the shards gives the same bytes
+    from setgrpo_verl.core import load_shards, record_from_shards
+
+    shards, _ = load_shards(tmp_path / "shards")
+    again, _ = record_from_shards([(tmp_path / "shards" / f"batch_{b:06d}.npz", s) for b, s in shards.items()])
+    again.to_json(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == (tmp_path / "setgrpo_calibration.json").read_bytes()
+
+
+def test_a_torn_shard_is_refused_on_resume_and_calibrated_again(tmp_path, monkeypatch):
+    with pytest.raises(_Stop):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, fake=_stopping(after=2))
+    torn = tmp_path / "shards" / "batch_000001.npz"
+    torn.write_bytes(torn.read_bytes()[:300])  # cut off mid-file
+    (tmp_path / "shards" / ".batch_000002.npz.tmp").write_bytes(b"half")  # a write that did not reach its rename
+    _, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
+    assert events.count("rollout") == 2  # batches 1 (torn) and 2
+    assert (tmp_path / "shards" / "batch_000001.npz.torn").is_file()
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.npz")) == [f"batch_{b:06d}.npz" for b in range(3)]
+    assert not list((tmp_path / "shards").glob(".*.tmp"))
+
+
+def test_shards_of_another_run_or_without_resume_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(_Stop):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, fake=_stopping(after=1))
+    with pytest.raises(ValueError, match=r"batch_000000.npz mismatch in settings.alpha: shard has 0.1, this run has "
+                                         r"0.2"):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, setgrpo={"alpha": 0.2})
+    with pytest.raises(ValueError, match="trainer.resume_mode=disable"):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, resume_mode="disable")
+
+
+def test_a_part_of_a_sharded_calibration_writes_its_shards_and_no_record(tmp_path, monkeypatch):
+    record, events = _calibrate(tmp_path, monkeypatch, batches=5, per_batch=4, only=True, shard="1/2")
+    assert record is None and events.count("rollout") == 2
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["batch_000001.npz", "batch_000003.npz"]
+    assert not (tmp_path / "setgrpo_calibration.json").exists()
+
+
+def test_a_part_without_calibration_only_or_a_bad_part_is_refused_in_the_config():
+    from setgrpo_verl.integration.config import SetGRPOCalibrationConfig
+
+    assert SetGRPOCalibrationConfig(shard="1/4", only=True).part() == (1, 4)
+    assert SetGRPOCalibrationConfig().part() == (0, 1)
+    with pytest.raises(ValueError, match=r"calibration.shard=1/4 .* set calibration.only=true"):
+        SetGRPOCalibrationConfig(shard="1/4")
+    with pytest.raises(ValueError, match=r"algorithm.setgrpo.calibration.shard '4/4': give I/N"):
+        SetGRPOCalibrationConfig(shard="4/4", only=True)
+    with pytest.raises(ValueError, match=r"chunk_batches=0 must be >= 1"):
+        SetGRPOCalibrationConfig(chunk_batches=0)

@@ -134,5 +134,5 @@ def test_a_group_from_outside_the_calibration_set_is_an_error(tmp_path, monkeypa
     trainer, fake = _setup(tmp_path, monkeypatch)
     fake.submit(_prompts(["stray"]))  # e.g. a prompt left in TransferQueue's train partition
     trainer._calibration_batches = lambda: iter([_prompts([f"p9x{i}" for i in range(8)])])
-    with pytest.raises(RuntimeError, match="outside its own set"):
+    with pytest.raises(RuntimeError, match="outside the batch it rolled out"):
         trainer._calibrate()

@@ -151,6 +151,24 @@ def test_dir_state(tmp_path):
     assert [dir_state(tmp_path / n) for n in "abcd"] == [P, K, C, A]
 
 
+def test_a_calibration_with_shards_and_no_record_is_continued_under_resume(tmp_path):
+    shards = tmp_path / "calibration" / "shards"
+    shards.mkdir(parents=True)
+    (shards / "batch_000000.npz").write_bytes(b"x")
+    assert dir_state(tmp_path / "calibration") == K
+    assert plan_run(tmp_path, ["calibration"], resume=True)["calibration"].action == "continue"
+    assert "after 1 calibration shard(s)" in plan_run(tmp_path, ["calibration"], resume=True).text()
+    refused = plan_run(tmp_path, ["calibration"])["calibration"]
+    assert refused.action == "refuse" and "interrupted after 1 calibration shard(s): pass --resume" in refused.reason
+    assert plan_run(tmp_path, ["calibration"], overwrite=True)["calibration"].action == "replace"
+    # shards copied into a run directory without its data split: the split is made again and the shards continued
+    fresh = plan_run(tmp_path, ["data", "calibration"], resume=True)
+    assert (fresh["data"].action, fresh["calibration"].action) == ("create", "continue")
+    assert plan_run(tmp_path, ["data", "calibration"])["calibration"].action == "refuse"
+    (tmp_path / "calibration" / "record.json").write_text("{}")
+    assert dir_state(tmp_path / "calibration") == C
+
+
 # ---------------------------------------------------------------- the commands that lost finished work
 
 def test_resume_of_the_combined_stage_keeps_a_finished_calibration(tmp_path):

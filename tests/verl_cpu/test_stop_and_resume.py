@@ -201,3 +201,49 @@ def test_stopped_train_resumes_like_an_uninterrupted_run(calibrated, tmp_path):
     # step 1 was not trained again: its rows are those written before the signal (the rollouts of two runs with the
     # same seeds differ on the CPU backend, so the uninterrupted run's values are not the comparison)
     assert groups["stopped"][:3] == step1_rows
+
+
+def test_a_calibration_stopped_after_its_first_shard_resumes_from_it(tiny_model, reward_file, tmp_path):
+    """SIGTERM once the first calibration batch's shard is written; ``--resume`` calibrates the other batches only:
+    the first shard is in the final paired scores unchanged, and the record names every prompt once."""
+    import numpy as np
+
+    from setgrpo_verl.core import CalibrationRecord
+
+    run = tmp_path / "run"
+    flags = [*_FLAGS, "--calib-batch-size", "2"]  # three batches of two prompts: three shards
+    common = ["--run-dir", str(run), "--model", str(tiny_model), "--judge", "function", "--reward-function",
+              str(reward_file), *flags]
+    shards = run / "calibration" / "shards"
+    with open(tmp_path / "stopped.log", "w") as out:
+        cli = subprocess.Popen([sys.executable, "-m", "setgrpo_verl", "calibrate", *common], stdout=out,
+                               stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: (shards / "batch_000000.npz").is_file(), 600, "the first calibration shard")
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert not (run / "calibration" / "record.json").exists(), "the calibration finished before the signal"
+    assert "calibration shard(s): rerun with --resume" in (run / "calibration" / "FAILED").read_text()
+    before = {p.name: p.read_bytes() for p in shards.glob("batch_*.npz")}
+    assert "batch_000000.npz" in before and len(before) < 3
+
+    resumed = _cli("calibrate", *common, "--resume")
+    assert resumed.returncode == 0, tail(resumed)
+    assert {p.name: p.read_bytes() for p in shards.glob("batch_*.npz") if p.name in before} == before
+    assert sorted(p.name for p in shards.glob("batch_*.npz")) == [f"batch_{b:06d}.npz" for b in range(3)]
+    log = (run / "calibration" / "main_ppo.log").read_text()
+    assert f"{len(before)} with a shard already, {3 - len(before)} to calibrate" in log
+    paired = np.load(run / "calibration" / "paired_scores.npz")
+    with np.load(shards / "batch_000000.npz") as first:
+        rows = first["point"].shape[0]
+        np.testing.assert_array_equal(paired["point"][:rows], first["point"])
+        np.testing.assert_array_equal(paired["gram"][:rows], first["gram"])
+    record = CalibrationRecord.from_json(run / "calibration" / "record.json")
+    ids = [p["question_sha256"] for p in record.calibration_prompts]
+    assert len(ids) == 6 and len(set(ids)) == 6
+    merged = _cli("merge-calibration", str(run / "calibration"), "--out", str(tmp_path / "merged"))
+    assert merged.returncode == 0, tail(merged)
+    assert (tmp_path / "merged" / "record.json").read_bytes() == (run / "calibration" / "record.json").read_bytes()

@@ -1,0 +1,77 @@
+"""``setgrpo-verl merge-calibration``: one record from the shard directories of the parts of a sharded calibration
+(docs/record.md#calibration-shards).
+
+Every part (``algorithm.setgrpo.calibration.shard=I/N``, or ``calibrate --shard I/N``) writes the shards of its
+batches; this builds the record from all of them with :func:`setgrpo_verl.core.record_from_shards`, which refuses
+shards of different runs or settings, two shards of one batch (or one prompt twice) and missing batches. The record
+is the one a single run over all batches writes from the same shards, byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+from .core import (SHARD_DIR, CalibrationRecord, TornShardError, load_shards, pilot_source, record_from_shards,
+                   shard_name, write_calibration)
+from .rundir import LaunchError
+
+__all__ = ["merge_calibration", "shard_dirs"]
+
+
+def shard_dirs(dirs: Sequence[str | os.PathLike]) -> list[Path]:
+    """The shard directory of each argument: a calibration directory's ``shards/``, or a shard directory itself.
+
+    Raises:
+        LaunchError: an argument that holds no shards.
+    """
+    out = []
+    for d in dirs:
+        d = Path(d)
+        found = d / SHARD_DIR if (d / SHARD_DIR).is_dir() else d
+        if not found.is_dir() or not any(found.glob("batch_*.npz")):
+            raise LaunchError(f"{d}: no calibration shards (batch_*.npz) in it or in its {SHARD_DIR}/")
+        out.append(found)
+    return out
+
+
+def merge_calibration(dirs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
+                      pilot: str | os.PathLike | None = None) -> CalibrationRecord:
+    """Build the record of a sharded calibration from its parts' shard directories and write ``<out>/record.json``
+    and ``<out>/paired_scores.npz`` (the paired scores first, as the trainer writes them).
+
+    Args:
+        dirs: the parts' calibration directories (or their ``shards/``).
+        out: the directory of the record (created; an existing ``record.json`` there is never overwritten).
+        pilot: a pilot record calibrated on other prompts: the fixed sequence's ``tau_start`` must be its
+            ``tau_sel`` (:func:`setgrpo_verl.core.pilot_start`), and the record names it as the start's source.
+
+    Returns:
+        The record written.
+
+    Raises:
+        LaunchError: no shards, a torn shard (rerun its part with ``--resume``), shards of different runs or
+            settings (file and field named), overlapping or missing batches, an existing record in ``out``, or a
+            pilot that does not give this calibration's ``tau_start``.
+    """
+    out = Path(out)
+    if (out / "record.json").exists():
+        raise LaunchError(f"{out / 'record.json'} exists: a frozen record is never overwritten; choose another --out")
+    sources = []
+    try:
+        for d in shard_dirs(dirs):
+            shards, _ = load_shards(d)
+            sources += [(d / shard_name(index), shard) for index, shard in shards.items()]
+        source = None
+        if pilot is not None:
+            prompts = [p for _, s in sorted(sources, key=lambda x: x[1].index) for p in s.prompts]
+            source = pilot_source(CalibrationRecord.from_json(pilot), sources[0][1].identity["settings"], prompts,
+                                  name=f"the pilot record {pilot}")
+        record, paired = record_from_shards(sources, tau_start_source=source)
+    except TornShardError as exc:
+        raise LaunchError(f"{exc}; rerun that part with --resume to calibrate its batch again") from None
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    write_calibration(record, paired, out / "record.json")
+    return record

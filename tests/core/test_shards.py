@@ -1,0 +1,182 @@
+"""Calibration shards: what a shard file holds is what is read back, a changed or torn file is refused naming the
+file and the field, and the record of a shard set depends on the set only (merged parts, one run: byte for byte)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from setgrpo_verl.core import (CalibrationSettings, CalibrationShard, TornShardError, calibrate, in_part,
+                               load_shards, parse_part, prompt_fingerprint, read_shard, record_from_shards,
+                               shard_identity, shard_name, write_calibration, write_shard)
+from setgrpo_verl.merge import merge_calibration
+from setgrpo_verl.rundir import LaunchError
+
+from .synthetic import make_groups
+
+K, BATCH, BATCHES = 4, 20, 5
+RUN = {"loss_agg_mode": "token-mean", "sketch": {"rank_out": 1}, "grader": {"name": "judge"},
+       "policy": {"model": "m", "temperature": 1.0}}
+PROMPTS = [prompt_fingerprint(f"q{i}", f"question {i}", ["rubric"]) for i in range(BATCH * BATCHES - 7)]
+
+
+def _settings(**changes):
+    values = {"alpha": 0.2, "beta": 0.4, "delta": 0.2, "tau_grid": (0.0, 0.3, 0.6), "rho": 0.1,
+              "on_infeasible": "reject_all", **changes}
+    return CalibrationSettings(**values).to_dict()
+
+
+def _identity(**changes):
+    return shard_identity(k=K, settings=_settings(**changes), split_seed=0, run=RUN, prompts=PROMPTS,
+                          batch_size=BATCH)
+
+
+def _shards(identity=None, *, drop_last_group=True):
+    """Shards of the calibration prompts (the last batch smaller; its last prompt's group incomplete)."""
+    point, reference, gram = (x.numpy() for x in make_groups(len(PROMPTS), K, seed=3))
+    out = []
+    for b in range(BATCHES):
+        lo, hi = b * BATCH, min((b + 1) * BATCH, len(PROMPTS))
+        keep = np.arange(hi - lo)
+        if drop_last_group and b == BATCHES - 1:
+            keep = keep[:-1]
+        out.append(CalibrationShard(index=b, prompts=tuple(PROMPTS[lo:hi]), point=point[lo:hi][keep],
+                                    reference=reference[lo:hi][keep], gram=gram[lo:hi][keep], truth=None,
+                                    prompt_index=keep, identity=identity or _identity(),
+                                    dropped={"incomplete": int(len(keep) < hi - lo), "no_response": 0},
+                                    created_at=f"2026-01-01T00:00:0{b}+00:00"))
+    return out
+
+
+def _write(directory, shards):
+    return [write_shard(directory, s) for s in shards]
+
+
+def test_a_shard_reads_back_as_written(tmp_path):
+    shard = _shards()[4]
+    path = write_shard(tmp_path, shard)
+    assert path.name == shard_name(4) and not list(tmp_path.glob(".*.tmp"))
+    back = read_shard(path)
+    for name in ("point", "reference", "gram", "prompt_index"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(shard, name))
+    assert back.prompts == shard.prompts and back.identity == shard.identity and back.dropped == shard.dropped
+
+
+def test_changed_content_is_refused_naming_the_file_and_field(tmp_path):
+    path = write_shard(tmp_path, _shards()[0])
+    with np.load(path) as z:
+        data = {k: z[k] for k in z.files}
+    data["point"] = data["point"] + 1e-9
+    np.savez(path, **data)
+    with pytest.raises(ValueError, match=rf"{path.name}: field point does not match"):
+        read_shard(path)
+    meta = json.loads(str(data["meta"]))
+    meta["index"] = 1
+    data["meta"] = np.array(json.dumps(meta, sort_keys=True))
+    np.savez(path, **data)
+    with pytest.raises(ValueError, match=rf"{path.name}: field content_sha256"):
+        read_shard(path)
+
+
+def test_a_torn_shard_is_never_read_as_data(tmp_path):
+    paths = _write(tmp_path, _shards()[:2])
+    size = paths[1].stat().st_size
+    with open(paths[1], "r+b") as fh:
+        fh.truncate(size // 2)
+    with pytest.raises(TornShardError, match=paths[1].name):
+        read_shard(paths[1])
+    shards, torn = load_shards(tmp_path, torn="skip")
+    assert sorted(shards) == [0] and torn == [paths[1]]
+    with pytest.raises(TornShardError):
+        load_shards(tmp_path)
+
+
+def test_another_runs_shard_is_refused_naming_file_and_field(tmp_path):
+    _write(tmp_path, _shards())
+    with pytest.raises(ValueError, match=r"batch_000000.npz mismatch in settings.alpha: shard has 0.2, this run has "
+                                         r"0.3"):
+        load_shards(tmp_path, _identity(alpha=0.3))
+    other = shard_identity(k=K, settings=_settings(), split_seed=0, run={**RUN, "grader": {"name": "other"}},
+                           prompts=PROMPTS, batch_size=BATCH)
+    with pytest.raises(ValueError, match=r"mismatch in grader.name: shard has 'judge', this run has 'other'"):
+        load_shards(tmp_path, other)
+
+
+def test_parts_are_disjoint_and_complete():
+    assert parse_part("1/3") == (1, 3)
+    for bad in ("3/3", "-1/2", "1", "a/b"):
+        with pytest.raises(ValueError, match="0 <= I < N"):
+            parse_part(bad)
+    owners = [[i for i in range(3) if in_part(b, i, 3)] for b in range(10)]
+    assert all(len(o) == 1 for o in owners)
+
+
+def test_merged_parts_give_the_record_of_one_run_byte_for_byte(tmp_path):
+    shards = _shards()
+    one, part0, part1 = tmp_path / "one" / "shards", tmp_path / "p0" / "shards", tmp_path / "p1" / "shards"
+    _write(one, shards)
+    _write(part0, [s for s in shards if in_part(s.index, 0, 2)])
+    _write(part1, [s for s in shards if in_part(s.index, 1, 2)])
+    # one run: the shard set read back from its directory, as the trainer builds its record
+    read, _ = load_shards(one, _identity())
+    record, paired = record_from_shards([(one / shard_name(b), s) for b, s in read.items()])
+    write_calibration(record, paired, tmp_path / "one" / "record.json")
+    merged = merge_calibration([tmp_path / "p1", part0], tmp_path / "merged")
+    assert (tmp_path / "merged" / "record.json").read_bytes() == (tmp_path / "one" / "record.json").read_bytes()
+    # ... which is calibrate() on every complete group in batch order
+    direct = calibrate(*(torch.from_numpy(np.concatenate([getattr(s, n) for s in shards]))
+                         for n in ("point", "reference", "gram")),
+                       **_settings(), split_seed=0, created_at=shards[-1].created_at,
+                       metadata={**RUN, "calibration_prompts": PROMPTS})
+    assert merged.to_dict() == direct.to_dict()
+    saved = np.load(tmp_path / "merged" / "paired_scores.npz")
+    assert saved["point"].shape == (len(PROMPTS) - 1, K) and int(saved["dropped_incomplete"]) == 1
+    assert len(merged.calibration_prompts) == len(PROMPTS)
+
+
+def test_merge_refuses_missing_overlapping_and_foreign_parts(tmp_path):
+    shards = _shards()
+    _write(tmp_path / "p0", [s for s in shards if in_part(s.index, 0, 2)])
+    _write(tmp_path / "p1", [s for s in shards if in_part(s.index, 1, 2)])
+    with pytest.raises(LaunchError, match=r"missing: 2 of 5 batches have no shard, the first batch 1"):
+        merge_calibration([tmp_path / "p0"], tmp_path / "out")
+    shutil.copytree(tmp_path / "p1", tmp_path / "again")
+    with pytest.raises(LaunchError, match=r"overlap: .*p1/batch_000001.npz and .*again/batch_000001.npz"):
+        merge_calibration([tmp_path / "p0", tmp_path / "p1", tmp_path / "again"], tmp_path / "out")
+    _write(tmp_path / "levels", [s for s in _shards(_identity(beta=0.5)) if in_part(s.index, 1, 2)])
+    with pytest.raises(LaunchError, match=r"batch_000001.npz mismatch in settings.beta: shard has 0.5, this run has "
+                                          r"0.4"):
+        merge_calibration([tmp_path / "p0", tmp_path / "levels"], tmp_path / "out")
+    _write(tmp_path / "only1", [shards[1]])
+    _write(tmp_path / "shifted", [CalibrationShard(**{**shards[1].__dict__, "index": 3})])  # batch 1 again, as 3
+    with pytest.raises(LaunchError, match=r"overlap: prompt 'q20' is in .*only1/batch_000001.npz and in "):
+        merge_calibration([tmp_path / "p0", tmp_path / "only1", tmp_path / "shifted"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+
+def test_merge_names_a_pilot_as_the_source_of_tau_start_and_refuses_one_that_does_not_give_it(tmp_path):
+    from setgrpo_verl.core import content_sha256
+
+    other = [prompt_fingerprint(f"pilot{i}", f"pilot question {i}", []) for i in range(200)]
+    pilot = calibrate(*make_groups(200, K, seed=9), alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6),
+                      on_infeasible="reject_all", metadata={"calibration_prompts": other})
+    assert pilot.tau_sel is not None
+    pilot.to_json(tmp_path / "pilot.json")
+    fixed = _identity(srgo_procedure="fixed_sequence", tau_start=pilot.tau_sel)
+    _write(tmp_path / "run", _shards(fixed))
+    record = merge_calibration([tmp_path / "run"], tmp_path / "out", pilot=tmp_path / "pilot.json")
+    assert record.tau_start_source == {"kind": "pilot", "record_sha256": content_sha256(pilot)}
+    start = next(t for t in (0.0, 0.3, 0.6) if t != pilot.tau_sel)
+    _write(tmp_path / "elsewhere", _shards(_identity(srgo_procedure="fixed_sequence", tau_start=start)))
+    with pytest.raises(LaunchError, match=rf"starts the fixed sequence at tau={pilot.tau_sel}"):
+        merge_calibration([tmp_path / "elsewhere"], tmp_path / "out2", pilot=tmp_path / "pilot.json")
+    shared = calibrate(*make_groups(200, K, seed=9), alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6),
+                       on_infeasible="reject_all", metadata={"calibration_prompts": PROMPTS[:3] + other[3:]})
+    shared.to_json(tmp_path / "shared.json")
+    with pytest.raises(LaunchError, match="3 calibration prompt.* were also the pilot's"):
+        merge_calibration([tmp_path / "run"], tmp_path / "out3", pilot=tmp_path / "shared.json")
