@@ -22,6 +22,7 @@ from setgrpo_verl.integration.estimator import (
     SetGRPOStepContext,
     complete_group_rows,
     compute_setgrpo_outcome_advantage,
+    rows_to_sketch,
     setgrpo_step,
 )
 from setgrpo_verl.integration.trainer import calibration_groups, compute_setgrpo_advantage, reference_scores_from
@@ -245,3 +246,31 @@ def test_calibration_groups_carry_the_truth_when_the_grader_has_one():
     extra[1]["reward_extra_info"]["truth_score"] = 1.0
     with pytest.raises(ValueError, match="'truth_score' of reward_extra_info is missing for 3 of 4"):
         calibration_groups(data, "reference_score", k=2)
+
+
+def test_degenerate_groups_are_not_sketched_and_their_sketch_rows_are_never_read():
+    """rows_to_sketch marks the rows of complete, non-degenerate groups only; with NaN sketch rows elsewhere, the
+    step equals the one with every row sketched (the monitor too), and a group that can update but was not
+    sketched is refused."""
+    record = _record()
+    rewards, mask, uids, sketches, scores, reference = _batch(n_groups=10, seed=5)
+    rows = rows_to_sketch(uids, mask, rewards, K, record.degenerate_rtol)
+    degenerate_uid = str(uuid.UUID(int=1))
+    assert rows.tolist() == [u != degenerate_uid and bool(m.any()) for u, m in zip(uids, mask)]
+    skipped = sketches.clone()
+    skipped[~rows] = float("nan")
+    monitors = OnlineRiskMonitor(record), OnlineRiskMonitor(record)
+    full = setgrpo_step(rewards, mask, uids, sketches, record, reference_scores=reference, monitor=monitors[0])
+    part = setgrpo_step(rewards, mask, uids, skipped, record, reference_scores=reference, monitor=monitors[1],
+                        sketched=rows)
+    torch.testing.assert_close(part.coefficients, full.coefficients, rtol=0, atol=0)
+    assert part.metrics == {**full.metrics, **{k: part.metrics[k] for k in part.metrics if "timing_s" in k}}
+    live = [s != "degenerate" for s in part.result.status]
+    torch.testing.assert_close(part.gram[live], full.gram[live], rtol=0, atol=0)
+    assert not part.gram[[not x for x in live]].any()
+    with pytest.raises(ValueError, match="NaN"):  # without the mask the NaN rows are read and refused
+        setgrpo_step(rewards, mask, uids, skipped, record)
+    lost = rows.clone()
+    lost[rows.nonzero()[:K].squeeze(1)] = False  # the rows of live groups: refused whole or in part
+    with pytest.raises(ValueError, match="sketched"):
+        setgrpo_step(rewards, mask, uids, skipped, record, sketched=lost)
