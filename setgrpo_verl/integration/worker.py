@@ -116,6 +116,18 @@ def _token_segments(lengths: torch.Tensor, model_inputs: dict) -> torch.Tensor:
     return torch.where(valid, rows[:, None], torch.full(valid.shape, -1, dtype=torch.long))
 
 
+def _head_rows(lengths: torch.Tensor, response_index: torch.Tensor, response_lengths: list[int],
+               model_inputs: dict) -> torch.Tensor:
+    """Host int64 indices of the flattened token rows of ``model_inputs['input_ids']`` that score a response token
+    (the only rows whose LM-head output gradient can be non-zero): packed, the response log-probs' own indices;
+    padded [B, T], row i's positions ``len_i - resp_i - 1 .. len_i - 2`` at ``i * T``."""
+    if model_inputs.get("attention_mask") is None:  # packed: token rows are the packed positions
+        return response_index
+    width = model_inputs["input_ids"].shape[-1]
+    return torch.cat([torch.arange(i * width + int(n) - r - 1, i * width + int(n) - 1)
+                      for i, (n, r) in enumerate(zip(lengths.tolist(), response_lengths))])
+
+
 def _forward_autocast(engine: Any):
     """verl 0.9.1 ``FSDPEngineWithLMHead.forward_step``'s autocast around the model forward and
     ``prepare_model_outputs``: ``engine._autocast_dtype`` (mixed_precision.param_dtype, bf16 by default), none for
@@ -165,7 +177,8 @@ def _sketch_micro_batch(
     model_inputs, output_args = engine.prepare_model_inputs(micro_batch=mb)
     device = model_inputs["input_ids"].device
     if sk is not None:
-        sk.begin(_token_segments(lengths, model_inputs), len(mb), device=device)
+        sk.begin(_token_segments(lengths, model_inputs), len(mb), device=device,
+                 head_rows=_head_rows(lengths, response_index, _response_lengths(mb), model_inputs))
     grad = torch.enable_grad() if sk is not None else torch.no_grad()
     sketches = None
     with grad, _forward_autocast(engine):
@@ -203,10 +216,10 @@ def _agreed_plan(micro_batches: list, group) -> list[tuple[bool, bool]]:
     for mb in micro_batches:
         rows = _rows_to_sketch(mb)
         local.append((True, False) if rows is None else (bool(rows.any()), bool((~rows).any())))
-    flags = torch.tensor(local, dtype=torch.int64).reshape(-1, 2)
-    if group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-        flags = flags.to(get_device_id())
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+    if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return local
+    flags = torch.tensor(local, dtype=torch.int64).reshape(-1, 2).to(get_device_id())
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
     return [(bool(a), bool(b)) for a, b in flags.cpu().tolist()]
 
 
