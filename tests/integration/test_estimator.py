@@ -274,3 +274,27 @@ def test_degenerate_groups_are_not_sketched_and_their_sketch_rows_are_never_read
     lost[rows.nonzero()[:K].squeeze(1)] = False  # the rows of live groups: refused whole or in part
     with pytest.raises(ValueError, match="sketched"):
         setgrpo_step(rewards, mask, uids, skipped, record, sketched=lost)
+
+
+def test_calibration_reads_no_sketch_of_a_degenerate_group():
+    """With the row mask, a degenerate calibration group's NaN sketch rows are not read (zero Gram matrix) and the
+    other group's Gram matrix is unchanged; an unsketched group that is not degenerate is refused."""
+    from setgrpo_verl.integration.worker import SKETCH_KEY, SKETCH_ROWS_KEY
+
+    uids = ["b", "a", "b", "a"]
+    extra = np.array([{"reward_extra_info": {"reference_score": 0.1 * i}} for i in range(4)], dtype=object)
+    scores = torch.tensor([[0, 0, 1.0], [0, 0, 0.5], [0, 0, 0.25], [0, 0, 0.5]])  # group "a" is tied
+    sketches = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    data = {"uid": uids, "response_mask": torch.ones(4, 3, dtype=torch.long), "rm_scores": scores,
+            "extra_fields": extra, SKETCH_KEY: sketches}
+    full = calibration_groups(data, "reference_score", k=2)
+    rows = rows_to_sketch(uids, data["response_mask"], scores, 2)
+    assert rows.tolist() == [True, False, True, False]
+    skipped = sketches.clone()
+    skipped[~rows] = float("nan")
+    part = calibration_groups({**data, SKETCH_KEY: skipped, SKETCH_ROWS_KEY: rows}, "reference_score", k=2)
+    torch.testing.assert_close(part.gram[0], full.gram[0], rtol=0, atol=0)
+    assert not part.gram[1].any()
+    with pytest.raises(ValueError, match="not degenerate but were not sketched"):
+        calibration_groups({**data, SKETCH_KEY: skipped, SKETCH_ROWS_KEY: torch.zeros(4, dtype=torch.bool)},
+                           "reference_score", k=2)
