@@ -21,7 +21,7 @@ import torch
 
 from verl.trainer.ppo.core_algos import register_adv_est
 
-from setgrpo_verl.core import CalibrationRecord, setgrpo_coefficients
+from setgrpo_verl.core import DEGENERATE_RTOL, CalibrationRecord, degenerate_groups, setgrpo_coefficients
 
 from .config import SETGRPO_NAME, TRAINER_MODE_OVERRIDE
 
@@ -103,27 +103,76 @@ def complete_group_rows(index: Any, response_mask: torch.Tensor,
     return groups, uids, {u: len(r) for u, r in real.items() if len(r) < k}
 
 
-def group_gram(sketches: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+def group_gram(sketches: torch.Tensor, groups: torch.Tensor, sketched: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-group Gram matrices ``M_g = S_g S_g^T`` in float64 (docs/sketch.md#mechanics).
 
     Args:
         sketches: float32/float64 [B, m] sketches of the batch rows.
         groups: int64 [G, K] row indices.
+        sketched: optional bool [B], the rows the actor sketched (:func:`rows_to_sketch`); a group none of whose rows
+            was sketched gets a zero Gram matrix and its sketch rows are not read (docs/sketch.md#skipped-rows).
 
     Returns:
         float64 [G, K, K], symmetric positive semi-definite.
 
     Raises:
-        ValueError: ``sketches`` is not 2-D, has the wrong row count or non-finite entries.
+        ValueError: ``sketches`` is not 2-D, has the wrong row count or non-finite entries in a row that is read; a
+            group with some rows sketched and others not.
     """
     if sketches.dim() != 2:
         raise ValueError(f"sketches must be [B, m], got shape {tuple(sketches.shape)}")
     if int(groups.max()) >= sketches.shape[0]:
         raise ValueError(f"sketches has {sketches.shape[0]} rows but the groups index row {int(groups.max())}")
-    if not torch.isfinite(sketches).all():
+    read = torch.ones(groups.shape[0], dtype=torch.bool)
+    if sketched is not None:
+        if tuple(sketched.shape) != (sketches.shape[0],) or sketched.dtype != torch.bool:
+            raise ValueError(f"sketched must be bool [B={sketches.shape[0]}], got {sketched.dtype} "
+                             f"{tuple(sketched.shape)}")
+        in_group = sketched.cpu()[groups]
+        mixed = in_group.any(-1) & ~in_group.all(-1)
+        if mixed.any():
+            raise ValueError(f"group {int(mixed.nonzero()[0])} has some rows sketched and others not: the actor "
+                             "sketches whole groups")
+        read = in_group.all(-1)
+    s = sketches.detach().to(dtype=torch.float64, device="cpu")[groups[read]]  # [G_read, K, m]
+    if not torch.isfinite(s).all():
         raise ValueError("sketches contain NaN/inf: the actor's sketch pass diverged (check the model's dtype)")
-    s = sketches.detach().to(dtype=torch.float64, device="cpu")[groups]  # [G, K, m]
-    return s @ s.transpose(-1, -2)
+    gram = torch.zeros(groups.shape[0], groups.shape[1], groups.shape[1], dtype=torch.float64)
+    gram[read] = s @ s.transpose(-1, -2)
+    return gram
+
+
+def rows_to_sketch(index: Any, response_mask: torch.Tensor, scores: torch.Tensor, k: int,
+                   degenerate_rtol: float = DEGENERATE_RTOL) -> torch.Tensor:
+    """The rows whose sketches can be read: those of the complete groups whose point scores are not tied
+    (docs/sketch.md#skipped-rows).
+
+    A degenerate group (:func:`setgrpo_verl.core.degenerate_groups` with ``degenerate_rtol``, the test calibration
+    and training apply) gets a zero update from GRPO and SetGRPO and is left out of calibration; a group with fewer
+    than ``k`` responses is rejected in training and left out of calibration (:func:`complete_group_rows`). Neither
+    reads its Gram matrix, so their rows need old log-probs only.
+
+    Args:
+        index: B group ids (``uid``).
+        response_mask: [B, T] response-token mask.
+        scores: [B] point scores or [B, T] token-level scores (summed over T), reward units.
+        k: the group size K.
+        degenerate_rtol: relative tolerance of the degeneracy test (the record's in training).
+
+    Returns:
+        bool [B], True for the rows to sketch.
+
+    Raises:
+        ValueError: as :func:`complete_group_rows` and :func:`setgrpo_verl.core.degenerate_groups`.
+    """
+    groups, _, _ = complete_group_rows(index, response_mask, k)
+    point = scores.detach().to(dtype=torch.float64, device="cpu")
+    point = point.sum(-1) if point.dim() == 2 else point
+    rows = torch.zeros(response_mask.shape[0], dtype=torch.bool)
+    if groups.shape[0]:
+        live = ~degenerate_groups(point[groups], degenerate_rtol)
+        rows[groups[live].reshape(-1)] = True
+    return rows
 
 
 def setgrpo_step(
@@ -137,6 +186,7 @@ def setgrpo_step(
     monitor: Any = None,
     ablation: Optional[str] = None,
     seed: int = 0,
+    sketched: Optional[torch.Tensor] = None,
 ) -> SetGRPOStep:
     """SetGRPO advantages of one batch: sketches + scores + uids + response mask -> advantages + metrics.
 
@@ -155,6 +205,8 @@ def setgrpo_step(
         monitor: optional ``OnlineRiskMonitor`` for ``record``.
         ablation: None or one ablation name of docs/algorithm.md#6-diagnostics (overrides the record's, if any).
         seed: seed of the ``random_discard`` ablation.
+        sketched: optional bool [B], the rows the actor sketched (:func:`rows_to_sketch`); every other row must
+            belong to a degenerate or an incomplete group, whose Gram matrix is then zero and not read.
 
     A group with fewer than ``record.K`` responses (a failed rollout session, which verl's agent loop keeps) is
     rejected: its rows get coefficient 0 and it is left out of ``groups`` and of the core library's G.
@@ -167,7 +219,8 @@ def setgrpo_step(
 
     Raises:
         ValueError: bad shapes, a group larger than the record's K or no complete group at all (see
-            :func:`complete_group_rows`), or non-finite sketches.
+            :func:`complete_group_rows`), non-finite sketches, or a group that can update whose rows were not
+            sketched.
     """
     if token_level_rewards.shape != response_mask.shape or token_level_rewards.dim() != 2:
         raise ValueError(
@@ -187,7 +240,12 @@ def setgrpo_step(
     t0 = time.perf_counter()
     scores = token_level_rewards.detach().to(dtype=torch.float64, device="cpu").sum(dim=-1)
     point = scores[groups]
-    gram = group_gram(sketches, groups)
+    gram = group_gram(sketches, groups, sketched)
+    if sketched is not None:
+        unread = ~sketched.cpu()[groups].all(-1) & ~degenerate_groups(point, record.degenerate_rtol)
+        if unread.any():
+            raise ValueError(f"{int(unread.sum())} group(s) can update but their rows were not sketched: the rows to "
+                             "sketch were chosen with another degeneracy tolerance than the record's")
     t1 = time.perf_counter()
     result = setgrpo_coefficients(point, gram, record, ablation=ablation, seed=seed)
 
@@ -229,7 +287,7 @@ class SetGRPOStepContext:
         record: frozen ``CalibrationRecord``.
         reference_scores: optional float [B] reference scores r'.
         monitor: optional ``OnlineRiskMonitor``.
-        ablation, seed: see :func:`setgrpo_step`.
+        ablation, seed, sketched: see :func:`setgrpo_step`.
     """
 
     def __init__(
@@ -242,9 +300,11 @@ class SetGRPOStepContext:
         monitor: Any = None,
         ablation: Optional[str] = None,
         seed: int = 0,
+        sketched: Optional[torch.Tensor] = None,
     ):
         self.algorithm = algorithm
         self.sketches = sketches
+        self.sketched = sketched
         self.record = record
         self.reference_scores = reference_scores
         self.monitor = monitor
@@ -305,6 +365,7 @@ def compute_setgrpo_outcome_advantage(
         monitor=config.monitor,
         ablation=config.ablation,
         seed=config.seed,
+        sketched=config.sketched,
     )
     config.output = step
     return step.advantages, step.advantages

@@ -56,18 +56,18 @@ from verl.utils.debug import marked_timer
 from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
 
-from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, OnlineRiskMonitor, in_part,
-                               load_shards, pilot_source, prompt_fingerprint, record_from_shards, shard_identity, shard_name,
-                               write_calibration, write_shard)
+from setgrpo_verl.core import (DEGENERATE_RTOL, SHARD_DIR, CalibrationRecord, CalibrationShard, OnlineRiskMonitor,
+                               degenerate_groups, in_part, load_shards, pilot_source, prompt_fingerprint,
+                               record_from_shards, shard_identity, shard_name, write_calibration, write_shard)
 
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
-from .estimator import SetGRPOStep, SetGRPOStepContext, complete_group_rows, group_gram
+from .estimator import SetGRPOStep, SetGRPOStepContext, complete_group_rows, group_gram, rows_to_sketch
 from .prompts import prompt_identity
 from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
                      write_state)
 from .reward_manager import (GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, grading_metrics,
                              unparsed_ratio)
-from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
+from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SKETCH_ROWS_KEY, SetGRPOActorRolloutRefWorker
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,15 @@ def _dense(sketches: torch.Tensor) -> torch.Tensor:
             raise ValueError("sketch rows differ in length: actor ranks used different sketch settings")
         sketches = torch.stack(rows)
     return sketches.float()
+
+
+def sketched_rows(data: TensorDict | dict) -> Optional[torch.Tensor]:
+    """The rows the actor sketched (bool [B], :data:`SKETCH_ROWS_KEY`), or None when every row was sketched."""
+    if SKETCH_ROWS_KEY not in data.keys():
+        return None
+    rows = data[SKETCH_ROWS_KEY]
+    rows = torch.stack(rows.unbind()) if rows.is_nested else torch.as_tensor(rows)
+    return rows.reshape(-1).to(torch.bool)
 
 
 class CalibrationGroups(NamedTuple):
@@ -192,7 +201,12 @@ def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TR
     groups, uids, incomplete = complete_group_rows(list(data["uid"]), response_mask, k)
     point = scores.to(torch.float64).sum(-1)[groups]
     truth = reference_scores_from(data, truth_key)
-    gram = group_gram(_dense(data[SKETCH_KEY]), groups) if uids else torch.zeros(0, k, k, dtype=torch.float64)
+    sketched = sketched_rows(data)
+    gram = group_gram(_dense(data[SKETCH_KEY]), groups, sketched) if uids else torch.zeros(0, k, k, dtype=torch.float64)
+    if sketched is not None and uids:
+        unread = ~sketched[groups].all(-1) & ~degenerate_groups(point)
+        if unread.any():
+            raise ValueError(f"{int(unread.sum())} calibration group(s) are not degenerate but were not sketched")
     return CalibrationGroups(point, reference[groups], gram, None if truth is None else truth[groups], uids,
                              incomplete)
 
@@ -679,7 +693,8 @@ class SetGRPOTrainer(PPOTrainerSync):
         progress.phase("sketch", index)
         self._compute_sketches(batch)
         fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-        fields += [f for f in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and f in batch.fields]
+        fields += [f for f in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS, SKETCH_ROWS_KEY)
+                   if batch.fields and f in batch.fields]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         groups = calibration_groups(data, key, k=k)
         position = {uid: i for i, uid in enumerate(uids)}
@@ -734,7 +749,23 @@ class SetGRPOTrainer(PPOTrainerSync):
 
     def _compute_sketches(self, batch, fused: bool = False) -> None:
         """Sketch RPC on the actor workers; the sketches land in TransferQueue under ``setgrpo_sketch``
-        (with ``fused``, verl's ``old_log_probs`` too, from the same forward)."""
+        (with ``fused``, verl's ``old_log_probs`` too, from the same forward).
+
+        Only the rows of groups that can update are sketched (:func:`rows_to_sketch` on the point scores, with the
+        degeneracy tolerance calibration uses, then the record's); the row mask goes to TransferQueue under
+        :data:`SKETCH_ROWS_KEY` and into ``batch.fields``, so the workers and the Gram matrices read it
+        (docs/sketch.md#skipped-rows)."""
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["uid", "response_mask", "rm_scores"])
+        response_mask, scores = data["response_mask"], data["rm_scores"]
+        if response_mask.is_nested:
+            response_mask, scores = response_mask.to_padded_tensor(0), scores.to_padded_tensor(0.0)
+        rtol = DEGENERATE_RTOL if self.record is None else self.record.degenerate_rtol
+        rows = rows_to_sketch(list(data["uid"]), response_mask, scores, int(self.config.actor_rollout_ref.rollout.n),
+                              rtol)
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                        fields=TensorDict({SKETCH_ROWS_KEY: rows}, batch_size=[len(rows)]))
+        batch.fields = list(dict.fromkeys([*(batch.fields or []), SKETCH_ROWS_KEY]))
         extra = {SKETCH_CONFIG_KEY: dataclasses.asdict(self.sketch_config)}
         extra["temperature"] = self.config.actor_rollout_ref.rollout.temperature
         sketch = self.setgrpo.sketch
@@ -774,9 +805,12 @@ class SetGRPOTrainer(PPOTrainerSync):
         """verl's v1 ``_compute_advantage`` with the SetGRPO context (sketches, record, reference scores)."""
         key = self.setgrpo.reference_score_key
         fields = list(_ADV_FIELDS) + [SKETCH_KEY, "extra_fields"]
-        fields += [k for k in (key, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
+        fields += [k for k in (key, *GRADING_COUNT_KEYS, SKETCH_ROWS_KEY) if batch.fields and k in batch.fields]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         sketches = _dense(data.pop(SKETCH_KEY))
+        sketched = sketched_rows(data)
+        if sketched is not None:
+            data.pop(SKETCH_ROWS_KEY)
         reference = reference_scores_from(data, key) if self.monitor is not None else None
         metrics.update(grading_metrics(data, batch.tags))
         for k in ("extra_fields", key, *GRADING_COUNT_KEYS):
@@ -811,6 +845,7 @@ class SetGRPOTrainer(PPOTrainerSync):
             monitor=self.monitor,
             ablation=self.setgrpo.ablation,
             seed=self.setgrpo.seed + self.global_steps,
+            sketched=sketched,
         )
         data, step = compute_setgrpo_advantage(
             data,

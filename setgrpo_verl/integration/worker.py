@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 SKETCH_KEY = "setgrpo_sketch"
 #: Non-tensor input field carrying ``dataclasses.asdict(SketchConfig)`` from the driver.
 SKETCH_CONFIG_KEY = "setgrpo_sketch_config"
+#: Optional input field, bool [B]: True for the rows to sketch. The other rows (those of groups that cannot update,
+#: docs/sketch.md#skipped-rows) get their log-probs from a forward only, no backward, and NaN sketch rows; without
+#: the field every row is sketched.
+SKETCH_ROWS_KEY = "setgrpo_sketch_rows"
 
 #: Outputs of ``prepare_model_outputs`` the sketch pass does not use: switched off so that it builds no entropy
 #: (or sum pi^2) graph over the [tokens, V] logits.
@@ -112,6 +116,18 @@ def _token_segments(lengths: torch.Tensor, model_inputs: dict) -> torch.Tensor:
     return torch.where(valid, rows[:, None], torch.full(valid.shape, -1, dtype=torch.long))
 
 
+def _head_rows(lengths: torch.Tensor, response_index: torch.Tensor, response_lengths: list[int],
+               model_inputs: dict) -> torch.Tensor:
+    """Host int64 indices of the flattened token rows of ``model_inputs['input_ids']`` that score a response token
+    (the only rows whose LM-head output gradient can be non-zero): packed, the response log-probs' own indices;
+    padded [B, T], row i's positions ``len_i - resp_i - 1 .. len_i - 2`` at ``i * T``."""
+    if model_inputs.get("attention_mask") is None:  # packed: token rows are the packed positions
+        return response_index
+    width = model_inputs["input_ids"].shape[-1]
+    return torch.cat([torch.arange(i * width + int(n) - r - 1, i * width + int(n) - 1)
+                      for i, (n, r) in enumerate(zip(lengths.tolist(), response_lengths))])
+
+
 def _forward_autocast(engine: Any):
     """verl 0.9.1 ``FSDPEngineWithLMHead.forward_step``'s autocast around the model forward and
     ``prepare_model_outputs``: ``engine._autocast_dtype`` (mixed_precision.param_dtype, bf16 by default), none for
@@ -143,24 +159,29 @@ def _check_engine(engine: Any, mb: TensorDict) -> None:
 
 
 def _sketch_micro_batch(
-    engine: Any, sk: GradientSketcher, mb: TensorDict, loss_agg_mode: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    engine: Any, sk: Optional[GradientSketcher], mb: TensorDict, loss_agg_mode: str
+) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """One micro-batch through the engine's own forward path: ``prepare_model_inputs`` (packed inputs with
     ``cu_seqlens`` where the model takes them, or padded), the module forward under the engine's autocast,
     ``prepare_model_outputs`` (temperature scaling in the logits' dtype and verl's ``logprobs_from_logits``), then the
-    activation-only sketch backward of sum_i sum_t w_it log pi(o_it).
+    activation-only sketch backward of sum_i sum_t w_it log pi(o_it); with ``sk=None`` the forward alone, under
+    ``torch.no_grad()`` (rows that are not sketched).
 
-    Returns ``(float32 [b, m] sketches, the response log-probs of all rows concatenated [sum_i j_i] in verl's dtype,
-    bool [b]: rows with a non-finite response log-prob)``, all on the device and detached.  Nothing here waits for
-    the device: the non-finite rows are reported by the caller once per call (a row's non-finite log-prob makes only
-    its own sketch non-finite)."""
+    Returns ``(float32 [b, m] sketches or None without ``sk``, the response log-probs of all rows concatenated
+    [sum_i j_i] in verl's dtype, bool [b]: rows with a non-finite response log-prob)``, all on the device and
+    detached.  Nothing here waits for the device: the non-finite rows are reported by the caller once per call (a
+    row's non-finite log-prob makes only its own sketch non-finite)."""
     lengths, response_index = _host_layout(mb)
     mb = mb.to(get_device_id())  # the engine's device (parameters may be offloaded to the host)
     tu.assign_non_tensor(mb, **_NO_EXTRA_OUTPUTS)
     model_inputs, output_args = engine.prepare_model_inputs(micro_batch=mb)
     device = model_inputs["input_ids"].device
-    sk.begin(_token_segments(lengths, model_inputs), len(mb), device=device)
-    with torch.enable_grad(), _forward_autocast(engine):
+    if sk is not None:
+        sk.begin(_token_segments(lengths, model_inputs), len(mb), device=device,
+                 head_rows=_head_rows(lengths, response_index, _response_lengths(mb), model_inputs))
+    grad = torch.enable_grad() if sk is not None else torch.no_grad()
+    sketches = None
+    with grad, _forward_autocast(engine):
         raw_output = engine.module(**model_inputs, use_cache=False)
         model_output = engine.prepare_model_outputs(
             output=raw_output, output_args=output_args, micro_batch=mb, logits_processor_func=None
@@ -169,10 +190,78 @@ def _sketch_micro_batch(
         log_probs = no_padding_2_padding(full, mb)  # [b, R] response log-probs (verl's slicing)
         rmask = mb["response_mask"].to_padded_tensor(0, output_size=log_probs.shape).bool()
         nonfinite = (~torch.isfinite(log_probs) & rmask).any(-1)
-        objective = (log_probs.float() * token_weights(rmask, loss_agg_mode)).sum()
-        sketches = sk.backward(objective)
+        if sk is not None:
+            objective = (log_probs.float() * token_weights(rmask, loss_agg_mode)).sum()
+            sketches = sk.backward(objective).float()
     values = full.values().detach()[response_index.to(device, non_blocking=True)]
-    return sketches.float(), values, nonfinite
+    return sketches, values, nonfinite
+
+
+def _rows_to_sketch(mb: TensorDict) -> Optional[torch.Tensor]:
+    """Host bool [b] of :data:`SKETCH_ROWS_KEY`, or None when the batch does not carry the field (sketch every row)."""
+    if SKETCH_ROWS_KEY not in mb.keys():
+        return None
+    rows = mb[SKETCH_ROWS_KEY]
+    rows = torch.stack(rows.unbind()) if rows.is_nested else rows
+    if rows.dtype != torch.bool or rows.shape != (len(mb),):
+        raise ValueError(f"{SKETCH_ROWS_KEY!r} must be bool [B={len(mb)}], got {rows.dtype} {tuple(rows.shape)}")
+    return rows.cpu()
+
+
+def _agreed_plan(micro_batches: list, group) -> list[tuple[bool, bool]]:
+    """Per micro-batch, whether some data-parallel rank sketches rows of it and whether some rank runs a forward-only
+    pass on it: every rank then runs the same passes (FSDP gathers the parameters in each forward, so the ranks must
+    run the same forwards and backwards).  One collective per call, none on a single rank."""
+    local = []
+    for mb in micro_batches:
+        rows = _rows_to_sketch(mb)
+        local.append((True, False) if rows is None else (bool(rows.any()), bool((~rows).any())))
+    if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return local
+    flags = torch.tensor(local, dtype=torch.int64).reshape(-1, 2).to(get_device_id())
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+    return [(bool(a), bool(b)) for a, b in flags.cpu().tolist()]
+
+
+def _split_micro_batch(
+    engine: Any, sk: GradientSketcher, mb: TensorDict, loss_agg_mode: str, plan: tuple[bool, bool]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_sketch_micro_batch` of the micro-batch's sketched rows, and its forward alone on the other rows.
+
+    Returns the micro-batch's ``(float32 [b, m] sketches with NaN rows for the rows not sketched, response log-probs
+    concatenated in row order, bool [b] non-finite rows)``.  When another rank needs a pass this rank has no rows
+    for (``plan``), it sketches its first row (a sketch it then has, marked or not) or repeats the forward on it."""
+    need_sketch, need_forward = plan
+    rows = _rows_to_sketch(mb)
+    if rows is None or (rows.all() and not need_forward):
+        return _sketch_micro_batch(engine, sk, mb, loss_agg_mode)
+    rows = rows.clone()
+    if need_sketch and not rows.any():
+        rows[0] = True
+    sketched, skipped = rows.nonzero().squeeze(1), (~rows).nonzero().squeeze(1)
+    lengths = _response_lengths(mb)
+    pieces: list = [None] * len(mb)
+    nonfinite = torch.zeros(len(mb), dtype=torch.bool)
+    out = None
+    if sketched.numel():
+        sketches, values, bad = _sketch_micro_batch(engine, sk, tu.index_select_tensor_dict(mb, sketched),
+                                                    loss_agg_mode)
+        out = sketches.new_full((len(mb), sketches.shape[1]), float("nan"))
+        out[sketched.to(out.device)] = sketches
+        for i, v in zip(sketched.tolist(), values.split([lengths[i] for i in sketched.tolist()])):
+            pieces[i] = v
+        nonfinite = nonfinite.to(bad.device).index_put((sketched.to(bad.device),), bad)
+    if skipped.numel() or need_forward:
+        forward_rows = skipped if skipped.numel() else sketched[:1]
+        _, values, bad = _sketch_micro_batch(engine, None, tu.index_select_tensor_dict(mb, forward_rows),
+                                             loss_agg_mode)
+        if skipped.numel():
+            for i, v in zip(skipped.tolist(), values.split([lengths[i] for i in skipped.tolist()])):
+                pieces[i] = v
+            nonfinite = nonfinite.to(bad.device).index_put((skipped.to(bad.device),), bad)
+    if out is None:
+        out = torch.full((len(mb), sk.dim), float("nan"), dtype=torch.float32, device=pieces[0].device)
+    return out, torch.cat(pieces), nonfinite
 
 
 def sketch_batch(engine: Any, data: TensorDict, config: SketchConfig, *, loss_agg_mode: str) -> torch.Tensor:
@@ -234,9 +323,9 @@ def sketch_and_log_probs(
         stack.enter_context(activation_checkpointing(module))
         stack.enter_context(fsdp1_reshard_in_backward(module))
         parts, values, nonfinite, lengths = [], [], [], []
-        for mb in micro_batches:
+        for mb, plan in zip(micro_batches, _agreed_plan(micro_batches, group)):
             lengths.extend(_response_lengths(mb))
-            sketches, log_probs, bad = _sketch_micro_batch(engine, sk, mb, loss_agg_mode)
+            sketches, log_probs, bad = _split_micro_batch(engine, sk, mb, loss_agg_mode, plan)
             parts.append(sketches)
             values.append(log_probs)
             nonfinite.append(bad)

@@ -58,6 +58,8 @@ class GradientSketcher:
         self._segments: torch.Tensor | None = None
         self._num_segments = 0
         self._onehot: torch.Tensor | None = None
+        self._head_rows: torch.Tensor | None = None
+        self._head_onehot: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
         self._emb_calls: list = []
         self._pending: dict[int, str] = {}
@@ -105,13 +107,13 @@ class GradientSketcher:
 
     def _reset(self):
         self._phase = "idle"
-        self._segments = self._onehot = self._out = None
+        self._segments = self._onehot = self._out = self._head_rows = self._head_onehot = None
         self._emb_calls = []
         self._pending = {}
 
     # ------------------------------------------------------------------ per micro-batch
     def begin(self, segment_ids: torch.Tensor, num_segments: int | None = None,
-              device: torch.device | str | None = None) -> None:
+              device: torch.device | str | None = None, head_rows: torch.Tensor | None = None) -> None:
         """Start a micro-batch: call before the model forward.
 
         Args:
@@ -121,10 +123,14 @@ class GradientSketcher:
             num_segments: number of responses (default: max(segment_ids) + 1).
             device: the device of the model's activations (default: that of ``segment_ids``).  Pass host
                 ``segment_ids`` with the device: they are checked on the host, so the check costs no device sync.
+            head_rows: optional host int64 [n_loss] indices of the flattened token rows whose LM-head output can
+                carry a loss term (the positions that score a response token).  The head's output gradient is zero
+                at every other row, so the head block is projected and accumulated on these rows only (the same
+                sketch, without the projection of the zero rows of the ``[tokens, V]`` logits gradient).
 
         Raises:
             RuntimeError: called outside the ``with`` block.
-            ValueError: non-integer ids, ids below -1 or >= num_segments.
+            ValueError: non-integer ids, ids below -1 or >= num_segments; head rows outside the token rows.
         """
         if not self._handles:
             raise RuntimeError("GradientSketcher.begin() must be called inside `with GradientSketcher(...)`")
@@ -134,14 +140,21 @@ class GradientSketcher:
         n = int(seg.max().item()) + 1 if num_segments is None else int(num_segments)
         if seg.numel() and bool(((seg < -1) | (seg >= n)).any()):
             raise ValueError(f"segment_ids must lie in [-1, {n - 1}] (num_segments={n})")
-        seg = seg.to(device if device is not None else seg.device, non_blocking=True)
+        if head_rows is not None:
+            head_rows = head_rows.reshape(-1).long()
+            if head_rows.numel() and bool(((head_rows < 0) | (head_rows >= seg.numel())).any()):
+                raise ValueError(f"head_rows must index the {seg.numel()} token rows of segment_ids")
+        device = device if device is not None else seg.device
+        seg = seg.to(device, non_blocking=True)
         self._reset()
+        self._head_rows = None if head_rows is None else head_rows.to(device, non_blocking=True)
         self._segments = seg
         self._num_segments = n
         valid = (seg >= 0).float()
         onehot = torch.zeros(seg.numel(), n, dtype=torch.float32, device=seg.device)
         onehot.scatter_(1, seg.clamp(min=0)[:, None], valid[:, None])  # row t: e_{seg_t}, 0 for padding
         self._onehot = onehot
+        self._head_onehot = onehot if self._head_rows is None else onehot[self._head_rows]
         self._out = torch.zeros(n, self.dim, dtype=torch.float32, device=seg.device)
         self._phase = "forward"
 
@@ -203,12 +216,17 @@ class GradientSketcher:
             )
         return flat
 
-    def _accumulate(self, block: Block, a: torch.Tensor, b: torch.Tensor) -> None:
-        """out[s, block] += sum_{t in s} a_t (x) b_t, per copy: a [n, k*r_out], b [n, k*r_in] (one row per token)."""
+    def _accumulate(self, block: Block, a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor | None = None) -> None:
+        """out[s, block] += sum_{t in s} a_t (x) b_t, per copy: a [n, k*r_out], b [n, k*r_in] (one row per token of
+        ``onehot``, default all token rows)."""
         n = a.shape[0]
         k = 1 if block.p_in is None else block.shape[2]
         outer = (a.reshape(n, k, -1, 1) * b.reshape(n, k, 1, -1)).reshape(n, -1)  # [n, size]
-        self._out[:, block.offset : block.offset + block.size] += matmul_f32(self._onehot.T, outer)
+        onehot = self._onehot if onehot is None else onehot
+        self._out[:, block.offset : block.offset + block.size] += matmul_f32(onehot.T, outer)
+
+    def _head_only(self, block: Block) -> bool:
+        return block.is_head and self._head_rows is not None
 
     def _project_in(self, block: Block, x: torch.Tensor) -> torch.Tensor:
         """P_in [x, 1] of the block's trainable input columns (x for a trainable weight, 1 for a trainable bias)."""
@@ -232,6 +250,8 @@ class GradientSketcher:
                 "torch.no_grad(), or reentrant activation checkpointing: use use_reentrant=False as verl does)"
             )
         x = self._rows(args[0].detach(), block.name)
+        if self._head_only(block):
+            x = x[self._head_rows]
         b = self._project_in(block, x)
         key = id(b)
         self._pending[key] = block.name
@@ -243,10 +263,14 @@ class GradientSketcher:
             return None
         del self._pending[key]
         d = self._rows(grad.detach(), block.name)  # model dtype; promoted to float32 chunk by chunk
-        # every row, the LM head's too: rows without a loss term have delta = 0 and add nothing, and selecting the
-        # loss rows would cost a device sync per micro-batch
-        a = d.float() if block.p_out is None else project_f32(d, on_device(block.p_out, d.device).T)
-        self._accumulate(block, a, b)
+        # the LM head: only the rows with a loss term when the caller named them (the others have delta = 0)
+        head = self._head_only(block)
+        rows = self._head_rows if head else None
+        if block.p_out is None:
+            a = (d if rows is None else d[rows]).float()
+        else:
+            a = project_f32(d, on_device(block.p_out, d.device).T, rows)
+        self._accumulate(block, a, b, self._head_onehot if head else None)
         return None
 
     def _embedding_forward(self, module, args, output):

@@ -22,6 +22,7 @@ from setgrpo_verl.integration.estimator import (
     SetGRPOStepContext,
     complete_group_rows,
     compute_setgrpo_outcome_advantage,
+    rows_to_sketch,
     setgrpo_step,
 )
 from setgrpo_verl.integration.trainer import calibration_groups, compute_setgrpo_advantage, reference_scores_from
@@ -245,3 +246,55 @@ def test_calibration_groups_carry_the_truth_when_the_grader_has_one():
     extra[1]["reward_extra_info"]["truth_score"] = 1.0
     with pytest.raises(ValueError, match="'truth_score' of reward_extra_info is missing for 3 of 4"):
         calibration_groups(data, "reference_score", k=2)
+
+
+def test_degenerate_groups_are_not_sketched_and_their_sketch_rows_are_never_read():
+    """rows_to_sketch marks the rows of complete, non-degenerate groups only; with NaN sketch rows elsewhere, the
+    step equals the one with every row sketched (the monitor too), and a group that can update but was not
+    sketched is refused."""
+    record = _record()
+    rewards, mask, uids, sketches, scores, reference = _batch(n_groups=10, seed=5)
+    rows = rows_to_sketch(uids, mask, rewards, K, record.degenerate_rtol)
+    degenerate_uid = str(uuid.UUID(int=1))
+    assert rows.tolist() == [u != degenerate_uid and bool(m.any()) for u, m in zip(uids, mask)]
+    skipped = sketches.clone()
+    skipped[~rows] = float("nan")
+    monitors = OnlineRiskMonitor(record), OnlineRiskMonitor(record)
+    full = setgrpo_step(rewards, mask, uids, sketches, record, reference_scores=reference, monitor=monitors[0])
+    part = setgrpo_step(rewards, mask, uids, skipped, record, reference_scores=reference, monitor=monitors[1],
+                        sketched=rows)
+    torch.testing.assert_close(part.coefficients, full.coefficients, rtol=0, atol=0)
+    assert part.metrics == {**full.metrics, **{k: part.metrics[k] for k in part.metrics if "timing_s" in k}}
+    live = [s != "degenerate" for s in part.result.status]
+    torch.testing.assert_close(part.gram[live], full.gram[live], rtol=0, atol=0)
+    assert not part.gram[[not x for x in live]].any()
+    with pytest.raises(ValueError, match="NaN"):  # without the mask the NaN rows are read and refused
+        setgrpo_step(rewards, mask, uids, skipped, record)
+    lost = rows.clone()
+    lost[rows.nonzero()[:K].squeeze(1)] = False  # the rows of live groups: refused whole or in part
+    with pytest.raises(ValueError, match="sketched"):
+        setgrpo_step(rewards, mask, uids, skipped, record, sketched=lost)
+
+
+def test_calibration_reads_no_sketch_of_a_degenerate_group():
+    """With the row mask, a degenerate calibration group's NaN sketch rows are not read (zero Gram matrix) and the
+    other group's Gram matrix is unchanged; an unsketched group that is not degenerate is refused."""
+    from setgrpo_verl.integration.worker import SKETCH_KEY, SKETCH_ROWS_KEY
+
+    uids = ["b", "a", "b", "a"]
+    extra = np.array([{"reward_extra_info": {"reference_score": 0.1 * i}} for i in range(4)], dtype=object)
+    scores = torch.tensor([[0, 0, 1.0], [0, 0, 0.5], [0, 0, 0.25], [0, 0, 0.5]])  # group "a" is tied
+    sketches = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    data = {"uid": uids, "response_mask": torch.ones(4, 3, dtype=torch.long), "rm_scores": scores,
+            "extra_fields": extra, SKETCH_KEY: sketches}
+    full = calibration_groups(data, "reference_score", k=2)
+    rows = rows_to_sketch(uids, data["response_mask"], scores, 2)
+    assert rows.tolist() == [True, False, True, False]
+    skipped = sketches.clone()
+    skipped[~rows] = float("nan")
+    part = calibration_groups({**data, SKETCH_KEY: skipped, SKETCH_ROWS_KEY: rows}, "reference_score", k=2)
+    torch.testing.assert_close(part.gram[0], full.gram[0], rtol=0, atol=0)
+    assert not part.gram[1].any()
+    with pytest.raises(ValueError, match="not degenerate but were not sketched"):
+        calibration_groups({**data, SKETCH_KEY: skipped, SKETCH_ROWS_KEY: torch.zeros(4, dtype=torch.bool)},
+                           "reference_score", k=2)

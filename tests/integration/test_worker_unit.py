@@ -269,3 +269,34 @@ def test_projections_stay_on_the_device_and_micro_batches_do_not_wait_for_it(mon
     assert device_side == {k: v for k, v in first.syncs.items() if k not in _HOST_LAYOUT}, (first.syncs, second.syncs)
     # once per call: the non-finite rows (nonzero, tolist) and the results to the host (sketches, log-probs)
     assert device_side == {"sketch_and_log_probs": 4}, device_side
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_rows_not_to_sketch_get_verls_log_probs_from_a_forward_without_backward(packed, monkeypatch):
+    """Rows marked False in setgrpo_sketch_rows (groups that cannot update) get verl's old log-probs and a NaN sketch
+    row, and no backward runs for them: each sketch backward sees only the sketched rows, and a micro-batch of
+    skipped rows alone runs none. The sketched rows' sketches are those of the pass over every row."""
+    model = tiny_qwen3(dtype=torch.float32)
+    engine = BareEngine(model)
+    data = _ragged(model.config.vocab_size, b=6)
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=3, use_remove_padding=packed,
+                         temperature=0.7)
+    full, _ = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
+    backward_rows = []
+    original = worker.GradientSketcher.backward
+
+    def counting(self, objective):
+        backward_rows.append(self._num_segments)
+        return original(self, objective)
+
+    monkeypatch.setattr(worker.GradientSketcher, "backward", counting)
+    rows = torch.tensor([True, False, True, False, False, False])  # micro-batch 2 holds skipped rows only
+    data[worker.SKETCH_ROWS_KEY] = rows
+    sketches, log_probs = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
+    assert backward_rows == [2]
+    assert torch.isnan(sketches[~rows]).all() and torch.isfinite(sketches[rows]).all()
+    torch.testing.assert_close(sketches[rows], full[rows], rtol=1e-5, atol=1e-6)
+    expected = verl_log_probs(engine, data)
+    for a, b in zip(log_probs.unbind(), expected.unbind(), strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
