@@ -3,7 +3,7 @@
 Reads ``<run-dir>/calibration/paired_scores.npz`` (point and reference scores and Gram matrices of every
 calibration group) and ``record.json`` (the levels, grid, rho and split seed), draws ``--resamples`` sets of
 ``--groups`` groups with replacement (default: as many as the run calibrated on), re-calibrates each with the
-record's settings (``on_infeasible="reject_all"``) and counts the resamples whose record selects a threshold
+record's settings (its levels, grid, SRGO procedure and start threshold; ``on_infeasible="reject_all"``) and counts the resamples whose record selects a threshold
 (docs/record.md#threshold-grid-srgo). The last line is ``quickstart certifies in R of N resamples``.
 
     python benchmarks/bench_quickstart_certifies.py --run-dir runs/quickstart [--resamples 200] [--groups 96]
@@ -28,7 +28,9 @@ def certified(paired: dict[str, torch.Tensor], record: CalibrationRecord, rows: 
     """Whether re-calibrating on the groups ``rows`` (int64 indices, repeats allowed) selects a threshold."""
     rec = calibrate(paired["point"][rows], paired["reference"][rows], paired["gram"][rows], alpha=record.alpha,
                     beta=record.beta, delta=record.delta, tau_grid=record.tau_grid, rho=record.rho,
-                    split_seed=record.split_seed, norm_by_std=record.norm_by_std, on_infeasible="reject_all")
+                    split_seed=record.split_seed, norm_by_std=record.norm_by_std, eps=record.eps,
+                    grid_size=record.grid_size, degenerate_rtol=record.degenerate_rtol,
+                    srgo_procedure=record.srgo_procedure, tau_start=record.tau_start, on_infeasible="reject_all")
     return rec.tau_sel is not None
 
 
