@@ -245,7 +245,8 @@ def setgrpo_step(
         unread = ~sketched.cpu()[groups].all(-1) & ~degenerate_groups(point, record.degenerate_rtol)
         if unread.any():
             raise ValueError(f"{int(unread.sum())} group(s) can update but their rows were not sketched: the rows to "
-                             "sketch were chosen with another degeneracy tolerance than the record's")
+                             "sketch were chosen on other point scores than token_level_rewards (a reward changed after the "
+                             "sketch pass) or with another degeneracy tolerance than the record's")
     t1 = time.perf_counter()
     result = setgrpo_coefficients(point, gram, record, ablation=ablation, seed=seed)
 

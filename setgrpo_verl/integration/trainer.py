@@ -752,7 +752,8 @@ class SetGRPOTrainer(PPOTrainerSync):
         (with ``fused``, verl's ``old_log_probs`` too, from the same forward).
 
         Only the rows of groups that can update are sketched (:func:`rows_to_sketch` on the point scores, with the
-        degeneracy tolerance calibration uses, then the record's); the row mask goes to TransferQueue under
+        degeneracy tolerance calibration uses, then the record's; every row with ``algorithm.use_kl_in_reward``, whose
+        penalised scores are not known yet); the row mask goes to TransferQueue under
         :data:`SKETCH_ROWS_KEY` and into ``batch.fields``, so the workers and the Gram matrices read it
         (docs/sketch.md#skipped-rows)."""
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
@@ -761,8 +762,13 @@ class SetGRPOTrainer(PPOTrainerSync):
         if response_mask.is_nested:
             response_mask, scores = response_mask.to_padded_tensor(0), scores.to_padded_tensor(0.0)
         rtol = DEGENERATE_RTOL if self.record is None else self.record.degenerate_rtol
-        rows = rows_to_sketch(list(data["uid"]), response_mask, scores, int(self.config.actor_rollout_ref.rollout.n),
-                              rtol)
+        if self.record is not None and self.config.algorithm.get("use_kl_in_reward", False):
+            # the step scores rm_scores minus the KL penalty, which is not known yet: a group tied on rm_scores
+            # may not be tied then, so every row is sketched
+            rows = torch.ones(response_mask.shape[0], dtype=torch.bool)
+        else:
+            rows = rows_to_sketch(list(data["uid"]), response_mask, scores,
+                                  int(self.config.actor_rollout_ref.rollout.n), rtol)
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                         fields=TensorDict({SKETCH_ROWS_KEY: rows}, batch_size=[len(rows)]))
         batch.fields = list(dict.fromkeys([*(batch.fields or []), SKETCH_ROWS_KEY]))

@@ -298,3 +298,38 @@ def test_calibration_reads_no_sketch_of_a_degenerate_group():
     with pytest.raises(ValueError, match="not degenerate but were not sketched"):
         calibration_groups({**data, SKETCH_KEY: skipped, SKETCH_ROWS_KEY: torch.zeros(4, dtype=torch.bool)},
                            "reference_score", k=2)
+
+
+@pytest.mark.parametrize("use_kl_in_reward", [False, True])
+def test_the_sketch_pass_skips_tied_groups_unless_the_reward_takes_a_kl_penalty(monkeypatch, use_kl_in_reward):
+    """The trainer's row mask: a group tied on rm_scores is not sketched, except with algorithm.use_kl_in_reward,
+    where the step's point scores (rm_scores minus the KL penalty) are not known at the sketch pass and every row
+    is sketched."""
+    from types import SimpleNamespace
+
+    from setgrpo_verl.integration import trainer as trainer_module
+    from setgrpo_verl.integration.trainer import SetGRPOTrainer
+    from setgrpo_verl.integration.worker import SKETCH_ROWS_KEY
+    from setgrpo_verl.sketch import SketchConfig
+
+    scores = torch.tensor([[0, 1.0], [0, 0.5], [0, 0.5], [0, 0.5]])  # group "b" (rows 1 and 3) is tied
+    stored = {"uid": ["a", "b", "a", "b"], "response_mask": torch.ones(4, 2, dtype=torch.long), "rm_scores": scores}
+    put = {}
+    monkeypatch.setattr(trainer_module.tq, "kv_batch_get", lambda **kw: {k: stored[k] for k in kw["select_fields"]})
+    monkeypatch.setattr(trainer_module.tq, "kv_batch_put", lambda **kw: put.update(kw["fields"].items()))
+    config = OmegaConf.create({"algorithm": {"use_kl_in_reward": use_kl_in_reward},
+                               "actor_rollout_ref": {"rollout": {"n": 2, "temperature": 1.0}}})
+
+    class Batch(SimpleNamespace):  # a KVBatchMeta of 4 rows
+        def __len__(self):
+            return 4
+
+    batch = Batch(keys=list(range(4)), partition_id="train", fields=["rm_scores"], extra_info={})
+    workers = SimpleNamespace(compute_sketches=lambda b: [None] * 4)
+    fake = SimpleNamespace(config=config, record=_record(), sketch_config=SketchConfig(), actor_rollout_wg=workers,
+                           setgrpo=SimpleNamespace(sketch=SimpleNamespace(max_token_len_per_gpu=None,
+                                                                          micro_batch_size_per_gpu=None)))
+    SetGRPOTrainer._compute_sketches(fake, batch)
+    expected = [True] * 4 if use_kl_in_reward else [True, False, True, False]
+    assert put[SKETCH_ROWS_KEY].tolist() == expected
+    assert SKETCH_ROWS_KEY in batch.fields and batch.extra_info == {}
