@@ -58,13 +58,17 @@ def dir_state(path: str | os.PathLike) -> str:
     """The state of one directory (one of :data:`STATES`): ``complete`` when it holds ``COMPLETE``, ``checkpointed``
     when it holds a verl checkpoint (:func:`setgrpo_verl.rundir.latest_checkpoint_step`) but no ``COMPLETE``,
     ``partial`` when it exists with neither, ``absent`` otherwise; a ``calibration/`` holding shards
-    (:func:`calibration_shards`) but no record is ``checkpointed`` too. A ``data/`` holding both parquet files and
+    (:func:`calibration_shards`) but no record is ``checkpointed`` too, with or without ``COMPLETE`` (a finished
+    part of a sharded calibration). A ``data/`` holding both parquet files and
     ``split.json`` (written last) is complete without the marker, as run directories of earlier versions are, and
     so is a ``calibration/`` holding ``record.json`` (written after the paired scores)."""
     path = Path(path)
     if not path.exists():
         return "absent"
     if (path / COMPLETE).is_file():
+        if path.name == "calibration" and not (path / "record.json").is_file() and calibration_shards(path):
+            # a finished part of a sharded calibration: its shards are work to keep, the record is still to build
+            return "checkpointed"
         return "complete"
     if path.name == "data" and all((path / f).is_file() for f in _DATA_FILES):
         # a data split written before data/ had its own marker: split.json is written after both parquet files

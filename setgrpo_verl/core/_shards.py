@@ -16,6 +16,7 @@ import json
 import math
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -170,6 +171,7 @@ def read_shard(path: str | os.PathLike) -> CalibrationShard:
 
     Raises:
         TornShardError: the file cannot be read whole (cut off mid-write, or not an ``.npz``).
+        PermissionError, FileNotFoundError, IsADirectoryError: the file system refused the read (not a torn file).
         ValueError: naming the file and the field: a content hash that does not match (``content_sha256``: the
             metadata was edited; an array's name: that array was changed), a missing or unexpected field, or
             shapes that do not fit together.
@@ -178,7 +180,9 @@ def read_shard(path: str | os.PathLike) -> CalibrationShard:
     try:
         with np.load(path, allow_pickle=False) as z:
             data = {name: z[name] for name in z.files}
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile) as exc:
+    except (PermissionError, FileNotFoundError, IsADirectoryError):
+        raise  # the file system refused the read: the shard may be whole, so it is not set aside as torn
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile, zlib.error) as exc:
         raise TornShardError(f"calibration shard {path} cannot be read whole ({type(exc).__name__}: {exc}): a write "
                              "that was cut off or a partial copy; its batch is calibrated again") from None
     for name in ("meta", "content_sha256"):

@@ -291,6 +291,16 @@ def _chunks(batches, limit: Optional[int], most: int = 1):
         yield chunk
 
 
+def _free_name(path: str) -> str:
+    """``path``, or ``path.1``, ``path.2``, ... : the first that does not exist (a torn shard set aside never
+    replaces one set aside earlier)."""
+    candidate, n = path, 0
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate
+
+
 class _Progress:
     """Progress of the calibration phase in the log: the phase of each batch (rollout, scoring, sketch) and, per
     shard written, the groups so far (the line the command line's progress bar counts) with the ETA."""
@@ -450,7 +460,9 @@ class SetGRPOTrainer(PPOTrainerSync):
         if os.path.exists(out):
             raise ValueError(
                 f"calibration record {out} already exists: pass it as algorithm.setgrpo.record_path to reuse it, or "
-                "delete it / set algorithm.setgrpo.record_out to recalibrate (a frozen record is never overwritten)"
+                f"set algorithm.setgrpo.record_out to a new folder to recalibrate, or delete it together with "
+                f"{SHARD_DIR}/ and paired_scores.npz next to it (deleting the record alone builds the same record "
+                "again from the shards, with no new rollout; a frozen record is never overwritten)"
             )
         return self._calibrate(), None
 
@@ -658,9 +670,12 @@ class SetGRPOTrainer(PPOTrainerSync):
         """
         if not os.path.isdir(shard_dir):
             return {}
-        for name in os.listdir(shard_dir):
-            if name.startswith(".") and name.endswith(".tmp"):  # a write that did not reach its rename
-                os.remove(os.path.join(shard_dir, name))
+        part, parts = self.setgrpo.calibration.part()
+        for index in range(len(batches)):  # this part's writes that did not reach their rename (another part's
+            if in_part(index, part, parts):  # writes into the same folder are left alone)
+                stale = os.path.join(shard_dir, f".{shard_name(index)}.tmp")
+                if os.path.isfile(stale):
+                    os.remove(stale)
         if not any(n.endswith(".npz") for n in os.listdir(shard_dir)):
             return {}
         if str(self.config.trainer.get("resume_mode", "auto")) == "disable":
@@ -669,9 +684,10 @@ class SetGRPOTrainer(PPOTrainerSync):
                              "start it over")
         shards, torn = load_shards(shard_dir, identity, torn="skip")
         for path in torn:
-            logger.warning("SetGRPO calibration: %s cannot be read whole (a write cut off): renamed to %s.torn, its "
-                           "batch is calibrated again", path, path.name)
-            os.replace(path, f"{path}.torn")
+            aside = _free_name(f"{path}.torn")
+            logger.warning("SetGRPO calibration: %s cannot be read whole (a write cut off): renamed to %s, its batch "
+                           "is calibrated again", path, os.path.basename(aside))
+            os.replace(path, aside)
         for index, shard in shards.items():
             if index >= len(batches) or list(shard.prompts) != self._calibration_prompts[
                     index * identity["prompts"]["batch_size"]:][:len(batches[index][0])]:

@@ -228,13 +228,27 @@ def test_a_torn_shard_is_refused_on_resume_and_calibrated_again(tmp_path, monkey
     with pytest.raises(_Stop):
         _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, fake=_stopping(after=2))
     torn = tmp_path / "shards" / "batch_000001.npz"
-    torn.write_bytes(torn.read_bytes()[:300])  # cut off mid-file
+    cut = torn.read_bytes()[:300]
+    torn.write_bytes(cut)  # cut off mid-file
     (tmp_path / "shards" / ".batch_000002.npz.tmp").write_bytes(b"half")  # a write that did not reach its rename
+    (tmp_path / "shards" / "batch_000001.npz.torn").write_bytes(b"set aside by an earlier resume")
     _, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
     assert events.count("rollout") == 2  # batches 1 (torn) and 2
-    assert (tmp_path / "shards" / "batch_000001.npz.torn").is_file()
+    assert (tmp_path / "shards" / "batch_000001.npz.torn").read_bytes() == b"set aside by an earlier resume"
+    assert (tmp_path / "shards" / "batch_000001.npz.torn.1").read_bytes() == cut
     assert sorted(p.name for p in (tmp_path / "shards").glob("*.npz")) == [f"batch_{b:06d}.npz" for b in range(3)]
     assert not list((tmp_path / "shards").glob(".*.tmp"))
+
+
+def test_a_part_leaves_the_temporary_files_of_another_parts_batches_alone(tmp_path, monkeypatch):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "batch_000000.npz").write_bytes(b"")  # not read: only its name makes the folder a resume
+    own, other = tmp_path / "shards" / ".batch_000001.npz.tmp", tmp_path / "shards" / ".batch_000002.npz.tmp"
+    own.write_bytes(b"this part's write, cut off")
+    other.write_bytes(b"part 0/2 writing now")
+    record, events = _calibrate(tmp_path, monkeypatch, batches=4, per_batch=4, only=True, shard="1/2")
+    assert record is None and events.count("rollout") == 2 and not own.exists()
+    assert other.read_bytes() == b"part 0/2 writing now"
 
 
 def test_shards_of_another_run_or_without_resume_are_refused(tmp_path, monkeypatch):

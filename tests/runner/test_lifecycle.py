@@ -165,6 +165,10 @@ def test_a_calibration_with_shards_and_no_record_is_continued_under_resume(tmp_p
     fresh = plan_run(tmp_path, ["data", "calibration"], resume=True)
     assert (fresh["data"].action, fresh["calibration"].action) == ("create", "continue")
     assert plan_run(tmp_path, ["data", "calibration"])["calibration"].action == "refuse"
+    # a finished part of a sharded calibration (COMPLETE, shards, no record) is kept under --resume, not removed
+    (tmp_path / "calibration" / COMPLETE).write_text("12.0 s\n")
+    assert dir_state(tmp_path / "calibration") == K
+    assert plan_run(tmp_path, ["calibration"], resume=True)["calibration"].action == "continue"
     (tmp_path / "calibration" / "record.json").write_text("{}")
     assert dir_state(tmp_path / "calibration") == C
 
