@@ -291,6 +291,12 @@ def _chunks(batches, limit: Optional[int], most: int = 1):
         yield chunk
 
 
+def _sketch_rows_field(batch: Any) -> list[str]:
+    """``[SKETCH_ROWS_KEY]`` when the sketch pass wrote the row mask for ``batch`` (its fields name it, or are None:
+    every field), else ``[]``."""
+    return [SKETCH_ROWS_KEY] if batch.fields is None or SKETCH_ROWS_KEY in batch.fields else []
+
+
 def _free_name(path: str) -> str:
     """``path``, or ``path.1``, ``path.2``, ... : the first that does not exist (a torn shard set aside never
     replaces one set aside earlier)."""
@@ -709,8 +715,8 @@ class SetGRPOTrainer(PPOTrainerSync):
         progress.phase("sketch", index)
         self._compute_sketches(batch)
         fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-        fields += [f for f in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS, SKETCH_ROWS_KEY)
-                   if batch.fields and f in batch.fields]
+        fields += [f for f in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and f in batch.fields]
+        fields += _sketch_rows_field(batch)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         groups = calibration_groups(data, key, k=k)
         position = {uid: i for i, uid in enumerate(uids)}
@@ -770,7 +776,7 @@ class SetGRPOTrainer(PPOTrainerSync):
         Only the rows of groups that can update are sketched (:func:`rows_to_sketch` on the point scores, with the
         degeneracy tolerance calibration uses, then the record's; every row with ``algorithm.use_kl_in_reward``, whose
         penalised scores are not known yet); the row mask goes to TransferQueue under
-        :data:`SKETCH_ROWS_KEY` and into ``batch.fields``, so the workers and the Gram matrices read it
+        :data:`SKETCH_ROWS_KEY` and into ``batch.fields`` (unless those are None, every field), so the workers and the Gram matrices read it
         (docs/sketch.md#skipped-rows)."""
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=["uid", "response_mask", "rm_scores"])
@@ -787,7 +793,8 @@ class SetGRPOTrainer(PPOTrainerSync):
                                   int(self.config.actor_rollout_ref.rollout.n), rtol)
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                         fields=TensorDict({SKETCH_ROWS_KEY: rows}, batch_size=[len(rows)]))
-        batch.fields = list(dict.fromkeys([*(batch.fields or []), SKETCH_ROWS_KEY]))
+        if batch.fields is not None:  # None selects every field, the mask included
+            batch.fields = list(dict.fromkeys([*batch.fields, SKETCH_ROWS_KEY]))
         extra = {SKETCH_CONFIG_KEY: dataclasses.asdict(self.sketch_config)}
         extra["temperature"] = self.config.actor_rollout_ref.rollout.temperature
         sketch = self.setgrpo.sketch
@@ -827,7 +834,8 @@ class SetGRPOTrainer(PPOTrainerSync):
         """verl's v1 ``_compute_advantage`` with the SetGRPO context (sketches, record, reference scores)."""
         key = self.setgrpo.reference_score_key
         fields = list(_ADV_FIELDS) + [SKETCH_KEY, "extra_fields"]
-        fields += [k for k in (key, *GRADING_COUNT_KEYS, SKETCH_ROWS_KEY) if batch.fields and k in batch.fields]
+        fields += [k for k in (key, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
+        fields += _sketch_rows_field(batch)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         sketches = _dense(data.pop(SKETCH_KEY))
         sketched = sketched_rows(data)

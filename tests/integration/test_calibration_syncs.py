@@ -22,7 +22,7 @@ from verl.utils import tensordict_utils as tu
 import setgrpo_verl.integration.trainer as trainer_module
 from setgrpo_verl.core import prompt_fingerprint
 from setgrpo_verl.integration.trainer import calibration_chunk_prompts
-from setgrpo_verl.integration.worker import SKETCH_KEY
+from setgrpo_verl.integration.worker import SKETCH_KEY, SKETCH_ROWS_KEY
 
 from .test_plugin import _record_trainer
 
@@ -75,6 +75,7 @@ class _Rollout:
         self.events.append("sketch")
         for key in batch.keys:
             self.store[key][SKETCH_KEY] = torch.randn(5, generator=self.gen)
+            self.store[key][SKETCH_ROWS_KEY] = torch.tensor(True)  # the trainer's row mask: every row
 
     # TransferQueue
     def kv_batch_get(self, keys, partition_id, select_fields):

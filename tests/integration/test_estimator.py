@@ -333,3 +333,8 @@ def test_the_sketch_pass_skips_tied_groups_unless_the_reward_takes_a_kl_penalty(
     expected = [True] * 4 if use_kl_in_reward else [True, False, True, False]
     assert put[SKETCH_ROWS_KEY].tolist() == expected
     assert SKETCH_ROWS_KEY in batch.fields and batch.extra_info == {}
+    # fields None selects every field (the streaming reward loop's batches): it stays None, so that the workers
+    # still read input_ids and the rest, the mask included
+    every = Batch(keys=list(range(4)), partition_id="train", fields=None, extra_info={})
+    SetGRPOTrainer._compute_sketches(fake, every)
+    assert every.fields is None

@@ -22,7 +22,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from verl.utils import tensordict_utils as tu
 
 import setgrpo_verl.integration.trainer as trainer_module
-from setgrpo_verl.integration.worker import SKETCH_KEY
+from setgrpo_verl.integration.worker import SKETCH_KEY, SKETCH_ROWS_KEY
 
 from .test_plugin import _record_trainer
 
@@ -71,6 +71,7 @@ class _TransferQueue:
     def sketch(self, batch, fused=False):
         for key in batch.keys:
             self.values[key][SKETCH_KEY] = torch.randn(5, generator=self.gen)
+            self.values[key][SKETCH_ROWS_KEY] = torch.tensor(True)  # the trainer's row mask: every row
 
 
 def _prompts(uids: list[str]):
