@@ -9,9 +9,9 @@ included) and remove-padding setting, and the driver receives float32 ``[B, m]``
 under the key :data:`SKETCH_KEY`.
 
 The sketch pass is one forward plus one activation-only backward per micro-batch (``setgrpo_verl.sketch``),
-under the engine's eval mode, through the engine's own ``prepare_model_inputs`` / ``prepare_model_outputs`` and
-forward autocast, so the model sees exactly the inputs (``cu_seqlens`` included) and the log-probs are computed the
-way verl's ``compute_log_prob`` computes them. By default it runs after verl's own old-log-prob pass;
+under the engine's eval mode, through the engine's own ``prepare_model_inputs`` and forward autocast, so the model
+sees exactly the inputs (``cu_seqlens`` included), and the log-probs are computed the way verl's ``compute_log_prob``
+computes them, on the positions that score a response token only. By default it runs after verl's own old-log-prob pass;
 ``compute_log_prob_and_sketches`` is the fused variant (``algorithm.setgrpo.sketch.fuse_old_log_prob=true``) that
 also returns verl's ``old_log_probs`` from the same forward, so the only extra cost over plain GRPO is the
 activation-only backward. Ulysses sequence parallelism is not supported (the sketch hook needs whole sequences
