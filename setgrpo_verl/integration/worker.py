@@ -9,9 +9,9 @@ included) and remove-padding setting, and the driver receives float32 ``[B, m]``
 under the key :data:`SKETCH_KEY`.
 
 The sketch pass is one forward plus one activation-only backward per micro-batch (``setgrpo_verl.sketch``),
-under the engine's eval mode, through the engine's own ``prepare_model_inputs`` / ``prepare_model_outputs`` and
-forward autocast, so the model sees exactly the inputs (``cu_seqlens`` included) and the log-probs are computed the
-way verl's ``compute_log_prob`` computes them. By default it runs after verl's own old-log-prob pass;
+under the engine's eval mode, through the engine's own ``prepare_model_inputs`` and forward autocast, so the model
+sees exactly the inputs (``cu_seqlens`` included), and the log-probs are computed the way verl's ``compute_log_prob``
+computes them, on the positions that score a response token only. By default it runs after verl's own old-log-prob pass;
 ``compute_log_prob_and_sketches`` is the fused variant (``algorithm.setgrpo.sketch.fuse_old_log_prob=true``) that
 also returns verl's ``old_log_probs`` from the same forward, so the only extra cost over plain GRPO is the
 activation-only backward. Ulysses sequence parallelism is not supported (the sketch hook needs whole sequences
@@ -31,9 +31,9 @@ from verl.single_controller.base.decorator import make_nd_compute_dataproto_disp
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.seqlen_balancing import restore_dynamic_batch
+from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.engine_workers import ActorRolloutRefWorker
-from verl.workers.utils.padding import no_padding_2_padding
 
 from setgrpo_verl.sketch import (
     GradientSketcher,
@@ -56,11 +56,6 @@ SKETCH_CONFIG_KEY = "setgrpo_sketch_config"
 #: docs/sketch.md#skipped-rows) get their log-probs from a forward only, no backward, and NaN sketch rows; without
 #: the field every row is sketched.
 SKETCH_ROWS_KEY = "setgrpo_sketch_rows"
-
-#: Outputs of ``prepare_model_outputs`` the sketch pass does not use: switched off so that it builds no entropy
-#: (or sum pi^2) graph over the [tokens, V] logits.
-_NO_EXTRA_OUTPUTS = dict(calculate_entropy=False, calculate_sum_pi_squared=False)
-
 
 def _nested_layout(data: TensorDict) -> TensorDict:
     """Check that the batch is in verl's no-padding layout (nested ``input_ids`` / ``position_ids`` /
@@ -158,43 +153,75 @@ def _check_engine(engine: Any, mb: TensorDict) -> None:
         raise NotImplementedError(reason)
 
 
+def _response_log_probs(logits: torch.Tensor, output_args: dict, rows: torch.Tensor, response_index: torch.Tensor,
+                        row_of_token: torch.Tensor) -> torch.Tensor:
+    """verl 0.9.1 ``FSDPEngineWithLMHead.prepare_model_outputs``'s log-probs (no fused kernels, no entropy), on the
+    rows that score a response token only: the logits divided by the row's temperature in the logits' dtype (none
+    when ``temperature_is_one``), then verl's ``logprobs_from_logits`` of the next tokens. Row by row this is the
+    arithmetic verl runs on every position, so the values equal verl's own; the prompt positions' log-softmax, and
+    in the padded layout the copy of the valid logits into one packed tensor, are left out with their backward.
+    Copied (the scaling rule and the label and temperature fields); tests/integration/test_worker_unit.py
+    fingerprints the original.
+
+    Args:
+        logits: the model's logits, padded [b, T, V] or packed [1, nnz + pad, V] (model dtype).
+        output_args: ``prepare_model_inputs``' second output (``input_ids_rmpad_rolled`` in packed order,
+            ``temperature`` [b] padded or ``temperature_rmpad`` [nnz + pad] packed, ``temperature_is_one``).
+        rows: int64 [n] flattened token rows of ``logits`` that score the response tokens (:func:`_head_rows`).
+        response_index: int64 [n] the same tokens' packed positions (:func:`_host_layout`).
+        row_of_token: int64 [n] the micro-batch row of each token.
+
+    Returns:
+        [n] response log-probs in the logits' dtype, rows concatenated in order (with grad when enabled).
+    """
+    scores = logits.reshape(-1, logits.shape[-1])[rows]
+    if not output_args.get("temperature_is_one", False):
+        if "temperature_rmpad" in output_args:
+            temperature = output_args["temperature_rmpad"][response_index]
+        else:
+            temperature = output_args["temperature"][row_of_token]
+        scores = scores / temperature.unsqueeze(-1).clamp(min=1e-8).to(scores.dtype)
+    return logprobs_from_logits(logits=scores, labels=output_args["input_ids_rmpad_rolled"][response_index])
+
+
 def _sketch_micro_batch(
     engine: Any, sk: Optional[GradientSketcher], mb: TensorDict, loss_agg_mode: str
 ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """One micro-batch through the engine's own forward path: ``prepare_model_inputs`` (packed inputs with
-    ``cu_seqlens`` where the model takes them, or padded), the module forward under the engine's autocast,
-    ``prepare_model_outputs`` (temperature scaling in the logits' dtype and verl's ``logprobs_from_logits``), then the
-    activation-only sketch backward of sum_i sum_t w_it log pi(o_it); with ``sk=None`` the forward alone, under
-    ``torch.no_grad()`` (rows that are not sketched).
+    ``cu_seqlens`` where the model takes them, or padded), the module forward under the engine's autocast, verl's
+    log-probs of the response tokens (:func:`_response_log_probs`), then the activation-only sketch backward of
+    sum_i sum_t w_it log pi(o_it); with ``sk=None`` the forward alone, under ``torch.no_grad()`` (rows that are not
+    sketched).
 
     Returns ``(float32 [b, m] sketches or None without ``sk``, the response log-probs of all rows concatenated
     [sum_i j_i] in verl's dtype, bool [b]: rows with a non-finite response log-prob)``, all on the device and
     detached.  Nothing here waits for the device: the non-finite rows are reported by the caller once per call (a
     row's non-finite log-prob makes only its own sketch non-finite)."""
     lengths, response_index = _host_layout(mb)
+    response_lengths = _response_lengths(mb)
+    row_of_token = torch.repeat_interleave(torch.arange(len(response_lengths)), torch.tensor(response_lengths))
     mb = mb.to(get_device_id())  # the engine's device (parameters may be offloaded to the host)
-    tu.assign_non_tensor(mb, **_NO_EXTRA_OUTPUTS)
     model_inputs, output_args = engine.prepare_model_inputs(micro_batch=mb)
     device = model_inputs["input_ids"].device
+    head_rows = _head_rows(lengths, response_index, response_lengths, model_inputs)
     if sk is not None:
-        sk.begin(_token_segments(lengths, model_inputs), len(mb), device=device,
-                 head_rows=_head_rows(lengths, response_index, _response_lengths(mb), model_inputs))
+        sk.begin(_token_segments(lengths, model_inputs), len(mb), device=device, head_rows=head_rows)
     grad = torch.enable_grad() if sk is not None else torch.no_grad()
     sketches = None
     with grad, _forward_autocast(engine):
         raw_output = engine.module(**model_inputs, use_cache=False)
-        model_output = engine.prepare_model_outputs(
-            output=raw_output, output_args=output_args, micro_batch=mb, logits_processor_func=None
-        )
-        full = model_output["log_probs"]  # nested [b, prompt + response], position t scores token t + 1
-        log_probs = no_padding_2_padding(full, mb)  # [b, R] response log-probs (verl's slicing)
-        rmask = mb["response_mask"].to_padded_tensor(0, output_size=log_probs.shape).bool()
+        values = _response_log_probs(raw_output.logits, output_args, head_rows.to(device, non_blocking=True),
+                                     response_index.to(device, non_blocking=True),
+                                     row_of_token.to(device, non_blocking=True))
+        rmask = mb["response_mask"].to_padded_tensor(0).bool()  # [b, R]
+        ends = torch.tensor(response_lengths, device=device)[:, None]
+        valid = torch.arange(rmask.shape[1], device=device)[None, :] < ends
+        log_probs = values.new_zeros(rmask.shape).masked_scatter(valid, values)  # [b, R] response log-probs
         nonfinite = (~torch.isfinite(log_probs) & rmask).any(-1)
         if sk is not None:
             objective = (log_probs.float() * token_weights(rmask, loss_agg_mode)).sum()
             sketches = sk.backward(objective).float()
-    values = full.values().detach()[response_index.to(device, non_blocking=True)]
-    return sketches, values, nonfinite
+    return sketches, values.detach(), nonfinite
 
 
 def _rows_to_sketch(mb: TensorDict) -> Optional[torch.Tensor]:

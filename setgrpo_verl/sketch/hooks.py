@@ -8,11 +8,42 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from setgrpo_verl.sketch.chunks import matmul_f32, project_f32
 from setgrpo_verl.sketch.config import SketchConfig
 from setgrpo_verl.sketch.coverage import input_embedding, select
 from setgrpo_verl.sketch.projections import Block, layout_blocks, on_device
+
+
+class _LossRowsLinear(torch.autograd.Function):
+    """The output of a plain ``nn.Linear`` (the values of its own forward, unchanged) whose backward multiplies the
+    given rows of the output gradient only: every other row is zero (the LM head's rows that score no response token),
+    so the [tokens, out] x [out, in] product of the input gradient shrinks to those rows. Input gradient only: the
+    weight enters detached (the sketch backward computes no parameter gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, value: torch.Tensor, rows: torch.Tensor):
+        ctx.save_for_backward(weight, rows)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight, rows = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])[rows]
+        gx = g.new_zeros(grad.numel() // grad.shape[-1], ctx.x_shape[-1], dtype=ctx.x_dtype)
+        with torch.autocast(device_type=g.device.type, enabled=False):  # the dtype autocast gave the forward
+            gx[rows] = (g @ weight.to(g.dtype)).to(ctx.x_dtype)
+        return gx.reshape(ctx.x_shape), None, None, None
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """``module`` computes x W^T + b with ``nn.Linear``'s own forward on a local weight (not a LoRA or other wrapper,
+    not an FSDP2-sharded module whose weight is a DTensor outside its forward)."""
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and not isinstance(module, FSDPModule) and not isinstance(module.weight, DTensor))
 
 
 class GradientSketcher:
@@ -126,11 +157,15 @@ class GradientSketcher:
             head_rows: optional host int64 [n_loss] indices of the flattened token rows whose LM-head output can
                 carry a loss term (the positions that score a response token).  The head's output gradient is zero
                 at every other row, so the head block is projected and accumulated on these rows only (the same
-                sketch, without the projection of the zero rows of the ``[tokens, V]`` logits gradient).
+                sketch, without the projection of the zero rows of the ``[tokens, V]`` logits gradient).  On a plain
+                ``nn.Linear`` head the model's backward through the head runs on these rows only too (the input
+                gradient of the other rows is zero, not computed): the objective must use the head's output at these
+                rows only, its dependence on any other row is not seen by the backward.
 
         Raises:
             RuntimeError: called outside the ``with`` block.
-            ValueError: non-integer ids, ids below -1 or >= num_segments; head rows outside the token rows.
+            ValueError: non-integer ids, ids below -1 or >= num_segments; head rows outside the token rows or
+                repeated.
         """
         if not self._handles:
             raise RuntimeError("GradientSketcher.begin() must be called inside `with GradientSketcher(...)`")
@@ -144,6 +179,8 @@ class GradientSketcher:
             head_rows = head_rows.reshape(-1).long()
             if head_rows.numel() and bool(((head_rows < 0) | (head_rows >= seg.numel())).any()):
                 raise ValueError(f"head_rows must index the {seg.numel()} token rows of segment_ids")
+            if head_rows.unique().numel() != head_rows.numel():
+                raise ValueError("head_rows must not repeat a row (each row's loss terms are summed by the objective)")
         device = device if device is not None else seg.device
         seg = seg.to(device, non_blocking=True)
         self._reset()
@@ -250,13 +287,17 @@ class GradientSketcher:
                 "torch.no_grad(), or reentrant activation checkpointing: use use_reentrant=False as verl does)"
             )
         x = self._rows(args[0].detach(), block.name)
+        replaced = None
         if self._head_only(block):
             x = x[self._head_rows]
+            if _plain_linear(module):  # its backward over the rows with a loss term only
+                replaced = output = _LossRowsLinear.apply(args[0], module.weight.detach(), output.detach(),
+                                                          self._head_rows)
         b = self._project_in(block, x)
         key = id(b)
         self._pending[key] = block.name
         output.register_hook(partial(self._linear_backward, block, b, key))
-        return None
+        return replaced
 
     def _linear_backward(self, block: Block, b: torch.Tensor, key: int, grad: torch.Tensor):
         if self._phase != "backward" or key not in self._pending:

@@ -215,7 +215,7 @@ def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remo
         logit_rows = rows[:, None] * seqlen + resp_cols[None, :] - 1
         targets = ids[:, -t_resp:]
         model_kwargs = dict(input_ids=ids, position_ids=pos, attention_mask=am)
-    sk.begin(segments, bsz)
+    sk.begin(segments, bsz, head_rows=logit_rows[valid_resp])  # the head's rows with a loss term
     with torch.enable_grad():
         logits = model(**model_kwargs, use_cache=False).logits
         logits = logits.reshape(-1, logits.shape[-1])[logit_rows.reshape(-1)]  # [B * T_resp, V], model dtype

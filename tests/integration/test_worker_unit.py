@@ -175,6 +175,60 @@ def test_the_copied_autocast_of_verls_forward_step_is_unchanged():
     )
 
 
+#: sha256 of verl 0.9.1's ``FSDPEngineWithLMHead.prepare_model_outputs`` and ``_scale_logits_by_temperature`` sources:
+#: worker._response_log_probs copies their temperature scaling and their label and temperature fields.
+PREPARE_MODEL_OUTPUTS_SHA256 = "5239f536e8f617e3538cc0aa2c4aaf7d4d27e59877abb40abe635e6a2d46c7ce"
+SCALE_LOGITS_SHA256 = "c5128d4596dc71ada3160cd9bcefc3aced525cb67f79cd074205301a3069db67"
+
+
+def test_the_copied_log_prob_rule_of_verls_prepare_model_outputs_is_unchanged():
+    from verl.workers.engine.fsdp import transformer_impl
+
+    outputs = inspect.getsource(FSDPEngineWithLMHead.prepare_model_outputs)
+    scale = inspect.getsource(transformer_impl._scale_logits_by_temperature)
+    assert "logits / temperature.clamp(min=1e-8).to(logits.dtype)" in scale
+    assert hashlib.sha256(outputs.encode()).hexdigest() == PREPARE_MODEL_OUTPUTS_SHA256, (
+        "verl's FSDPEngineWithLMHead.prepare_model_outputs changed: re-check setgrpo_verl.integration.worker."
+        "_response_log_probs"
+    )
+    assert hashlib.sha256(scale.encode()).hexdigest() == SCALE_LOGITS_SHA256, (
+        "verl's _scale_logits_by_temperature changed: re-check setgrpo_verl.integration.worker._response_log_probs"
+    )
+
+
+class _LogSumExpRows(torch.overrides.TorchFunctionMode):
+    """Counts the rows that ``torch.logsumexp`` reduces (verl's float32 log-probs run it once per scored row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.logsumexp:
+            self.rows += args[0].numel() // args[0].shape[-1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_fused_pass_takes_the_log_softmax_of_the_response_rows_only(packed):
+    """verl's own pass takes the log-softmax of every position and keeps the response tokens'; the fused pass takes it
+    on the positions that score a response token only (fewer rows, forward and backward) and its old log-probs are
+    still verl's, bit for bit."""
+    model = tiny_qwen3(dtype=torch.float32)
+    engine = BareEngine(model)
+    data = _ragged(model.config.vocab_size)
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=5, use_remove_padding=packed,
+                         temperature=0.7)
+    with _LogSumExpRows() as verl_rows:
+        expected = verl_log_probs(engine, data)
+    with _LogSumExpRows() as fused_rows:
+        _, fused = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
+    assert verl_rows.rows == int(data["input_ids"].offsets()[-1])  # every position
+    assert fused_rows.rows == int(data["responses"].offsets()[-1])  # the response tokens only
+    for a, b in zip(fused.unbind(), expected.unbind(), strict=True):
+        assert torch.equal(a, b)
+
+
 class _WithCuSeqlens(torch.nn.Module):
     """A causal LM whose forward takes ``cu_seqlens`` (as verl's Qwen3.5 forward does) and hands them to its layers."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from setgrpo_verl.sketch import GradientSketcher, SketchConfig, compute_sketches
 from tests.sketch._tiny import cosine, exact_gradients, tiny_llama, verl_batch
@@ -309,3 +310,53 @@ def test_float32_promotion_in_row_chunks_keeps_sketches_and_log_probs(monkeypatc
         scale = whole.sketches.abs().max().item()
         torch.testing.assert_close(chunked.sketches, whole.sketches, rtol=1e-5, atol=1e-5 * scale)
         torch.testing.assert_close(chunked.log_probs, whole.log_probs, rtol=1e-6, atol=1e-6)
+
+
+class _VocabProducts(TorchDispatchMode):
+    """The row counts of the matrix products whose left operand is vocabulary-wide (the LM head's output gradient)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            left = args[-2]
+            if left.shape[-1] == self.vocab:
+                self.rows.append(left.shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_lm_head_backward_multiplies_the_rows_with_a_loss_term_only(packed, monkeypatch):
+    """The logits gradient is zero at the positions that score no response token: the sketch backward multiplies the
+    head's output gradient on the scoring rows only (the head's input gradient and its P_out projection), and the
+    sketches are those of the backward over every row, exact in identity mode (per-response gradients)."""
+    from setgrpo_verl.sketch import hooks
+
+    model = tiny_llama(dtype=torch.float32)
+    ids, am, rm = verl_batch()
+    cfg = SketchConfig(rank_out=2, rank_in=2, copies=4, seed=3)
+    products = _VocabProducts(model.config.vocab_size)
+    original = GradientSketcher.backward
+
+    def recorded(self, objective):
+        with products:
+            return original(self, objective)
+
+    monkeypatch.setattr(GradientSketcher, "backward", recorded)
+    rows_only = compute_sketches(model, ids, am, rm, cfg, use_remove_padding=packed).sketches
+    scoring = int(am[:, -rm.shape[1]:].sum())  # positions that score a response token
+    assert products.rows and max(products.rows) == scoring < ids.numel()
+    monkeypatch.setattr(hooks, "_plain_linear", lambda module: False)  # the backward over every row
+    products.rows.clear()
+    every_row = compute_sketches(model, ids, am, rm, cfg, use_remove_padding=packed).sketches
+    assert max(products.rows) == (ids.numel() if not packed else int(am.sum()))
+    torch.testing.assert_close(rows_only, every_row, rtol=1e-5, atol=1e-6)
+
+
+def test_head_rows_must_not_repeat():
+    model = tiny_llama()
+    with GradientSketcher(model, SketchConfig()) as sk:
+        with pytest.raises(ValueError, match="must not repeat"):
+            sk.begin(torch.zeros(1, 4, dtype=torch.long), head_rows=torch.tensor([1, 1]))
