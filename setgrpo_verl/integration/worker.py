@@ -172,7 +172,8 @@ def _response_log_probs(logits: torch.Tensor, output_args: dict, rows: torch.Ten
         row_of_token: int64 [n] the micro-batch row of each token.
 
     Returns:
-        [n] response log-probs in the logits' dtype, rows concatenated in order (with grad when enabled).
+        [n] response log-probs in the dtype verl's ``logprobs_from_logits`` returns for these logits, rows
+        concatenated in order (with grad when enabled).
     """
     scores = logits.reshape(-1, logits.shape[-1])[rows]
     if not output_args.get("temperature_is_one", False):

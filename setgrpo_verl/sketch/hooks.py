@@ -8,8 +8,15 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+
+try:  # public from torch 2.6 / 2.5; the private modules before (verl's fsdp_utils does the same)
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch < 2.6
+    from torch.distributed._composable.fsdp import FSDPModule
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch < 2.5
+    from torch.distributed._tensor import DTensor
 
 from setgrpo_verl.sketch.chunks import matmul_f32, project_f32
 from setgrpo_verl.sketch.config import SketchConfig
@@ -21,7 +28,11 @@ class _LossRowsLinear(torch.autograd.Function):
     """The output of a plain ``nn.Linear`` (the values of its own forward, unchanged) whose backward multiplies the
     given rows of the output gradient only: every other row is zero (the LM head's rows that score no response token),
     so the [tokens, out] x [out, in] product of the input gradient shrinks to those rows. Input gradient only: the
-    weight enters detached (the sketch backward computes no parameter gradient)."""
+    weight enters detached (the sketch backward computes no parameter gradient).
+
+    Inputs: ``x`` [..., in] the head's input (any float dtype, with grad), ``weight`` [out, in] detached, ``value``
+    [..., out] the head's own output, ``rows`` int64 [n] flattened rows of ``x`` on its device. Returns a view of
+    ``value``; the backward gives ``x`` the gradient [..., in] in x's dtype, zero off ``rows``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, value: torch.Tensor, rows: torch.Tensor):
@@ -41,8 +52,10 @@ class _LossRowsLinear(torch.autograd.Function):
 
 def _plain_linear(module: nn.Module) -> bool:
     """``module`` computes x W^T + b with ``nn.Linear``'s own forward on a local weight (not a LoRA or other wrapper,
-    not an FSDP2-sharded module whose weight is a DTensor outside its forward)."""
+    not an FSDP2-sharded module whose weight is a DTensor outside its forward, not a module whose forward is replaced
+    on the instance, as accelerate's device-map hooks do)."""
     return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and "forward" not in vars(module)
             and not isinstance(module, FSDPModule) and not isinstance(module.weight, DTensor))
 
 
@@ -290,7 +303,7 @@ class GradientSketcher:
         replaced = None
         if self._head_only(block):
             x = x[self._head_rows]
-            if _plain_linear(module):  # its backward over the rows with a loss term only
+            if _plain_linear(module) and args[0].device == output.device:  # backward over the loss rows only
                 replaced = output = _LossRowsLinear.apply(args[0], module.weight.detach(), output.detach(),
                                                           self._head_rows)
         b = self._project_in(block, x)

@@ -327,16 +327,18 @@ class _VocabProducts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_the_lm_head_backward_multiplies_the_rows_with_a_loss_term_only(packed, monkeypatch):
+@pytest.mark.parametrize("packed, tie, identity", [(False, False, False), (True, False, False), (False, True, True),
+                                                    (True, True, True)])
+def test_the_lm_head_backward_multiplies_the_rows_with_a_loss_term_only(packed, tie, identity, monkeypatch):
     """The logits gradient is zero at the positions that score no response token: the sketch backward multiplies the
     head's output gradient on the scoring rows only (the head's input gradient and its P_out projection), and the
-    sketches are those of the backward over every row, exact in identity mode (per-response gradients)."""
+    sketches are those of the backward over every row; with a tied head in identity mode both are the exact
+    per-response gradients."""
     from setgrpo_verl.sketch import hooks
 
-    model = tiny_llama(dtype=torch.float32)
+    model = tiny_llama(dtype=torch.float32, tie=tie)
     ids, am, rm = verl_batch()
-    cfg = SketchConfig(rank_out=2, rank_in=2, copies=4, seed=3)
+    cfg = SketchConfig(identity=True) if identity else SketchConfig(rank_out=2, rank_in=2, copies=4, seed=3)
     products = _VocabProducts(model.config.vocab_size)
     original = GradientSketcher.backward
 
@@ -353,6 +355,11 @@ def test_the_lm_head_backward_multiplies_the_rows_with_a_loss_term_only(packed, 
     every_row = compute_sketches(model, ids, am, rm, cfg, use_remove_padding=packed).sketches
     assert max(products.rows) == (ids.numel() if not packed else int(am.sum()))
     torch.testing.assert_close(rows_only, every_row, rtol=1e-5, atol=1e-6)
+    if identity:
+        out = compute_sketches(model, ids, am, rm, cfg, use_remove_padding=packed)
+        exact = exact_gradients(model, ids, am, rm, out.block_names)
+        assert exact.abs().max() > 0
+        torch.testing.assert_close(rows_only.double(), exact, rtol=0, atol=1e-5 * exact.abs().max().item())
 
 
 def test_head_rows_must_not_repeat():
