@@ -11,6 +11,11 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+# verl's file logger writes <project>/<experiment>.jsonl under the working directory when a run names no
+# VERL_FILE_LOGGER_PATH (verl's defaults: verl_examples/gsm8k.jsonl): any such run of the suite, and the Ray workers
+# it starts, writes into a temporary folder instead of the repository.
+os.environ.setdefault("VERL_FILE_LOGGER_ROOT", tempfile.mkdtemp(prefix="setgrpo_verl_tests_file_logger_"))
+
 
 @pytest.fixture(scope="module")
 def serial_main_ppo():
