@@ -3,10 +3,10 @@
 verl's agent loop sends one ``generate`` request per response to a rollout *replica*; on GPUs that is a vLLM or
 SGLang server. :class:`TransformersRolloutServer` is a Ray actor holding a Hugging Face causal LM: requests that
 arrive within :data:`BATCH_WAIT_S` of each other (and share sampling parameters) are left-padded into one batch and
-decoded by one ``model.generate`` call. :class:`TransformersReplica` launches one server per replica
-(``actor_rollout_ref.rollout.name=transformers``), and :class:`TransformersRolloutAdapter` lives in verl's hybrid
-actor worker and pushes the actor's full weights to the server on verl's weight-sync path (every step), so the
-rollout always samples from the current policy.
+decoded by one ``model.generate`` call, each distinct prompt prefilled once however many responses it asks for.
+:class:`TransformersReplica` launches one server per replica (``actor_rollout_ref.rollout.name=transformers``),
+and :class:`TransformersRolloutAdapter` lives in verl's hybrid actor worker and pushes the actor's full weights to
+the server on verl's weight-sync path (every step), so the rollout always samples from the current policy.
 
 The model runs in verl's ``rollout.dtype`` (bf16 in the GPU recipes and on CPUs with bf16 units, see
 :func:`setgrpo_verl.launch.cpu_overrides`). Log-probabilities, when verl asks for them
@@ -137,6 +137,7 @@ class TransformersRolloutServer:
             self.eos_ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.version = 0
+        self._share_prompts = self._has_plain_cache()
         self._pending: dict[tuple, list[_Request]] = {}
         self._drainer: Optional[asyncio.Task] = None
         # one thread: generation and weight loading never overlap, and the event loop stays free to queue requests
@@ -209,6 +210,9 @@ class TransformersRolloutServer:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        shared = self._shared_prompt_cache(prompts, input_ids, attention_mask)
+        if shared is not None:
+            kwargs["past_key_values"] = shared
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         new_tokens = out.sequences[:, width:]
         if want_logprobs:
@@ -231,6 +235,47 @@ class TransformersRolloutServer:
                 extra_fields={"global_steps": self.version},
             ))
         return results
+
+    def _shared_prompt_cache(self, prompts: list[list[int]], input_ids: torch.Tensor,
+                             attention_mask: torch.Tensor) -> Optional[Any]:
+        """The KV cache of every prompt but its last token, computed once per distinct prompt and repeated for each
+        request that sends it (the K responses of a group), or ``None`` when no prompt repeats or the model's cache
+        is not a plain attention cache.
+
+        ``generate`` then runs only the last prompt token and the new tokens, so a group's prompt is prefilled once
+        instead of K times. The cached keys and values are those ``generate`` would compute itself (same left padding,
+        same position ids), so the sampled responses follow the same distribution.
+
+        Args:
+            prompts: the batch's prompt token ids, B lists.
+            input_ids: [B, W] int64, the left-padded prompts.
+            attention_mask: [B, W] int64, 1 on prompt tokens.
+
+        Returns:
+            A ``transformers`` ``DynamicCache`` of batch size B and length W - 1, or ``None``.
+        """
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        if not self._share_prompts or len(distinct) == len(prompts) or input_ids.shape[1] < 2:
+            return None
+        first = torch.tensor([owner.index(u) for u in range(len(distinct))], dtype=torch.long)
+        ids, mask = input_ids[first, :-1], attention_mask[first, :-1]
+        # the position ids generate derives from a left-padded attention mask
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        cache = out.past_key_values
+        cache.reorder_cache(torch.tensor(owner, dtype=torch.long))
+        return cache
+
+    @torch.no_grad()
+    def _has_plain_cache(self) -> bool:
+        """Whether the model's KV cache is a plain attention cache (every layer a full ``DynamicLayer``), whose rows
+        can be repeated; hybrid linear-attention and sliding-window caches are not."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        cache = self.model(input_ids=torch.tensor([[self.pad_id]]), use_cache=True).past_key_values
+        return type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> int:
         """Load the actor's full weights (parameter names as in the Hugging Face model); returns the count.

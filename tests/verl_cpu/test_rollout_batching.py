@@ -77,3 +77,74 @@ def test_requests_after_a_quiet_period_start_a_new_batch(server, monkeypatch):
                          [(2, 1, 1, 2), (2, 2, 1, 1), (16, 4, 2, 8), (16, 8, 8, 16), (3, 4, 1, 1)])
 def test_the_servers_on_a_node_share_its_cores(cpus, ranks, per_replica, threads):
     assert server_threads(cpus, ranks, per_replica) == threads
+
+
+@pytest.fixture
+def forwards(server):
+    """(batch rows, positions) of every forward the server's model runs, recorded by a forward pre-hook (a
+    replaced ``forward`` would change the signature ``generate`` inspects)."""
+    shapes: list[tuple[int, int]] = []
+    handle = server.model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    yield shapes
+    handle.remove()
+
+
+# three distinct prompts of different lengths, two of them sent K = 3 times (a group's responses)
+_GROUPED = [[1, 17, 23, 5], [1, 9], [1, 17, 23, 5], [1, 40, 41], [1, 9], [1, 17, 23, 5], [1, 9]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_if_prefilled_per_request(server, forwards, temperature):
+    import torch
+
+    key = (temperature, 1.0, -1, 5, True)
+    shapes = forwards
+    server._share_prompts = False
+    torch.manual_seed(11)
+    alone = server._generate_batch(_GROUPED, key)
+    per_request = list(shapes)
+    shapes.clear()
+    server._share_prompts = True
+    torch.manual_seed(11)
+    shared = server._generate_batch(_GROUPED, key)
+
+    # per request: generate's prefill runs all 7 padded prompts of width 4; shared: the 3 distinct prompts' first
+    # 3 positions once, then generate runs the last prompt position of the 7 requests
+    assert per_request[0] == (7, 4)
+    assert shapes[:2] == [(3, 3), (7, 1)]
+    assert len(shapes) == len(per_request) + 1
+    for a, b in zip(alone, shared):
+        assert a.token_ids == b.token_ids
+        assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
+
+
+def test_a_batch_of_distinct_prompts_is_prefilled_by_generate(server, forwards):
+    shapes = forwards
+    server._share_prompts = True
+    server._generate_batch([[1, 17, 23, 5], [1, 9], [1, 40, 41]], (0.0, 1.0, -1, 3, False))
+    assert shapes[0] == (3, 4)
+
+
+def test_a_hybrid_linear_attention_model_decodes_with_generates_own_prefill(tmp_path):
+    from tests.sketch._tiny import tiny_qwen35_text
+
+    model = tiny_qwen35_text(seed=0, vocab=96)
+    model.config.eos_token_id = 95
+    model.generation_config.eos_token_id = 95
+    model.save_pretrained(tmp_path)
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)},
+                                                                              unk_token="t0")),
+                                  eos_token="t95", pad_token="t0")
+    tok.save_pretrained(tmp_path)
+    hybrid = TransformersRolloutServer(str(tmp_path), response_length=3, max_batch_size=8, seed=0)
+    key = (0.0, 1.0, -1, 3, True)
+    prompts = [[1, 17, 23], [1, 17, 23], [2, 5, 7]]
+    assert hybrid._share_prompts is False  # its cache is not a plain attention cache: no shared prefill
+    shared = hybrid._generate_batch(prompts, key)
+    again = hybrid._generate_batch(prompts, key)
+    assert [o.token_ids for o in shared] == [o.token_ids for o in again]
+    assert shared[0].token_ids == shared[1].token_ids  # greedy: one prompt, one response
