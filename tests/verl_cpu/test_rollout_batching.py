@@ -95,17 +95,18 @@ _GROUPED = [[1, 17, 23, 5], [1, 9], [1, 17, 23, 5], [1, 40, 41], [1, 9], [1, 17,
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_if_prefilled_per_request(server, forwards, temperature):
+def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_if_prefilled_per_request(server, forwards, temperature,
+                                                                                      monkeypatch):
     import torch
 
     key = (temperature, 1.0, -1, 5, True)
     shapes = forwards
-    server._share_prompts = False
+    monkeypatch.setattr(server, "_share_prompts", False)
     torch.manual_seed(11)
     alone = server._generate_batch(_GROUPED, key)
     per_request = list(shapes)
     shapes.clear()
-    server._share_prompts = True
+    monkeypatch.setattr(server, "_share_prompts", True)
     torch.manual_seed(11)
     shared = server._generate_batch(_GROUPED, key)
 
@@ -121,7 +122,7 @@ def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_if_prefilled_per_req
 
 def test_a_batch_of_distinct_prompts_is_prefilled_by_generate(server, forwards):
     shapes = forwards
-    server._share_prompts = True
+    assert server._share_prompts is True  # a Llama's cache is a plain attention cache
     server._generate_batch([[1, 17, 23, 5], [1, 9], [1, 40, 41]], (0.0, 1.0, -1, 3, False))
     assert shapes[0] == (3, 4)
 
@@ -144,7 +145,7 @@ def test_a_hybrid_linear_attention_model_decodes_with_generates_own_prefill(tmp_
     key = (0.0, 1.0, -1, 3, True)
     prompts = [[1, 17, 23], [1, 17, 23], [2, 5, 7]]
     assert hybrid._share_prompts is False  # its cache is not a plain attention cache: no shared prefill
-    shared = hybrid._generate_batch(prompts, key)
+    first = hybrid._generate_batch(prompts, key)
     again = hybrid._generate_batch(prompts, key)
-    assert [o.token_ids for o in shared] == [o.token_ids for o in again]
-    assert shared[0].token_ids == shared[1].token_ids  # greedy: one prompt, one response
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert first[0].token_ids == first[1].token_ids  # greedy: one prompt, one response
