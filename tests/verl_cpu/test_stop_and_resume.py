@@ -22,7 +22,7 @@ import pytest
 from setgrpo_verl.integration.resume import read_state
 from setgrpo_verl.supervise import session_members
 
-from .conftest import read_metrics, tail
+from .conftest import REWARD_PY, read_metrics, tail
 
 # a module's first test also waits for the other modules' verl runs (serial_main_ppo), which pytest-timeout
 # counts: its limit covers that wait as well as the module's own runs
@@ -203,7 +203,7 @@ def test_stopped_train_resumes_like_an_uninterrupted_run(calibrated, tmp_path):
     assert groups["stopped"][:3] == step1_rows
 
 
-def test_a_calibration_stopped_after_its_first_shard_resumes_from_it(tiny_model, reward_file, tmp_path):
+def test_a_calibration_stopped_after_its_first_shard_resumes_from_it(tiny_model, tmp_path):
     """SIGTERM once the first calibration batch's shard is written; ``--resume`` calibrates the other batches only:
     the first shard is in the final paired scores unchanged, and the record names every prompt once."""
     import numpy as np
@@ -211,10 +211,25 @@ def test_a_calibration_stopped_after_its_first_shard_resumes_from_it(tiny_model,
     from setgrpo_verl.core import CalibrationRecord
 
     run = tmp_path / "run"
-    flags = [*_FLAGS, "--calib-batch-size", "2"]  # three batches of two prompts: three shards
-    common = ["--run-dir", str(run), "--model", str(tiny_model), "--judge", "function", "--reward-function",
-              str(reward_file), *flags]
     shards = run / "calibration" / "shards"
+    release = tmp_path / "release"
+    # REWARD_PY's scores, held once the first shard exists until the test creates ``release``: the signal then
+    # always arrives while the second batch is rolled out and scored, however fast the machine finishes a batch
+    gated = tmp_path / "gated_reward.py"
+    gated.write_text(REWARD_PY.replace("def compute_score(", "def _score(") + f"""
+import os
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    while os.path.exists({str(shards / "batch_000000.npz")!r}) and not os.path.exists({str(release)!r}):
+        time.sleep(0.2)
+    return _score(data_source, solution_str, ground_truth, extra_info)
+""")
+    # three batches of two prompts, each rolled out after the previous one's shard is written: three shards
+    flags = [*_FLAGS, "--calib-batch-size", "2", "algorithm.setgrpo.calibration.chunk_batches=1"]
+    common = ["--run-dir", str(run), "--model", str(tiny_model), "--judge", "function", "--reward-function",
+              str(gated), *flags]
     with open(tmp_path / "stopped.log", "w") as out:
         cli = subprocess.Popen([sys.executable, "-m", "setgrpo_verl", "calibrate", *common], stdout=out,
                                stderr=subprocess.STDOUT)
@@ -228,7 +243,9 @@ def test_a_calibration_stopped_after_its_first_shard_resumes_from_it(tiny_model,
     assert not (run / "calibration" / "record.json").exists(), "the calibration finished before the signal"
     assert "calibration shard(s): rerun with --resume" in (run / "calibration" / "FAILED").read_text()
     before = {p.name: p.read_bytes() for p in shards.glob("batch_*.npz")}
-    assert "batch_000000.npz" in before and len(before) < 3
+    assert list(before) == ["batch_000000.npz"]
+
+    release.touch()
 
     resumed = _cli("calibrate", *common, "--resume")
     assert resumed.returncode == 0, tail(resumed)
