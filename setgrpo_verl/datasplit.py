@@ -13,10 +13,10 @@ import random
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .lifecycle import dir_state, plan_run
+from .lifecycle import dir_state
 from .rundir import LaunchError, mark_complete
 
-__all__ = ["DEFAULT_DATA", "SPLIT_FILE", "check_data_split", "check_split_flags", "existing_split", "split_data",
+__all__ = ["DEFAULT_DATA", "SPLIT_FILE", "check_split_flags", "existing_split", "split_data",
            "split_matches", "write_data"]
 
 #: The embedded default data of :func:`split_data` without ``data``: ``ifbench`` (the IFBench prompts) or
@@ -184,19 +184,6 @@ def split_matches(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> bool 
     if old is None:
         return None
     return old.get("ids") == {name: _split_ids(split[name]) for name in ("calibration", "train")}
-
-
-def check_data_split(run_dir: str | os.PathLike, split: Mapping[str, Any], *, overwrite: bool) -> bool:
-    """Whether :func:`write_data` must write ``split`` into ``run_dir`` (the ``data`` decision of
-    :func:`setgrpo_verl.lifecycle.plan_run`): True for a run directory without a finished split or under
-    ``overwrite``, False when the existing split holds exactly these prompts.
-
-    Raises:
-        LaunchError: without ``overwrite``, an existing split of other prompts or an unfinished ``data/``.
-    """
-    plan = plan_run(run_dir, ["data"], overwrite=overwrite, same_data=split_matches(run_dir, split))
-    plan.check()
-    return plan.action("data") != "keep"
 
 
 def check_split_flags(run_dir: str | os.PathLike, *, data: str | os.PathLike | None, calib_groups: int | None) -> None:

@@ -41,7 +41,6 @@ from typing import Any, Mapping, Optional, Sequence
 from .datasplit import (
     DEFAULT_DATA,
     SPLIT_FILE,
-    check_data_split,
     check_split_flags,
     existing_split,
     split_data,
@@ -69,7 +68,6 @@ __all__ = [
     "SPLIT_FILE",
     "calibration_minimums",
     "check_calibration_size",
-    "check_data_split",
     "check_split_flags",
     "check_training_prompts",
     "check_training_steps",

@@ -43,7 +43,8 @@ def merge_calibration(dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
 
     Args:
         dirs: the parts' calibration directories (or their ``shards/``).
-        out: the directory of the record (created; an existing ``record.json`` there is never overwritten).
+        out: the directory of the record (created; an existing ``record.json`` or ``paired_scores.npz`` there is
+            never overwritten).
         pilot: a pilot record calibrated on other prompts: the fixed sequence's ``tau_start`` must be its
             ``tau_sel`` (:func:`setgrpo_verl.core.pilot_start`), and the record names it as the start's source.
 
@@ -52,12 +53,15 @@ def merge_calibration(dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
 
     Raises:
         LaunchError: no shards, a torn shard (rerun its part with ``--resume``), shards of different runs or
-            settings (file and field named), overlapping or missing batches, an existing record in ``out``, or a
+            settings (file and field named), overlapping or missing batches, an existing record or paired scores in
+            ``out``, shards of different setgrpo-verl or verl versions, or a
             pilot that does not give this calibration's ``tau_start``.
     """
     out = Path(out)
-    if (out / "record.json").exists():
-        raise LaunchError(f"{out / 'record.json'} exists: a frozen record is never overwritten; choose another --out")
+    for name in ("record.json", "paired_scores.npz"):
+        if (out / name).exists():
+            raise LaunchError(f"{out / name} exists: a merge writes a new record and its paired scores, and never "
+                              "overwrites a calibration's files; choose another --out")
     sources = []
     try:
         for d in shard_dirs(dirs):

@@ -28,7 +28,7 @@ _TEST_FIELDS = ("test_order", "test_levels", "p_values", "stopped_at")
 _HASH_KEY = "content_sha256"
 _PROMPT_KEYS = ("id", "question_sha256", "rubric_sha256")
 #: Packages whose major.minor a record is compared against when it is read (others are informative only).
-_VERSIONED = ("setgrpo-verl", "verl")
+VERSIONED_PACKAGES = ("setgrpo-verl", "verl")
 _RECORDED = ("setgrpo-verl", "torch", "scipy", "verl")
 
 
@@ -47,7 +47,8 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def _major_minor(version: str) -> tuple[str, ...]:
+def major_minor(version: str) -> tuple[str, ...]:
+    """``("1", "2")`` for ``"1.2.3+cpu"``: the part of a version a record's compatibility check compares."""
     return tuple(str(version).split("+")[0].split(".")[:2])
 
 
@@ -280,9 +281,9 @@ class CalibrationRecord:
         """Why this record comes from another major.minor of setgrpo-verl or verl than ``installed`` (default: the
         installed packages), naming both versions; None when they agree or a version is unknown."""
         installed = package_versions() if installed is None else installed
-        diffs = [f"{name} {self.package_versions[name]} (installed {installed[name]})" for name in _VERSIONED
+        diffs = [f"{name} {self.package_versions[name]} (installed {installed[name]})" for name in VERSIONED_PACKAGES
                  if name in self.package_versions and name in installed
-                 and _major_minor(self.package_versions[name]) != _major_minor(installed[name])]
+                 and major_minor(self.package_versions[name]) != major_minor(installed[name])]
         if not diffs:
             return None
         return (f"calibration record written by {', '.join(diffs)}: its math and run identity are checked, but "

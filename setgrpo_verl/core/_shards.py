@@ -17,6 +17,7 @@ import math
 import os
 import zipfile
 import zlib
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from ._api import calibrate
-from ._record import CalibrationRecord, check_identity, pilot_start
+from ._record import VERSIONED_PACKAGES, CalibrationRecord, check_identity, major_minor, pilot_start
 
 __all__ = ["SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
            "pilot_source", "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name",
@@ -52,7 +53,10 @@ class CalibrationShard:
     ``reference [G, K]``, ``gram [G, K, K]`` and ``truth [G, K]`` (None when the grader has none) of the G complete
     groups, sorted by ``prompt_index`` (int64 [G], each group's position in ``prompts``); ``dropped``: groups left
     out for holding fewer than K responses (``incomplete``) or none (``no_response``); ``verdicts``: the judge's
-    ``(unparsed, judged)`` verdict counts or None; ``identity``: :func:`shard_identity`; ``created_at``: ISO 8601.
+    ``(unparsed, judged)`` verdict counts or None; ``identity``: :func:`shard_identity`; ``created_at``: ISO 8601;
+    ``package_versions``: :func:`~setgrpo_verl.core.package_versions` of the process that rolled the batch out and
+    sketched it; ``tau_start_source``: where the fixed sequence's ``tau_start`` came from
+    (:func:`pilot_source`; empty: set by the user). Both are empty in shards written before shards recorded them.
     """
 
     index: int
@@ -66,6 +70,8 @@ class CalibrationShard:
     dropped: dict = field(default_factory=lambda: {"incomplete": 0, "no_response": 0})
     verdicts: tuple | None = None
     created_at: str = ""
+    package_versions: dict = field(default_factory=dict)
+    tau_start_source: dict = field(default_factory=dict)
 
 
 def _canonical(value: Any) -> Any:
@@ -140,7 +146,7 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
     return its path.
 
     The file is a compressed ``.npz`` of the arrays (float64; ``prompt_index`` int64), a ``meta`` JSON string
-    (batch, prompts, identity, dropped counts, verdict counts, created_at and each array's SHA-256) and
+    (batch, prompts, identity, dropped counts, verdict counts, created_at, package versions, tau_start source and each array's SHA-256) and
     ``content_sha256``, the SHA-256 of ``meta``.
     """
     directory = Path(directory)
@@ -153,7 +159,8 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
     meta = json.dumps({"schema": _SCHEMA, "index": int(shard.index), "prompts": list(shard.prompts),
                        "identity": shard.identity, "dropped": {k: int(v) for k, v in shard.dropped.items()},
                        "verdicts": None if shard.verdicts is None else [float(v) for v in shard.verdicts],
-                       "created_at": shard.created_at,
+                       "created_at": shard.created_at, "package_versions": dict(shard.package_versions),
+                       "tau_start_source": dict(shard.tau_start_source),
                        "arrays": {k: _array_sha256(v) for k, v in arrays.items()}}, sort_keys=True)
     path = directory / shard_name(shard.index)
     tmp = directory / f".{path.name}.tmp"
@@ -205,7 +212,8 @@ def read_shard(path: str | os.PathLike) -> CalibrationShard:
                              reference=data["reference"], gram=data["gram"], truth=data.get("truth"),
                              prompt_index=data["prompt_index"], identity=meta["identity"], dropped=meta["dropped"],
                              verdicts=None if meta["verdicts"] is None else tuple(meta["verdicts"]),
-                             created_at=meta["created_at"])
+                             created_at=meta["created_at"], package_versions=meta.get("package_versions", {}),
+                             tau_start_source=meta.get("tau_start_source", {}))
     g, k = shard.point.shape if shard.point.ndim == 2 else (-1, -1)
     shapes = {"point": (g, k), "reference": (g, k), "gram": (g, k, k), "prompt_index": (g,)}
     if shard.truth is not None:
@@ -295,12 +303,14 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
     """The record and paired scores of a complete shard set (docs/record.md#calibration-shards).
 
     The shards are taken in batch order, so the record depends on the set only: the same, byte for byte, whether
-    it was written in one run, resumed, or merged from several jobs; its ``created_at`` is the newest shard's.
+    it was written in one run, resumed, or merged from several jobs; its ``created_at`` is the newest shard's, and
+    so are its ``package_versions`` (the versions that calibrated, not those of the machine that merges; the
+    installed ones only when no shard records them).
 
     Args:
         sources: ``(path, shard)`` pairs (the paths name the files in messages).
         tau_start_source: where a fixed sequence's ``tau_start`` came from (``calibrate``'s argument, e.g. from
-            :func:`~setgrpo_verl.core.pilot_start`); None: set by the user.
+            :func:`pilot_source`); None: the source the shards recorded, or the user when they recorded none.
 
     Returns:
         ``(record, paired)``: ``paired`` holds float64 ``point``, ``reference``, ``gram`` (and ``truth``) of every
@@ -310,8 +320,10 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
     Raises:
         ValueError: no shards; shards of different calibrations (naming the file and the first differing field of
             the identity: policy, grader, sketch, K, levels, settings, prompt set); two shards of one batch or one
-            prompt in two shards; a batch without a shard; truth in some shards only; anything ``calibrate``
-            refuses.
+            prompt in two shards; a batch without a shard; truth in some shards only; shards written by another
+            major.minor version of setgrpo-verl or verl than the newest shard (both files and versions named);
+            shards that record different ``tau_start`` sources, or one other than ``tau_start_source``; anything
+            ``calibrate`` refuses.
     """
     sources = [(Path(p), s) for p, s in sources]
     identity = _check_set(sources)
@@ -331,13 +343,48 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
         paired["unparsed_verdicts"], paired["judged_verdicts"] = (np.float64(sum(v)) for v in zip(*verdicts))
     settings = dict(identity["settings"])
     run = {key: identity[key] for key in ("loss_agg_mode", "sketch", "grader", "policy")}
+    versions = _calibrating_versions(sources)
+    tau_start_source = _recorded_start(sources, tau_start_source)
     record = calibrate(
         torch.from_numpy(paired["point"]).reshape(-1, k), torch.from_numpy(paired["reference"]).reshape(-1, k),
         torch.from_numpy(paired["gram"]).reshape(-1, k, k), **settings, split_seed=identity["split_seed"],
         metadata={**run, "calibration_prompts": [p for s in ordered for p in s.prompts]},
         tau_start_source=tau_start_source, created_at=max(s.created_at for s in ordered),
     )
+    if versions:
+        record = dataclasses.replace(record, package_versions=versions)
     return record, paired
+
+
+def _calibrating_versions(sources: Sequence[tuple[Path, CalibrationShard]]) -> dict:
+    """The newest recording shard's package versions ({} when no shard records them), after checking that every
+    recording shard ran the same major.minor of the packages a record is checked against."""
+    recorded = sorted((s.created_at, s.index, str(p), s.package_versions) for p, s in sources if s.package_versions)
+    if not recorded:
+        return {}
+    *_, newest_path, versions = recorded[-1]
+    for _, _, path, theirs in recorded:
+        for name in VERSIONED_PACKAGES:
+            if name in theirs and name in versions and major_minor(theirs[name]) != major_minor(versions[name]):
+                raise ValueError(f"calibration shards of different software: {path} was written with {name} "
+                                 f"{theirs[name]}, {newest_path} with {name} {versions[name]}; calibrate every batch "
+                                 "with one version (the other version's part again)")
+    return dict(versions)
+
+
+def _recorded_start(sources: Sequence[tuple[Path, CalibrationShard]], given: dict | None) -> dict | None:
+    """The ``tau_start`` source of a shard set: the one every recording shard names (and ``given``, when given)."""
+    recorded: dict[str, Any] = {}  # each source -> the first file that names it
+    for path, shard in sorted(sources, key=lambda x: x[1].index):
+        if shard.tau_start_source:
+            recorded.setdefault(json.dumps(shard.tau_start_source, sort_keys=True), path)
+    if given is not None:
+        recorded.setdefault(json.dumps(_canonical(given), sort_keys=True), "the given source")
+    if len(recorded) > 1:
+        (one, first), (other, second) = list(recorded.items())[:2]
+        raise ValueError(f"calibration shards with different tau_start sources: {first} names {one}, {second} names "
+                         f"{other}; every part of one calibration starts its fixed sequence from the same pilot")
+    return json.loads(next(iter(recorded))) if recorded else None
 
 
 def write_calibration(record: CalibrationRecord, paired: dict[str, np.ndarray], record_path: str | os.PathLike) -> None:

@@ -57,8 +57,9 @@ from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
 
 from setgrpo_verl.core import (DEGENERATE_RTOL, SHARD_DIR, CalibrationRecord, CalibrationShard, OnlineRiskMonitor,
-                               degenerate_groups, in_part, load_shards, pilot_source, prompt_fingerprint,
-                               record_from_shards, shard_identity, shard_name, write_calibration, write_shard)
+                               degenerate_groups, in_part, load_shards, package_versions, pilot_source,
+                               prompt_fingerprint, record_from_shards, shard_identity, shard_name, write_calibration,
+                               write_shard)
 
 from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, SetGRPOStepContext, complete_group_rows, group_gram, rows_to_sketch
@@ -634,7 +635,7 @@ class SetGRPOTrainer(PPOTrainerSync):
             self.on_sample_end()
             asleep = True
             for index, uids, batch in rollouts:
-                shard = self._calibration_shard(index, uids, batch, identity, k, progress)
+                shard = self._calibration_shard(index, uids, batch, identity, k, progress, tau_start_source=source)
                 path = write_shard(shard_dir, shard)
                 progress.shard_done(len(uids), os.path.basename(path))
         if parts > 1:
@@ -703,9 +704,9 @@ class SetGRPOTrainer(PPOTrainerSync):
         return shards
 
     def _calibration_shard(self, index: int, uids: list, batch: Any, identity: dict, k: int,
-                           progress: "_Progress") -> CalibrationShard:
+                           progress: "_Progress", *, tau_start_source: Optional[dict]) -> CalibrationShard:
         """Score and sketch one rolled-out calibration batch (its prompts' ``uids`` in order) and return its shard
-        (groups in prompt order)."""
+        (groups in prompt order; ``tau_start_source``: the pilot a fixed sequence starts from, None: the user)."""
         key = self.setgrpo.reference_score_key
         metrics: dict = {}
         progress.phase("scoring", index)
@@ -738,6 +739,7 @@ class SetGRPOTrainer(PPOTrainerSync):
                      "no_response": n - len(groups.uids) - len(groups.incomplete)},
             verdicts=None if counts is None else tuple(float(c) for c in counts),
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            package_versions=package_versions(), tau_start_source=dict(tau_start_source or {}),
         )
 
     # ------------------------------------------------------------------ per step

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl.core import (CalibrationSettings, CalibrationShard, TornShardError, calibrate, in_part,
-                               load_shards, parse_part, prompt_fingerprint, read_shard, record_from_shards,
-                               shard_identity, shard_name, write_calibration, write_shard)
+from setgrpo_verl.core import (CalibrationRecord, CalibrationSettings, CalibrationShard, TornShardError, calibrate,
+                               in_part, load_shards, package_versions, parse_part, prompt_fingerprint, read_shard,
+                               record_from_shards, shard_identity, shard_name, write_calibration, write_shard)
 from setgrpo_verl.merge import merge_calibration
 from setgrpo_verl.rundir import LaunchError
 
@@ -180,3 +180,55 @@ def test_merge_names_a_pilot_as_the_source_of_tau_start_and_refuses_one_that_doe
     shared.to_json(tmp_path / "shared.json")
     with pytest.raises(LaunchError, match="3 calibration prompt.* were also the pilot's"):
         merge_calibration([tmp_path / "run"], tmp_path / "out3", pilot=tmp_path / "shared.json")
+
+
+def test_merge_never_overwrites_a_calibrations_paired_scores(tmp_path):
+    _write(tmp_path / "run", _shards())
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "paired_scores.npz").write_bytes(b"kept")
+    with pytest.raises(LaunchError, match=r"out/paired_scores.npz exists: .*never overwrites"):
+        merge_calibration([tmp_path / "run"], tmp_path / "out")
+    assert (tmp_path / "out" / "paired_scores.npz").read_bytes() == b"kept"
+    assert not (tmp_path / "out" / "record.json").exists()
+
+
+def test_a_merged_record_names_the_versions_that_calibrated_not_the_merging_machines(tmp_path):
+    calibrating = {"setgrpo-verl": "0.1.0", "torch": "2.11.0", "scipy": "1.14.1", "verl": "0.9.1"}
+    newer = {**calibrating, "torch": "2.13.0"}  # the newest shard's versions are the record's
+    shards = [CalibrationShard(**{**s.__dict__, "package_versions": newer if s.index == BATCHES - 1 else calibrating})
+              for s in _shards()]
+    _write(tmp_path / "run", shards)
+    assert read_shard(tmp_path / "run" / shard_name(0)).package_versions == calibrating
+    record = merge_calibration([tmp_path / "run"], tmp_path / "out")
+    assert record.package_versions == newer != package_versions()
+    assert CalibrationRecord.from_json(tmp_path / "out" / "record.json").package_versions == newer
+    # shards that record no versions (written before shards did) leave the installed ones
+    _write(tmp_path / "old", _shards())
+    assert merge_calibration([tmp_path / "old"], tmp_path / "out_old").package_versions == package_versions()
+    # a part calibrated with another major.minor of verl is refused, naming both files and versions
+    other = [CalibrationShard(**{**s.__dict__, "package_versions": {**calibrating, "verl": "0.8.2"}})
+             if s.index == 1 else s for s in shards]
+    _write(tmp_path / "mixed", other)
+    with pytest.raises(LaunchError, match=r"different software: .*batch_000001.npz was written with verl 0.8.2, "
+                                          r".*batch_000004.npz with verl 0.9.1"):
+        merge_calibration([tmp_path / "mixed"], tmp_path / "out_mixed")
+
+
+def test_parts_started_from_a_pilot_keep_it_as_the_source_when_merged_without_pilot(tmp_path):
+    fixed = _identity(srgo_procedure="fixed_sequence", tau_start=0.3)
+    source = {"kind": "pilot", "record_sha256": "ab" * 32}
+    shards = [CalibrationShard(**{**s.__dict__, "tau_start_source": source}) for s in _shards(fixed)]
+    _write(tmp_path / "p0", [s for s in shards if in_part(s.index, 0, 2)])
+    _write(tmp_path / "p1", [s for s in shards if in_part(s.index, 1, 2)])
+    assert read_shard(tmp_path / "p0" / shard_name(0)).tau_start_source == source
+    assert merge_calibration([tmp_path / "p0", tmp_path / "p1"], tmp_path / "out").tau_start_source == source
+    # a part started by the user has no recorded source: the start stays the user's
+    _write(tmp_path / "user", _shards(fixed))
+    assert merge_calibration([tmp_path / "user"], tmp_path / "out_user").tau_start_source == {"kind": "user"}
+    # parts that name different pilots are refused, naming a file of each
+    other = [CalibrationShard(**{**s.__dict__, "tau_start_source": {**source, "record_sha256": "cd" * 32}})
+             for s in shards if in_part(s.index, 1, 2)]
+    _write(tmp_path / "other", other)
+    with pytest.raises(LaunchError, match=r"different tau_start sources: .*p0/batch_000000.npz names .*ab.*, "
+                                          r".*other/batch_000001.npz names .*cd"):
+        merge_calibration([tmp_path / "p0", tmp_path / "other"], tmp_path / "out_other")

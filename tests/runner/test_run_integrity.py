@@ -11,9 +11,11 @@ import pytest
 
 from setgrpo_verl import cli, launch
 from setgrpo_verl.core import CalibrationRecord, calibrate, prompt_fingerprint
+from setgrpo_verl.datasplit import split_matches
 from setgrpo_verl.grading import write_verl_parquet
 from setgrpo_verl.integration.config import check_training_data
 from setgrpo_verl.integration.prompts import prompt_identity
+from setgrpo_verl.lifecycle import plan_run
 from setgrpo_verl.models import embedded_model_dir
 
 from ..core.synthetic import make_groups
@@ -82,9 +84,10 @@ def test_another_split_into_an_existing_data_dir_is_refused(capsys, finished):
     err = capsys.readouterr().err
     assert "already holds another data split" in err and "--overwrite" in err
     assert _digest(run) == before
-    # the same settings give the same split: kept as it is, nothing rewritten
-    assert launch.check_data_split(run, _split(data), overwrite=False) is False
-    assert launch.check_data_split(run, _split(data, seed=7), overwrite=True) is True
+    # the same settings give the same split: kept as it is, nothing rewritten; another split needs --overwrite
+    assert plan_run(run, ["data"], same_data=split_matches(run, _split(data))).action("data") == "keep"
+    assert split_matches(run, _split(data, seed=7)) is False
+    assert plan_run(run, ["data"], overwrite=True, same_data=False).action("data") != "keep"
 
 
 @pytest.mark.parametrize(("flags", "needle"), [
