@@ -10,10 +10,11 @@ changes exactly three things:
    (sketches + frozen record), so the registered ``setgrpo`` estimator writes
    ``advantages = coefficient * response_mask`` and verl's PPO loss runs unchanged;
 3. before the first step it loads and validates ``algorithm.setgrpo.record_path`` or, when that is null,
-   runs the calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record): roll out the calibration prompts with the initial
-   policy (the same sampling as training), read the point (``rm_scores``) and reference scores from the
-   dual-reward manager, sketch, write one shard per batch (docs/record.md#calibration-shards) and build the
-   record from the complete shard set; ``calibration.only=true`` stops there.
+   runs the calibration phase (:class:`~setgrpo_verl.integration.calibration.CalibrationPhase`,
+   docs/algorithm.md#2-jrsc, #4-srgo, #7-record): roll out the calibration prompts with the initial policy (the
+   same sampling as training), read the point (``rm_scores``) and reference scores from the dual-reward manager,
+   sketch, write one shard per batch (docs/record.md#calibration-shards) and build the record from the complete
+   shard set; ``calibration.only=true`` stops there.
 
 Every diagnostic of docs/algorithm.md#6-diagnostics goes to verl's tracker under ``setgrpo/``; with reference scores
 present during training the online coverage / reversal monitor runs and warns on drift.
@@ -24,192 +25,46 @@ dataloader and checkpoint logic behave exactly as in the stock sync trainer.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import time
-import uuid
-from datetime import datetime, timezone
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Optional
 
 import numpy as np
 import ray
 import torch
 import transfer_queue as tq
 from tensordict import TensorDict
-from torchdata.stateful_dataloader import StatefulDataLoader
-from tqdm import tqdm
 
 from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import apply_kl_penalty
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
-from verl.trainer.ppo.utils import Role, create_rl_dataset
+from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
-from verl.utils import tensordict_utils as tu
-from verl.utils.dataset.rl_dataset import collate_fn
 from verl.utils.debug import marked_timer
 from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
 
-from setgrpo_verl.core import (DEGENERATE_RTOL, SHARD_DIR, CalibrationRecord, CalibrationShard, OnlineRiskMonitor,
-                               degenerate_groups, in_part, load_shards, package_versions, pilot_source,
-                               prompt_fingerprint, record_from_shards, shard_identity, shard_name, write_calibration,
-                               write_shard)
+from setgrpo_verl.core import DEGENERATE_RTOL, SHARD_DIR, CalibrationRecord, OnlineRiskMonitor
 
-from .config import SETGRPO_NAME, TRUTH_SCORE_KEY, SetGRPOConfig, check_record, check_run_config, run_identity
-from .estimator import SetGRPOStep, SetGRPOStepContext, complete_group_rows, group_gram, rows_to_sketch
-from .prompts import prompt_identity
+from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
+from .calibration import CalibrationPhase
+from .config import SETGRPO_NAME, SetGRPOConfig, check_record, check_run_config, run_identity
+from .estimator import SetGRPOStep, SetGRPOStepContext, rows_to_sketch
 from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
                      write_state)
-from .reward_manager import (GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, grading_metrics,
-                             unparsed_ratio)
+from .reward_manager import GRADING_COUNT_KEYS, grading_metrics
 from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SKETCH_ROWS_KEY, SetGRPOActorRolloutRefWorker
 
 logger = logging.getLogger(__name__)
 
 _ACTOR_ROLES = (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef)
 _ADV_FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
-
-
-def reference_scores_from(data: TensorDict | dict, key: str) -> Optional[torch.Tensor]:
-    """Reference scores r' of a batch (docs/algorithm.md#0-notation) as float64 [B] (reward units), or None when the reward
-    manager did not return them.
-
-    Looks for a top-level field ``key`` (colocated reward path) and else for ``extra_fields[i]
-    ["reward_extra_info"][key]`` (verl's streaming reward loop).
-
-    Raises:
-        ValueError: some rows carry the score and others do not, or a value is not a finite number.
-    """
-    values: Optional[list] = None
-    if key in data.keys():
-        values = list(data[key].tolist() if hasattr(data[key], "tolist") else data[key])
-    elif "extra_fields" in data.keys():
-        extra = data["extra_fields"]
-        extra = extra.tolist() if hasattr(extra, "tolist") else list(extra)
-        values = [(e or {}).get("reward_extra_info", {}).get(key) if isinstance(e, dict) else None for e in extra]
-        if all(v is None for v in values):
-            return None
-    if values is None:
-        return None
-    if any(v is None for v in values):
-        raise ValueError(
-            f"score {key!r} of reward_extra_info is missing for {sum(v is None for v in values)} of {len(values)} "
-            "responses"
-        )
-    out = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if not torch.isfinite(out).all():
-        raise ValueError(f"score {key!r} of reward_extra_info contains NaN/inf")
-    return out
-
-
-def _dense(sketches: torch.Tensor) -> torch.Tensor:
-    """TransferQueue returns per-sample tensors as a jagged nested tensor: stack them to float32 [B, m]."""
-    if sketches.is_nested:
-        rows = sketches.unbind()
-        if len({int(r.numel()) for r in rows}) != 1:
-            raise ValueError("sketch rows differ in length: actor ranks used different sketch settings")
-        sketches = torch.stack(rows)
-    return sketches.float()
-
-
-def sketched_rows(data: TensorDict | dict) -> Optional[torch.Tensor]:
-    """The rows the actor sketched (bool [B], :data:`SKETCH_ROWS_KEY`), or None when every row was sketched."""
-    if SKETCH_ROWS_KEY not in data.keys():
-        return None
-    rows = data[SKETCH_ROWS_KEY]
-    rows = torch.stack(rows.unbind()) if rows.is_nested else torch.as_tensor(rows)
-    return rows.reshape(-1).to(torch.bool)
-
-
-class CalibrationGroups(NamedTuple):
-    """Calibration inputs of one batch, grouped by uid: float64 ``point [G, K]``, ``reference [G, K]``,
-    ``gram [G, K, K]`` and ``truth [G, K]`` (noise-free scores, docs/validation.md#noisy-grader) or ``None``; the G
-    complete groups' ``uids`` and ``incomplete``, each group left out for holding fewer than K responses -> its
-    response count."""
-
-    point: torch.Tensor
-    reference: torch.Tensor
-    gram: torch.Tensor
-    truth: Optional[torch.Tensor]
-    uids: list = []
-    incomplete: dict = {}
-
-
-@contextlib.contextmanager
-def calibration_sampling(replay_buffer: Any) -> Iterator[None]:
-    """Within the block, verl's sync ``ReplayBuffer`` samples the calibration prompts and nothing else
-    (docs/verl_integration.md#partial-groups).
-
-    verl 0.9.1's buffer replaces a wholly failed group (``trainer.v1.sampler.sync_refill_failed_groups=true``) and
-    the groups its DAPO filter evicts (``algorithm.filter_groups``) through ``refill_fn``, which draws *training*
-    prompts; both are off here, so a failed or filtered calibration group stays in the batch and calibration
-    accounts for it. Any other call of ``refill_fn`` raises RuntimeError. Attributes the buffer lacks (a custom
-    sampler) are left alone.
-    """
-    def refuse(count: int) -> int:
-        raise RuntimeError(f"verl's replay buffer asked for {count} more prompts during calibration, which would be "
-                           "training prompts: calibration samples only its own prompts")
-
-    saved = {}
-    for name, value in (("sync_refill_failed_groups", False), ("filter_groups_metric", None), ("refill_fn", refuse)):
-        if hasattr(replay_buffer, name):
-            saved[name] = getattr(replay_buffer, name)
-            setattr(replay_buffer, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(replay_buffer, name, value)
-
-
-def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TRUTH_SCORE_KEY, *,
-                       k: int) -> CalibrationGroups:
-    """Calibration inputs of one rolled-out, scored and sketched batch (docs/algorithm.md#2-jrsc, #4-srgo).
-
-    Args:
-        data: TransferQueue fields ``uid``, ``response_mask`` and ``rm_scores`` (nested [B, j]), ``setgrpo_sketch``
-            ([B, m], dense or nested), the reference scores and, when the grader knows it, the truth (both read
-            by :func:`reference_scores_from`).
-        reference_key: ``algorithm.setgrpo.reference_score_key``.
-        truth_key: key of the noise-free score in ``reward_extra_info``.
-        k: ``actor_rollout_ref.rollout.n``; a group with fewer responses (a failed rollout session, which verl's
-            agent loop keeps) is left out and counted in ``incomplete``
-            (docs/verl_integration.md#partial-groups).
-
-    Returns:
-        :class:`CalibrationGroups` (float64, complete groups by uid, padding groups skipped; ``truth`` None when
-        the batch carries none).
-
-    Raises:
-        ValueError: no reference scores (the run does not use the dual-reward manager), a group larger than
-            ``k``, non-finite sketches, a truth for only some responses or a non-finite one.
-    """
-    reference = reference_scores_from(data, reference_key)
-    if reference is None:
-        raise ValueError(
-            f"calibration needs a reference score per response under reward_extra_info[{reference_key!r}]: use "
-            "the setgrpo dual-reward manager (reward.reward_manager.name) or set algorithm.setgrpo.reference_score_key"
-        )
-    response_mask, scores = data["response_mask"], data["rm_scores"]
-    if response_mask.is_nested:
-        response_mask, scores = response_mask.to_padded_tensor(0), scores.to_padded_tensor(0.0)
-    groups, uids, incomplete = complete_group_rows(list(data["uid"]), response_mask, k)
-    point = scores.to(torch.float64).sum(-1)[groups]
-    truth = reference_scores_from(data, truth_key)
-    sketched = sketched_rows(data)
-    gram = group_gram(_dense(data[SKETCH_KEY]), groups, sketched) if uids else torch.zeros(0, k, k, dtype=torch.float64)
-    if sketched is not None and uids:
-        unread = ~sketched[groups].all(-1) & ~degenerate_groups(point)
-        if unread.any():
-            raise ValueError(f"{int(unread.sum())} calibration group(s) are not degenerate but were not sketched")
-    return CalibrationGroups(point, reference[groups], gram, None if truth is None else truth[groups], uids,
-                             incomplete)
 
 
 def compute_setgrpo_advantage(
@@ -253,87 +108,6 @@ def compute_setgrpo_advantage(
     return data, context.output
 
 
-def calibration_chunk_prompts(config: Any) -> Optional[int]:
-    """Most calibration prompts whose rollouts the calibration phase holds in TransferQueue at once, or None.
-
-    The phase rolls out a chunk of calibration batches (``calibration.chunk_batches``) before it scores and
-    sketches them (docs/verl_integration.md#trainer-mode), so all ``rollout.n`` responses of a chunk's prompts sit
-    in TransferQueue together. verl's SimpleStorage backend refuses entries beyond
-    ``transfer_queue.backend.SimpleStorage.total_storage_size`` (spread over its storage units by index); half
-    of it is left for the uneven spread and other partitions.
-
-    Args:
-        config: the composed verl config.
-
-    Returns:
-        ``total_storage_size // (2 * rollout.n)`` (at least 1) for the SimpleStorage backend with a size; None
-        (no limit) for an unlimited SimpleStorage or another backend.
-    """
-    backend = (config.get("transfer_queue") or {}).get("backend")
-    if backend is None or backend.get("storage_backend", "SimpleStorage") != "SimpleStorage":
-        return None
-    size = (backend.get("SimpleStorage") or {}).get("total_storage_size")
-    if size is None:
-        return None
-    return max(1, int(size) // (2 * int(config.actor_rollout_ref.rollout.n)))
-
-
-def _chunks(batches, limit: Optional[int], most: int = 1):
-    """Consecutive ``(index, batch)`` calibration batches grouped into lists of at most ``most`` batches and at most
-    ``limit`` prompts (one batch at least)."""
-    chunk, held = [], 0
-    for item in batches:
-        if chunk and (len(chunk) >= most or (limit is not None and held + len(item[1]) > limit)):
-            yield chunk
-            chunk, held = [], 0
-        chunk.append(item)
-        held += len(item[1])
-    if chunk:
-        yield chunk
-
-
-def _sketch_rows_field(batch: Any) -> list[str]:
-    """``[SKETCH_ROWS_KEY]`` when the sketch pass wrote the row mask for ``batch`` (its fields name it, or are None:
-    every field), else ``[]``."""
-    return [SKETCH_ROWS_KEY] if batch.fields is None or SKETCH_ROWS_KEY in batch.fields else []
-
-
-def _free_name(path: str) -> str:
-    """``path``, or ``path.1``, ``path.2``, ... : the first that does not exist (a torn shard set aside never
-    replaces one set aside earlier)."""
-    candidate, n = path, 0
-    while os.path.exists(candidate):
-        n += 1
-        candidate = f"{path}.{n}"
-    return candidate
-
-
-class _Progress:
-    """Progress of the calibration phase in the log: the phase of each batch (rollout, scoring, sketch) and, per
-    shard written, the groups so far (the line the command line's progress bar counts) with the ETA."""
-
-    def __init__(self, batches: int, groups_done: int):
-        self.total, self.done, self.groups = batches, 0, groups_done
-        self.t0 = time.perf_counter()
-        self.bar = tqdm(total=batches, desc="SetGRPO calibration", unit="batch", mininterval=5.0,
-                        disable=batches == 0)
-
-    def phase(self, name: str, index: int) -> None:
-        self.bar.set_postfix_str(f"batch {index}: {name}")
-        logger.info("SetGRPO calibration: batch %d: %s", index, name)
-
-    def shard_done(self, groups: int, name: str) -> None:
-        self.done += 1
-        self.groups += groups
-        self.bar.update(1)
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / self.done * (self.total - self.done)
-        logger.warning("SetGRPO calibration: %d groups so far (%s written, %d of %d batches, %.0f s, ETA %.0f s)",
-                       self.groups, name, self.done, self.total, elapsed, eta)
-        if self.done == self.total:
-            self.bar.close()
-
-
 def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]:
     """One JSON object per group of a step: status, recovery ratio, projections, point scores."""
     result = step.result
@@ -358,7 +132,7 @@ def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]
 
 
 @register_trainer(SETGRPO_NAME)
-class SetGRPOTrainer(PPOTrainerSync):
+class SetGRPOTrainer(CalibrationPhase, PPOTrainerSync):
     """verl sync PPO trainer with SetGRPO calibration, sketches and gated advantages (see module docstring).
 
     Raises (at construction):
@@ -533,215 +307,6 @@ class SetGRPOTrainer(PPOTrainerSync):
             logger.warning("SetGRPO: calibration.only=true - written to %s, stopping before training", done)
             self._shutdown_dump_executor()
 
-    # ------------------------------------------------------------------ calibration phase
-    def _calibration_batches(self):
-        cal = self.setgrpo.calibration
-        files = cal.files if cal.files is not None else self.config.data.train_files
-        dataset = create_rl_dataset(
-            files, self.config.data, self.tokenizer, self.processor, is_train=True, max_samples=cal.num_prompts
-        )
-        loader = StatefulDataLoader(
-            dataset=dataset,
-            batch_size=cal.batch_size or self.config.data.train_batch_size,
-            num_workers=self.config.data["dataloader_num_workers"],
-            shuffle=False,
-            drop_last=False,
-            collate_fn=collate_fn,
-        )
-        for batch_dict in loader:
-            # what the record is calibrated on: one fingerprint per calibration prompt, in rollout order
-            n = len(batch_dict["raw_prompt"])
-            columns = [batch_dict.get(key, [None] * n) for key in ("reward_model", "extra_info", "raw_prompt")]
-            self._calibration_prompts += [prompt_fingerprint(*prompt_identity(*row)) for row in zip(*columns)]
-            batch_dict["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch_dict["raw_prompt"]))], dtype=object)
-            batch = tu.get_tensordict(batch_dict)
-            tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
-            yield batch
-
-    def _calibrate(self) -> Optional[CalibrationRecord]:
-        """Calibration phase (docs/algorithm.md#2-jrsc, #4-srgo, #7-record, docs/record.md#calibration-shards):
-        rollouts of the initial policy, two scorings, sketches, one shard per batch, then the record.
-
-        The calibration batches are streamed: each chunk of ``calibration.chunk_batches`` batches (1 by default;
-        fewer when :func:`calibration_chunk_prompts` limits what TransferQueue holds) is rolled out, the rollout
-        sleeps (freeing its memory, as verl's sync trainer does before its actor passes), and each batch is scored,
-        sketched and written at once to ``<record dir>/shards/`` (:func:`setgrpo_verl.core.write_shard`). The policy
-        does not change during calibration, so a further chunk wakes the rollout with one weight sync of the same
-        weights; when training follows, one more sync wakes it for the first step.
-
-        Batches that already have a shard (a stopped calibration, resumed) are not rolled out again: their shards
-        are checked against this run's identity (refused, naming the file and field, when another run wrote them)
-        and a torn file is renamed ``*.torn`` and its batch calibrated again. With ``trainer.resume_mode=disable``
-        existing shards are refused. With ``calibration.shard=I/N`` (N > 1) only every N-th batch from I is
-        calibrated and no record is written (``setgrpo-verl merge-calibration`` builds it from all parts). Otherwise
-        the record is built from the complete shard set read back from disk
-        (:func:`setgrpo_verl.core.record_from_shards`): the same record however the set was reached.
-
-        verl's replay buffer samples the calibration prompts only (:func:`calibration_sampling`); a group that lost
-        some of its K responses to a failed rollout session, or all of them, is left out, and how many were left
-        out for each reason goes to the tracker (``setgrpo/calibration/dropped_incomplete`` and
-        ``.../dropped_no_response``), the log and ``paired_scores.npz`` (docs/verl_integration.md#partial-groups).
-
-        Returns:
-            The record, or None for a part of a sharded calibration.
-
-        Raises:
-            ValueError: an empty calibration set, a grader that gives the truth for some batches only, shards of
-                another run or with another content, or shards left by an earlier run under
-                ``trainer.resume_mode=disable``.
-            RuntimeError: a sampled group whose prompt is not in the batch rolled out.
-        """
-        cfg = self.setgrpo
-        k = int(self.config.actor_rollout_ref.rollout.n)
-        self._calibration_prompts: list[dict] = []
-        t0 = time.perf_counter()
-        batches = [(list(b["uid"]), b) for b in self._calibration_batches()]
-        if not batches:
-            raise ValueError("the calibration prompt set is empty (algorithm.setgrpo.calibration.files / num_prompts)")
-        out = self._record_out()
-        folder = os.path.dirname(os.path.abspath(out))
-        shard_dir = os.path.join(folder, SHARD_DIR)
-        norm_by_std = bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True))
-        settings = cfg.calibration_settings(norm_by_std=norm_by_std)
-        identity = shard_identity(k=k, settings=settings.to_dict(), split_seed=cfg.calibration.split_seed,
-                                  run=self._run_identity(), prompts=self._calibration_prompts,
-                                  batch_size=len(batches[0][0]))
-        source = None  # where tau_start came from, checked before any rollout
-        if cfg.tau_start_pilot:
-            path = os.path.expanduser(cfg.tau_start_pilot)
-            source = pilot_source(CalibrationRecord.from_json(path), identity["settings"], self._calibration_prompts,
-                                  name=f"algorithm.setgrpo.tau_start_pilot={path}")
-        done = self._existing_shards(shard_dir, identity, batches)
-        part, parts = cfg.calibration.part()
-        todo = [b for b in range(len(batches)) if in_part(b, part, parts) and b not in done]
-        logger.warning("SetGRPO calibration: %d batches of %d prompts in part %d/%d, %d with a shard already, %d to "
-                       "calibrate; shards in %s", len(batches), len(self._calibration_prompts), part, parts,
-                       sum(in_part(b, part, parts) for b in done), len(todo), shard_dir)
-        progress = _Progress(len(todo), sum(len(batches[b][0]) for b in done))
-        limit = calibration_chunk_prompts(self.config)
-        asleep = False
-        for chunk in _chunks(((b, *batches[b]) for b in todo), limit, cfg.calibration.chunk_batches):
-            if asleep:  # the rollout slept through the previous chunk's passes: wake it, same weights
-                self.checkpoint_manager.update_weights(self.global_steps)
-            rollouts = []
-            for index, uids, prompts in chunk:
-                progress.phase("rollout", index)
-                self._submit_batch_to_rollout(prompts)
-                with calibration_sampling(self.replay_buffer):
-                    batch, _ = self.replay_buffer.sample(
-                        global_steps=self.global_steps, partition_id="train", batch_size=len(prompts)
-                    )
-                rollouts.append((index, uids, batch))
-            self.on_sample_end()
-            asleep = True
-            for index, uids, batch in rollouts:
-                shard = self._calibration_shard(index, uids, batch, identity, k, progress, tau_start_source=source)
-                path = write_shard(shard_dir, shard)
-                progress.shard_done(len(uids), os.path.basename(path))
-        if parts > 1:
-            if not cfg.calibration.only:  # check_run_config refuses this; a stopped part never trains
-                raise RuntimeError("a part of a sharded calibration cannot train: calibration.only=true is needed")
-            logger.warning("SetGRPO calibration: part %d/%d finished in %.0f s; build the record from every part's "
-                           "shard directory with `setgrpo-verl merge-calibration`", part, parts,
-                           time.perf_counter() - t0)
-            return None
-        shards, _ = load_shards(shard_dir, identity)
-        record, paired = record_from_shards([(os.path.join(shard_dir, shard_name(b)), s) for b, s in shards.items()],
-                                            tau_start_source=source)
-        dropped = {reason: int(paired[f"dropped_{reason}"]) for reason in ("incomplete", "no_response")}
-        if any(dropped.values()):
-            logger.warning("SetGRPO calibration: %d of %d groups left out: %d lost some of their K responses (a "
-                           "failed rollout session), %d came back with none", sum(dropped.values()),
-                           len(self._calibration_prompts), dropped["incomplete"], dropped["no_response"])
-        write_calibration(record, paired, out)
-        grading = {f"setgrpo/calibration/dropped_{reason}": float(n) for reason, n in dropped.items()}
-        if "judged_verdicts" in paired:
-            grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(float(paired["unparsed_verdicts"]),
-                                                            float(paired["judged_verdicts"]))
-        self._log_record(record, grading, timing_s=time.perf_counter() - t0)
-        logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
-        if record.tau_sel is None:
-            logger.warning("SetGRPO: %s", record.selection_text())
-        if not cfg.calibration.only and asleep:  # training follows: verl's sync trainer starts with the rollout awake
-            self.checkpoint_manager.update_weights(self.global_steps)
-        return record
-
-    def _existing_shards(self, shard_dir: str, identity: dict, batches: list) -> dict:
-        """The shards a stopped calibration left (batch index -> shard), each checked against this run's identity
-        and its batch's prompts; torn files are renamed ``*.torn`` (kept for a look, never read) and calibrated
-        again; stale temporary files are removed.
-
-        Raises:
-            ValueError: shards under ``trainer.resume_mode=disable``, of another run (file and field named), or
-                holding other prompts than their batch.
-        """
-        if not os.path.isdir(shard_dir):
-            return {}
-        part, parts = self.setgrpo.calibration.part()
-        for index in range(len(batches)):  # this part's writes that did not reach their rename (another part's
-            if in_part(index, part, parts):  # writes into the same folder are left alone)
-                stale = os.path.join(shard_dir, f".{shard_name(index)}.tmp")
-                if os.path.isfile(stale):
-                    os.remove(stale)
-        if not any(n.endswith(".npz") for n in os.listdir(shard_dir)):
-            return {}
-        if str(self.config.trainer.get("resume_mode", "auto")) == "disable":
-            raise ValueError(f"{shard_dir} holds calibration shards of an earlier run and trainer.resume_mode=disable: "
-                             "set trainer.resume_mode=auto to continue that calibration, or delete the shards to "
-                             "start it over")
-        shards, torn = load_shards(shard_dir, identity, torn="skip")
-        for path in torn:
-            aside = _free_name(f"{path}.torn")
-            logger.warning("SetGRPO calibration: %s cannot be read whole (a write cut off): renamed to %s, its batch "
-                           "is calibrated again", path, os.path.basename(aside))
-            os.replace(path, aside)
-        for index, shard in shards.items():
-            if index >= len(batches) or list(shard.prompts) != self._calibration_prompts[
-                    index * identity["prompts"]["batch_size"]:][:len(batches[index][0])]:
-                raise ValueError(f"calibration shard {os.path.join(shard_dir, shard_name(index))}: field prompts "
-                                 f"differs from calibration batch {index}'s prompts; delete the shards to calibrate "
-                                 "again")
-        return shards
-
-    def _calibration_shard(self, index: int, uids: list, batch: Any, identity: dict, k: int,
-                           progress: "_Progress", *, tau_start_source: Optional[dict]) -> CalibrationShard:
-        """Score and sketch one rolled-out calibration batch (its prompts' ``uids`` in order) and return its shard
-        (groups in prompt order; ``tau_start_source``: the pilot a fixed sequence starts from, None: the user)."""
-        key = self.setgrpo.reference_score_key
-        metrics: dict = {}
-        progress.phase("scoring", index)
-        if self.reward_loop_manager.reward_loop_worker_handles is None:
-            batch = self._compute_reward_colocate(batch, metrics=metrics)
-        batch = self._balance_batch(batch, metrics=metrics)
-        progress.phase("sketch", index)
-        self._compute_sketches(batch)
-        fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-        fields += [f for f in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and f in batch.fields]
-        fields += _sketch_rows_field(batch)
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        groups = calibration_groups(data, key, k=k)
-        position = {uid: i for i, uid in enumerate(uids)}
-        outside = (set(groups.uids) | set(groups.incomplete)) - set(position)
-        if outside:
-            raise RuntimeError(f"calibration sampled {len(outside)} group(s) of prompts outside the batch it rolled "
-                               "out")
-        counts = grading_counts(data, batch.tags)
-        tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
-        order = sorted(range(len(groups.uids)), key=lambda g: position[groups.uids[g]])
-        n = len(uids)
-        size = identity["prompts"]["batch_size"]
-        return CalibrationShard(
-            index=index, prompts=tuple(self._calibration_prompts[index * size:index * size + n]),
-            point=groups.point[order].numpy(), reference=groups.reference[order].numpy(),
-            gram=groups.gram[order].numpy(), truth=None if groups.truth is None else groups.truth[order].numpy(),
-            prompt_index=np.array([position[groups.uids[g]] for g in order], dtype=np.int64), identity=identity,
-            dropped={"incomplete": len(groups.incomplete),
-                     "no_response": n - len(groups.uids) - len(groups.incomplete)},
-            verdicts=None if counts is None else tuple(float(c) for c in counts),
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            package_versions=package_versions(), tau_start_source=dict(tau_start_source or {}),
-        )
-
     # ------------------------------------------------------------------ per step
     def _compute_reward_colocate(self, batch, metrics: Optional[dict] = None):
         """verl's reward in the trainer process (a reward model without its own pool), with the fields it wrote
@@ -837,9 +402,9 @@ class SetGRPOTrainer(PPOTrainerSync):
         key = self.setgrpo.reference_score_key
         fields = list(_ADV_FIELDS) + [SKETCH_KEY, "extra_fields"]
         fields += [k for k in (key, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
-        fields += _sketch_rows_field(batch)
+        fields += sketch_rows_field(batch)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        sketches = _dense(data.pop(SKETCH_KEY))
+        sketches = dense_sketches(data.pop(SKETCH_KEY))
         sketched = sketched_rows(data)
         if sketched is not None:
             data.pop(SKETCH_ROWS_KEY)

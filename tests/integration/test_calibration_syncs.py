@@ -19,9 +19,10 @@ from transfer_queue.metadata import KVBatchMeta
 
 from verl.utils import tensordict_utils as tu
 
+import setgrpo_verl.integration.calibration as calibration_module
 import setgrpo_verl.integration.trainer as trainer_module
 from setgrpo_verl.core import prompt_fingerprint
-from setgrpo_verl.integration.trainer import calibration_chunk_prompts
+from setgrpo_verl.integration.calibration import calibration_chunk_prompts
 from setgrpo_verl.integration.worker import SKETCH_KEY, SKETCH_ROWS_KEY
 
 from .test_plugin import _record_trainer
@@ -97,6 +98,7 @@ def _calibrate(tmp_path, monkeypatch, batches: int, per_batch: int, *, only: boo
                                                      "SimpleStorage": {"total_storage_size": storage}}}
     fake = fake or _Rollout()
     monkeypatch.setattr(trainer_module, "tq", fake)
+    monkeypatch.setattr(calibration_module, "tq", fake)
     trainer.checkpoint_manager = fake
     trainer.replay_buffer = SimpleNamespace(sample=fake.sample)
     trainer.reward_loop_manager = SimpleNamespace(reward_loop_worker_handles=["reward worker"])  # scored in rollout

@@ -25,7 +25,9 @@ from setgrpo_verl.integration.estimator import (
     rows_to_sketch,
     setgrpo_step,
 )
-from setgrpo_verl.integration.trainer import calibration_groups, compute_setgrpo_advantage, reference_scores_from
+from setgrpo_verl.integration.batch import reference_scores_from
+from setgrpo_verl.integration.calibration import calibration_groups
+from setgrpo_verl.integration.trainer import compute_setgrpo_advantage
 
 K = 4
 M_SKETCH = 6

@@ -21,6 +21,7 @@ import verl.trainer.ppo.v1.replay_buffer as replay_buffer_module
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from verl.utils import tensordict_utils as tu
 
+import setgrpo_verl.integration.calibration as calibration_module
 import setgrpo_verl.integration.trainer as trainer_module
 from setgrpo_verl.integration.worker import SKETCH_KEY, SKETCH_ROWS_KEY
 
@@ -82,6 +83,7 @@ def _setup(tmp_path, monkeypatch):
     trainer = _record_trainer(tmp_path, calibration={"only": True, "on_infeasible": "reject_all"})
     fake = _TransferQueue()
     monkeypatch.setattr(trainer_module, "tq", fake)
+    monkeypatch.setattr(calibration_module, "tq", fake)
     monkeypatch.setattr(replay_buffer_module, "tq", fake)
     trainer.checkpoint_manager = SimpleNamespace(update_weights=lambda global_steps=None: None,
                                                  sleep_replicas=lambda: None)
@@ -134,6 +136,7 @@ def test_calibration_takes_only_its_prompts_and_counts_what_it_left_out(tmp_path
 def test_a_group_from_outside_the_calibration_set_is_an_error(tmp_path, monkeypatch):
     trainer, fake = _setup(tmp_path, monkeypatch)
     fake.submit(_prompts(["stray"]))  # e.g. a prompt left in TransferQueue's train partition
+    fake.tags["stray"]["global_steps"] = 0  # from an earlier step: verl's buffer samples the oldest prompts first
     trainer._calibration_batches = lambda: iter([_prompts([f"p9x{i}" for i in range(8)])])
     with pytest.raises(RuntimeError, match="outside the batch it rolled out"):
         trainer._calibrate()

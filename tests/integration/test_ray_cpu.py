@@ -21,7 +21,8 @@ from verl.utils import tensordict_utils as tu
 from setgrpo_verl.core import OnlineRiskMonitor
 from setgrpo_verl.integration.config import setgrpo_config_from
 from setgrpo_verl.integration.estimator import setgrpo_step
-from setgrpo_verl.integration.trainer import SetGRPOTrainer, calibration_groups
+from setgrpo_verl.integration.calibration import calibration_groups
+from setgrpo_verl.integration.trainer import SetGRPOTrainer
 from setgrpo_verl.integration.worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SetGRPOActorRolloutRefWorker
 from setgrpo_verl.sketch import SketchConfig, compute_sketches
 

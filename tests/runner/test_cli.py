@@ -55,9 +55,19 @@ def test_flags_override_the_profile():
     assert values["algorithm.setgrpo.calibration.num_prompts"] == smoke["algorithm.setgrpo.calibration.num_prompts"]
 
 
+def test_the_default_quickstart_trains_setgrpo_only_and_baseline_adds_verls_grpo(capsys, tmp_path):
+    for flags, stages in (((), ["train_setgrpo"]), (("--baseline",), ["train_setgrpo", "train_grpo"])):
+        assert cli.main(["quickstart", "--run-dir", str(tmp_path / "run"), "--dry-run", *flags]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        commands = [shlex.split(x) for x in out if not x.startswith("[")]
+        assert [c[c.index("--config-name") + 1] for c in commands] == ["setgrpo_trainer", "ppo_trainer"][:len(stages)]
+        planned = [p.split("run/")[1].split("/")[0] for p in out if p.startswith("[setgrpo-verl] plan:")]
+        assert [d for d in planned if d.startswith("train_")] == stages
+
+
 def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
     run = tmp_path / "run"
-    assert cli.main(["quickstart", "--run-dir", str(run), "--dry-run", "--alpha", "0.3",
+    assert cli.main(["quickstart", "--run-dir", str(run), "--dry-run", "--baseline", "--alpha", "0.3",
                      "trainer.logger=[console,wandb]"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     plan, lines = [x for x in out if x.startswith("[setgrpo-verl] plan:")], [x for x in out if not x.startswith("[")]

@@ -27,8 +27,8 @@ from ..core.synthetic import make_groups
 #: What each command writes and reads (cli.py's _cmd_* functions).
 COMMANDS = {
     "calibrate": (["data", "calibration"], ()),
-    "quickstart": (["data", "calibration", "train_setgrpo", "train_grpo", "report"], ()),
-    "quickstart --no-baseline": (["data", "calibration", "train_setgrpo", "report"], ()),
+    "quickstart": (["data", "calibration", "train_setgrpo", "report"], ()),
+    "quickstart --baseline": (["data", "calibration", "train_setgrpo", "train_grpo", "report"], ()),
     "train": (["train_setgrpo"], ("data", "calibration")),
     "train --estimator grpo": (["train_grpo"], ("data",)),
     "validate": (["data", "calibration", "validation"], ()),
@@ -74,16 +74,17 @@ TABLE = [
      {"data": "replace", "calibration": "replace", "train_setgrpo": "remove", "train_grpo": "remove",
       "validation": "remove", "report": "remove"}),
     # a finished calibration is kept when the combined stage has no checkpoint
-    ("quickstart", {"data": C, "calibration": C, "train_setgrpo": P}, ("--resume",),
+    ("quickstart --baseline", {"data": C, "calibration": C, "train_setgrpo": P}, ("--resume",),
      {"data": "keep", "calibration": "keep", "train_setgrpo": "replace", "train_grpo": "create", "report": "create"}),
-    ("quickstart", {"data": C, "calibration": C, "train_setgrpo": K, "train_grpo": C, "report": C}, ("--resume",),
+    ("quickstart --baseline", {"data": C, "calibration": C, "train_setgrpo": K, "train_grpo": C, "report": C},
+     ("--resume",),
      {"data": "keep", "calibration": "keep", "train_setgrpo": "continue", "train_grpo": "keep", "report": "replace"}),
     # a checkpointed training stage is never deleted because its calibration is started over
-    ("quickstart", {"data": C, "calibration": P, "train_setgrpo": K}, ("--resume",),
+    ("quickstart --baseline", {"data": C, "calibration": P, "train_setgrpo": K}, ("--resume",),
      {"data": "keep", "calibration": "replace", "train_setgrpo": "refuse", "train_grpo": "create",
       "report": "create"}),
     # an old baseline does not survive --overwrite as "the same seeds"
-    ("quickstart --no-baseline", ALL_COMPLETE, ("--overwrite",),
+    ("quickstart", ALL_COMPLETE, ("--overwrite",),
      {"data": "replace", "calibration": "replace", "train_setgrpo": "replace", "train_grpo": "remove",
       "validation": "remove", "report": "replace"}),
     ("train", {"data": C, "calibration": C, "train_setgrpo": K}, (),

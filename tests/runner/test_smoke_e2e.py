@@ -37,8 +37,8 @@ def smoke_run(tmp_path_factory):
     import sys
 
     run = tmp_path_factory.mktemp("smoke") / "run"
-    proc = subprocess.run([sys.executable, "-m", "setgrpo_verl", "quickstart", "--profile", "smoke", "--run-dir",
-                           str(run)], capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run([sys.executable, "-m", "setgrpo_verl", "quickstart", "--profile", "smoke", "--baseline",
+                           "--run-dir", str(run)], capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, tail(proc)
     return run, proc.stdout
 
