@@ -1,11 +1,11 @@
 """Per-step time of SetGRPO against GRPO through verl's main_ppo, from one run directory, and its split.
 
-Reads verl's metrics files of a run made by ``setgrpo-verl quickstart`` (``train_setgrpo/`` and ``train_grpo/``,
+Reads verl's metrics files of a run made by ``setgrpo-verl quickstart --baseline`` (``train_setgrpo/`` and ``train_grpo/``,
 same prompts, seeds and reward) and prints, per phase, the mean seconds over the steps after the first (the first
 step pays one-off warm-ups), and the ratio of the mean step times. The SetGRPO step replaces verl's old-log-prob
 forward by the fused old-log-prob + sketch pass (forward + activation-only backward); everything else is verl's.
 
-    python benchmarks/bench_step.py runs/quickstart        # after: setgrpo-verl quickstart --run-dir runs/quickstart
+    python benchmarks/bench_step.py runs/quickstart        # after: setgrpo-verl quickstart --baseline
 """
 
 from __future__ import annotations
@@ -39,6 +39,12 @@ def phase_means(metrics_file: Path) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     run = Path(argv[1] if len(argv) > 1 else "runs/quickstart")
+    for stage in ("train_setgrpo", "train_grpo"):
+        if not (run / stage / "metrics.jsonl").is_file():
+            print(f"error: {run / stage / 'metrics.jsonl'} is missing: run `setgrpo-verl quickstart --baseline "
+                  f"--run-dir {run}` (the GRPO stage is opt-in), or `setgrpo-verl train --estimator grpo --run-dir "
+                  f"{run}` after a quickstart", file=sys.stderr)
+            return 2
     setgrpo, grpo = phase_means(run / "train_setgrpo" / "metrics.jsonl"), phase_means(run / "train_grpo" / "metrics.jsonl")
     print(f"{'phase':<26} {'SetGRPO s':>10} {'GRPO s':>10}")
     for name in PHASES:

@@ -51,6 +51,8 @@ from ._shards import (
     record_from_shards,
     shard_identity,
     shard_name,
+    shard_start_source,
+    shard_versions,
     write_calibration,
     write_shard,
 )
@@ -85,6 +87,6 @@ __all__ = [
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "package_versions", "path_point",
     "projections", "prompt_fingerprint", "question_key", "recovery_ratios", "required_accepted_groups", "safe_anchor", "select_threshold", "set_shape",
     "setgrpo_coefficients", "check_identity", "SHARD_DIR", "CalibrationShard", "TornShardError", "in_part",
-    "load_shards", "parse_part", "pilot_source", "read_shard", "record_from_shards", "shard_identity", "shard_name", "write_calibration",
+    "load_shards", "parse_part", "pilot_source", "read_shard", "record_from_shards", "shard_identity", "shard_name", "shard_start_source", "shard_versions", "write_calibration",
     "write_shard",
 ]

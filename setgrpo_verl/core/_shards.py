@@ -343,8 +343,8 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
         paired["unparsed_verdicts"], paired["judged_verdicts"] = (np.float64(sum(v)) for v in zip(*verdicts))
     settings = dict(identity["settings"])
     run = {key: identity[key] for key in ("loss_agg_mode", "sketch", "grader", "policy")}
-    versions = _calibrating_versions(sources)
-    tau_start_source = _recorded_start(sources, tau_start_source)
+    versions = shard_versions(sources)
+    tau_start_source = shard_start_source(sources, tau_start_source)
     record = calibrate(
         torch.from_numpy(paired["point"]).reshape(-1, k), torch.from_numpy(paired["reference"]).reshape(-1, k),
         torch.from_numpy(paired["gram"]).reshape(-1, k, k), **settings, split_seed=identity["split_seed"],
@@ -356,30 +356,62 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
     return record, paired
 
 
-def _calibrating_versions(sources: Sequence[tuple[Path, CalibrationShard]]) -> dict:
-    """The newest recording shard's package versions ({} when no shard records them), after checking that every
-    recording shard ran the same major.minor of the packages a record is checked against."""
+def shard_versions(sources: Sequence[tuple[str | os.PathLike, CalibrationShard]], *,
+                   running: dict | None = None) -> dict:
+    """The package versions a shard set was calibrated with: the newest recording shard's (sorted by name; {} when
+    no shard records them).
+
+    Args:
+        sources: ``(path, shard)`` pairs (the paths name the files in messages).
+        running: the versions of a run about to add shards to the set (a resumed calibration): every shard is
+            checked against them, and they are returned.
+
+    Raises:
+        ValueError: two shards, or a shard and ``running``, with another major.minor of setgrpo-verl or verl
+            (both files, or the file and the running versions, named).
+    """
     recorded = sorted((s.created_at, s.index, str(p), s.package_versions) for p, s in sources if s.package_versions)
-    if not recorded:
+    if not recorded and not running:
         return {}
-    *_, newest_path, versions = recorded[-1]
+    newest_path, versions = ("this run", running) if running else recorded[-1][2:]
     for _, _, path, theirs in recorded:
         for name in VERSIONED_PACKAGES:
             if name in theirs and name in versions and major_minor(theirs[name]) != major_minor(versions[name]):
                 raise ValueError(f"calibration shards of different software: {path} was written with {name} "
                                  f"{theirs[name]}, {newest_path} with {name} {versions[name]}; calibrate every batch "
-                                 "with one version (the other version's part again)")
-    return dict(versions)
+                                 f"with one version (install {name} {theirs[name]} to continue, or the other "
+                                 "version's part again)")
+    return dict(sorted(versions.items()))
 
 
-def _recorded_start(sources: Sequence[tuple[Path, CalibrationShard]], given: dict | None) -> dict | None:
-    """The ``tau_start`` source of a shard set: the one every recording shard names (and ``given``, when given)."""
+def shard_start_source(sources: Sequence[tuple[str | os.PathLike, CalibrationShard]], given: dict | None) -> dict | None:
+    """Where the fixed sequence's ``tau_start`` of a shard set came from (docs/record.md#calibration-shards).
+
+    Args:
+        sources: ``(path, shard)`` pairs.
+        given: a pilot's source checked by the caller (:func:`pilot_source`), or None.
+
+    Returns:
+        ``given`` when given (it may stand for shards that record the user's start, never for another pilot);
+        else the one source the shards record, or None when none records one (shards written before shards
+        recorded it; ``calibrate`` then names the user).
+
+    Raises:
+        ValueError: shards that name different sources (a pilot and the user, or two pilots), or a pilot other
+            than ``given``; a file of each is named.
+    """
     recorded: dict[str, Any] = {}  # each source -> the first file that names it
     for path, shard in sorted(sources, key=lambda x: x[1].index):
         if shard.tau_start_source:
             recorded.setdefault(json.dumps(shard.tau_start_source, sort_keys=True), path)
     if given is not None:
-        recorded.setdefault(json.dumps(_canonical(given), sort_keys=True), "the given source")
+        mine = json.dumps(_canonical(given), sort_keys=True)
+        recorded = {k: p for k, p in recorded.items() if k != mine and json.loads(k).get("kind") != "user"}
+        if recorded:
+            other, path = next(iter(recorded.items()))
+            raise ValueError(f"calibration shard {path} names the tau_start source {other}, this calibration "
+                             f"{mine}; every part of one calibration starts its fixed sequence from the same pilot")
+        return _canonical(given)
     if len(recorded) > 1:
         (one, first), (other, second) = list(recorded.items())[:2]
         raise ValueError(f"calibration shards with different tau_start sources: {first} names {one}, {second} names "

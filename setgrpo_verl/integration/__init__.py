@@ -3,8 +3,11 @@
 * :mod:`.plugin` -- the ``verl.plugins`` entry point: registers the estimator, reward manager and trainer mode
   below right after verl imports the registry each one belongs to.
 * :mod:`.estimator` -- the ``setgrpo`` advantage estimator and the pure per-step glue ``setgrpo_step``.
-* :mod:`.trainer` -- the ``setgrpo`` trainer mode (``trainer.v1.trainer_mode=setgrpo``): calibration phase,
-  sketches every step, SetGRPO advantages, diagnostics and the online monitor.
+* :mod:`.trainer` -- the ``setgrpo`` trainer mode (``trainer.v1.trainer_mode=setgrpo``): sketches every step,
+  SetGRPO advantages, diagnostics and the online monitor.
+* :mod:`.calibration` -- the trainer mode's calibration phase: rollouts, two scorings, sketches, one shard per
+  batch, the record.
+* :mod:`.batch` -- the reference scores and sketches the trainer reads from a rolled-out batch.
 * :mod:`.worker` -- the actor worker with the ``compute_sketches`` RPC.
 * :mod:`.reward_manager` -- the dual-reward manager ``setgrpo_dual``.
 * :mod:`.config` -- typed ``algorithm.setgrpo`` config (``hydra_configs/setgrpo_trainer.yaml``) and the pre-Ray

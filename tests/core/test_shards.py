@@ -12,7 +12,8 @@ import torch
 
 from setgrpo_verl.core import (CalibrationRecord, CalibrationSettings, CalibrationShard, TornShardError, calibrate,
                                in_part, load_shards, package_versions, parse_part, prompt_fingerprint, read_shard,
-                               record_from_shards, shard_identity, shard_name, write_calibration, write_shard)
+                               record_from_shards, shard_identity, shard_name, shard_start_source, shard_versions,
+                               write_calibration, write_shard)
 from setgrpo_verl.merge import merge_calibration
 from setgrpo_verl.rundir import LaunchError
 
@@ -232,3 +233,28 @@ def test_parts_started_from_a_pilot_keep_it_as_the_source_when_merged_without_pi
     with pytest.raises(LaunchError, match=r"different tau_start sources: .*p0/batch_000000.npz names .*ab.*, "
                                           r".*other/batch_000001.npz names .*cd"):
         merge_calibration([tmp_path / "p0", tmp_path / "other"], tmp_path / "out_other")
+
+
+def test_a_pilot_may_stand_for_the_users_start_but_a_mix_of_starts_is_refused():
+    user, pilot = {"kind": "user"}, {"kind": "pilot", "record_sha256": "ab" * 32}
+    shards = [CalibrationShard(**{**s.__dict__, "tau_start_source": pilot if s.index == 3 else user})
+              for s in _shards(_identity(srgo_procedure="fixed_sequence", tau_start=0.3))]
+    sources = [(f"p/{shard_name(s.index)}", s) for s in shards]
+    assert shard_start_source(sources, pilot) == pilot  # merge --pilot: the pilot the user's parts started from
+    with pytest.raises(ValueError, match=r"different tau_start sources: p/batch_000000.npz names .*user.*, "
+                                         r"p/batch_000003.npz names .*pilot"):
+        shard_start_source(sources, None)
+    with pytest.raises(ValueError, match=r"p/batch_000003.npz names the tau_start source .*abab.*, this calibration "
+                                         r".*cdcd"):
+        shard_start_source(sources, {**pilot, "record_sha256": "cd" * 32})
+
+
+def test_shard_versions_are_checked_against_a_resuming_run():
+    written = {"setgrpo-verl": "0.1.0", "verl": "0.9.1", "torch": "2.11.0"}
+    shards = [CalibrationShard(**{**s.__dict__, "package_versions": written}) for s in _shards()]
+    sources = [(f"p/{shard_name(s.index)}", s) for s in shards]
+    assert list(shard_versions(sources)) == ["setgrpo-verl", "torch", "verl"]  # sorted: the record's bytes
+    assert shard_versions(sources, running={**written, "torch": "2.13.0"})["torch"] == "2.13.0"
+    with pytest.raises(ValueError, match=r"p/batch_000000.npz was written with setgrpo-verl 0.1.0, this run with "
+                                         r"setgrpo-verl 0.2.0; .*install setgrpo-verl 0.1.0 to continue"):
+        shard_versions(sources, running={**written, "setgrpo-verl": "0.2.0"})

@@ -22,6 +22,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from verl.utils import tensordict_utils as tu
 
 import setgrpo_verl.integration.calibration as calibration_module
+from setgrpo_verl.core import CalibrationShard
 import setgrpo_verl.integration.trainer as trainer_module
 from setgrpo_verl.integration.worker import SKETCH_KEY, SKETCH_ROWS_KEY
 
@@ -140,3 +141,28 @@ def test_a_group_from_outside_the_calibration_set_is_an_error(tmp_path, monkeypa
     trainer._calibration_batches = lambda: iter([_prompts([f"p9x{i}" for i in range(8)])])
     with pytest.raises(RuntimeError, match="outside the batch it rolled out"):
         trainer._calibrate()
+
+
+@pytest.mark.parametrize("change", [{"package_versions": {"setgrpo-verl": "0.0.1", "verl": "0.9.1"}},
+                                    {"tau_start_source": {"kind": "pilot", "record_sha256": "ab" * 32}}])
+def test_a_resume_refuses_shards_the_record_would_refuse_before_any_rollout(tmp_path, monkeypatch, change):
+    """Shards of another setgrpo-verl major.minor, or started from another tau_start source, would make the record
+    fail once every batch is rolled out: the resume refuses them first, naming the file."""
+    from setgrpo_verl.core import read_shard, write_shard
+
+    batches = [[f"p{b}x{i}" for i in range(8)] for b in range(3)]
+    trainer, fake = _setup(tmp_path, monkeypatch)
+    trainer._calibration_batches = lambda: iter([_prompts(b) for b in batches])
+    trainer._calibrate()
+    for name in ("setgrpo_calibration.json", "paired_scores.npz"):  # the record of a run without record_out
+        (tmp_path / name).unlink()
+    shards = tmp_path / "shards"
+    (shards / "batch_000002.npz").unlink()  # a stopped calibration: one batch still to roll out
+    first = read_shard(shards / "batch_000000.npz")
+    write_shard(shards, CalibrationShard(**{**first.__dict__, **change}))
+    trainer, fake = _setup(tmp_path, monkeypatch)
+    trainer._calibration_batches = lambda: iter([_prompts(b) for b in batches])
+    with pytest.raises(ValueError, match=r"batch_000000.npz (was written with setgrpo-verl 0.0.1|started its fixed "
+                                         r"sequence from .*pilot)"):
+        trainer._calibrate()
+    assert fake.submitted == []
