@@ -202,7 +202,7 @@ def select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> Selecti
     if (cfg.include_embeddings and embedding.weight.requires_grad) or tied is not None:
         if embedding.scale_grad_by_freq or embedding.max_norm is not None:
             raise ValueError(
-                f"the input embedding uses scale_grad_by_freq/max_norm, whose gradient is not a sum of per-token "
+                "the input embedding uses scale_grad_by_freq/max_norm, whose gradient is not a sum of per-token "
                 "terms; set include_embeddings=False"
                 + (" and untie it from the LM head (tie_word_embeddings=false)" if tied is not None else "")
             )
