@@ -28,7 +28,7 @@ _TEST_FIELDS = ("test_order", "test_levels", "p_values", "stopped_at")
 _HASH_KEY = "content_sha256"
 _PROMPT_KEYS = ("id", "question_sha256", "rubric_sha256")
 #: Packages whose major.minor a record is compared against when it is read (others are informative only).
-VERSIONED_PACKAGES = ("setgrpo-verl", "verl")
+_VERSIONED = ("setgrpo-verl", "verl")
 _RECORDED = ("setgrpo-verl", "torch", "scipy", "verl")
 
 
@@ -47,9 +47,15 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def major_minor(version: str) -> tuple[str, ...]:
-    """``("1", "2")`` for ``"1.2.3+cpu"``: the part of a version a record's compatibility check compares."""
+def _major_minor(version: str) -> tuple[str, ...]:
     return tuple(str(version).split("+")[0].split(".")[:2])
+
+
+def differing_versions(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The packages (setgrpo-verl, verl) whose major.minor differs between two :func:`package_versions` dicts; a
+    package missing from either is not compared."""
+    return [name for name in _VERSIONED
+            if name in ours and name in theirs and _major_minor(ours[name]) != _major_minor(theirs[name])]
 
 
 def question_key(question: str) -> str:
@@ -281,9 +287,8 @@ class CalibrationRecord:
         """Why this record comes from another major.minor of setgrpo-verl or verl than ``installed`` (default: the
         installed packages), naming both versions; None when they agree or a version is unknown."""
         installed = package_versions() if installed is None else installed
-        diffs = [f"{name} {self.package_versions[name]} (installed {installed[name]})" for name in VERSIONED_PACKAGES
-                 if name in self.package_versions and name in installed
-                 and major_minor(self.package_versions[name]) != major_minor(installed[name])]
+        diffs = [f"{name} {self.package_versions[name]} (installed {installed[name]})"
+                 for name in differing_versions(self.package_versions, installed)]
         if not diffs:
             return None
         return (f"calibration record written by {', '.join(diffs)}: its math and run identity are checked, but "

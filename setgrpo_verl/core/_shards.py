@@ -11,13 +11,13 @@ and settings, the calibration prompt set) and a content hash; the identity is co
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import zipfile
 import zlib
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ._api import calibrate
-from ._record import VERSIONED_PACKAGES, CalibrationRecord, check_identity, major_minor, pilot_start
+from ._record import CalibrationRecord, check_identity, differing_versions, pilot_start
 
 __all__ = ["SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
            "pilot_source", "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name",
@@ -146,8 +146,8 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
     return its path.
 
     The file is a compressed ``.npz`` of the arrays (float64; ``prompt_index`` int64), a ``meta`` JSON string
-    (batch, prompts, identity, dropped counts, verdict counts, created_at, package versions, tau_start source and each array's SHA-256) and
-    ``content_sha256``, the SHA-256 of ``meta``.
+    (batch, prompts, identity, dropped counts, verdict counts, created_at, package versions, tau_start source and
+    each array's SHA-256) and ``content_sha256``, the SHA-256 of ``meta``.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -375,12 +375,11 @@ def shard_versions(sources: Sequence[tuple[str | os.PathLike, CalibrationShard]]
         return {}
     newest_path, versions = ("this run", running) if running else recorded[-1][2:]
     for _, _, path, theirs in recorded:
-        for name in VERSIONED_PACKAGES:
-            if name in theirs and name in versions and major_minor(theirs[name]) != major_minor(versions[name]):
-                raise ValueError(f"calibration shards of different software: {path} was written with {name} "
-                                 f"{theirs[name]}, {newest_path} with {name} {versions[name]}; calibrate every batch "
-                                 f"with one version (install {name} {theirs[name]} to continue, or the other "
-                                 "version's part again)")
+        for name in differing_versions(theirs, versions):
+            raise ValueError(f"calibration shards of different software: {path} was written with {name} "
+                             f"{theirs[name]}, {newest_path} with {name} {versions[name]}; calibrate every batch "
+                             f"with one version (install {name} {theirs[name]} to continue, or the other "
+                             "version's part again)")
     return dict(sorted(versions.items()))
 
 

@@ -31,7 +31,8 @@ from verl.utils.dataset.rl_dataset import collate_fn
 
 from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, degenerate_groups, in_part,
                                load_shards, package_versions, pilot_source, prompt_fingerprint, record_from_shards,
-                               shard_identity, shard_name, shard_versions, write_calibration, write_shard)
+                               shard_identity, shard_name, shard_start_source, shard_versions, write_calibration,
+                               write_shard)
 
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
 from .config import TRUTH_SCORE_KEY
@@ -287,9 +288,12 @@ class CalibrationPhase:
             path = os.path.expanduser(cfg.tau_start_pilot)
             source = pilot_source(CalibrationRecord.from_json(path), identity["settings"], self._calibration_prompts,
                                   name=f"algorithm.setgrpo.tau_start_pilot={path}")
-        # what each new shard records as its start: the pilot, or the user's own tau_start of a fixed sequence
-        start = source or ({"kind": "user"} if identity["settings"]["srgo_procedure"] == "fixed_sequence" else {})
-        done = self._existing_shards(shard_dir, identity, batches, start)
+        # what every new shard records about how it was made: the running versions, and where the fixed
+        # sequence's tau_start came from (the pilot, or the user's own value)
+        fixed = identity["settings"]["srgo_procedure"] == "fixed_sequence"
+        provenance = {"package_versions": package_versions(),
+                      "tau_start_source": source or ({"kind": "user"} if fixed else {})}
+        done = self._existing_shards(shard_dir, identity, batches, provenance)
         part, parts = cfg.calibration.part()
         todo = [b for b in range(len(batches)) if in_part(b, part, parts) and b not in done]
         logger.warning("SetGRPO calibration: %d batches of %d prompts in part %d/%d, %d with a shard already, %d to "
@@ -313,7 +317,7 @@ class CalibrationPhase:
             self.on_sample_end()
             asleep = True
             for index, uids, batch in rollouts:
-                shard = self._calibration_shard(index, uids, batch, identity, k, progress, tau_start_source=start)
+                shard = self._calibration_shard(index, uids, batch, identity, k, progress, provenance)
                 path = write_shard(shard_dir, shard)
                 progress.shard_done(len(uids), os.path.basename(path))
         if parts > 1:
@@ -344,16 +348,16 @@ class CalibrationPhase:
             self.checkpoint_manager.update_weights(self.global_steps)
         return record
 
-    def _existing_shards(self, shard_dir: str, identity: dict, batches: list, start: dict) -> dict:
+    def _existing_shards(self, shard_dir: str, identity: dict, batches: list, provenance: dict) -> dict:
         """The shards a stopped calibration left (batch index -> shard), each checked against this run's identity
         and its batch's prompts; torn files are renamed ``*.torn`` (kept for a look, never read) and calibrated
         again; stale temporary files are removed.
 
         Raises:
             ValueError: shards under ``trainer.resume_mode=disable``, of another run (file and field named),
-                holding other prompts than their batch, written by another major.minor of setgrpo-verl or verl
-                than the running one, or started from another ``tau_start`` source than ``start`` (a pilot's run
-                continues shards that record the user's start).
+                holding other prompts than their batch, or that the record would refuse with the new shards'
+                ``provenance`` (another major.minor of setgrpo-verl or verl, another ``tau_start`` source:
+                :func:`~setgrpo_verl.core.shard_versions`, :func:`~setgrpo_verl.core.shard_start_source`).
         """
         if not os.path.isdir(shard_dir):
             return {}
@@ -383,19 +387,18 @@ class CalibrationPhase:
                                  "again")
         # what the record would refuse once every batch is rolled out, refused before the first rollout
         paths = [(os.path.join(shard_dir, shard_name(i)), shard) for i, shard in sorted(shards.items())]
-        shard_versions(paths, running=package_versions())
-        for path, shard in paths:
-            theirs = shard.tau_start_source
-            if theirs and theirs != start and not (theirs.get("kind") == "user" and start.get("kind") == "pilot"):
-                raise ValueError(f"calibration shard {path} started its fixed sequence from {theirs}, this run from "
-                                 f"{start}: set algorithm.setgrpo.tau_start_pilot as the stopped run had it, or "
-                                 "delete the shards to calibrate again")
+        shard_versions(paths, running=provenance["package_versions"])
+        try:
+            shard_start_source(paths, provenance["tau_start_source"])
+        except ValueError as exc:
+            raise ValueError(f"{exc}: set algorithm.setgrpo.tau_start_pilot as the stopped run had it, or delete the "
+                             "shards to calibrate again") from None
         return shards
 
     def _calibration_shard(self, index: int, uids: list, batch: Any, identity: dict, k: int,
-                           progress: "_Progress", *, tau_start_source: dict) -> CalibrationShard:
+                           progress: "_Progress", provenance: dict) -> CalibrationShard:
         """Score and sketch one rolled-out calibration batch (its prompts' ``uids`` in order) and return its shard
-        (groups in prompt order; ``tau_start_source``: what the shard records as its fixed sequence's start)."""
+        (groups in prompt order; ``provenance``: the package versions and ``tau_start`` source it records)."""
         key = self.setgrpo.reference_score_key
         metrics: dict = {}
         progress.phase("scoring", index)
@@ -428,5 +431,5 @@ class CalibrationPhase:
                      "no_response": n - len(groups.uids) - len(groups.incomplete)},
             verdicts=None if counts is None else tuple(float(c) for c in counts),
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            package_versions=package_versions(), tau_start_source=dict(tau_start_source),
+            **provenance,
         )

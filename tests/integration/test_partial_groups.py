@@ -162,7 +162,8 @@ def test_a_resume_refuses_shards_the_record_would_refuse_before_any_rollout(tmp_
     write_shard(shards, CalibrationShard(**{**first.__dict__, **change}))
     trainer, fake = _setup(tmp_path, monkeypatch)
     trainer._calibration_batches = lambda: iter([_prompts(b) for b in batches])
-    with pytest.raises(ValueError, match=r"batch_000000.npz (was written with setgrpo-verl 0.0.1|started its fixed "
-                                         r"sequence from .*pilot)"):
+    with pytest.raises(ValueError, match=r"batch_000000.npz (was written with setgrpo-verl 0.0.1|names the tau_start "
+                                         r"source .*pilot.*, this calibration \{.*\}; .*: set "
+                                         r"algorithm.setgrpo.tau_start_pilot)"):
         trainer._calibrate()
     assert fake.submitted == []
