@@ -1,10 +1,14 @@
 """How often a finished run's calibration certifies a threshold: bootstrap of its calibration groups.
 
 Reads ``<run-dir>/calibration/paired_scores.npz`` (point and reference scores and Gram matrices of every
-calibration group) and ``record.json`` (the levels, grid, rho and split seed), draws ``--resamples`` sets of
-``--groups`` groups with replacement (default: as many as the run calibrated on), re-calibrates each with the
-record's settings (its levels, grid, SRGO procedure and start threshold; ``on_infeasible="reject_all"``) and counts the resamples whose record selects a threshold
-(docs/record.md#threshold-grid-srgo). The last line is ``quickstart certifies in R of N resamples``.
+calibration group) and ``record.json`` (the levels, grid, rho and split seed), and draws ``--resamples``
+bootstrap sets of ``--groups`` groups (default: as many as the run calibrated on). Each set is stratified by the
+run's own split: its coverage part is drawn with replacement from the run's coverage groups and its risk part from
+the run's risk groups, in the positions where re-calibration puts them, so no group (or copy of one) is in both
+parts, as no group is in a real calibration. Each set is re-calibrated with the record's settings (its levels,
+grid, SRGO procedure and start threshold; ``on_infeasible="reject_all"``) and the sets whose record selects a
+threshold are counted (docs/record.md#threshold-grid-srgo). The last line is ``quickstart certifies in R of N
+resamples``.
 
     python benchmarks/bench_quickstart_certifies.py --run-dir runs/quickstart [--resamples 200] [--groups 96]
 
@@ -21,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from setgrpo_verl.core import CalibrationRecord, calibrate
+from setgrpo_verl.core import CalibrationRecord, calibrate, degenerate_groups, split_groups
 
 
 def certified(paired: dict[str, torch.Tensor], record: CalibrationRecord, rows: np.ndarray) -> bool:
@@ -32,6 +36,33 @@ def certified(paired: dict[str, torch.Tensor], record: CalibrationRecord, rows: 
                     grid_size=record.grid_size, degenerate_rtol=record.degenerate_rtol,
                     srgo_procedure=record.srgo_procedure, tau_start=record.tau_start, on_infeasible="reject_all")
     return rec.tau_sel is not None
+
+
+def run_split(point: torch.Tensor, record: CalibrationRecord) -> tuple[np.ndarray, np.ndarray]:
+    """The run's coverage and risk groups (int64 indices into ``point`` [G, K]), as its calibration split them.
+
+    Raises:
+        SystemExit: the split does not give the record's group counts (paired scores of another calibration, or a
+            calibration with a non-default risk fraction or coverage cap).
+    """
+    live = (~degenerate_groups(point, record.degenerate_rtol)).nonzero().flatten()
+    cov, risk = split_groups(int(live.numel()), split_seed=record.split_seed)
+    if (cov.numel(), risk.numel()) != (record.n_cov, record.n_risk):
+        raise SystemExit(f"the paired scores split into {cov.numel()} coverage and {risk.numel()} risk groups, the "
+                         f"record says {record.n_cov} and {record.n_risk}: pass the run's own calibration directory")
+    return live[cov].numpy(), live[risk].numpy()
+
+
+def stratified_rows(coverage: np.ndarray, risk: np.ndarray, n: int, split_seed: int,
+                    rng: np.random.Generator) -> np.ndarray:
+    """``n`` group indices (int64 [n]) whose re-calibration split (:func:`split_groups` with ``split_seed``, the
+    rows all non-degenerate) puts draws with replacement from ``coverage`` at its coverage positions and from
+    ``risk`` at its risk positions."""
+    cov_pos, risk_pos = split_groups(n, split_seed=split_seed)
+    rows = np.empty(n, dtype=np.int64)
+    rows[cov_pos.numpy()] = rng.choice(coverage, size=cov_pos.numel(), replace=True)
+    rows[risk_pos.numpy()] = rng.choice(risk, size=risk_pos.numel(), replace=True)
+    return rows
 
 
 def main() -> None:
@@ -47,14 +78,18 @@ def main() -> None:
         paired = {k: torch.from_numpy(np.asarray(z[k], dtype=np.float64)) for k in ("point", "reference", "gram")}
     total = paired["point"].shape[0]
     groups = args.groups or total
+    coverage, risk = run_split(paired["point"], record)
+    live = round(groups * (coverage.size + risk.size) / total)  # the run's share of non-degenerate groups
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
-    hits = sum(certified(paired, record, rng.integers(0, total, size=groups)) for _ in range(args.resamples))
+    hits = sum(certified(paired, record, stratified_rows(coverage, risk, live, record.split_seed, rng))
+               for _ in range(args.resamples))
     elapsed = time.perf_counter() - t0
     print(f"run: {args.run_dir} ({total} calibration groups, K={record.K}; alpha={record.alpha}, beta={record.beta}, "
           f"delta={record.delta}, {len(record.tau_grid)} thresholds); the run itself "
           f"{'certified tau_sel=' + format(record.tau_sel, 'g') if record.tau_sel is not None else 'certified none'}")
-    print(f"{args.resamples} resamples of {groups} groups with replacement in {elapsed:.1f} s")
+    print(f"{args.resamples} resamples of {groups} groups ({live} non-degenerate) with replacement, stratified by "
+          f"the run's coverage/risk split, in {elapsed:.1f} s")
     print(f"quickstart certifies in {hits} of {args.resamples} resamples")
 
 

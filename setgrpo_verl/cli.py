@@ -212,6 +212,10 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
     g.add_argument("--judge-max-tokens", type=int, default=None,
                    help="--judge openai: token budget per verdict (default 4); a reasoning ('thinking') judge needs "
                    "room for its reasoning, e.g. 2048 [reward.reward_kwargs.grader.max_tokens]")
+    g.add_argument("--judge-max-response-tokens", type=int, default=None, metavar="N",
+                   help="--judge openai or local: cut every response to N tokens before the judge reads it; set it "
+                   "from the judge's context (context - max tokens - about 1000, e.g. 7000 for an 8192-token judge) "
+                   "[reward.reward_kwargs.grader.max_response_tokens]")
     g.add_argument("--judge-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="--judge openai: chat_template_kwargs sent with every request, e.g. "
                    "'{\"enable_thinking\": false}' to switch a Qwen3 judge's thinking off "
@@ -323,6 +327,12 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise LaunchError("--judge-max-tokens and --judge-chat-template-kwargs apply to --judge openai only")
     if args.judge_max_tokens is not None and args.judge_max_tokens < 1:
         raise LaunchError(f"--judge-max-tokens {args.judge_max_tokens}: must be a positive integer")
+    if args.judge_max_response_tokens is not None:
+        if args.judge not in ("openai", "local"):
+            raise LaunchError("--judge-max-response-tokens applies to --judge openai or local only")
+        if args.judge_max_response_tokens < 1:
+            raise LaunchError(f"--judge-max-response-tokens {args.judge_max_response_tokens}: must be a positive "
+                              "integer")
     if args.judge == "rules" and (args.judge_model or args.judge_base_url or args.judge_temperature is not None):
         raise LaunchError("--judge rules checks rule criteria by code: it takes no --judge-model, --judge-base-url or "
                           "--judge-temperature")
@@ -421,6 +431,8 @@ def _base_grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
             grader["max_tokens"] = args.judge_max_tokens
         if args.judge_chat_template_kwargs:
             grader["chat_template_kwargs"] = dict(args.judge_chat_template_kwargs)
+    if args.judge_max_response_tokens is not None:
+        grader["max_response_tokens"] = args.judge_max_response_tokens
     grader["temperature"] = 1.0 if args.judge_temperature is None else args.judge_temperature
     return grader
 
@@ -676,9 +688,11 @@ def _cmd_train(args: argparse.Namespace) -> str | None:
     commands = _commands(args, plan, [stage], record)
     reads = ("data",) + (("calibration",) if stage == "train" and args.record is None else ())
     lifecycle = _lifecycle(args, [STAGES[stage]], reads=reads)
-    if args.dry_run:
-        return _dry_run(commands, lifecycle)
-    lifecycle.check()
+    if args.dry_run and any(d.action == "refuse" for d in lifecycle.dirs):
+        return _dry_run(commands, lifecycle)  # its plan lines say where the run would stop
+    if not args.dry_run:
+        lifecycle.check()
+    # a dry run makes the same checks, so that it never prints a command the run would refuse
     datasplit.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
     preflight.check_training_steps(plan.values, args.overrides, _train_prompts(run_dir, None))
     if stage == "train":
@@ -686,6 +700,8 @@ def _cmd_train(args: argparse.Namespace) -> str | None:
             raise LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
                               f"{run_dir}` first or pass --record")
         preflight.check_training_prompts(record, run_dir)
+    if args.dry_run:
+        return _dry_run(commands, lifecycle)
     _start(args, plan, lifecycle, None)
     _run_stages(args, commands, lifecycle)
     return None

@@ -85,9 +85,12 @@ def run_stage(
     env = dict(env)
     metrics = (stage_dir / "metrics.jsonl").resolve()
     env["VERL_FILE_LOGGER_PATH"] = str(metrics)
-    # verl's trackers write where these say (tensorboard: TENSORBOARD_DIR, else ./tensorboard_log/...): in the stage
-    for key, where in (("TENSORBOARD_DIR", "tensorboard"), ("WANDB_DIR", ""), ("SWANLAB_LOG_DIR", "swanlog")):
+    # verl's local trackers write where these say (tensorboard: TENSORBOARD_DIR, else ./tensorboard_log/...; mlflow:
+    # MLFLOW_TRACKING_URI, else /tmp/mlruns.db; trackio: TRACKIO_DIR, else the Hugging Face cache): in the stage
+    for key, where in (("TENSORBOARD_DIR", "tensorboard"), ("WANDB_DIR", ""), ("SWANLAB_LOG_DIR", "swanlog"),
+                       ("TRACKIO_DIR", "trackio")):
         env.setdefault(key, str((stage_dir / where).resolve()))
+    env.setdefault("MLFLOW_TRACKING_URI", "sqlite:///" + str((stage_dir / "mlruns.db").resolve()))
     shown_env = {k: env[k] for k in ("VERL_PLATFORM", "VERL_FILE_LOGGER_PATH") if k in env}
     line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()), *map(shlex.quote, command)])
     (stage_dir / "command.sh").write_text("#!/usr/bin/env bash\n" + line + "\n")

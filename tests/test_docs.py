@@ -125,3 +125,15 @@ def test_repository_scripts_in_docs_say_where_to_run_them():
     text = (DOCS / "validation.md").read_text()
     block = text[text.index("python scripts/make_validation_rubrics.py compose") - 400:]
     assert "from the repository root" in block[:400] or "repository root" in block[:400]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/verl_integration.md"])
+def test_the_first_verl_command_shown_is_the_plain_estimator_override(page):
+    """Users are promised verl's own entry point with one override; the pages lead with it, not the long form."""
+    text = (REPO / page).read_text()
+    first = re.search(r"^\s*(?:\$ )?python -m verl\.trainer\.main_ppo\b.*$", text, re.MULTILINE)
+    assert first is not None, f"{page} shows no main_ppo command"
+    assert first.group(0).split()[-2:] in (["algorithm.adv_estimator=setgrpo", "\\"],
+                                           ["main_ppo", "algorithm.adv_estimator=setgrpo"]), first.group(0)
+    long_form = text.find("--config-name setgrpo_trainer")
+    assert long_form == -1 or first.start() < long_form, f"{page} names the long form before the plain command"

@@ -66,6 +66,30 @@ def _check_ablation(ablation: str | None) -> None:
         raise ValueError(f"ablation must be None or one of {ABLATIONS}, got {ablation!r}")
 
 
+def split_groups(n: int, *, split_seed: int, risk_fraction: float = 0.5,
+                 coverage_groups: int | None = COVERAGE_GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coverage/risk split :func:`calibrate` makes of its ``n`` non-degenerate groups
+    (docs/algorithm.md#4-srgo): a uniformly random permutation (``split_seed``)
+    whose first ``round(n * risk_fraction)`` positions are risk groups and the rest coverage groups, with the
+    coverage part capped at ``coverage_groups`` (the surplus goes to the risk part). The two parts are disjoint,
+    so the conformal quantile of the coverage groups is independent of the risk groups it is tested on.
+
+    Args:
+        n: number of non-degenerate groups, >= 0.
+        split_seed: seed of the permutation (the record's ``split_seed``).
+        risk_fraction: share of the groups used for risk calibration, in (0, 1).
+        coverage_groups: most coverage groups, or None for no cap.
+
+    Returns:
+        ``(coverage, risk)``: int64 positions in ``0..n-1``, disjoint, together every position once.
+    """
+    perm = torch.randperm(int(n), generator=torch.Generator().manual_seed(int(split_seed)))
+    n_risk = int(round(n * risk_fraction))
+    if coverage_groups is not None and n - n_risk > coverage_groups:
+        n_risk = n - coverage_groups
+    return perm[n_risk:], perm[:n_risk]
+
+
 def calibrate(
     point: torch.Tensor,
     reference: torch.Tensor,
@@ -167,11 +191,10 @@ def calibrate(
     p64, r64 = point.to(torch.float64), reference.to(torch.float64)
     keep = (~degenerate_groups(point, degenerate_rtol)).nonzero().flatten()
     n = int(keep.numel())
-    perm = keep[torch.randperm(n, generator=torch.Generator().manual_seed(split_seed))]
-    n_risk = int(round(n * risk_fraction))
-    if settings.coverage_groups is not None and n - n_risk > settings.coverage_groups:
-        n_risk = n - settings.coverage_groups
-    cov, risk = perm[n_risk:], perm[:n_risk]
+    cov_pos, risk_pos = split_groups(n, split_seed=split_seed, risk_fraction=risk_fraction,
+                                     coverage_groups=settings.coverage_groups)
+    cov, risk = keep[cov_pos], keep[risk_pos]
+    n_risk = int(risk.numel())
     need = min_calibration_groups(alpha)
     if cov.numel() < need or n_risk < 1:
         raise ValueError(

@@ -237,7 +237,9 @@ class FunctionGrader:
         if not callable(fn):
             raise TypeError(f"{path}:{name} is not callable")
         self.fn = fn
-        self.path, self.fn_name = path, name if path else getattr(fn, "__qualname__", repr(fn))
+        # a function object is named by its module and qualified name, as a file is by its path and object name
+        self.path = path if path else getattr(fn, "__module__", None) or "<unknown module>"
+        self.fn_name = name if path else getattr(fn, "__qualname__", repr(fn))
         self.seed = int(seed)
         self.kwargs = dict(kwargs or {})
         try:

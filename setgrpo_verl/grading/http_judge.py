@@ -282,7 +282,8 @@ class OpenAIJudge:
         cut = ("every response is cut to max_response_tokens="
                f"{self.max_response_tokens}, still too long with the question and criterion: lower it"
                if self.max_response_tokens is not None else
-               "set the openai grader's max_response_tokens so that responses are cut to fit")
+               "set the openai grader's max_response_tokens (reward.reward_kwargs.grader.max_response_tokens, "
+               "or the CLI's --judge-max-response-tokens) so that responses are cut to fit")
         return JudgeContextError(
             f"judge {self.model!r} at {self.base_url} refused the request for response {said(request.response)} "
             f"and criterion {request.criterion!r} as longer than its context "

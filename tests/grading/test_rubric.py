@@ -167,6 +167,16 @@ def test_function_grader_verl_style(tmp_path):
     assert [v.outcome for v in out.point_results[0].verdicts] == ["met", "unparsed"]
 
 
+def _score_by_length(data_source, solution_str, ground_truth, extra_info, scoring_index, seed):
+    return float(len(solution_str))
+
+
+def test_a_function_object_grader_is_named_by_module_and_qualified_name():
+    from setgrpo_verl.grading.graders import FunctionGrader
+
+    assert FunctionGrader(fn=_score_by_length).identity["name"] == f"function:{__name__}:_score_by_length"
+
+
 def test_build_grader_errors_and_identity():
     with pytest.raises(ValueError, match="needs a 'type'"):
         build_grader({})

@@ -237,11 +237,20 @@ def test_tracker_lists_keep_the_file_logger():
 def test_trackers_write_in_the_stage_directory(tmp_path, monkeypatch):
     from setgrpo_verl.launch import run_stage
 
-    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
-    probe = "import os; print('TB', os.environ['TENSORBOARD_DIR'], os.environ['WANDB_DIR'])"
+    keys = ("TENSORBOARD_DIR", "WANDB_DIR", "SWANLAB_LOG_DIR", "TRACKIO_DIR", "MLFLOW_TRACKING_URI")
+    for key in keys:
+        monkeypatch.delenv(key, raising=False)
+    probe = f"import os; print('TB', *(os.environ[k] for k in {keys!r}))"
     stage = run_stage(tmp_path / "run", "train", [sys.executable, "-c", probe], env=dict(__import__("os").environ))
     line = next(x for x in (stage / "main_ppo.log").read_text().splitlines() if x.startswith("TB "))
-    assert line == f"TB {(stage / 'tensorboard').resolve()} {stage.resolve()}"
+    where = stage.resolve()
+    assert line == (f"TB {where / 'tensorboard'} {where} {where / 'swanlog'} {where / 'trackio'} "
+                    f"sqlite:///{where / 'mlruns.db'}")
+    # a location the user set is kept
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
+    stage = run_stage(tmp_path / "run2", "train", [sys.executable, "-c", probe], env=dict(__import__("os").environ))
+    line = next(x for x in (stage / "main_ppo.log").read_text().splitlines() if x.startswith("TB "))
+    assert line.endswith(" http://tracking.example:5000")
 
 
 def test_judge_temperature_zero_is_refused_before_anything_is_written(capsys, tmp_path):
@@ -258,12 +267,13 @@ def test_train_steps_beyond_the_epochs_are_refused_before_verl(capsys, tmp_path)
     (run / "calibration" / "COMPLETE").write_text("")
     write_verl_parquet(rubrics_to_verl_rows(_rows(7)), run / "data" / "train.parquet")
     (run / "data" / "COMPLETE").write_text("")
-    err = _fail(capsys, ["train", "--profile", "smoke", "--run-dir", str(run), "--steps", "5", "--groups-per-step",
-                         "3", "trainer.total_epochs=1"])
-    assert ("--steps 5: the training split has 7 prompts, 2 steps of 3 groups per epoch (verl drops the last "
-            "partial batch), and trainer.total_epochs=1 stops verl after 2 steps: lower --steps to 2, raise "
-            "trainer.total_epochs to 3") in err
-    assert not (run / "train_setgrpo").exists()
+    for dry in ([], ["--dry-run"]):  # a dry run never prints a command the run would refuse
+        err = _fail(capsys, ["train", "--profile", "smoke", "--run-dir", str(run), "--steps", "5",
+                             "--groups-per-step", "3", "trainer.total_epochs=1", *dry])
+        assert ("--steps 5: the training split has 7 prompts, 2 steps of 3 groups per epoch (verl drops the last "
+                "partial batch), and trainer.total_epochs=1 stops verl after 2 steps: lower --steps to 2, raise "
+                "trainer.total_epochs to 3") in err
+        assert not (run / "train_setgrpo").exists()
 
 
 def test_duplicate_criteria_flag(capsys, tmp_path):
@@ -306,3 +316,16 @@ def test_help_shows_each_profiles_levels(capsys):
     for name, values in cli.PROFILES.items():
         levels = ", ".join(f"{k} {values[f'algorithm.setgrpo.{k}']:g}" for k in ("alpha", "beta", "delta"))
         assert f"{levels}, {values['algorithm.setgrpo.calibration.num_prompts']:,} calibration groups" in text, name
+
+
+def test_judge_max_response_tokens_flag_sets_the_graders_cut(capsys, tmp_path):
+    run = tmp_path / "run"
+    assert cli.main(["calibrate", "--run-dir", str(run), "--dry-run", "--judge", "openai", "--judge-base-url",
+                     "http://127.0.0.1:9/v1", "--judge-model", "m", "--judge-max-response-tokens", "7000"]) == 0
+    assert "max_response_tokens:7000" in capsys.readouterr().out
+    err = _fail(capsys, ["calibrate", "--run-dir", str(run), "--dry-run", "--judge", "rules",
+                         "--judge-max-response-tokens", "7"])
+    assert "--judge-max-response-tokens applies to --judge openai or local only" in err
+    err = _fail(capsys, ["calibrate", "--run-dir", str(run), "--dry-run", "--judge", "local",
+                         "--judge-max-response-tokens", "0"])
+    assert "--judge-max-response-tokens 0: must be a positive integer" in err
