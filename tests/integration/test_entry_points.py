@@ -53,6 +53,24 @@ def test_plain_main_ppo_command_composes_exactly_the_setgrpo_config(tmp_path):
     assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 256  # verl's own ppo_trainer underneath
 
 
+@pytest.mark.slow
+def test_plain_main_ppo_command_on_the_cpu_backend_composes_the_setgrpo_config(tmp_path):
+    """``VERL_PLATFORM=cpu`` with the CPU overrides: the plain command still composes exactly ``setgrpo_trainer``."""
+    from setgrpo_verl.launch import cpu_overrides
+
+    cpu = {"VERL_PLATFORM": "cpu"}
+    extra = [*cpu_overrides(precision="fp32"), *_SETGRPO_OVERRIDES, "--cfg", "job"]
+    named = _run([*MAIN_PPO, "--config-name", "setgrpo_trainer", *extra], cwd=tmp_path, env=cpu)
+    assert named.returncode == 0, named.stderr[-3000:]
+    plain = _run([*MAIN_PPO, "algorithm.adv_estimator=setgrpo", *extra], cwd=tmp_path, env=cpu)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    cfg = OmegaConf.create(named.stdout)
+    assert OmegaConf.to_container(OmegaConf.create(plain.stdout)) == OmegaConf.to_container(cfg)
+    assert plain.stderr.count(plugin.REDIRECT_MESSAGE) == 1
+    assert cfg.trainer.device == "cpu" and cfg.algorithm.setgrpo.beta == 0.2
+    assert cfg.trainer.v1.trainer_mode == "setgrpo" and cfg.reward.reward_manager.name == "setgrpo_dual"
+
+
 def test_main_ppo_default_config_name_fingerprint():
     """The redirect relies on verl 0.9.1's main_ppo composing ``ppo_trainer`` by default through ``hydra.main``
     (whose ``--config-name`` Hydra reads from ``sys.argv`` when ``main()`` is called)."""

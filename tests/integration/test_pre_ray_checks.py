@@ -55,6 +55,10 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job",
 @pytest.mark.parametrize(("overrides", "message"), [
     ((OPENAI_TYPO,), "reward.reward_kwargs.grader: unknown keys for a openai grader: ['max_token']"),
     ((LOCAL, "+reward.reward_kwargs.grader.temprature=0.5"), "unknown keys for a local_hf grader: ['temprature']"),
+    # a deterministic judge scores a response twice alike: the conformal set is a point and SetGRPO would be GRPO
+    ((LOCAL, "+reward.reward_kwargs.grader.temperature=0", CAL_ONLY),
+     "grader temperature 0 (reward.reward_kwargs.grader.temperature, --judge-temperature): SetGRPO calibrates a "
+     "stochastic grader"),
     ((LOCAL, "algorithm.setgrpo.rho=0"), "algorithm.setgrpo.rho=0.0 must be > 0"),
     ((LOCAL, "algorithm.setgrpo.tau_grid=[0.5,0.2]"), "algorithm.setgrpo.tau_grid=[0.5, 0.2] must be non-empty, "
                                                        "strictly increasing and strictly inside (-1, 1)"),

@@ -129,6 +129,10 @@ def test_prompt_set_smaller_than_calibration_needs(capsys, tmp_path):
     assert "5 of 5 prompts" in err and "--calib-groups" in err
     assert "--max-prompt-length" not in err  # every prompt fits: a longer prompt length would not help
     assert not (tmp_path / "run" / "calibration").exists()
+    # prompts dropped as too long: then a longer prompt length is one of the fixes
+    err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"), "--data",
+                         str(tmp_path / "d.jsonl"), "--max-prompt-length", "5"])
+    assert "0 of 5 prompts fit in 5 prompt tokens" in err and "raise --max-prompt-length, lower --calib-groups" in err
 
 
 def test_calibration_too_small_for_alpha_and_beta(capsys, tmp_path):
