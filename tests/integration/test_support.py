@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -241,3 +242,16 @@ def test_hub_ids_offline_cached_work_uncached_name_the_id_and_the_fix(tmp_path):
                                "directory, and the hub model 'acme/not-cached' is not in the Hugging Face cache")
     assert "HF_HUB_OFFLINE=1 is set" in lines[1] and "Pass a local model directory" in lines[1]
     assert "`hf download acme/not-cached`" in lines[1]
+    # no HF_HUB_OFFLINE, but a hub that refuses connections: the same refusal, saying the hub cannot be reached
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    proc = subprocess.run([sys.executable, "-c", _HUB_CHECK, "acme/not-cached"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**env, "HF_HOME": str(tmp_path / "hf"),
+                                                       "HF_ENDPOINT": f"http://127.0.0.1:{port}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("acme/"))
+    assert line.startswith("acme/not-cached REFUSED actor_rollout_ref.model.path=acme/not-cached: not a local "
+                           "directory") and "while the hub cannot be reached" in line
+    assert "`hf download acme/not-cached`" in line
