@@ -2,11 +2,13 @@
 
 Reads ``<run-dir>/calibration/paired_scores.npz`` (point and reference scores and Gram matrices of every
 calibration group) and ``record.json`` (the levels, grid, rho and split seed), and draws ``--resamples``
-bootstrap sets of ``--groups`` groups (default: as many as the run calibrated on). Each set is stratified by the
+bootstrap sets of the non-degenerate share of ``--groups`` groups (default: as many as the run calibrated on; the
+degenerate groups, which calibration drops, are left out). Each set is stratified by the
 run's own split: its coverage part is drawn with replacement from the run's coverage groups and its risk part from
 the run's risk groups, in the positions where re-calibration puts them, so no group (or copy of one) is in both
 parts, as no group is in a real calibration. Each set is re-calibrated with the record's settings (its levels,
-grid, SRGO procedure and start threshold; ``on_infeasible="reject_all"``) and the sets whose record selects a
+grid, SRGO procedure and start threshold, the run's risk fraction, no coverage cap; ``on_infeasible="reject_all"``)
+and the sets whose record selects a
 threshold are counted (docs/record.md#threshold-grid-srgo). The last line is ``quickstart certifies in R of N
 resamples``.
 
@@ -25,40 +27,49 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from setgrpo_verl.core import CalibrationRecord, calibrate, degenerate_groups, split_groups
+from setgrpo_verl.core import CalibrationRecord, calibrate, degenerate_groups, coverage_risk_split
 
 
-def certified(paired: dict[str, torch.Tensor], record: CalibrationRecord, rows: np.ndarray) -> bool:
-    """Whether re-calibrating on the groups ``rows`` (int64 indices, repeats allowed) selects a threshold."""
+def certified(paired: dict[str, torch.Tensor], record: CalibrationRecord, rows: np.ndarray,
+              risk_fraction: float) -> bool:
+    """Whether re-calibrating on the groups ``rows`` (int64 indices, repeats allowed) with the record's settings, the
+    run's risk fraction and no coverage cap selects a threshold."""
     rec = calibrate(paired["point"][rows], paired["reference"][rows], paired["gram"][rows], alpha=record.alpha,
                     beta=record.beta, delta=record.delta, tau_grid=record.tau_grid, rho=record.rho,
                     split_seed=record.split_seed, norm_by_std=record.norm_by_std, eps=record.eps,
                     grid_size=record.grid_size, degenerate_rtol=record.degenerate_rtol,
-                    srgo_procedure=record.srgo_procedure, tau_start=record.tau_start, on_infeasible="reject_all")
+                    srgo_procedure=record.srgo_procedure, tau_start=record.tau_start, on_infeasible="reject_all",
+                    risk_fraction=risk_fraction, coverage_groups=None)
     return rec.tau_sel is not None
 
 
 def run_split(point: torch.Tensor, record: CalibrationRecord) -> tuple[np.ndarray, np.ndarray]:
-    """The run's coverage and risk groups (int64 indices into ``point`` [G, K]), as its calibration split them.
+    """The run's coverage and risk groups (int64 indices into ``point`` [G, K]), as its calibration split them: the
+    split's permutation depends only on the number of non-degenerate groups and the seed, and the record's
+    ``n_risk`` says where it was cut (whatever risk fraction and coverage cap the run used).
 
     Raises:
-        SystemExit: the split does not give the record's group counts (paired scores of another calibration, or a
-            calibration with a non-default risk fraction or coverage cap).
+        SystemExit: the paired scores do not have the record's group counts and K (another calibration's scores).
     """
     live = (~degenerate_groups(point, record.degenerate_rtol)).nonzero().flatten()
-    cov, risk = split_groups(int(live.numel()), split_seed=record.split_seed)
-    if (cov.numel(), risk.numel()) != (record.n_cov, record.n_risk):
-        raise SystemExit(f"the paired scores split into {cov.numel()} coverage and {risk.numel()} risk groups, the "
-                         f"record says {record.n_cov} and {record.n_risk}: pass the run's own calibration directory")
+    n_live = int(live.numel())
+    if (n_live, point.shape[0] - n_live, point.shape[1]) != (record.n_cov + record.n_risk, record.n_degenerate,
+                                                             record.K):
+        raise SystemExit(f"the paired scores hold {point.shape[0]} groups of K={point.shape[1]} ({n_live} "
+                         f"non-degenerate), the record {record.n_cov} + {record.n_risk} non-degenerate and "
+                         f"{record.n_degenerate} degenerate of K={record.K}: pass the run's own calibration directory")
+    cov, risk = coverage_risk_split(n_live, split_seed=record.split_seed, risk_fraction=record.n_risk / n_live,
+                                    coverage_groups=None)
     return live[cov].numpy(), live[risk].numpy()
 
 
 def stratified_rows(coverage: np.ndarray, risk: np.ndarray, n: int, split_seed: int,
                     rng: np.random.Generator) -> np.ndarray:
-    """``n`` group indices (int64 [n]) whose re-calibration split (:func:`split_groups` with ``split_seed``, the
-    rows all non-degenerate) puts draws with replacement from ``coverage`` at its coverage positions and from
-    ``risk`` at its risk positions."""
-    cov_pos, risk_pos = split_groups(n, split_seed=split_seed)
+    """``n`` group indices (int64 [n]) whose re-calibration split (:func:`coverage_risk_split` with ``split_seed``,
+    the run's risk fraction and no coverage cap; the rows are all non-degenerate) puts draws with replacement from
+    ``coverage`` at its coverage positions and from ``risk`` at its risk positions."""
+    share = risk.size / (coverage.size + risk.size)
+    cov_pos, risk_pos = coverage_risk_split(n, split_seed=split_seed, risk_fraction=share, coverage_groups=None)
     rows = np.empty(n, dtype=np.int64)
     rows[cov_pos.numpy()] = rng.choice(coverage, size=cov_pos.numel(), replace=True)
     rows[risk_pos.numpy()] = rng.choice(risk, size=risk_pos.numel(), replace=True)
@@ -82,7 +93,8 @@ def main() -> None:
     live = round(groups * (coverage.size + risk.size) / total)  # the run's share of non-degenerate groups
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
-    hits = sum(certified(paired, record, stratified_rows(coverage, risk, live, record.split_seed, rng))
+    risk_fraction = risk.size / (coverage.size + risk.size)
+    hits = sum(certified(paired, record, stratified_rows(coverage, risk, live, record.split_seed, rng), risk_fraction)
                for _ in range(args.resamples))
     elapsed = time.perf_counter() - t0
     print(f"run: {args.run_dir} ({total} calibration groups, K={record.K}; alpha={record.alpha}, beta={record.beta}, "

@@ -82,9 +82,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         "trainer.total_training_steps": 3,
         "data.max_prompt_length": 96,
         "data.max_response_length": 24,
-        # 96 groups (48 risk groups) certify a threshold at these levels in 98 % of bootstrap resamples of a
-        # quickstart's calibration, 48 groups in 80 % (benchmarks/bench_quickstart_certifies.py); three batches
-        # rolled out together keep the one weight sync of a single chunk
+        # 96 groups (about 48 risk groups) certify a threshold at these levels in 198 of 200 stratified bootstrap
+        # resamples of a quickstart's calibration (benchmarks/bench_quickstart_certifies.py); three
+        # batches rolled out together keep the one weight sync of a single chunk
         "algorithm.setgrpo.calibration.num_prompts": 96,
         "algorithm.setgrpo.calibration.batch_size": 32,
         "algorithm.setgrpo.calibration.chunk_batches": 3,
@@ -213,9 +213,9 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
                    help="--judge openai: token budget per verdict (default 4); a reasoning ('thinking') judge needs "
                    "room for its reasoning, e.g. 2048 [reward.reward_kwargs.grader.max_tokens]")
     g.add_argument("--judge-max-response-tokens", type=int, default=None, metavar="N",
-                   help="--judge openai or local: cut every response to N tokens before the judge reads it; set it "
-                   "from the judge's context (context - max tokens - about 1000, e.g. 7000 for an 8192-token judge) "
-                   "[reward.reward_kwargs.grader.max_response_tokens]")
+                   help="--judge openai or local: cut every response to N tokens before the judge reads it (default: "
+                   "local 384, openai uncut); for openai set it from the judge's context (context - --judge-max-tokens "
+                   "- about 1000, e.g. 7000 for an 8192-token judge) [reward.reward_kwargs.grader.max_response_tokens]")
     g.add_argument("--judge-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="--judge openai: chat_template_kwargs sent with every request, e.g. "
                    "'{\"enable_thinking\": false}' to switch a Qwen3 judge's thinking off "
@@ -692,7 +692,7 @@ def _cmd_train(args: argparse.Namespace) -> str | None:
         return _dry_run(commands, lifecycle)  # its plan lines say where the run would stop
     if not args.dry_run:
         lifecycle.check()
-    # a dry run makes the same checks, so that it never prints a command the run would refuse
+    # a dry run makes the checks a started run would make, and fails as it would
     datasplit.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
     preflight.check_training_steps(plan.values, args.overrides, _train_prompts(run_dir, None))
     if stage == "train":

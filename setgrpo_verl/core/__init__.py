@@ -9,7 +9,7 @@ Public API::
     setgrpo_coefficients(point, gram, record, *, ablation=None) -> SetGRPOResult
     OnlineRiskMonitor(record).update(result, reference, gram)   -> metrics dict
 
-Building blocks (for diagnostics and tests): ``degenerate_groups``, ``set_shape``,
+Building blocks (for diagnostics and tests): ``degenerate_groups``, ``coverage_risk_split``, ``set_shape``,
 ``nonconformity_scores``, ``conformal_radius``, ``CoefficientSets``, ``safe_anchor``,
 ``projections``, ``recovery_ratios``, ``reversal_events``, ``clopper_pearson_upper``, ``binomial_p_values``,
 ``threshold_tests``, ``select_threshold``, ``certification_power``, ``required_accepted_groups``, ``pilot_start``,
@@ -23,7 +23,7 @@ Reading a record's figures (docs/record.md#reading-the-guarantees): ``coverage_b
 ``resplit`` and ``guarantee_lines``.
 """
 
-from ._api import STATUSES, OnlineRiskMonitor, SetGRPOResult, calibrate, setgrpo_coefficients, split_groups
+from ._api import STATUSES, OnlineRiskMonitor, SetGRPOResult, calibrate, setgrpo_coefficients, coverage_risk_split
 from ._bands import CoverageBand, Resplits, coverage_band, guarantee_lines, resplit, risk_share_floor
 from ._ggsr import path_point, projections, recovery_ratios, safe_anchor
 from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients, grpo_jacobian
@@ -86,7 +86,7 @@ __all__ = [
     "risk_share_floor", "degenerate_groups", "grpo_coefficients",
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "package_versions", "path_point",
     "projections", "prompt_fingerprint", "question_key", "recovery_ratios", "required_accepted_groups", "safe_anchor", "select_threshold", "set_shape",
-    "setgrpo_coefficients", "split_groups", "check_identity", "SHARD_DIR", "CalibrationShard", "TornShardError", "in_part",
+    "setgrpo_coefficients", "coverage_risk_split", "check_identity", "SHARD_DIR", "CalibrationShard", "TornShardError", "in_part",
     "load_shards", "parse_part", "pilot_source", "read_shard", "record_from_shards", "shard_identity", "shard_name", "shard_start_source", "shard_versions", "write_calibration",
     "write_shard",
 ]

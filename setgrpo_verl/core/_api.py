@@ -66,7 +66,7 @@ def _check_ablation(ablation: str | None) -> None:
         raise ValueError(f"ablation must be None or one of {ABLATIONS}, got {ablation!r}")
 
 
-def split_groups(n: int, *, split_seed: int, risk_fraction: float = 0.5,
+def coverage_risk_split(n: int, *, split_seed: int, risk_fraction: float = 0.5,
                  coverage_groups: int | None = COVERAGE_GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The coverage/risk split :func:`calibrate` makes of its ``n`` non-degenerate groups
     (docs/algorithm.md#4-srgo): a uniformly random permutation (``split_seed``)
@@ -191,7 +191,7 @@ def calibrate(
     p64, r64 = point.to(torch.float64), reference.to(torch.float64)
     keep = (~degenerate_groups(point, degenerate_rtol)).nonzero().flatten()
     n = int(keep.numel())
-    cov_pos, risk_pos = split_groups(n, split_seed=split_seed, risk_fraction=risk_fraction,
+    cov_pos, risk_pos = coverage_risk_split(n, split_seed=split_seed, risk_fraction=risk_fraction,
                                      coverage_groups=settings.coverage_groups)
     cov, risk = keep[cov_pos], keep[risk_pos]
     n_risk = int(risk.numel())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from setgrpo_verl.core import calibrate, degenerate_groups, split_groups
+from setgrpo_verl.core import calibrate, degenerate_groups, coverage_risk_split
 
 from .synthetic import make_groups
 
@@ -14,13 +14,13 @@ from .synthetic import make_groups
                                                           (100, 0.3, None, (70, 30)), (100, 0.5, 20, (20, 80)),
                                                           (0, 0.5, 10, (0, 0))])
 def test_split_is_a_disjoint_cover_of_the_requested_sizes(n, risk_fraction, cap, sizes):
-    cov, risk = split_groups(n, split_seed=3, risk_fraction=risk_fraction, coverage_groups=cap)
+    cov, risk = coverage_risk_split(n, split_seed=3, risk_fraction=risk_fraction, coverage_groups=cap)
     assert (cov.numel(), risk.numel()) == sizes
     assert sorted(torch.cat([cov, risk]).tolist()) == list(range(n))
-    again = split_groups(n, split_seed=3, risk_fraction=risk_fraction, coverage_groups=cap)
+    again = coverage_risk_split(n, split_seed=3, risk_fraction=risk_fraction, coverage_groups=cap)
     assert torch.equal(cov, again[0]) and torch.equal(risk, again[1])
     if n >= 10:
-        assert not torch.equal(cov, split_groups(n, split_seed=4, risk_fraction=risk_fraction,
+        assert not torch.equal(cov, coverage_risk_split(n, split_seed=4, risk_fraction=risk_fraction,
                                                  coverage_groups=cap)[0])
 
 
@@ -28,7 +28,7 @@ def test_calibration_uses_this_split_on_its_non_degenerate_groups():
     point, reference, gram = make_groups(120, k=4, noise=0.2, seed=5, levels=3)
     live = (~degenerate_groups(point)).nonzero().flatten()
     assert 0 < live.numel() < 120  # ties make some groups degenerate
-    cov, risk = split_groups(int(live.numel()), split_seed=7)
+    cov, risk = coverage_risk_split(int(live.numel()), split_seed=7)
     rec = calibrate(point, reference, gram, alpha=0.2, beta=0.5, delta=0.2, split_seed=7, on_infeasible="reject_all")
     assert (rec.n_cov, rec.n_risk, rec.n_degenerate) == (cov.numel(), risk.numel(), 120 - live.numel())
     # the conformal quantile comes from exactly the coverage groups: re-scoring every risk group leaves it, re-scoring

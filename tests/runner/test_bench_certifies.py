@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl.core import calibrate, split_groups
+from setgrpo_verl.core import calibrate, coverage_risk_split
 
 from ..core.synthetic import make_groups
 
@@ -38,17 +38,26 @@ def _run(tmp_path: Path, groups: int = 120):
 def test_no_resampled_group_is_in_both_parts(tmp_path):
     bench = _bench()
     point, rec = _run(tmp_path)
+    paired = dict(zip(("point", "reference", "gram"), make_groups(120, k=4, noise=0.2, seed=5, levels=3)))
     coverage, risk = bench.run_split(point, rec)
     assert (coverage.size, risk.size) == (rec.n_cov, rec.n_risk) and not set(coverage) & set(risk)
+    share = rec.n_risk / (rec.n_cov + rec.n_risk)
     rng = np.random.default_rng(0)
     for n in (rec.n_cov + rec.n_risk, 2 * (rec.n_cov + rec.n_risk) + 1):
         rows = bench.stratified_rows(coverage, risk, n, rec.split_seed, rng)
-        cov_pos, risk_pos = split_groups(n, split_seed=rec.split_seed)
+        cov_pos, risk_pos = coverage_risk_split(n, split_seed=rec.split_seed, risk_fraction=share,
+                                                coverage_groups=None)
         assert set(rows[cov_pos.numpy()]) <= set(coverage) and set(rows[risk_pos.numpy()]) <= set(risk)
-    # an unstratified draw of the same size almost surely puts copies of one group in both parts
-    rows = rng.integers(0, point.shape[0], size=rec.n_cov + rec.n_risk)
-    cov_pos, risk_pos = split_groups(rows.size, split_seed=rec.split_seed)
-    assert set(rows[cov_pos.numpy()]) & set(rows[risk_pos.numpy()])
+        # re-calibration drops none of them and splits them where they were put: its conformal quantile is that of
+        # the drawn coverage groups alone, so re-scoring the drawn risk groups leaves it unchanged
+        kwargs = dict(alpha=rec.alpha, beta=rec.beta, delta=rec.delta, split_seed=rec.split_seed,
+                      risk_fraction=share, coverage_groups=None, on_infeasible="reject_all")
+        again = calibrate(paired["point"][rows], paired["reference"][rows], paired["gram"][rows], **kwargs)
+        assert (again.n_cov, again.n_risk, again.n_degenerate) == (cov_pos.numel(), risk_pos.numel(), 0)
+        moved = paired["reference"][rows].clone()
+        moved[risk_pos] = moved[risk_pos].flip(1)
+        assert calibrate(paired["point"][rows], moved, paired["gram"][rows], **kwargs).q_alpha == again.q_alpha
+        assert bench.certified(paired, rec, rows, share) == (again.tau_sel is not None)
 
 
 def test_the_benchmark_prints_its_count_last(tmp_path):

@@ -327,6 +327,8 @@ def test_judge_max_response_tokens_flag_sets_the_graders_cut(capsys, tmp_path):
     assert cli.main(["calibrate", "--run-dir", str(run), "--dry-run", "--judge", "openai", "--judge-base-url",
                      "http://127.0.0.1:9/v1", "--judge-model", "m", "--judge-max-response-tokens", "7000"]) == 0
     assert "max_response_tokens:7000" in capsys.readouterr().out
+    assert cli.main(["calibrate", "--run-dir", str(run), "--dry-run", "--judge-max-response-tokens", "200"]) == 0
+    assert "grader={type:local_hf,seed:1,max_response_tokens:200," in capsys.readouterr().out
     err = _fail(capsys, ["calibrate", "--run-dir", str(run), "--dry-run", "--judge", "rules",
                          "--judge-max-response-tokens", "7"])
     assert "--judge-max-response-tokens applies to --judge openai or local only" in err
