@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from setgrpo_verl.core import CalibrationRecord, calibrate, degenerate_groups, coverage_risk_split
+from setgrpo_verl.core import CalibrationRecord, calibrate, coverage_risk_split, degenerate_groups
 
 
 def certified(paired: dict[str, torch.Tensor], record: CalibrationRecord, rows: np.ndarray,
@@ -63,13 +63,13 @@ def run_split(point: torch.Tensor, record: CalibrationRecord) -> tuple[np.ndarra
     return live[cov].numpy(), live[risk].numpy()
 
 
-def stratified_rows(coverage: np.ndarray, risk: np.ndarray, n: int, split_seed: int,
+def stratified_rows(coverage: np.ndarray, risk: np.ndarray, n: int, split_seed: int, risk_fraction: float,
                     rng: np.random.Generator) -> np.ndarray:
     """``n`` group indices (int64 [n]) whose re-calibration split (:func:`coverage_risk_split` with ``split_seed``,
-    the run's risk fraction and no coverage cap; the rows are all non-degenerate) puts draws with replacement from
+    ``risk_fraction`` and no coverage cap; the rows are all non-degenerate) puts draws with replacement from
     ``coverage`` at its coverage positions and from ``risk`` at its risk positions."""
-    share = risk.size / (coverage.size + risk.size)
-    cov_pos, risk_pos = coverage_risk_split(n, split_seed=split_seed, risk_fraction=share, coverage_groups=None)
+    cov_pos, risk_pos = coverage_risk_split(n, split_seed=split_seed, risk_fraction=risk_fraction,
+                                            coverage_groups=None)
     rows = np.empty(n, dtype=np.int64)
     rows[cov_pos.numpy()] = rng.choice(coverage, size=cov_pos.numel(), replace=True)
     rows[risk_pos.numpy()] = rng.choice(risk, size=risk_pos.numel(), replace=True)
@@ -91,10 +91,11 @@ def main() -> None:
     groups = args.groups or total
     coverage, risk = run_split(paired["point"], record)
     live = round(groups * (coverage.size + risk.size) / total)  # the run's share of non-degenerate groups
+    risk_fraction = risk.size / (coverage.size + risk.size)  # the run's own, whatever its settings were
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
-    risk_fraction = risk.size / (coverage.size + risk.size)
-    hits = sum(certified(paired, record, stratified_rows(coverage, risk, live, record.split_seed, rng), risk_fraction)
+    hits = sum(certified(paired, record, stratified_rows(coverage, risk, live, record.split_seed, risk_fraction, rng),
+                         risk_fraction)
                for _ in range(args.resamples))
     elapsed = time.perf_counter() - t0
     print(f"run: {args.run_dir} ({total} calibration groups, K={record.K}; alpha={record.alpha}, beta={record.beta}, "

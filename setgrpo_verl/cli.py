@@ -688,10 +688,10 @@ def _cmd_train(args: argparse.Namespace) -> str | None:
     commands = _commands(args, plan, [stage], record)
     reads = ("data",) + (("calibration",) if stage == "train" and args.record is None else ())
     lifecycle = _lifecycle(args, [STAGES[stage]], reads=reads)
-    if args.dry_run and any(d.action == "refuse" for d in lifecycle.dirs):
-        return _dry_run(commands, lifecycle)  # its plan lines say where the run would stop
     if not args.dry_run:
         lifecycle.check()
+    elif any(d.action == "refuse" for d in lifecycle.dirs):
+        return _dry_run(commands, lifecycle)  # its plan lines say where the run would stop
     # a dry run makes the checks a started run would make, and fails as it would
     datasplit.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
     preflight.check_training_steps(plan.values, args.overrides, _train_prompts(run_dir, None))

@@ -23,7 +23,7 @@ Reading a record's figures (docs/record.md#reading-the-guarantees): ``coverage_b
 ``resplit`` and ``guarantee_lines``.
 """
 
-from ._api import STATUSES, OnlineRiskMonitor, SetGRPOResult, calibrate, setgrpo_coefficients, coverage_risk_split
+from ._api import STATUSES, OnlineRiskMonitor, SetGRPOResult, calibrate, coverage_risk_split, setgrpo_coefficients
 from ._bands import CoverageBand, Resplits, coverage_band, guarantee_lines, resplit, risk_share_floor
 from ._ggsr import path_point, projections, recovery_ratios, safe_anchor
 from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients, grpo_jacobian

@@ -67,7 +67,7 @@ def _check_ablation(ablation: str | None) -> None:
 
 
 def coverage_risk_split(n: int, *, split_seed: int, risk_fraction: float = 0.5,
-                 coverage_groups: int | None = COVERAGE_GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
+                        coverage_groups: int | None = COVERAGE_GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The coverage/risk split :func:`calibrate` makes of its ``n`` non-degenerate groups
     (docs/algorithm.md#4-srgo): a uniformly random permutation (``split_seed``)
     whose first ``round(n * risk_fraction)`` positions are risk groups and the rest coverage groups, with the
@@ -192,7 +192,7 @@ def calibrate(
     keep = (~degenerate_groups(point, degenerate_rtol)).nonzero().flatten()
     n = int(keep.numel())
     cov_pos, risk_pos = coverage_risk_split(n, split_seed=split_seed, risk_fraction=risk_fraction,
-                                     coverage_groups=settings.coverage_groups)
+                                            coverage_groups=settings.coverage_groups)
     cov, risk = keep[cov_pos], keep[risk_pos]
     n_risk = int(risk.numel())
     need = min_calibration_groups(alpha)

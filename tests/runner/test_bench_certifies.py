@@ -44,7 +44,7 @@ def test_no_resampled_group_is_in_both_parts(tmp_path):
     share = rec.n_risk / (rec.n_cov + rec.n_risk)
     rng = np.random.default_rng(0)
     for n in (rec.n_cov + rec.n_risk, 2 * (rec.n_cov + rec.n_risk) + 1):
-        rows = bench.stratified_rows(coverage, risk, n, rec.split_seed, rng)
+        rows = bench.stratified_rows(coverage, risk, n, rec.split_seed, share, rng)
         cov_pos, risk_pos = coverage_risk_split(n, split_seed=rec.split_seed, risk_fraction=share,
                                                 coverage_groups=None)
         assert set(rows[cov_pos.numpy()]) <= set(coverage) and set(rows[risk_pos.numpy()]) <= set(risk)
