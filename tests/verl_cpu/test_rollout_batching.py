@@ -120,6 +120,25 @@ def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_if_prefilled_per_req
         assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sdpa_and_eager_attention_decode_the_same_tokens_and_log_probs(server, tiny_model, temperature):
+    import torch
+
+    assert server.model.config._attn_implementation == "sdpa"  # the server's default
+    eager = TransformersRolloutServer(str(tiny_model), response_length=5, max_batch_size=8, seed=0,
+                                      attn_implementation="eager")
+    assert eager.model.config._attn_implementation == "eager"
+    key = (temperature, 1.0, -1, 5, True)
+    # left-padded prompts of three lengths, two sent three times: the padding mask and the shared prefill
+    outs = []
+    for srv in (server, eager):
+        torch.manual_seed(7)
+        outs.append(srv._generate_batch(_GROUPED, key))
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
+
+
 def test_a_batch_of_distinct_prompts_is_prefilled_by_generate(server, forwards):
     shapes = forwards
     assert server._share_prompts is True  # a Llama's cache is a plain attention cache
