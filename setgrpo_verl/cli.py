@@ -82,8 +82,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "trainer.total_training_steps": 3,
         "data.max_prompt_length": 96,
         "data.max_response_length": 24,
-        # 96 groups (about 48 risk groups) certify a threshold at these levels in 193 and 198 of 200 stratified bootstrap
-        # resamples of a quickstart's calibration (benchmarks/bench_quickstart_certifies.py); three
+        # 96 groups (about 48 risk groups) certify a threshold at these levels in 193 and 198 of 200 stratified
+        # bootstrap resamples of two quickstarts' calibrations (benchmarks/bench_quickstart_certifies.py); three
         # batches rolled out together keep the one weight sync of a single chunk
         "algorithm.setgrpo.calibration.num_prompts": 96,
         "algorithm.setgrpo.calibration.batch_size": 32,
