@@ -114,8 +114,9 @@ class TransformersRolloutServer:
         num_threads: torch intra-op threads of the server (Ray starts actors with one); ``None`` keeps the
             process's setting.
         attn_implementation: the model's attention (``transformers``' ``attn_implementation``). ``sdpa``, PyTorch's
-            fused attention kernel, decodes about 1.5 times as fast as ``eager`` on CPU and samples the same
-            distribution (``benchmarks/bench_rollout_attention.py`` prints the ratio).
+            fused attention kernel, samples the same distribution as ``eager`` and decodes a little faster on CPU
+            (0.92 of ``eager``'s time on one quickstart calibration batch on an idle 2-core machine, 0.67 with
+            the cores shared; ``benchmarks/bench_rollout_attention.py`` prints the ratio).
     """
 
     def __init__(self, model_path: str, response_length: int, max_batch_size: int, seed: int = 0,
