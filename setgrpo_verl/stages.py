@@ -8,6 +8,7 @@ signal) and is shown by :class:`setgrpo_verl.console.StageConsole`.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 import time
@@ -18,6 +19,13 @@ from .lifecycle import RunPlan, calibration_shards, plan_run
 from .rundir import FAILED, STAGES, LaunchError, latest_checkpoint_step, mark_complete
 
 __all__ = ["run_stage", "stage_writes"]
+
+#: The raylet's periodic report of workers that died without being asked to (Ray 2.x, printed on the driver as
+#: ``(raylet) N Workers (tasks / actors) killed due to memory pressure (OOM), M Workers crashed due to other
+#: reasons at node ...``). verl does not restart its workers, and a run that lost one can wait on it without end.
+_WORKER_DEATHS = re.compile(r"(\d+) Workers \(tasks / actors\) killed due to memory pressure \(OOM\), "
+                            r"(\d+) Workers crashed due to other reasons")
+
 
 def stage_writes(stage: str) -> list[str]:
     """The run-directory parts a stage writes (:data:`setgrpo_verl.lifecycle.DEPENDS` keys): its own directory and,
@@ -46,7 +54,9 @@ def run_stage(
 
     ``main_ppo`` runs in a session of its own (:class:`setgrpo_verl.supervise.Supervisor`): on SIGINT, SIGTERM or
     SIGHUP it and the local Ray instance it started are stopped (docs/cli.md#stopping-a-run), nothing of that
-    session is left running, and ``FAILED`` says which signal stopped it and at which checkpoint to resume.
+    session is left running, and ``FAILED`` says which signal stopped it and at which checkpoint to resume. When
+    the raylet reports workers of the run killed for memory or crashed, the stage is stopped the same way rather
+    than left waiting on them.
 
     What happens to the stage's directory is ``plan``'s decision (:func:`setgrpo_verl.lifecycle.plan_run`; without
     one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
@@ -59,7 +69,8 @@ def run_stage(
     Raises:
         LaunchError: the plan refuses the stage's directory (the message names the flag), ``calibrate_train`` with
             a kept ``calibration/`` (train with its record instead), or verl exited with a
-            non-zero status (the message quotes the last error line of the log).
+            non-zero status (the message quotes the last error line of the log), or Ray lost workers of the run
+            (the message says how many, why, and where to resume).
         SystemExit: with status 128 + the signal number, after a stop signal stopped the stage.
     """
     from .console import StageConsole
@@ -109,7 +120,14 @@ def run_stage(
     t0 = time.perf_counter()
     with open(log_path, "a" if continued else "w", encoding="utf-8") as log:
         console = StageConsole(stage, command, metrics, log, verbose=verbose)
-        child = Supervisor(command, env=env, on_line=console.line, grace=stop_grace)
+
+        def on_line(text: str) -> None:
+            console.line(text)
+            died = _worker_deaths(text)
+            if died:
+                child.stop(died)
+
+        child = Supervisor(command, env=env, on_line=on_line, grace=stop_grace)
         try:
             status = child.run(poll=console.poll)
         finally:
@@ -118,12 +136,18 @@ def run_stage(
                 mark_complete(calibration, note=f"calibrated by {stage_dir.name}/")
     elapsed = time.perf_counter() - t0
     _keep_history(metrics, history)
-    if child.stopped_by is not None:
+    if child.stopped_by is not None or child.stop_reason is not None:
         step, shards = latest_checkpoint_step(stage_dir), calibration_shards(calibration)
         where = (f"its latest checkpoint is step {step}: rerun with --resume to continue from there" if step is not None
                  else f"it wrote {shards} calibration shard(s): rerun with --resume to calibrate only the batches "
                       "without one" if shards and not (calibration / "record.json").is_file()
                  else "it saved no checkpoint: rerun (with --overwrite or --resume) to start it over")
+    if child.stop_reason is not None:
+        reason = (f"{child.stop_reason}; main_ppo and the Ray instance it started were stopped after {elapsed:.0f} s "
+                  f"instead of waiting on the lost workers; {where}")
+        (stage_dir / FAILED).write_text(reason + "\n")
+        raise LaunchError(f"{stage}: {reason} (full log: {log_path})")
+    if child.stopped_by is not None:
         reason = (f"stopped by {child.stopped_by.name} after {elapsed:.0f} s; main_ppo and the Ray instance it started "
                   f"were stopped; {where}")
         (stage_dir / FAILED).write_text(reason + "\n")
@@ -152,6 +176,23 @@ def _keep_history(metrics: Path, history: Sequence[bytes]) -> None:
     missing = [line for line in history if line not in present]
     if missing:
         metrics.write_bytes(b"".join(missing) + current)
+
+
+def _worker_deaths(line: str) -> str | None:
+    """What the raylet's report in ``line`` says of workers that died unasked (see ``_WORKER_DEATHS``), or None
+    when the line is no such report or counts no death."""
+    match = _WORKER_DEATHS.search(line)
+    if match is None:
+        return None
+    oom, crashed = int(match.group(1)), int(match.group(2))
+    if oom == 0 and crashed == 0:
+        return None
+    what = " and ".join(part for part in (
+        f"{oom} killed by Ray's memory monitor (the node ran out of memory: stop other jobs on it or "
+        "lower the run's memory use)" if oom else "",
+        f"{crashed} crashed (the raylet's log under the Ray session directory says why)" if crashed else "",
+    ) if part)
+    return f"Ray reported worker processes of this run lost: {what}"
 
 
 def _last_error(lines: Sequence[str]) -> str:

@@ -82,6 +82,8 @@ class Supervisor:
         self.kill_after = kill_after
         #: the first stop signal received (``signal.Signals``), or None
         self.stopped_by: Optional[signal.Signals] = None
+        #: why :meth:`stop` stopped the child (when no signal came first), or None
+        self.stop_reason: Optional[str] = None
         self._stop_at: Optional[float] = None
         self._escalated = 0
         self._proc: Optional[subprocess.Popen] = None
@@ -89,7 +91,7 @@ class Supervisor:
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
         proc = self._proc
-        if self.stopped_by is None:
+        if self.stopped_by is None and self.stop_reason is None:
             self.stopped_by = signal.Signals(signum)
             self._stop_at = time.monotonic()
             if proc is not None and proc.poll() is None:
@@ -97,6 +99,20 @@ class Supervisor:
         else:  # a second signal: no more waiting
             self._stop_at = -float("inf")
             self._escalated = 1
+
+    def stop(self, reason: str) -> None:
+        """Stop the child and its session as a stop signal would (the same three rounds), recording ``reason``.
+
+        Safe to call from the ``on_line`` callback (the reader thread) while :meth:`run` waits; a call after a
+        stop signal or an earlier :meth:`stop`, or before the child started, does nothing.
+        """
+        proc = self._proc
+        if self.stopped_by is not None or self.stop_reason is not None or proc is None:
+            return
+        self.stop_reason = reason
+        self._stop_at = time.monotonic()
+        if proc.poll() is None:
+            _signal_all([proc.pid], signal.SIGTERM)
 
     def _escalate(self) -> None:
         """SIGTERM, then SIGKILL, to what is left of the session once the child had ``grace`` seconds."""

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -107,3 +108,49 @@ def test_resume_of_a_stage_without_checkpoint_starts_it_over(tmp_path):
         launch.run_stage(tmp_path, "grpo", _command(1), env=dict(os.environ))
     launch.run_stage(tmp_path, "grpo", _command(1), env=dict(os.environ), resume=True)
     assert [r["step"] for r in _rows(stage / "metrics.jsonl")] == [1]
+
+
+_RAYLET = ("(raylet) [2026-12-02 18:37:10,118 E 4121 4121] (raylet) node_manager.cc:3093: {oom} Workers (tasks / actors) "
+           "killed due to memory pressure (OOM), {crashed} Workers crashed due to other reasons at node (ID: 5e1f, IP: "
+           "10.0.0.2) over the last time period. To see more information about the Workers killed on this node, use "
+           "`ray logs raylet.out -ip 10.0.0.2`")
+
+# a driver whose worker was lost: a grandchild in a process group of its own (a Ray worker), the raylet's report,
+# then waiting without end, as verl's agent loop did on a rollout worker that Ray had killed
+_HUNG = textwrap.dedent("""
+    import os, subprocess, sys, time
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=os.setpgrp)
+    open(os.environ["WORKER_PID_FILE"], "w").write(str(worker.pid))
+    print("pending: 0, running: 16, finished: 0", flush=True)
+    print(os.environ["RAYLET_LINE"], flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("oom, crashed, says", [
+    (4, 0, "4 killed by Ray's memory monitor (the node ran out of memory"),
+    (0, 1, "1 crashed (the raylet's log"),
+])
+def test_a_run_that_loses_a_ray_worker_is_stopped_not_left_waiting(tmp_path, oom, crashed, says):
+    pid_file = tmp_path / "worker.pid"
+    env = dict(os.environ, RAYLET_LINE=_RAYLET.format(oom=oom, crashed=crashed), WORKER_PID_FILE=str(pid_file))
+    started = time.monotonic()
+    with pytest.raises(launch.LaunchError) as failed:
+        launch.run_stage(tmp_path, "grpo", [sys.executable, "-c", _HUNG], env=env, stop_grace=2.0)
+    assert time.monotonic() - started < 60  # not the 600 s the driver would wait
+    message = str(failed.value)
+    assert says in message and "Ray reported worker processes of this run lost" in message
+    assert "instead of waiting on the lost workers; it saved no checkpoint" in message
+    failed_marker = (tmp_path / "train_grpo" / launch.FAILED).read_text()
+    assert says in failed_marker and not (tmp_path / "train_grpo" / launch.COMPLETE).exists()
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_raylet_report_of_no_lost_worker_does_not_stop_the_run(tmp_path):
+    command = [sys.executable, "-c", f"print({_RAYLET.format(oom=0, crashed=0)!r}, flush=True)"]
+    stage = launch.run_stage(tmp_path, "grpo", command, env=dict(os.environ))
+    assert (stage / launch.COMPLETE).is_file()
