@@ -485,6 +485,9 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
 
     values = {**(defaults or {}), **overrides_from_args(args)}
     seed = int(values.get("data.seed", 1))
+    # a deterministic judge is refused before the embedded model is resolved (its first use converts and loads it)
+    grader = _grader(args, seed)
+    _check_grader(grader)
     if args.model is not None:
         model = Path(args.model).expanduser().resolve()
         if not (model / "config.json").is_file():
@@ -513,8 +516,6 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
                                          multiple=_padding_multiple(values, args.actor_ranks))
         if error:
             raise launch.LaunchError(error)
-    grader = _grader(args, seed)
-    _check_grader(grader)
     if args.resume and args.overwrite:
         raise launch.LaunchError("--resume keeps the run directory's stages and --overwrite deletes them: pass one")
     common = [launch.format_override(k, v) for k, v in values.items() if v is not None]

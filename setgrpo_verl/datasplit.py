@@ -116,8 +116,9 @@ def split_data(
             more += (f" (more validation rubrics, the embedded ones first: from the repository root, python "
                      f"scripts/make_validation_rubrics.py "
                      f"compose --rows {calibration_prompts + 500} --out rubrics.jsonl, then --data rubrics.jsonl)")
-        # raising the prompt length helps only when some prompts were dropped as too long
-        longer = "raise --max-prompt-length, " if len(kept) < len(rubrics) else ""
+        # raising the prompt length helps only when prompts were dropped as too long and the file holds enough
+        longer = ("raise --max-prompt-length, " if len(kept) < len(rubrics) and len(rubrics) > calibration_prompts
+                  else "")
         raise LaunchError(f"{source}: {len(kept)} of {len(rubrics)} prompts fit in {max_prompt_length} prompt tokens, "
                           f"but calibration needs {calibration_prompts} and training at least one more; {longer}"
                           f"lower --calib-groups or {more}")

@@ -129,10 +129,14 @@ def test_prompt_set_smaller_than_calibration_needs(capsys, tmp_path):
     assert "5 of 5 prompts" in err and "--calib-groups" in err
     assert "--max-prompt-length" not in err  # every prompt fits: a longer prompt length would not help
     assert not (tmp_path / "run" / "calibration").exists()
-    # prompts dropped as too long: then a longer prompt length is one of the fixes
+    # prompts dropped as too long, but too few even if all fitted: a longer prompt length would not help either
     err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"), "--data",
                          str(tmp_path / "d.jsonl"), "--max-prompt-length", "5"])
-    assert "0 of 5 prompts fit in 5 prompt tokens" in err and "raise --max-prompt-length, lower --calib-groups" in err
+    assert "0 of 5 prompts fit in 5 prompt tokens" in err and "--max-prompt-length" not in err
+    # prompts dropped as too long from a file that holds enough: then a longer prompt length is one of the fixes
+    err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"), "--data",
+                         _jsonl(tmp_path / "e.jsonl", _rows(20)), "--max-prompt-length", "5"])
+    assert "0 of 20 prompts fit in 5 prompt tokens" in err and "raise --max-prompt-length, lower --calib-groups" in err
 
 
 def test_calibration_too_small_for_alpha_and_beta(capsys, tmp_path):
@@ -257,7 +261,13 @@ def test_trackers_write_in_the_stage_directory(tmp_path, monkeypatch):
     assert line.endswith(" http://tracking.example:5000")
 
 
-def test_judge_temperature_zero_is_refused_before_anything_is_written(capsys, tmp_path):
+def test_judge_temperature_zero_is_refused_before_anything_is_written(capsys, tmp_path, monkeypatch):
+    import setgrpo_verl.models
+
+    def no_model():  # the embedded model's first use converts and loads it: the refusal comes first
+        raise AssertionError("the embedded model was resolved before the judge temperature was refused")
+
+    monkeypatch.setattr(setgrpo_verl.models, "embedded_model_dir", no_model)
     err = _fail(capsys, ["calibrate", "--run-dir", str(tmp_path / "run"), "--judge-temperature", "0"])
     assert "(reward.reward_kwargs.grader.temperature, --judge-temperature): SetGRPO calibrates a stochastic" in err
     assert not (tmp_path / "run").exists()
