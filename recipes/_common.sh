@@ -14,6 +14,9 @@
 #   JUDGE_BASE_URL    OpenAI-compatible endpoint of the rubric judge, e.g. a vLLM server (http://127.0.0.1:8000/v1)
 #   JUDGE_MODEL       judge model name served there (Qwen/Qwen3-8B); the key is read from OPENAI_API_KEY
 #   JUDGE_TEMPERATURE judge sampling temperature (1.0: the stochastic grader SetGRPO calibrates)
+#   JUDGE_CONTEXT     the judge server's context in tokens (32768; vLLM's --max-model-len): every response is cut to
+#                     JUDGE_CONTEXT - 1024 UTF-8 bytes, an upper bound on its tokens, before the judge reads it, so
+#                     that no request (response, question, criterion and verdict) outgrows the judge's context
 #   LOGGER            verl trainer.logger list ('["console","wandb"]')
 #   SKETCH_TOKENS_PER_GPU  token budget of the sketch pass's micro-batches (6144 = one full-length sequence)
 #   RECORD            calibration record (default: $RUN_ROOT/<model>-setgrpo-calibrate/setgrpo_calibration.json)
@@ -34,6 +37,7 @@ LOGGER=${LOGGER:-'["console","wandb"]'}
 JUDGE_BASE_URL=${JUDGE_BASE_URL:-http://127.0.0.1:8000/v1}
 JUDGE_MODEL=${JUDGE_MODEL:-Qwen/Qwen3-8B}
 JUDGE_TEMPERATURE=${JUDGE_TEMPERATURE:-1.0}
+JUDGE_CONTEXT=${JUDGE_CONTEXT:-32768}
 SKETCH_TOKENS_PER_GPU=${SKETCH_TOKENS_PER_GPU:-6144}
 
 # Table 3 settings shared by SetGRPO and the GRPO baseline.
@@ -72,6 +76,7 @@ _table3_args() {
     echo "+reward.reward_kwargs.grader.model=$JUDGE_MODEL"
     echo "+reward.reward_kwargs.grader.temperature=$JUDGE_TEMPERATURE"
     echo "+reward.reward_kwargs.grader.max_concurrency=64"
+    echo "+reward.reward_kwargs.grader.max_response_tokens=$((JUDGE_CONTEXT - 1024))"
     # Qwen3 judges think before answering by default: switch thinking off so that a short verdict budget suffices
     echo "+reward.reward_kwargs.grader.chat_template_kwargs.enable_thinking=false"
     echo "trainer.logger=$LOGGER"

@@ -214,8 +214,10 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
                    "room for its reasoning, e.g. 2048 [reward.reward_kwargs.grader.max_tokens]")
     g.add_argument("--judge-max-response-tokens", type=int, default=None, metavar="N",
                    help="--judge openai or local: cut every response to N tokens before the judge reads it (default: "
-                   "local 384, openai uncut); for openai set it from the judge's context (context - --judge-max-tokens "
-                   "- about 1000, e.g. 7000 for an 8192-token judge) [reward.reward_kwargs.grader.max_response_tokens]")
+                   "local 384, openai uncut); openai counts them from above as UTF-8 bytes (the judge's tokenizer is "
+                   "on the server; English keeps about N/4 tokens): set it from the judge's context (context - "
+                   "--judge-max-tokens - about 1000, e.g. 7000 for an 8192-token judge) "
+                   "[reward.reward_kwargs.grader.max_response_tokens]")
     g.add_argument("--judge-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="--judge openai: chat_template_kwargs sent with every request, e.g. "
                    "'{\"enable_thinking\": false}' to switch a Qwen3 judge's thinking off "

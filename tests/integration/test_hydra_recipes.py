@@ -104,6 +104,8 @@ def test_every_recipe_composes(compositions, monkeypatch):
         # calibration trains nothing: no validation pass before it (train and grpo validate the initial policy)
         assert cfg.trainer.val_before_train is (mode != "calibrate"), (name, mode)
         assert cfg.reward.reward_manager.name == "setgrpo_dual" and cfg.reward.reward_kwargs.grader.type == "openai"
+        # responses cut to fit a 32,768-token judge context with the question, criterion and verdict
+        assert cfg.reward.reward_kwargs.grader.max_response_tokens == 32768 - 1024, (name, mode)
         if mode != "train":  # the pre-Ray check passes (train needs the record file the calibrate run writes)
             check_run_config(cfg)
         if mode == "grpo":
@@ -259,3 +261,10 @@ def test_sketch_defaults_are_exactly_sketch_config():
     code, out, _ = _compose(["--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer",
                              "algorithm.setgrpo.sketch.copies=8"])
     assert setgrpo_config_from(OmegaConf.create(out).algorithm).sketch.to_sketch_config().copies == 8
+
+
+def test_the_judge_context_sets_the_response_cut(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUDGE_CONTEXT", "8192")
+    for mode in MODES:  # the baseline's judge reads the same cut responses as SetGRPO's
+        argv = _recipe_argv(RECIPES[0], mode, tmp_path)
+        assert "+reward.reward_kwargs.grader.max_response_tokens=7168" in argv, mode
