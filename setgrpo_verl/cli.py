@@ -73,7 +73,7 @@ FLAGS: tuple[tuple[str, str, Callable[[str], Any], str | None], ...] = (
 
 #: Named presets: values of the keys above (and of verl keys without a flag). ``default`` is the quickstart on
 #: 2 CPU cores; ``smoke`` is the plumbing check of the end-to-end test; ``validate`` is ``setgrpo-verl validate`` on
-#: the composite validation rubrics at the tightest levels its 240 groups certify (about 25 minutes on 2 CPU cores;
+#: the composite validation rubrics at the tightest levels its 240 groups certify (about 23 minutes on 2 CPU cores;
 #: docs/validation.md#profiles). Flags and ``key=value`` arguments win.
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {
@@ -125,7 +125,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "algorithm.setgrpo.calibration.batch_size": 16,
         # 4 responses per sketch micro-batch: the actor worker peaks near 4 GB instead of 9 GB
         "algorithm.setgrpo.sketch.micro_batch_size_per_gpu": 4,
-        # the tightest levels that 240 groups certify in every split (docs/validation.md#profiles)
+        # the tightest levels that 240 groups certify in (nearly) every split (docs/validation.md#profiles)
         "algorithm.setgrpo.alpha": 0.2,
         "algorithm.setgrpo.beta": 0.3,
         "algorithm.setgrpo.delta": 0.05,
@@ -178,7 +178,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
     g.add_argument("--profile", choices=sorted(PROFILES), default=profile,
                    help=f"preset sizes (default {profile}): 'default' (the quickstart on 2 CPU cores; "
                    f"{_profile_levels('default')}), 'smoke' (a plumbing check; {_profile_levels('smoke')}), "
-                   f"'validate' (validate at the tightest levels it certifies in about 25 minutes on 2 CPU cores; "
+                   f"'validate' (validate at the tightest levels it certifies in about 23 minutes on 2 CPU cores; "
                    f"{_profile_levels('validate')}) or 'paper' (validate at the paper's levels, about 24 hours; "
                    f"{_profile_levels('paper')})")
     g.add_argument("--model", default=None, help="local Hugging Face causal-LM directory of the policy (default: the "

@@ -137,3 +137,19 @@ def test_the_first_verl_command_shown_is_the_plain_estimator_override(page):
                                            ["main_ppo", "algorithm.adv_estimator=setgrpo"]), first.group(0)
     long_form = text.find("--config-name setgrpo_trainer")
     assert long_form == -1 or first.start() < long_form, f"{page} names the long form before the plain command"
+
+
+def test_the_readme_describes_the_quickstart_the_cli_runs():
+    """The README's calibration size, levels and certification figure are the default profile's and the benchmark's."""
+    from setgrpo_verl.cli import PROFILES
+
+    default, text = PROFILES["default"], " ".join((REPO / "README.md").read_text().split())
+    groups = default["algorithm.setgrpo.calibration.num_prompts"]
+    levels = (default["algorithm.setgrpo.alpha"], default["algorithm.setgrpo.beta"], default["algorithm.setgrpo.delta"])
+    assert f"risk test: {groups} groups" in text
+    assert "The quickstart's levels (alpha {}, beta {}, delta {})".format(*levels) in text
+    # the line the benchmark prints last, quoted as it prints it
+    printed = re.search(r"`(quickstart certifies in (\d+) of (\d+) resamples)`", text)
+    assert printed is not None and int(printed.group(2)) >= 0.9 * int(printed.group(3))
+    bench = (REPO / "benchmarks" / "bench_quickstart_certifies.py").read_text()
+    assert 'print(f"quickstart certifies in {hits} of {args.resamples} resamples")' in bench
