@@ -37,9 +37,11 @@ def smoke_run(tmp_path_factory):
     import sys
 
     run = tmp_path_factory.mktemp("smoke") / "run"
+    started_in = tmp_path_factory.mktemp("cwd")  # the directory the command runs from, which it must leave as it was
     proc = subprocess.run([sys.executable, "-m", "setgrpo_verl", "quickstart", "--profile", "smoke", "--baseline",
-                           "--run-dir", str(run)], capture_output=True, text=True, timeout=1500)
+                           "--run-dir", str(run)], capture_output=True, text=True, timeout=1500, cwd=started_in)
     assert proc.returncode == 0, tail(proc)
+    assert not (started_in / "outputs").exists()  # Hydra's output goes to each stage directory
     return run, proc.stdout
 
 
@@ -60,6 +62,8 @@ def test_run_directory_is_complete(smoke_run):
     assert not list(run.rglob("FAILED"))
     for stage in ("train_setgrpo", "train_grpo"):
         assert "verl.trainer.main_ppo" in (run / stage / "command.sh").read_text()
+    for stage in ("calibration", "train_setgrpo", "train_grpo"):
+        assert (run / stage / "hydra" / ".hydra" / "config.yaml").is_file(), stage
     for png in ("risk_vs_threshold", "coverage", "training_dynamics", "projections"):
         assert (run / "report" / f"{png}.png").stat().st_size > 20_000
     setgrpo, grpo = _steps(run / "train_setgrpo" / "metrics.jsonl"), _steps(run / "train_grpo" / "metrics.jsonl")
