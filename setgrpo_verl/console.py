@@ -84,9 +84,9 @@ class StageConsole:
         self._offset = 0
         self._steps_seen: set[int] = set()
 
-    def _bar(self, desc: str, total: Optional[int], unit: str) -> tqdm:
+    def _bar(self, desc: str, total: Optional[int], unit: str, initial: int = 0) -> tqdm:
         return tqdm(total=total, desc=f"{self.stage}: {desc}", unit=unit, file=self.out or sys.stderr,
-                    dynamic_ncols=True, mininterval=1.0, leave=True)
+                    dynamic_ncols=True, mininterval=1.0, leave=True, initial=initial)
 
     def _write(self, text: str) -> None:
         tqdm.write(text, file=self.out or sys.stdout)
@@ -104,9 +104,11 @@ class StageConsole:
             return
         match = _CALIBRATION_LINE.search(text)
         if match:
-            if self._groups_bar is None:
-                self._groups_bar = self._bar("calibration groups", self.total_groups, "group")
             done = int(match.group(1))
+            if self._groups_bar is None:
+                # the bar starts at the first count, which holds the groups of the shards a resumed calibration
+                # kept: its rate and ETA count only the groups calibrated since, at this process's pace
+                self._groups_bar = self._bar("calibration groups", self.total_groups, "group", initial=done)
             self._groups_bar.update(max(0, done - self._groups_bar.n))
 
     # ------------------------------------------------------------------ metrics file (main thread)

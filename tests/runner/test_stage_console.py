@@ -154,3 +154,26 @@ def test_a_raylet_report_of_no_lost_worker_does_not_stop_the_run(tmp_path):
     command = [sys.executable, "-c", f"print({_RAYLET.format(oom=0, crashed=0)!r}, flush=True)"]
     stage = launch.run_stage(tmp_path, "grpo", command, env=dict(os.environ))
     assert (stage / launch.COMPLETE).is_file()
+
+
+def test_the_calibration_eta_of_a_resumed_stage_counts_only_the_groups_it_calibrates(tmp_path):
+    import io
+
+    from setgrpo_verl.console import StageConsole
+
+    clock = [1000.0]
+    console = StageConsole("calibrate", ["algorithm.setgrpo.calibration.num_prompts=5446"], tmp_path / "m.jsonl",
+                           io.StringIO(), out=io.StringIO())
+    # 3,296 groups come from the kept shards; then one batch of 16 groups per 100 s
+    console.line("WARNING:setgrpo: SetGRPO calibration: 3296 groups so far (batch_000205.npz written)\n")
+    bar = console._groups_bar
+    bar._time = lambda: clock[0]
+    bar.start_t = bar.last_print_t = clock[0]
+    for done in (3312, 3328, 3344):
+        clock[0] += 100.0
+        console.line(f"WARNING:setgrpo: SetGRPO calibration: {done} groups so far\n")
+    meter = bar.format_dict
+    assert meter["n"] == 3344 and meter["initial"] == 3296
+    rate = meter["rate"] or (meter["n"] - meter["initial"]) / meter["elapsed"]
+    assert rate == pytest.approx(0.16, rel=1e-6)  # groups per second: 48 groups in 300 s, not 3,344
+    assert (5446 - 3344) / rate == pytest.approx(13137.5, rel=1e-6)  # the ETA in seconds, about 3.6 hours
