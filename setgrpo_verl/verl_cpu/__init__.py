@@ -5,7 +5,8 @@ Active only in processes whose environment has ``VERL_PLATFORM=cpu`` (the launch
 ``setgrpo`` verl plugin calls :func:`activate` before it registers anything else, which
 
 * registers the verl platform ``cpu`` (:mod:`setgrpo_verl.verl_cpu.platform`: gloo collectives, a logical Ray
-  ``GPU`` resource per actor rank);
+  ``GPU`` resource per actor rank) and gives each of verl's worker ranks its share of the node's cores as torch
+  threads (Ray starts actors with one);
 * registers verl's FSDP / FSDP2 language-model engine for the device ``cpu``;
 * registers the ``transformers`` rollout (:mod:`setgrpo_verl.verl_cpu.rollout`: batched Hugging Face generation in
   a Ray actor, weights pushed from the actor every step);
@@ -49,7 +50,9 @@ def activate() -> None:
         RuntimeError: the installed verl is not the version the patches were written for.
     """
     # the platform first: verl's engine modules ask for the platform while they are imported
-    from . import platform  # noqa: F401  (importing it registers PlatformCPU)
+    from . import platform  # importing it registers PlatformCPU
+
+    platform.set_rank_threads()
 
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead

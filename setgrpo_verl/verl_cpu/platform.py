@@ -9,8 +9,9 @@ accelerators only, so a CPU run starts Ray with ``ray_init.num_gpus`` equal to t
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import psutil
 import torch
@@ -18,6 +19,46 @@ import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
 from . import CPU_PLATFORM
+
+
+def rank_threads(num_cpus: int, ranks_per_node: int) -> int:
+    """Torch intra-op threads of one verl worker rank: the node's CPU cores shared among its ranks.
+
+    Args:
+        num_cpus: CPU cores the node's processes may run on.
+        ranks_per_node: verl's worker ranks on the node (``RAY_LOCAL_WORLD_SIZE``, ``trainer.n_gpus_per_node``).
+
+    Returns:
+        An int >= 1.
+    """
+    return max(1, int(num_cpus) // max(1, int(ranks_per_node)))
+
+
+def set_rank_threads(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """Give a verl worker rank its share of the node's cores (:func:`rank_threads`); other processes are left alone.
+
+    Ray starts every actor with ``OMP_NUM_THREADS=1``, so without this an actor rank computes its log-probs, its
+    updates and the sketch pass on one core while the node's other cores idle. verl's worker groups mark their
+    ranks with ``RAY_LOCAL_WORLD_SIZE``; the rollout server, which runs while the ranks wait, sets its own threads.
+
+    Args:
+        environ: the process environment.
+
+    Returns:
+        The threads set, or None in a process that is not a verl worker rank.
+
+    Raises:
+        ValueError: ``RAY_LOCAL_WORLD_SIZE`` is not a positive integer.
+    """
+    ranks = environ.get("RAY_LOCAL_WORLD_SIZE")
+    if ranks is None:
+        return None
+    if not ranks.strip().isdigit() or int(ranks) < 1:
+        raise ValueError(f"RAY_LOCAL_WORLD_SIZE={ranks!r}: verl sets it to the worker ranks on the node, a "
+                         "positive integer; unset it or set it to that count")
+    threads = rank_threads(len(os.sched_getaffinity(0)), int(ranks))
+    torch.set_num_threads(threads)
+    return threads
 
 
 class CPUDeviceModule:
