@@ -81,6 +81,10 @@ def test_table5_is_the_held_out_analysis(rebuilt):
         want = [_pct(mean["coverage_reference"]), _pct(mean["coverage_truth"]), _pct(mean["reversal_rate_reference"]),
                 _pct(mean["reversal_rate_truth"]), nur, f"{mean['cumulative_recovery']:.3f}", risk, none]
         assert rows[label] == want, label
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    quoted = (f"held-out coverage is {rows['SetGRPO'][0]}", f"reverse in {rows['SetGRPO'][2]} of groups against "
+              f"GRPO's {rows['GRPO'][2]}", f"updates only {rows['SetGRPO'][4]} of them")
+    assert all(q in " ".join(readme.split()) for q in quoted), quoted
     # the figures the page's prose quotes: coverage at the nominal level, SetGRPO reverses less than GRPO
     assert abs(summary["setgrpo"]["coverage_reference"]["mean"] - 0.95) < 0.005
     assert summary["setgrpo"]["reversal_rate_reference"]["mean"] < record.beta < \
