@@ -1,5 +1,6 @@
 """The paper-profile run on record (docs/validation.md#the-paper-profile-run-on-record): its record and its held-out
-analysis, rebuilt from the committed shards in ``validation/paper/``, give every figure the page publishes."""
+analysis, rebuilt from the committed shards in ``validation/paper/``, give the page's Tables 4 and 5, the fixed
+sequence's tests and data counts it quotes, and the README's figures."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def _rows(section: str, first_header: str) -> dict[str, list[str]]:
     return rows
 
 
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
 
@@ -58,6 +63,18 @@ def test_table4_row_is_the_records(rebuilt):
     want = [f"{record.n_cov:,}", f"{record.n_risk:,}", f"{record.q_alpha:.3f}", f"{record.tau_sel:.2f}",
             f"{record.N:,}", f"{record.F:,}", f"{record.ecr:.4f}", f"{record.U:.3f}"]
     assert ours == want
+    # the fixed sequence's tests as the page quotes them, from tau_start = 0.25 down to the failed test at 0.05
+    section = _flat(_section())
+    at = {round(tau, 2): j for j, tau in enumerate(record.tau_grid)}
+    n, f, p = record.n_accepted, record.n_reversals, record.p_values
+    s = at[record.tau_sel]
+    quoted = [f"0.25 (N = {n[at[0.25]]}, F = {f[at[0.25]]}, p = {p[at[0.25]]:.3f})",
+              *(f"{tau:.2f} ({n[at[tau]]}, {f[at[tau]]})" for tau in (0.20, 0.15)),
+              f"0.10 ({n[s]}, {f[s]}, p = {p[s]:.3f}; Clopper-Pearson bound {record.ucb[s]:.4f} <= beta = 0.08)",
+              f"stopped at 0.05 ({n[at[0.05]]}, {f[at[0.05]]}, p = {p[at[0.05]]:.3f}"]
+    assert [q for q in quoted if q not in section] == []
+    assert record.test_order[-1] == record.stopped_at == at[0.05]
+    assert f"{record.n_degenerate} groups are degenerate" in section
 
 
 @pytest.mark.slow
@@ -81,6 +98,10 @@ def test_table5_is_the_held_out_analysis(rebuilt):
         want = [_pct(mean["coverage_reference"]), _pct(mean["coverage_truth"]), _pct(mean["reversal_rate_reference"]),
                 _pct(mean["reversal_rate_truth"]), nur, f"{mean['cumulative_recovery']:.3f}", risk, none]
         assert rows[label] == want, label
+    data = result.report["data"]
+    section = _flat(_section())
+    assert f"{data['truth_degenerate_groups']} have a constant truth" in section
+    assert f"differ by {data['mean_abs_point_minus_reference']:.3f} on average" in section
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     quoted = (f"held-out coverage is {rows['SetGRPO'][0]}", f"reverse in {rows['SetGRPO'][2]} of groups against "
               f"GRPO's {rows['GRPO'][2]}", f"updates only {rows['SetGRPO'][4]} of them")

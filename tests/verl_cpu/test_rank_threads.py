@@ -22,12 +22,15 @@ def test_the_ranks_on_a_node_share_its_cores(cpus, ranks, threads):
 def test_only_a_worker_rank_changes_its_threads():
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)
         assert set_rank_threads({}) is None
-        assert torch.get_num_threads() == before
+        assert torch.get_num_threads() == 1
         assert set_rank_threads({"RAY_LOCAL_WORLD_SIZE": "1"}) == CORES
         assert torch.get_num_threads() == CORES
         with pytest.raises(ValueError, match="RAY_LOCAL_WORLD_SIZE='two'"):
             set_rank_threads({"RAY_LOCAL_WORLD_SIZE": "two"})
+        with pytest.raises(ValueError, match="RAY_LOCAL_WORLD_SIZE='0'"):
+            set_rank_threads({"RAY_LOCAL_WORLD_SIZE": "0"})
     finally:
         torch.set_num_threads(before)
 
