@@ -3,8 +3,9 @@ gives it (``setgrpo_verl.verl_cpu.platform.rank_threads``, docs/verl_integration
 
 On the embedded SmolLM2-135M-Instruct through verl's engine code (``benchmarks/_engine.py``), the fused old-log-prob +
 sketch pass over ``--groups`` x ``--k`` responses of ``--prompt`` + ``--response`` tokens in micro-batches of
-``--micro``, float32; by default 16 responses at the paper profile's lengths, a quarter of one of its batches. The two thread counts alternate in one
-process (medians of ``--repeats`` rounds), so load from other processes hits them alike. The last line is the ratio.
+``--micro``, float32; by default 16 responses at the paper profile's lengths, a quarter of one of its batches. The
+two thread counts alternate in one process (medians of ``--repeats`` rounds), so load from other processes hits
+them alike. The last line is the ratio.
 
     python benchmarks/bench_rank_threads.py [--groups 4 --k 4 --prompt 128 --response 48 --micro 4 --repeats 4]
 """
