@@ -2,7 +2,8 @@
 
 * :mod:`.plugin` -- the ``verl.plugins`` entry point: registers the estimator, reward manager and trainer mode
   below right after verl imports the registry each one belongs to.
-* :mod:`.estimator` -- the ``setgrpo`` advantage estimator and the pure per-step glue ``setgrpo_step``.
+* :mod:`.estimator` -- the SetGRPO step ``setgrpo_step`` and the ``setgrpo`` advantage estimator.
+* :mod:`.groups` -- rows grouped by uid and their Gram matrices, for calibration and the step alike.
 * :mod:`.trainer` -- the ``setgrpo`` trainer mode (``trainer.v1.trainer_mode=setgrpo``): sketches every step,
   SetGRPO advantages, diagnostics and the online monitor.
 * :mod:`.calibration` -- the trainer mode's calibration phase: rollouts, two scorings, sketches, one shard per

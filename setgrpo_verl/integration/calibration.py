@@ -36,7 +36,7 @@ from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, d
 
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
 from .config import TRUTH_SCORE_KEY
-from .estimator import complete_group_rows, group_gram
+from .groups import complete_group_rows, group_gram
 from .prompts import prompt_identity
 from .reward_manager import GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, unparsed_ratio
 from .worker import SKETCH_KEY

@@ -5,10 +5,10 @@ changes exactly three things:
 
 1. the actor worker is :class:`~setgrpo_verl.integration.worker.SetGRPOActorRolloutRefWorker` (sketch RPC);
 2. after verl's old-log-prob pass every step fetches per-response gradient sketches (or, with
-   ``algorithm.setgrpo.sketch.fuse_old_log_prob=true``, one fused pass gives both), and the advantage step
-   hands verl's ``compute_advantage`` a :class:`~setgrpo_verl.integration.estimator.SetGRPOStepContext`
-   (sketches + frozen record), so the registered ``setgrpo`` estimator writes
-   ``advantages = coefficient * response_mask`` and verl's PPO loss runs unchanged;
+   ``algorithm.setgrpo.sketch.fuse_old_log_prob=true``, one fused pass gives both), and the advantage step calls
+   :func:`~setgrpo_verl.integration.estimator.setgrpo_step` with the sketches and the frozen record in place of
+   verl's ``compute_advantage``, writing ``advantages = returns = coefficient * response_mask`` as verl writes an
+   estimator's answer, so verl's PPO loss runs unchanged;
 3. before the first step it loads and validates ``algorithm.setgrpo.record_path`` or, when that is null,
    runs the calibration phase (:class:`~setgrpo_verl.integration.calibration.CalibrationPhase`,
    docs/algorithm.md#2-jrsc, #4-srgo, #7-record): roll out the calibration prompts with the initial policy (the
@@ -45,7 +45,6 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
 from verl.utils.debug import marked_timer
 from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
@@ -55,7 +54,8 @@ from setgrpo_verl.core import DEGENERATE_RTOL, SHARD_DIR, CalibrationRecord, Onl
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
 from .calibration import CalibrationPhase
 from .config import SETGRPO_NAME, SetGRPOConfig, check_record, check_run_config, run_identity
-from .estimator import SetGRPOStep, SetGRPOStepContext, rows_to_sketch
+from .estimator import SetGRPOStep, setgrpo_step
+from .groups import rows_to_sketch
 from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
                      write_state)
 from .reward_manager import GRADING_COUNT_KEYS, grading_metrics
@@ -67,45 +67,36 @@ _ACTOR_ROLES = (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef)
 _ADV_FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
 
 
-def compute_setgrpo_advantage(
-    data: DataProto,
-    batch_keys: list[str],
-    context: SetGRPOStepContext,
-    *,
-    num_repeat: int,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-) -> tuple[DataProto, SetGRPOStep]:
-    """Advantages of one training batch through verl's own advantage entry point (docs/algorithm.md#3-ggsr, #6-diagnostics).
+def compute_setgrpo_advantage(data: DataProto, sketches: torch.Tensor, record: CalibrationRecord,
+                              **step_kwargs: Any) -> SetGRPOStep:
+    """The SetGRPO step of one training batch, written into ``data`` as verl writes an estimator's answer
+    (docs/algorithm.md#3-ggsr, #6-diagnostics; docs/verl_integration.md#trainer-mode).
 
-    Calls ``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories`` with
-    ``adv_estimator="setgrpo"`` and ``config=context``, exactly as verl's v1 trainer does for its estimators.
+    verl 0.9.1's v1 trainer hands every estimator but GRPO to ``ray_trainer.compute_advantage`` (through
+    ``v1.utils.compute_advantage_for_multi_trajectories``), which calls a registered estimator with
+    ``token_level_rewards``, ``response_mask``, ``index=non_tensor_batch["uid"]`` and sets ``advantages`` and
+    ``returns`` to its two outputs; that is done here, with :func:`setgrpo_step` as the estimator. What else that
+    wrapper does does not apply: the trainer always fetches ``response_mask`` and never ``reward_baselines``.
+    tests/integration/test_estimator.py fingerprints verl's functions.
 
     Args:
-        data: DataProto with ``token_level_rewards`` [B, T], ``response_mask`` [B, T] and ``uid`` [B].
-        batch_keys: the B TransferQueue keys ``{uid}_{session}_{index}`` (only used by verl for GRPO).
-        context: the step's :class:`SetGRPOStepContext`.
-        num_repeat: ``actor_rollout_ref.rollout.n``.
+        data: DataProto with ``token_level_rewards`` [B, T], ``response_mask`` [B, T] and ``uid`` [B]
+            (``non_tensor_batch``); gets ``advantages`` and ``returns``, float32 [B, T], the same tensor.
+        sketches: float32 [B, m] sketches, row-aligned with ``data``.
+        record: the frozen ``CalibrationRecord``.
+        **step_kwargs: ``reference_scores``, ``monitor``, ``ablation``, ``seed``, ``sketched`` of :func:`setgrpo_step`.
 
     Returns:
-        ``(data with advantages/returns, SetGRPOStep)``.
+        The step's :class:`SetGRPOStep` (coefficients, groups, ``setgrpo/*`` metrics).
 
     Raises:
-        ValueError / RuntimeError: see :func:`setgrpo_verl.integration.estimator.setgrpo_step`.
+        ValueError: see :func:`setgrpo_step`.
     """
-    data = compute_advantage_for_multi_trajectories(
-        data,
-        batch_keys=batch_keys,
-        adv_estimator=SETGRPO_NAME,
-        gamma=gamma,
-        lam=lam,
-        num_repeat=num_repeat,
-        norm_adv_by_std_in_grpo=context.get("norm_adv_by_std_in_grpo", True),
-        config=context,
-    )
-    if context.output is None:
-        raise RuntimeError("the setgrpo estimator did not run (is the setgrpo_verl verl plugin loaded?)")
-    return data, context.output
+    step = setgrpo_step(data.batch["token_level_rewards"], data.batch["response_mask"], data.non_tensor_batch["uid"],
+                        sketches, record, **step_kwargs)
+    data.batch["advantages"] = step.advantages
+    data.batch["returns"] = step.advantages
+    return step
 
 
 def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]:
@@ -398,7 +389,9 @@ class SetGRPOTrainer(CalibrationPhase, PPOTrainerSync):
         return batch
 
     def _compute_advantage(self, batch, metrics: dict):
-        """verl's v1 ``_compute_advantage`` with the SetGRPO context (sketches, record, reference scores)."""
+        """verl 0.9.1 ``PPOTrainer._compute_advantage`` (v1 ``trainer_base``) with :func:`compute_setgrpo_advantage`
+        in place of its ``compute_advantage_for_multi_trajectories``, after reading the sketches, the sketched rows
+        and the reference scores; tests/integration/test_estimator.py fingerprints the original."""
         key = self.setgrpo.reference_score_key
         fields = list(_ADV_FIELDS) + [SKETCH_KEY, "extra_fields"]
         fields += [k for k in (key, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
@@ -434,24 +427,9 @@ class SetGRPOTrainer(CalibrationPhase, PPOTrainerSync):
             data, is_metrics = compute_rollout_correction_and_add_to_batch(data, rollout_corr_config)
             metrics.update(is_metrics)
 
-        context = SetGRPOStepContext(
-            self.config.algorithm,
-            sketches,
-            self.record,
-            reference_scores=reference,
-            monitor=self.monitor,
-            ablation=self.setgrpo.ablation,
-            seed=self.setgrpo.seed + self.global_steps,
-            sketched=sketched,
-        )
-        data, step = compute_setgrpo_advantage(
-            data,
-            batch.keys,
-            context,
-            num_repeat=self.config.actor_rollout_ref.rollout.n,
-            gamma=self.config.algorithm.gamma,
-            lam=self.config.algorithm.lam,
-        )
+        step = compute_setgrpo_advantage(data, sketches, self.record, reference_scores=reference, monitor=self.monitor,
+                                         ablation=self.setgrpo.ablation, seed=self.setgrpo.seed + self.global_steps,
+                                         sketched=sketched)
         metrics.update(step.metrics)
         self._accepted_groups = int(torch.as_tensor(step.result.accepted).sum())
         if self.setgrpo.group_log:

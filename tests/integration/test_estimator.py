@@ -1,8 +1,11 @@
-"""The `setgrpo` estimator through verl's own advantage entry points, and the trainer's per-step glue."""
+"""The SetGRPO step on the trainer's path and as verl's registered ``setgrpo`` estimator, against verl's own GRPO
+estimator and advantage wrapper."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import inspect
 import uuid
 
 import numpy as np
@@ -13,28 +16,22 @@ from tensordict import TensorDict
 
 import verl  # noqa: F401  (loads the plugin, as in every verl process)
 from verl.protocol import DataProto
-from verl.trainer.ppo.core_algos import AdvantageEstimator, get_adv_estimator_fn
+from verl.trainer.ppo import ray_trainer
+from verl.trainer.ppo.core_algos import AdvantageEstimator, compute_grpo_outcome_advantage, get_adv_estimator_fn
 from verl.trainer.ppo.ray_trainer import compute_advantage
+from verl.trainer.ppo.v1 import trainer_base
+from verl.trainer.ppo.v1 import utils as v1_utils
 
 from setgrpo_verl.core import OnlineRiskMonitor, calibrate, setgrpo_coefficients
-from setgrpo_verl.integration.estimator import (
-    TRAINER_MODE_OVERRIDE,
-    SetGRPOStepContext,
-    complete_group_rows,
-    compute_setgrpo_outcome_advantage,
-    rows_to_sketch,
-    setgrpo_step,
-)
 from setgrpo_verl.integration.batch import reference_scores_from
 from setgrpo_verl.integration.calibration import calibration_groups
+from setgrpo_verl.integration.config import TRAINER_MODE_OVERRIDE
+from setgrpo_verl.integration.estimator import compute_setgrpo_outcome_advantage, setgrpo_step
+from setgrpo_verl.integration.groups import complete_group_rows, rows_to_sketch
 from setgrpo_verl.integration.trainer import compute_setgrpo_advantage
 
 K = 4
 M_SKETCH = 6
-
-
-def _algorithm(norm_by_std: bool = True):
-    return OmegaConf.create({"adv_estimator": "setgrpo", "norm_adv_by_std_in_grpo": norm_by_std, "gamma": 1.0})
 
 
 def _record(seed: int = 0, norm_by_std: bool = True, **kw):
@@ -101,56 +98,105 @@ def test_registered_in_verl():
     assert get_adv_estimator_fn("setgrpo") is compute_setgrpo_outcome_advantage
 
 
-def test_verl_compute_advantage_equals_core_library():
+def test_trainer_path_equals_core_library():
     record = _record()
     assert record.tau_sel is not None and record.q_alpha > 0
     rewards, mask, uids, sketches, scores, _ = _batch()
-    ctx = SetGRPOStepContext(_algorithm(), sketches, record)
-    out = compute_advantage(_data(rewards, mask, uids), adv_estimator="setgrpo", config=ctx)
+    data = _data(rewards, mask, uids)
+    step = compute_setgrpo_advantage(data, sketches, record)
     coef, result = _core_reference(uids, scores, sketches, mask, record)
     expected = coef.float()[:, None] * mask.float()
-    torch.testing.assert_close(out.batch["advantages"], expected, rtol=0, atol=1e-6)
-    torch.testing.assert_close(out.batch["returns"], out.batch["advantages"])
+    torch.testing.assert_close(data.batch["advantages"], expected, rtol=0, atol=1e-6)
+    assert data.batch["returns"] is data.batch["advantages"]  # as verl's outcome estimators answer
     # uneven lengths: zero exactly outside each response, padding rows all zero
-    assert bool((out.batch["advantages"][mask == 0] == 0).all())
-    assert ctx.output.result.status == result.status and result.status.count("degenerate") == 1
+    assert bool((data.batch["advantages"][mask == 0] == 0).all())
+    assert step.result.status == result.status and result.status.count("degenerate") == 1
     # the set-valued rule really changed something relative to GRPO on these noisy groups
     assert not torch.allclose(result.coefficients, result.grpo)
 
 
-def test_radius_zero_equals_verl_grpo():
-    record = dataclasses.replace(_record(), q_alpha=0.0)
+@pytest.mark.parametrize("norm_by_std", [True, False])  # GRPO and Dr. GRPO
+def test_radius_zero_equals_verl_grpo(norm_by_std):
+    """With q_alpha = 0 the SetGRPO coefficients are GRPO's: the trainer's batch equals what verl's
+    compute_advantage writes for adv_estimator=grpo (compute_grpo_outcome_advantage), and the registered estimator
+    answers as compute_grpo_outcome_advantage on the same batch."""
+    record = dataclasses.replace(_record(norm_by_std=norm_by_std), q_alpha=0.0)
     rewards, mask, uids, sketches, _, _ = _batch(n_groups=8, seed=3)
-    ours = compute_advantage(_data(rewards, mask, uids), adv_estimator="setgrpo",
-                             config=SetGRPOStepContext(_algorithm(), sketches, record))
+    ours = _data(rewards, mask, uids)
+    compute_setgrpo_advantage(ours, sketches, record)
     grpo = compute_advantage(_data(rewards.clone(), mask, uids), adv_estimator=AdvantageEstimator.GRPO,
-                             norm_adv_by_std_in_grpo=True)
-    torch.testing.assert_close(ours.batch["advantages"], grpo.batch["advantages"], rtol=1e-5, atol=1e-6)
+                             norm_adv_by_std_in_grpo=norm_by_std)
+    for key in ("advantages", "returns"):
+        torch.testing.assert_close(ours.batch[key], grpo.batch[key], rtol=1e-5, atol=1e-6)
+    assert bool((grpo.batch["advantages"][mask.bool()] != 0).any())  # the comparison is not between zeros
+
+    advantages, returns = get_adv_estimator_fn("setgrpo")(rewards, mask, index=uids, sketches=sketches, record=record)
+    expected, _ = compute_grpo_outcome_advantage(rewards.clone(), mask, uids, norm_adv_by_std_in_grpo=norm_by_std)
+    torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=1e-6)
+    assert returns is advantages
 
 
-def test_radius_zero_equals_verl_dr_grpo():
-    record = dataclasses.replace(_record(norm_by_std=False), q_alpha=0.0)
-    rewards, mask, uids, sketches, _, _ = _batch(n_groups=5, seed=4)
-    ours = compute_advantage(_data(rewards, mask, uids), adv_estimator="setgrpo",
-                             config=SetGRPOStepContext(_algorithm(False), sketches, record))
-    grpo = compute_advantage(_data(rewards.clone(), mask, uids), adv_estimator=AdvantageEstimator.GRPO,
-                             norm_adv_by_std_in_grpo=False)
-    torch.testing.assert_close(ours.batch["advantages"], grpo.batch["advantages"], rtol=1e-5, atol=1e-6)
+def test_registered_estimator_forwards_its_step_arguments():
+    record = _record(ablation="random_discard")
+    rewards, mask, uids, sketches, _, _ = _batch(n_groups=10, seed=5)
+    rows = rows_to_sketch(uids, mask, rewards, K, record.degenerate_rtol)
+    skipped = sketches.clone()
+    skipped[~rows] = float("nan")  # read without ``sketched``: refused
+    advantages, _ = compute_setgrpo_outcome_advantage(rewards, mask, uids, sketches=skipped, record=record,
+                                                      sketched=rows, ablation="random_discard", seed=3)
+    step = setgrpo_step(rewards, mask, uids, sketches, record, ablation="random_discard", seed=3)
+    torch.testing.assert_close(advantages, step.advantages, rtol=0, atol=0)
+    assert step.result.status.count("discarded") == 1
+    other = setgrpo_step(rewards, mask, uids, sketches, record, seed=4)
+    assert not torch.equal(advantages, other.advantages)  # the seed reached the step
 
 
 def test_without_trainer_mode_names_the_override():
-    rewards, mask, uids, _, _, _ = _batch()
-    with pytest.raises(RuntimeError, match=TRAINER_MODE_OVERRIDE.replace(".", r"\.")):
-        compute_advantage(_data(rewards, mask, uids), adv_estimator="setgrpo", config=_algorithm())
+    """verl's own trainers reach the registered estimator through compute_advantage, which passes no sketches and
+    no record: the error names the trainer mode."""
+    rewards, mask, uids, sketches, _, _ = _batch()
+    algorithm = OmegaConf.create({"adv_estimator": "setgrpo", "norm_adv_by_std_in_grpo": True, "gamma": 1.0})
+    override = TRAINER_MODE_OVERRIDE.replace(".", r"\.")
+    with pytest.raises(RuntimeError, match=override):
+        compute_advantage(_data(rewards, mask, uids), adv_estimator="setgrpo", config=algorithm)
+    with pytest.raises(RuntimeError, match=override):
+        compute_setgrpo_outcome_advantage(rewards, mask, uids, config=algorithm, sketches=sketches)
+    with pytest.raises(ValueError, match="uid"):
+        compute_setgrpo_outcome_advantage(rewards, mask, None, sketches=sketches, record=_record())
 
 
-def test_trainer_glue_through_verl_v1_entry_point_with_monitor():
+#: sha256 of verl 0.9.1's ``PPOTrainer._compute_advantage`` (v1 trainer_base), which the trainer's
+#: ``_compute_advantage`` copies; of ``v1.utils.compute_advantage_for_multi_trajectories``, which hands estimators
+#: other than GRPO to ``ray_trainer.compute_advantage``; and of that wrapper, whose handling of a registered estimator
+#: ``compute_setgrpo_advantage`` reproduces.
+VERL_ADVANTAGE_SHA256 = {
+    "_compute_advantage": "2a4a2aa4a475b228d401959818e0b9019276ce27961c133961de217baa387da7",
+    "compute_advantage_for_multi_trajectories": "d973cc8aec79bc3d6c5482e3946d158639c27c209fb12b049b71c502d95b0a03",
+    "compute_advantage": "314695381c755264971a8f25865625bad4cf46c35d91901ba2a8f5e1ea980a18",
+}
+
+
+def test_the_copied_advantage_step_of_verl_is_unchanged():
+    sources = {
+        "_compute_advantage": inspect.getsource(trainer_base.PPOTrainer._compute_advantage),
+        "compute_advantage_for_multi_trajectories": inspect.getsource(v1_utils.compute_advantage_for_multi_trajectories),
+        "compute_advantage": inspect.getsource(ray_trainer.compute_advantage),
+    }
+    assert "if adv_estimator != core_algos.AdvantageEstimator.GRPO:" in sources["compute_advantage_for_multi_trajectories"]
+    assert 'data.batch["returns"] = returns' in sources["compute_advantage"]
+    found = {name: hashlib.sha256(source.encode()).hexdigest() for name, source in sources.items()}
+    assert found == VERL_ADVANTAGE_SHA256, (
+        "verl's advantage step changed: re-check setgrpo_verl.integration.trainer.SetGRPOTrainer._compute_advantage "
+        "and compute_setgrpo_advantage against it"
+    )
+
+
+def test_trainer_path_with_monitor():
     record = _record()
     rewards, mask, uids, sketches, scores, reference = _batch(n_groups=10, seed=5)
     monitor = OnlineRiskMonitor(record)
-    ctx = SetGRPOStepContext(_algorithm(), sketches, record, reference_scores=reference, monitor=monitor)
-    keys = [f"{u}_{i}_0" for i, u in enumerate(uids)]
-    data, step = compute_setgrpo_advantage(_data(rewards, mask, uids), keys, ctx, num_repeat=K)
+    data = _data(rewards, mask, uids)
+    step = compute_setgrpo_advantage(data, sketches, record, reference_scores=reference, monitor=monitor)
     coef, result = _core_reference(uids, scores, sketches, mask, record)
     torch.testing.assert_close(step.coefficients, coef, rtol=0, atol=1e-12)
     torch.testing.assert_close(data.batch["advantages"], coef.float()[:, None] * mask.float(), rtol=0, atol=1e-6)
@@ -174,12 +220,12 @@ def test_incomplete_group_is_rejected_as_grpo_carries_on():
     lost_uid = str(uuid.UUID(int=2))  # group 1 (group 0 is the degenerate one)
     lost_row = next(i for i, u in enumerate(uids) if u == lost_uid)
     keep = np.array([i for i in range(len(uids)) if i != lost_row])
-    ctx = SetGRPOStepContext(_algorithm(), sketches[keep], record)
-    out = compute_advantage(_data(rewards[keep], mask[keep], uids[keep]), adv_estimator="setgrpo", config=ctx)
+    out = _data(rewards[keep], mask[keep], uids[keep])
+    step = compute_setgrpo_advantage(out, sketches[keep], record)
     rows = uids[keep] == lost_uid
     assert rows.sum() == K - 1 and bool((out.batch["advantages"][torch.from_numpy(rows)] == 0).all())
-    assert ctx.output.metrics["setgrpo/incomplete_ratio"] == pytest.approx(1 / 6)
-    assert ctx.output.groups.shape == (5, K) and lost_uid not in {uids[keep][int(r)] for r in ctx.output.groups[:, 0]}
+    assert step.metrics["setgrpo/incomplete_ratio"] == pytest.approx(1 / 6)
+    assert step.groups.shape == (5, K) and lost_uid not in {uids[keep][int(r)] for r in step.groups[:, 0]}
     # the complete groups: the core library's coefficients for them alone
     rest = keep[~rows]
     coef, _ = _core_reference(uids[rest], scores[rest], sketches[rest], mask[rest], record)
