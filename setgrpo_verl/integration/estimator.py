@@ -1,4 +1,4 @@
-"""The SetGRPO training step (docs/algorithm.md#3-ggsr, #6-diagnostics) and the ``setgrpo`` advantage estimator for verl.
+"""The SetGRPO training step (docs/algorithm.md#3-ggsr, #6-diagnostics) and verl's ``setgrpo`` advantage estimator.
 
 :func:`setgrpo_step` is the step: scores, uids, response mask and the actor's sketches in, advantages and
 diagnostics out. The SetGRPO trainer mode calls it directly. verl's registry also knows the name ``setgrpo``
@@ -82,9 +82,24 @@ def _read_gram(sketches: torch.Tensor, groups: torch.Tensor, point: torch.Tensor
         unread = ~sketched.cpu()[groups].all(-1) & ~degenerate_groups(point, degenerate_rtol)
         if unread.any():
             raise ValueError(f"{int(unread.sum())} group(s) can update but their rows were not sketched: the rows to "
-                             "sketch were chosen on other point scores than token_level_rewards (a reward changed after the "
-                             "sketch pass) or with another degeneracy tolerance than the record's")
+                             "sketch were chosen on other point scores than token_level_rewards (a reward changed "
+                             "after the sketch pass) or with another degeneracy tolerance than the record's")
     return gram
+
+
+def _step_metrics(result: Any, groups: torch.Tensor, gram: torch.Tensor, incomplete: dict[Any, int], b: int,
+                  reference_scores: Optional[torch.Tensor], monitor: Any) -> dict[str, float]:
+    """The step's ``setgrpo/*`` diagnostics (docs/algorithm.md#6-diagnostics): the core library's, the incomplete
+    groups' share and, with a monitor and reference scores, the online monitor's."""
+    metrics = dict(result.metrics(prefix="setgrpo/"))
+    # groups that lost a response are rejected (zero coefficient: no update from them), as verl's GRPO carries on
+    metrics[INCOMPLETE_RATIO_METRIC] = len(incomplete) / (groups.shape[0] + len(incomplete))
+    if monitor is not None and reference_scores is not None:
+        ref = torch.as_tensor(reference_scores).detach().to(dtype=torch.float64, device="cpu").reshape(-1)
+        if ref.shape[0] != b:
+            raise ValueError(f"reference_scores have {ref.shape[0]} entries but the batch has {b} rows")
+        metrics.update(monitor.update(result, ref[groups], gram, prefix="setgrpo/"))
+    return metrics
 
 
 def setgrpo_step(
@@ -117,9 +132,9 @@ def setgrpo_step(
         monitor: optional ``OnlineRiskMonitor`` for ``record``.
         ablation: None or one ablation name of docs/algorithm.md#6-diagnostics (overrides the record's, if any).
         seed: seed of the ``random_discard`` ablation.
-        sketched: optional bool [B], the rows the actor sketched (:func:`~setgrpo_verl.integration.groups.rows_to_sketch`);
-            every other row must belong to a degenerate or an incomplete group, whose Gram matrix is then zero and
-            not read.
+        sketched: optional bool [B], the rows the actor sketched
+            (:func:`~setgrpo_verl.integration.groups.rows_to_sketch`); every other row must belong to a degenerate or
+            an incomplete group, whose Gram matrix is then zero and not read.
 
     A group with fewer than ``record.K`` responses (a failed rollout session, which verl's agent loop keeps) is
     rejected: its rows get coefficient 0 and it is left out of ``groups`` and of the core library's G.
@@ -154,15 +169,8 @@ def setgrpo_step(
     mask = response_mask.to(dtype=torch.float32)
     advantages = coefficients.to(device=mask.device, dtype=torch.float32).unsqueeze(-1) * mask
 
-    metrics = dict(result.metrics(prefix="setgrpo/"))
+    metrics = _step_metrics(result, groups, gram, incomplete, b, reference_scores, monitor)
     metrics["setgrpo/timing_s/gram"] = t1 - t0
-    # groups that lost a response are rejected (zero coefficient: no update from them), as verl's GRPO carries on
-    metrics[INCOMPLETE_RATIO_METRIC] = len(incomplete) / (groups.shape[0] + len(incomplete))
-    if monitor is not None and reference_scores is not None:
-        ref = torch.as_tensor(reference_scores).detach().to(dtype=torch.float64, device="cpu").reshape(-1)
-        if ref.shape[0] != b:
-            raise ValueError(f"reference_scores have {ref.shape[0]} entries but the batch has {b} rows")
-        metrics.update(monitor.update(result, ref[groups], gram, prefix="setgrpo/"))
     return SetGRPOStep(advantages=advantages, coefficients=coefficients, groups=groups, point_scores=point, gram=gram,
                        result=result, metrics=metrics)
 

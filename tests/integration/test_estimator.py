@@ -177,12 +177,10 @@ VERL_ADVANTAGE_SHA256 = {
 
 
 def test_the_copied_advantage_step_of_verl_is_unchanged():
-    sources = {
-        "_compute_advantage": inspect.getsource(trainer_base.PPOTrainer._compute_advantage),
-        "compute_advantage_for_multi_trajectories": inspect.getsource(v1_utils.compute_advantage_for_multi_trajectories),
-        "compute_advantage": inspect.getsource(ray_trainer.compute_advantage),
-    }
-    assert "if adv_estimator != core_algos.AdvantageEstimator.GRPO:" in sources["compute_advantage_for_multi_trajectories"]
+    functions = (trainer_base.PPOTrainer._compute_advantage, v1_utils.compute_advantage_for_multi_trajectories,
+                 ray_trainer.compute_advantage)
+    sources = {f.__name__: inspect.getsource(f) for f in functions}
+    assert "if adv_estimator != core_algos.AdvantageEstimator.GRPO:" in sources[functions[1].__name__]
     assert 'data.batch["returns"] = returns' in sources["compute_advantage"]
     found = {name: hashlib.sha256(source.encode()).hexdigest() for name, source in sources.items()}
     assert found == VERL_ADVANTAGE_SHA256, (
@@ -229,8 +227,8 @@ def test_incomplete_group_is_rejected_as_grpo_carries_on():
     # the complete groups: the core library's coefficients for them alone
     rest = keep[~rows]
     coef, _ = _core_reference(uids[rest], scores[rest], sketches[rest], mask[rest], record)
-    torch.testing.assert_close(out.batch["advantages"][torch.from_numpy(~rows)], coef.float()[:, None] * mask[rest].float(),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.batch["advantages"][torch.from_numpy(~rows)],
+                               coef.float()[:, None] * mask[rest].float(), rtol=0, atol=1e-6)
     grpo = compute_advantage(_data(rewards[keep].clone(), mask[keep], uids[keep]),
                              adv_estimator=AdvantageEstimator.GRPO, norm_adv_by_std_in_grpo=True)
     assert bool((grpo.batch["advantages"][torch.from_numpy(rows)] != 0).any())  # GRPO uses the K - 1 responses
