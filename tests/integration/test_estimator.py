@@ -16,7 +16,7 @@ from verl.protocol import DataProto
 from verl.trainer.ppo.core_algos import AdvantageEstimator, get_adv_estimator_fn
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
-from setgrpo_verl.core import OnlineRiskMonitor, calibrate, setgrpo_coefficients
+from setgrpo_verl.core import CalibrationSettings, OnlineRiskMonitor, calibrate, setgrpo_coefficients
 from setgrpo_verl.integration.estimator import (
     TRAINER_MODE_OVERRIDE,
     SetGRPOStepContext,
@@ -45,8 +45,8 @@ def _record(seed: int = 0, norm_by_std: bool = True, **kw):
     point = mu + 0.1 * torch.randn(n, K, generator=g, dtype=torch.float64)
     ref = mu + 0.1 * torch.randn(n, K, generator=g, dtype=torch.float64)
     s = torch.randn(n, K, M_SKETCH, generator=g, dtype=torch.float64) + 0.7 * torch.randn(n, 1, M_SKETCH, generator=g, dtype=torch.float64)
-    return calibrate(point, ref, s @ s.transpose(1, 2), alpha=0.1, beta=0.3, delta=0.1, norm_by_std=norm_by_std,
-                     on_infeasible="reject_all", **kw)
+    return calibrate(point, ref, s @ s.transpose(1, 2), CalibrationSettings(
+        alpha=0.1, beta=0.3, delta=0.1, norm_by_std=norm_by_std, on_infeasible="reject_all", **kw))
 
 
 def _batch(n_groups: int = 6, seed: int = 1, t_max: int = 7, padding_rows: int = 2):

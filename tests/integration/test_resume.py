@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from setgrpo_verl.core import OnlineRiskMonitor, calibrate, setgrpo_coefficients
+from setgrpo_verl.core import CalibrationSettings, OnlineRiskMonitor, calibrate, setgrpo_coefficients
 from setgrpo_verl.integration.config import run_identity, setgrpo_config_from
 from setgrpo_verl.integration.resume import STATE_FILE, check_resume, read_history, read_state
 from setgrpo_verl.integration.trainer import SetGRPOTrainer
@@ -51,8 +51,7 @@ def _records(tmp_path):
     point, ref, gram = make_groups(200, k=4, noise=0.05, seed=0)
     paths = []
     for name, split_seed in (("A", 0), ("B", 5)):
-        rec = calibrate(point, ref, gram, alpha=0.1, beta=0.3, delta=0.1, split_seed=split_seed, metadata=identity,
-                        on_infeasible="reject_all")
+        rec = calibrate(point, ref, gram, CalibrationSettings(alpha=0.1, beta=0.3, delta=0.1, on_infeasible="reject_all"), split_seed=split_seed, metadata=identity)
         rec.to_json(tmp_path / f"{name}.json")
         paths.append(str(tmp_path / f"{name}.json"))
     return paths
