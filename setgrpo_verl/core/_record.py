@@ -95,7 +95,7 @@ class CalibrationRecord:
     radius ``q_alpha``) and, with probability >= ``1 - delta`` over the risk-calibration groups,
     the conditional direction-reversal risk of accepted groups at ``tau_sel`` is <= ``beta``.
 
-    Per-threshold arrays (length m, aligned with ``tau_grid``): ``n_accepted`` N_j,
+    Per-threshold arrays (length m, aligned with ``settings.tau_grid``): ``n_accepted`` N_j,
     ``n_reversals`` F_j, ``ucb`` (Clopper-Pearson at ``1 - delta/m``), ``utility`` U_j.
     ``degenerate_rtol`` is the relative tolerance of the degeneracy test (docs/algorithm.md#1-grpo-map,
     :func:`setgrpo_verl.core.degenerate_groups`) used to leave groups out of calibration; training
@@ -169,7 +169,7 @@ class CalibrationRecord:
     # ----------------------------------------------------------------- Table 4 view
     @property
     def sel_index(self) -> int | None:
-        """Index of ``tau_sel`` in ``tau_grid`` (None for a reject-all record)."""
+        """Index of ``tau_sel`` in ``settings.tau_grid`` (None for a reject-all record)."""
         return None if self.tau_sel is None else self.settings.tau_grid.index(self.tau_sel)
 
     @property

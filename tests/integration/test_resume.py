@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -200,3 +201,14 @@ def test_resume_from_a_path_outside_the_run_restores_that_checkpoint(tmp_path):
     trainer.global_steps = 4  # verl's _load_checkpoint loaded step 3, fit() added 1
     trainer.on_train_begin()
     assert trainer.monitor.state_dict() == state["monitor"] and state["monitor"]["seen"] > 0
+
+
+def test_a_record_of_the_previous_schema_answers_to_the_hash_its_checkpoints_name(tmp_path):
+    """A checkpoint trained with a schema-4 record names that file's hash; the migrated record still matches it."""
+    from setgrpo_verl.integration.resume import check_state, record_sha256
+
+    path = Path(__file__).parents[1] / "core" / "data" / "record_schema4.json"
+    stored = json.loads(path.read_text())["content_sha256"]
+    assert record_sha256(str(path)) == stored
+    state = {"version": 1, "step": 3, "record_sha256": stored, "monitor": None}
+    assert check_state(str(tmp_path), state, str(path), record_sha256(str(path)), allow_other=False)
