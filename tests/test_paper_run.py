@@ -54,7 +54,8 @@ def rebuilt(tmp_path_factory):
 @pytest.mark.slow
 def test_table4_row_is_the_records(rebuilt):
     record, _ = rebuilt
-    assert (record.settings.alpha, record.settings.beta, record.settings.delta, record.K, len(record.settings.tau_grid)) == (0.05, 0.08, 0.05, 4, 20)
+    levels = record.settings
+    assert (levels.alpha, levels.beta, levels.delta, record.K, len(levels.tau_grid)) == (0.05, 0.08, 0.05, 4, 20)
     assert len(record.calibration_prompts) == 5446 and record.grader["flip_prob"] == 0.1
     assert record.settings.srgo_procedure == "fixed_sequence" and record.settings.tau_start == 0.25
     section = _section()

@@ -234,11 +234,11 @@ class SetGRPOConfig(BaseConfig):
             )
         except ValueError as exc:
             field, sep, rest = str(exc).partition("=")
-            raise ValueError(f"algorithm.setgrpo.{SETTINGS_KEYS.get(field, field)}{sep}{rest}") from None
+            raise ValueError(f"algorithm.setgrpo.{_SETTINGS_KEYS.get(field, field)}{sep}{rest}") from None
 
 
 #: The ``algorithm.setgrpo`` key of each :class:`setgrpo_verl.core.CalibrationSettings` field whose name differs.
-SETTINGS_KEYS = {"grid_size": "recovery_grid", "on_infeasible": "calibration.on_infeasible",
+_SETTINGS_KEYS = {"grid_size": "recovery_grid", "on_infeasible": "calibration.on_infeasible",
                  "coverage_groups": "calibration.coverage_groups"}
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from setgrpo_verl.core import (
-    CalibrationSettings,
     ABLATIONS,
     CalibrationRecord,
+    CalibrationSettings,
     OnlineRiskMonitor,
     calibrate,
     grpo_coefficients,
@@ -31,7 +31,8 @@ def data():
 @pytest.fixture(scope="module")
 def record(data):
     p, r, m = data
-    return calibrate(p[:800], r[:800], m[:800], CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05), metadata={"grader": GRADER, "loss_agg_mode": "token-mean"})
+    return calibrate(p[:800], r[:800], m[:800], CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05),
+                     metadata={"grader": GRADER, "loss_agg_mode": "token-mean"})
 
 
 def test_record_is_consistent_table4(record, data):
@@ -74,9 +75,9 @@ def test_inconsistent_record_values_refused(record):
 
     with pytest.raises(ValueError, match="Clopper-Pearson"):
         dataclasses.replace(record, n_reversals=record.n_accepted)
+    grid = record.settings.tau_grid
     with pytest.raises(ValueError, match="not the SRGO selection"):
-        dataclasses.replace(record, tau_sel=record.settings.tau_grid[-1] if record.sel_index != len(record.settings.tau_grid) - 1
-                            else record.settings.tau_grid[0])
+        dataclasses.replace(record, tau_sel=grid[-1] if record.sel_index != len(grid) - 1 else grid[0])
 
 
 def test_mismatched_run_refused(record, data):
@@ -136,7 +137,8 @@ def test_positive_affine_invariance(data):
     base = calibrate(p[:800], r[:800], m[:800], CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05))
     res0 = setgrpo_coefficients(p[800:], m[800:], base)
     for a, b in ((0.5, -1.0), (2.0, 1.0), (3.0, -2.0)):
-        rec = calibrate(a * p[:800] + b, a * r[:800] + b, m[:800], CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05))
+        rec = calibrate(a * p[:800] + b, a * r[:800] + b, m[:800],
+                        CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05))
         assert rec.q_alpha == pytest.approx(a * base.q_alpha, rel=1e-4)
         assert rec.tau_sel == base.tau_sel
         res = setgrpo_coefficients(a * p[800:] + b, m[800:], rec)
@@ -150,7 +152,8 @@ def test_infeasible_risk_is_an_error_or_reject_all(data):
     p, r, m = data
     with pytest.raises(ValueError, match="no risk-feasible threshold.*smallest Clopper-Pearson bound"):
         calibrate(p[:60], r[:60], m[:60], CalibrationSettings(alpha=0.1, beta=0.01, delta=0.05))
-    rec = calibrate(p[:60], r[:60], m[:60], CalibrationSettings(alpha=0.1, beta=0.01, delta=0.05, on_infeasible="reject_all"))
+    rec = calibrate(p[:60], r[:60], m[:60],
+                    CalibrationSettings(alpha=0.1, beta=0.01, delta=0.05, on_infeasible="reject_all"))
     assert rec.tau_sel is None and rec.N == 0
     res = setgrpo_coefficients(p[800:], m[800:], rec)
     assert not res.accepted.any() and (res.coefficients == 0).all()
@@ -158,7 +161,8 @@ def test_infeasible_risk_is_an_error_or_reject_all(data):
     j = min(range(len(rec.ucb)), key=rec.ucb.__getitem__)
     text = rec.selection_text()
     assert text.startswith("no risk-feasible threshold") and "accepts no group" in text
-    assert f"{rec.ucb[j]:.4f} at tau={rec.settings.tau_grid[j]:.2f} (N={rec.n_accepted[j]}, F={rec.n_reversals[j]})" in text
+    tau = rec.settings.tau_grid[j]
+    assert f"{rec.ucb[j]:.4f} at tau={tau:.2f} (N={rec.n_accepted[j]}, F={rec.n_reversals[j]})" in text
     feasible = calibrate(p[:800], r[:800], m[:800], CalibrationSettings(alpha=0.1, beta=0.5, delta=0.05))
     assert feasible.selection_text() == (f"tau_sel={feasible.tau_sel:.2f}, UCB {feasible.ucb_sel:.4f} <= beta=0.5")
 
@@ -184,7 +188,8 @@ def test_ablations(ablation, data, record):
     elif ablation == "fixed_threshold":
         assert rec.tau_sel == 0.3 and (res.m_full[acc] >= 0.3).all()
     elif ablation == "random_discard":
-        ref = setgrpo_coefficients(p[800:], m[800:], calibrate(p[:800], r[:800], m[:800], CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05)))
+        ref = setgrpo_coefficients(p[800:], m[800:], calibrate(p[:800], r[:800], m[:800],
+                                                               CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05)))
         assert int(acc.sum()) == int(ref.accepted.sum())
         assert not torch.equal(acc, ref.accepted)
         assert torch.equal(res.coefficients[acc], res.grpo[acc]) and (res.coefficients[~acc] == 0).all()

@@ -70,7 +70,9 @@ def test_calibrate_held_out_coverage_stays_in_its_band_on_fresh_exchangeable_dat
     cov, rec = [], None
     for seed in range(80):
         p, r, m = make_groups(40, k=4, noise=0.3, seed=1000 + seed)
-        rec = calibrate(p, r, m, CalibrationSettings(alpha=0.3, beta=0.5, delta=0.1, tau_grid=(0.0, 0.5), on_infeasible="reject_all"))
+        rec = calibrate(p, r, m,
+                        CalibrationSettings(alpha=0.3, beta=0.5, delta=0.1, tau_grid=(0.0, 0.5),
+                                            on_infeasible="reject_all"))
         cov.append(rec.coverage_risk_set)
     band = coverage_band(rec.n_cov, rec.n_risk, rec.settings.alpha)
     cov = np.array(cov)

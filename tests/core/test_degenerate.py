@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from setgrpo_verl.core import (
-    CalibrationSettings,
     DEGENERATE_RTOL,
     SCHEMA_VERSION,
     CalibrationRecord,
+    CalibrationSettings,
     calibrate,
     degenerate_groups,
     nonconformity_scores,

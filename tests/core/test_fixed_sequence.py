@@ -12,8 +12,8 @@ import torch
 from scipy.stats import binom
 
 from setgrpo_verl.core import (
-    CalibrationSettings,
     CalibrationRecord,
+    CalibrationSettings,
     OnlineRiskMonitor,
     calibrate,
     certification_power,
@@ -157,7 +157,9 @@ def groups():
 def test_fixed_sequence_record_round_trips_and_its_check_rederives_the_tests(groups, tmp_path):
     p, r, m = groups
     grid = (0.0, 0.2, 0.4, 0.6)
-    rec = calibrate(p, r, m, CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid, srgo_procedure="fixed_sequence", tau_start=0.4, on_infeasible="reject_all"))
+    rec = calibrate(p, r, m,
+                    CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid, srgo_procedure="fixed_sequence",
+                                        tau_start=0.4, on_infeasible="reject_all"))
     assert rec.settings.srgo_procedure == "fixed_sequence" and rec.tau_start_source == {"kind": "user"}
     assert rec.test_order[0] == 2 and set(rec.test_levels) == {0.1} and len(rec.p_values) == 4
     path = tmp_path / "record.json"
@@ -180,15 +182,22 @@ def test_fixed_sequence_record_round_trips_and_its_check_rederives_the_tests(gro
                       CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid, on_infeasible="reject_all"))
     tau, source = pilot_start(pilot, grid)
     assert tau == pilot.tau_sel and source == {"kind": "pilot", "record_sha256": content_sha256(pilot)}
-    from_pilot = calibrate(p, r, m, CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid, srgo_procedure="fixed_sequence", tau_start=tau, on_infeasible="reject_all"), tau_start_source=source)
+    from_pilot = calibrate(p, r, m,
+                           CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid,
+                                               srgo_procedure="fixed_sequence", tau_start=tau,
+                                               on_infeasible="reject_all"),
+                           tau_start_source=source)
     assert CalibrationRecord.from_dict(from_pilot.to_dict()).tau_start_source == source
     with pytest.raises(ValueError, match="tau_start=0.3 must be one of the thresholds"):
-        calibrate(p, r, m, CalibrationSettings(alpha=0.2, tau_grid=grid, srgo_procedure="fixed_sequence", tau_start=0.3))
+        calibrate(p, r, m,
+                  CalibrationSettings(alpha=0.2, tau_grid=grid, srgo_procedure="fixed_sequence", tau_start=0.3))
 
 
 def test_a_schema_3_record_reads_as_a_bonferroni_record(groups):
     p, r, m = groups
-    rec = calibrate(p, r, m, CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=(0.0, 0.3), on_infeasible="reject_all"))
+    rec = calibrate(p, r, m,
+                    CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=(0.0, 0.3),
+                                        on_infeasible="reject_all"))
     data = rec.to_dict()
     # schema 3: the flat settings fields of its time, no SRGO procedure fields
     flat = {k: data["settings"][k] for k in ("alpha", "beta", "delta", "rho", "tau_grid", "norm_by_std", "eps",
@@ -205,9 +214,13 @@ def test_a_schema_3_record_reads_as_a_bonferroni_record(groups):
 
 def test_coverage_set_is_capped_and_the_rest_goes_to_risk():
     p, r, m = make_groups(700, k=4, seed=2)
-    rec = calibrate(p, r, m, CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3), coverage_groups=100, on_infeasible="reject_all"))
+    rec = calibrate(p, r, m,
+                    CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3), coverage_groups=100,
+                                        on_infeasible="reject_all"))
     assert rec.n_cov == 100 and rec.n_risk == 700 - 100 - rec.n_degenerate
-    even = calibrate(p, r, m, CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3), on_infeasible="reject_all"))
+    even = calibrate(p, r, m,
+                     CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3),
+                                         on_infeasible="reject_all"))
     assert abs(even.n_cov - even.n_risk) <= 1  # below the default cap of 1,000: the 50/50 split
     with pytest.raises(ValueError, match="coverage_groups=0 must be an integer >= 1"):
         calibrate(p, r, m, CalibrationSettings(coverage_groups=0))
@@ -222,9 +235,13 @@ def test_constant_reference_scores_are_never_reversals_anywhere(k):
     a = torch.randn(n, k, 6, generator=g, dtype=torch.float64)
     gram = a @ a.transpose(1, 2) + 1e-3 * torch.eye(k, dtype=torch.float64)
     ref = torch.full((n, k), 0.7, dtype=torch.float64)
-    rec = calibrate(point, ref, gram, CalibrationSettings(alpha=0.5, beta=0.3, delta=0.2, tau_grid=[0.0, 0.5], on_infeasible="reject_all"))
+    rec = calibrate(point, ref, gram,
+                    CalibrationSettings(alpha=0.5, beta=0.3, delta=0.2, tau_grid=[0.0, 0.5],
+                                        on_infeasible="reject_all"))
     assert rec.n_accepted[0] > 0 and rec.n_reversals == (0, 0)  # K=3: 25 of 56 counted before
-    fixed = calibrate(point, ref, gram, CalibrationSettings(alpha=0.5, beta=0.3, delta=0.2, ablation="fixed_threshold", fixed_tau=0.0, on_infeasible="reject_all"))
+    fixed = calibrate(point, ref, gram,
+                      CalibrationSettings(alpha=0.5, beta=0.3, delta=0.2, ablation="fixed_threshold", fixed_tau=0.0,
+                                          on_infeasible="reject_all"))
     res = setgrpo_coefficients(point[:64], gram[:64], fixed)
     for dtype in (torch.float64, torch.float32):
         mon = OnlineRiskMonitor(fixed)
@@ -271,7 +288,8 @@ def test_online_certification_is_anytime_valid_over_many_steps():
 
 def test_the_monitor_class_follows_the_vectorised_evidence():
     p, r, m = make_groups(400, k=4, seed=9)
-    rec = calibrate(p, r, m, CalibrationSettings(alpha=0.3, beta=0.3, delta=0.2, tau_grid=(0.0,), on_infeasible="reject_all"))
+    rec = calibrate(p, r, m,
+                    CalibrationSettings(alpha=0.3, beta=0.3, delta=0.2, tau_grid=(0.0,), on_infeasible="reject_all"))
     res = setgrpo_coefficients(p[:50], m[:50], rec)
     mon = OnlineRiskMonitor(rec)
     warnings.simplefilter("ignore")
@@ -281,7 +299,8 @@ def test_the_monitor_class_follows_the_vectorised_evidence():
         low, high = risk_evidence([mon.reversals], [mon.accepted], rec.settings.beta)
         assert out["setgrpo/online_risk_certified"] == float(low[0] >= math.log(1 / rec.settings.delta))
         assert out["setgrpo/online_risk_drift"] == float(high[0] >= math.log(1 / rec.settings.delta))
-        assert (out["setgrpo/online_reversal_ucb"] <= rec.settings.beta) == (out["setgrpo/online_risk_certified"] == 1.0)
+        certified = out["setgrpo/online_risk_certified"] == 1.0
+        assert (out["setgrpo/online_reversal_ucb"] <= rec.settings.beta) == certified
     state = mon.state_dict()
     again = OnlineRiskMonitor(rec)
     again.load_state_dict({k: v for k, v in state.items() if k not in ("certified", "drift")})

@@ -165,7 +165,8 @@ def test_merge_names_a_pilot_as_the_source_of_tau_start_and_refuses_one_that_doe
 
     other = [prompt_fingerprint(f"pilot{i}", f"pilot question {i}", []) for i in range(200)]
     pilot = calibrate(*make_groups(200, K, seed=9), CalibrationSettings(
-        alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6), on_infeasible="reject_all"), metadata={"calibration_prompts": other})
+        alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6), on_infeasible="reject_all"),
+        metadata={"calibration_prompts": other})
     assert pilot.tau_sel is not None
     pilot.to_json(tmp_path / "pilot.json")
     fixed = _identity(srgo_procedure="fixed_sequence", tau_start=pilot.tau_sel)
@@ -177,7 +178,8 @@ def test_merge_names_a_pilot_as_the_source_of_tau_start_and_refuses_one_that_doe
     with pytest.raises(LaunchError, match=rf"starts the fixed sequence at tau={pilot.tau_sel}"):
         merge_calibration([tmp_path / "elsewhere"], tmp_path / "out2", pilot=tmp_path / "pilot.json")
     shared = calibrate(*make_groups(200, K, seed=9), CalibrationSettings(
-        alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6), on_infeasible="reject_all"), metadata={"calibration_prompts": PROMPTS[:3] + other[3:]})
+        alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6), on_infeasible="reject_all"),
+        metadata={"calibration_prompts": PROMPTS[:3] + other[3:]})
     shared.to_json(tmp_path / "shared.json")
     with pytest.raises(LaunchError, match="3 calibration prompt.* were also the pilot's"):
         merge_calibration([tmp_path / "run"], tmp_path / "out3", pilot=tmp_path / "shared.json")

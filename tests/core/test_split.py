@@ -29,7 +29,8 @@ def test_calibration_uses_this_split_on_its_non_degenerate_groups():
     live = (~degenerate_groups(point)).nonzero().flatten()
     assert 0 < live.numel() < 120  # ties make some groups degenerate
     cov, risk = coverage_risk_split(int(live.numel()), split_seed=7)
-    rec = calibrate(point, reference, gram, CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, on_infeasible="reject_all"), split_seed=7)
+    rec = calibrate(point, reference, gram,
+                    CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, on_infeasible="reject_all"), split_seed=7)
     assert (rec.n_cov, rec.n_risk, rec.n_degenerate) == (cov.numel(), risk.numel(), 120 - live.numel())
     # the conformal quantile comes from exactly the coverage groups: re-scoring every risk group leaves it, re-scoring
     # the coverage groups moves it

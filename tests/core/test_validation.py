@@ -93,7 +93,9 @@ def test_rho_zero_needs_dr_grpo_or_spherical_set(data):
             CalibrationSettings(rho=bad)
     assert CalibrationSettings(rho=0.0, norm_by_std=False).rho == 0.0
     assert CalibrationSettings(rho=0.0, ablation="spherical_set").rho == 0.0
-    record = calibrate(p, r, m, CalibrationSettings(rho=0.0, norm_by_std=False, alpha=0.2, beta=0.5, delta=0.2, on_infeasible="reject_all"))
+    record = calibrate(p, r, m,
+                       CalibrationSettings(rho=0.0, norm_by_std=False, alpha=0.2, beta=0.5, delta=0.2,
+                                           on_infeasible="reject_all"))
     assert record.settings.rho == 0.0 and record.settings.norm_by_std is False
 
 

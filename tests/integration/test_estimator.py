@@ -37,7 +37,7 @@ def _algorithm(norm_by_std: bool = True):
     return OmegaConf.create({"adv_estimator": "setgrpo", "norm_adv_by_std_in_grpo": norm_by_std, "gamma": 1.0})
 
 
-def _record(seed: int = 0, norm_by_std: bool = True, **kw):
+def _record(seed: int = 0, norm_by_std: bool = True, metadata: dict | None = None):
     """A real record from `calibrate` on exchangeable synthetic groups with sketch-like Gram matrices."""
     g = torch.Generator().manual_seed(seed)
     n = 160
@@ -46,7 +46,7 @@ def _record(seed: int = 0, norm_by_std: bool = True, **kw):
     ref = mu + 0.1 * torch.randn(n, K, generator=g, dtype=torch.float64)
     s = torch.randn(n, K, M_SKETCH, generator=g, dtype=torch.float64) + 0.7 * torch.randn(n, 1, M_SKETCH, generator=g, dtype=torch.float64)
     return calibrate(point, ref, s @ s.transpose(1, 2), CalibrationSettings(
-        alpha=0.1, beta=0.3, delta=0.1, norm_by_std=norm_by_std, on_infeasible="reject_all", **kw))
+        alpha=0.1, beta=0.3, delta=0.1, norm_by_std=norm_by_std, on_infeasible="reject_all"), metadata=metadata)
 
 
 def _batch(n_groups: int = 6, seed: int = 1, t_max: int = 7, padding_rows: int = 2):

@@ -52,7 +52,9 @@ def _records(tmp_path):
     point, ref, gram = make_groups(200, k=4, noise=0.05, seed=0)
     paths = []
     for name, split_seed in (("A", 0), ("B", 5)):
-        rec = calibrate(point, ref, gram, CalibrationSettings(alpha=0.1, beta=0.3, delta=0.1, on_infeasible="reject_all"), split_seed=split_seed, metadata=identity)
+        rec = calibrate(point, ref, gram,
+                        CalibrationSettings(alpha=0.1, beta=0.3, delta=0.1, on_infeasible="reject_all"),
+                        split_seed=split_seed, metadata=identity)
         rec.to_json(tmp_path / f"{name}.json")
         paths.append(str(tmp_path / f"{name}.json"))
     return paths

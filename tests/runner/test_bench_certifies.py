@@ -27,7 +27,8 @@ def _bench():
 
 def _run(tmp_path: Path, groups: int = 120):
     point, reference, gram = make_groups(groups, k=4, noise=0.2, seed=5, levels=3)
-    rec = calibrate(point, reference, gram, CalibrationSettings(alpha=0.3, beta=0.6, delta=0.2, on_infeasible="reject_all"), split_seed=2)
+    rec = calibrate(point, reference, gram,
+                    CalibrationSettings(alpha=0.3, beta=0.6, delta=0.2, on_infeasible="reject_all"), split_seed=2)
     cal = tmp_path / "run" / "calibration"
     cal.mkdir(parents=True)
     rec.to_json(cal / "record.json")

@@ -25,7 +25,8 @@ def _paired(g=80, k=4, noise=0.15, seed=0):
 @pytest.fixture()
 def run_dir(tmp_path):
     point, reference, gram = _paired()
-    record = calibrate(point, reference, gram, CalibrationSettings(alpha=0.1, beta=0.3, delta=0.1, tau_grid=(0.0, 0.2, 0.4, 0.6, 0.8)))
+    record = calibrate(point, reference, gram,
+                       CalibrationSettings(alpha=0.1, beta=0.3, delta=0.1, tau_grid=(0.0, 0.2, 0.4, 0.6, 0.8)))
     calib = tmp_path / "calibration"
     calib.mkdir()
     record.to_json(calib / "record.json")

@@ -52,7 +52,10 @@ def finished(tmp_path):
     split = _split(data)
     launch.write_data(run, split)
     p, r, m = make_groups(60, k=3, seed=2)
-    record = calibrate(p, r, m, CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3), on_infeasible="reject_all"), metadata={"calibration_prompts": _fingerprints(split["calibration"])})
+    record = calibrate(p, r, m,
+                       CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3),
+                                           on_infeasible="reject_all"),
+                       metadata={"calibration_prompts": _fingerprints(split["calibration"])})
     (run / "calibration").mkdir()
     record.to_json(run / "calibration" / "record.json")
     (run / "calibration" / launch.COMPLETE).write_text("12.0 s\n")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy.stats import beta as beta_dist
 
-from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate
+from setgrpo_verl.core import CalibrationRecord, calibrate
 from setgrpo_verl.report import load_metrics
 
 from ..verl_cpu.conftest import tail
@@ -116,5 +116,5 @@ def test_record_is_consistent(smoke_run):
     row = stdout.split("Backbone", 1)[1].splitlines()[1].split()
     assert row[-5:] == [f"{rec.tau_sel:.2f}", str(n), str(f), f"{rec.ecr:.4f}", f"{rec.U:.3f}"]
     # the stored paired scores re-fit offline to the very same record
-    refit = calibrate(point, reference, gram, CalibrationSettings(alpha=rec.settings.alpha, beta=rec.settings.beta, delta=rec.settings.delta, tau_grid=rec.settings.tau_grid, rho=rec.settings.rho), split_seed=rec.split_seed)
+    refit = calibrate(point, reference, gram, rec.settings, split_seed=rec.split_seed)
     assert (refit.q_alpha, refit.tau_sel, refit.N, refit.F, refit.U) == (rec.q_alpha, rec.tau_sel, n, f, rec.U)

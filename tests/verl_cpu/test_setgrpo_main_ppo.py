@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate
+from setgrpo_verl.core import CalibrationRecord, calibrate
 from setgrpo_verl.sketch import SketchConfig
 
 from .conftest import read_metrics, tail
@@ -60,7 +60,8 @@ def test_calibration_record_and_paired_scores(calibrated):
     z = np.load(run / "calibration" / "paired_scores.npz")
     assert z["point"].shape == (6, 3) and z["gram"].shape == (6, 3, 3)
     # the stored paired scores re-fit offline to the very same record
-    refit = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]), CalibrationSettings(alpha=rec.settings.alpha, beta=rec.settings.beta, delta=rec.settings.delta, tau_grid=rec.settings.tau_grid, rho=rec.settings.rho, on_infeasible=rec.settings.on_infeasible), split_seed=rec.split_seed)
+    refit = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]),
+                      rec.settings, split_seed=rec.split_seed)
     assert (refit.q_alpha, refit.tau_sel, refit.N, refit.F) == (rec.q_alpha, rec.tau_sel, rec.N, rec.F)
 
 
@@ -156,7 +157,9 @@ def test_reject_all_record_leaves_the_policy_bit_identical(calibrated, tiny_mode
     run, _ = calibrated
     rec = CalibrationRecord.from_json(run / "calibration" / "record.json")
     z = np.load(run / "calibration" / "paired_scores.npz")
-    reject_all = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]), CalibrationSettings(alpha=rec.settings.alpha, beta=1e-4, delta=rec.settings.delta, tau_grid=rec.settings.tau_grid, rho=rec.settings.rho, on_infeasible="reject_all"), metadata={"loss_agg_mode": rec.loss_agg_mode, "sketch": rec.sketch, "grader": rec.grader,
+    reject_all = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]),
+                           rec.settings.replace(beta=1e-4, on_infeasible="reject_all"),
+                           metadata={"loss_agg_mode": rec.loss_agg_mode, "sketch": rec.sketch, "grader": rec.grader,
                                      "policy": rec.policy})
     assert reject_all.tau_sel is None
     reject_all.to_json(tmp_path / "reject_all.json")

@@ -156,7 +156,9 @@ def test_stopped_train_resumes_like_an_uninterrupted_run(calibrated, tmp_path):
     import torch
 
     z = np.load(stopped / "calibration" / "paired_scores.npz")
-    refit = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]), CalibrationSettings(alpha=original.settings.alpha, beta=original.settings.beta, delta=original.settings.delta, tau_grid=original.settings.tau_grid, rho=original.settings.rho, on_infeasible=original.settings.on_infeasible, norm_by_std=original.settings.norm_by_std), split_seed=original.split_seed + 1, metadata={"loss_agg_mode": original.loss_agg_mode, "sketch": original.sketch,
+    refit = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]),
+                      original.settings, split_seed=original.split_seed + 1,
+                      metadata={"loss_agg_mode": original.loss_agg_mode, "sketch": original.sketch,
                                 "grader": original.grader, "policy": original.policy})
     refit.to_json(tmp_path / "refit.json")
     hashes = [r.to_dict()["content_sha256"] for r in (original, refit)]

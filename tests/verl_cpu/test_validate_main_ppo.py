@@ -89,7 +89,11 @@ def test_json_agrees_with_the_group_log_and_the_records(validated):
                 continue
             record = CalibrationRecord.from_json(out / "records" / f"split{split['split']}_{method}.json")
             assert summary["record"]["q_alpha"] == record.q_alpha and summary["record"]["tau_sel"] == record.tau_sel
-            refit = calibrate(paired["point"][cal], paired["reference"][cal], paired["gram"][cal], CalibrationSettings(alpha=0.4, beta=0.9, delta=0.3, tau_grid=(0.0, 0.3), ablation=None if method == "setgrpo" else method, on_infeasible="reject_all"), split_seed=split["seed"])
+            refit = calibrate(paired["point"][cal], paired["reference"][cal], paired["gram"][cal],
+                              CalibrationSettings(alpha=0.4, beta=0.9, delta=0.3, tau_grid=(0.0, 0.3),
+                                                  ablation=None if method == "setgrpo" else method,
+                                                  on_infeasible="reject_all"),
+                              split_seed=split["seed"])
             assert (refit.q_alpha, refit.tau_sel, refit.N, refit.F) == (record.q_alpha, record.tau_sel, record.N,
                                                                         record.F)
             assert record.grader == report["metadata"]["grader"]
