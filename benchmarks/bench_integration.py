@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from verl.utils import tensordict_utils as tu
 
-from setgrpo_verl.core import calibrate
+from setgrpo_verl.core import CalibrationSettings, calibrate
 from setgrpo_verl.integration.estimator import setgrpo_step
 from setgrpo_verl.integration.worker import sketch_batch
 from setgrpo_verl.models import load_causal_lm
@@ -83,7 +83,8 @@ def main() -> None:
     s_cal = torch.randn(n_cal, k, 32, generator=g, dtype=torch.float64)
     record = calibrate(mu + 0.1 * torch.randn(n_cal, k, generator=g, dtype=torch.float64),
                        mu + 0.1 * torch.randn(n_cal, k, generator=g, dtype=torch.float64),
-                       s_cal @ s_cal.transpose(1, 2), alpha=0.05, beta=0.3, delta=0.05, on_infeasible="reject_all")
+                       s_cal @ s_cal.transpose(1, 2),
+                       CalibrationSettings(alpha=0.05, beta=0.3, delta=0.05, on_infeasible="reject_all"))
     b = groups * k
     rewards = torch.zeros(b, 16)
     rewards[:, -1] = torch.rand(b, generator=g)

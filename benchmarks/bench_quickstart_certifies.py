@@ -34,12 +34,9 @@ def certified(paired: dict[str, torch.Tensor], record: CalibrationRecord, rows: 
               risk_fraction: float) -> bool:
     """Whether re-calibrating on the groups ``rows`` (int64 indices, repeats allowed) with the record's settings, the
     run's risk fraction and no coverage cap selects a threshold."""
-    rec = calibrate(paired["point"][rows], paired["reference"][rows], paired["gram"][rows], alpha=record.alpha,
-                    beta=record.beta, delta=record.delta, tau_grid=record.tau_grid, rho=record.rho,
-                    split_seed=record.split_seed, norm_by_std=record.norm_by_std, eps=record.eps,
-                    grid_size=record.grid_size, degenerate_rtol=record.degenerate_rtol,
-                    srgo_procedure=record.srgo_procedure, tau_start=record.tau_start, on_infeasible="reject_all",
-                    risk_fraction=risk_fraction, coverage_groups=None)
+    settings = record.settings.replace(on_infeasible="reject_all", risk_fraction=risk_fraction, coverage_groups=None)
+    rec = calibrate(paired["point"][rows], paired["reference"][rows], paired["gram"][rows], settings,
+                    split_seed=record.split_seed, degenerate_rtol=record.degenerate_rtol)
     return rec.tau_sel is not None
 
 
@@ -98,8 +95,9 @@ def main() -> None:
                          risk_fraction)
                for _ in range(args.resamples))
     elapsed = time.perf_counter() - t0
-    print(f"run: {args.run_dir} ({total} calibration groups, K={record.K}; alpha={record.alpha}, beta={record.beta}, "
-          f"delta={record.delta}, {len(record.tau_grid)} thresholds); the run itself "
+    levels = record.settings
+    print(f"run: {args.run_dir} ({total} calibration groups, K={record.K}; alpha={levels.alpha}, beta={levels.beta}, "
+          f"delta={levels.delta}, {len(levels.tau_grid)} thresholds); the run itself "
           f"{'certified tau_sel=' + format(record.tau_sel, 'g') if record.tau_sel is not None else 'certified none'}")
     print(f"{args.resamples} resamples of {groups} groups ({live} non-degenerate) with replacement, stratified by "
           f"the run's coverage/risk split, in {elapsed:.1f} s")

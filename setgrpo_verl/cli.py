@@ -797,7 +797,7 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any], lifecycle) -> str
     from .core import CalibrationRecord
     from .report import summary_table, write_validation
     from .rundir import STAGES, LaunchError, complete_seconds
-    from .validate import ValidationLevels, load_paired, run_validation
+    from .validate import load_paired, run_validation
 
     calibration = args.run_dir / STAGES["calibrate"]
     out = args.run_dir / "validation"
@@ -807,7 +807,7 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any], lifecycle) -> str
     explicit = {"alpha": args.alpha, "beta": args.beta, "delta": args.delta, "rho": args.rho,
                 "tau_grid": None if args.tau_grid is None else tuple(args.tau_grid)}
     try:
-        levels = ValidationLevels.from_record(record, **{k: v for k, v in explicit.items() if v is not None})
+        levels = record.settings.replace(**{k: v for k, v in explicit.items() if v is not None})
     except ValueError as exc:
         raise LaunchError(f"validate --analysis-only: {exc}") from None
     t0 = time.perf_counter()

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from .core import (SHARD_DIR, CalibrationRecord, TornShardError, load_shards, pilot_source, record_from_shards,
-                   shard_name, write_calibration)
+from .core import (SHARD_DIR, CalibrationRecord, CalibrationSettings, TornShardError, load_shards, pilot_source,
+                   record_from_shards, shard_name, write_calibration)
 from .rundir import LaunchError
 
 __all__ = ["merge_calibration", "shard_dirs"]
@@ -70,7 +70,8 @@ def merge_calibration(dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
         source = None
         if pilot is not None:
             prompts = [p for _, s in sorted(sources, key=lambda x: x[1].index) for p in s.prompts]
-            source = pilot_source(CalibrationRecord.from_json(pilot), sources[0][1].identity["settings"], prompts,
+            settings = CalibrationSettings.from_dict(sources[0][1].identity["settings"])
+            source = pilot_source(CalibrationRecord.from_json(pilot), settings, prompts,
                                   name=f"the pilot record {pilot}")
         record, paired = record_from_shards(sources, tau_start_source=source)
     except TornShardError as exc:

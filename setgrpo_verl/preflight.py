@@ -15,42 +15,35 @@ from .rundir import LaunchError
 __all__ = ["calibration_minimums", "check_calibration_size", "check_training_prompts", "check_training_steps",
            "check_validation_size", "probe_judge", "requested_settings"]
 
-#: The command-line flag (or key) of each field of :class:`setgrpo_verl.core.CalibrationSettings`.
-_SETTING_FLAGS = {"alpha": "--alpha", "beta": "--beta", "delta": "--delta", "tau_grid": "--tau-grid", "rho": "--rho",
-                  "ablation": "--ablation", "fixed_tau": "--fixed-tau", "on_infeasible": "--on-infeasible",
-                  "grid_size": "algorithm.setgrpo.recovery_grid", "norm_by_std": "algorithm.norm_adv_by_std_in_grpo",
-                  "srgo_procedure": "algorithm.setgrpo.srgo_procedure", "tau_start": "algorithm.setgrpo.tau_start",
-                  "coverage_groups": "algorithm.setgrpo.calibration.coverage_groups"}
+#: The command-line flag of each ``algorithm.setgrpo`` key that has one.
+_FLAGS = {"alpha": "--alpha", "beta": "--beta", "delta": "--delta", "tau_grid": "--tau-grid", "rho": "--rho",
+          "ablation": "--ablation", "fixed_tau": "--fixed-tau", "calibration.on_infeasible": "--on-infeasible"}
+#: The ``algorithm.setgrpo`` keys the calibration settings are made of (the rest is left to the run's own check).
+_SETTING_KEYS = ("alpha", "beta", "delta", "tau_grid", "rho", "recovery_grid", "ablation", "fixed_tau",
+                 "srgo_procedure", "tau_start")
+_CALIBRATION_KEYS = ("on_infeasible", "coverage_groups")
 
 
 def requested_settings(values: Mapping[str, Any]) -> Any:
     """The :class:`setgrpo_verl.core.CalibrationSettings` of ``values`` (``algorithm.setgrpo.*``, schema defaults
-    where missing): the same validation as the run's check before Ray and as ``calibrate``.
+    where missing), as ``SetGRPOConfig.calibration_settings`` builds them for the run itself.
 
     Raises:
-        LaunchError: naming the flag and the admissible range.
+        LaunchError: naming the flag (or key) and the admissible range.
     """
-    from .core import CalibrationSettings
     from .integration.config import SetGRPOCalibrationConfig, SetGRPOConfig
 
-    def get(key: str, default: Any) -> Any:
-        return values.get(f"algorithm.setgrpo.{key}", default)
+    def given(keys: Sequence[str], prefix: str) -> dict[str, Any]:
+        return {key: values[prefix + key] for key in keys if prefix + key in values}
 
-    grid = get("tau_grid", None)
     try:
-        return CalibrationSettings(
-            alpha=get("alpha", SetGRPOConfig.alpha), beta=get("beta", SetGRPOConfig.beta),
-            delta=get("delta", SetGRPOConfig.delta), tau_grid=CalibrationSettings.tau_grid if grid is None else grid,
-            rho=get("rho", SetGRPOConfig.rho), grid_size=get("recovery_grid", SetGRPOConfig.recovery_grid),
-            ablation=get("ablation", None), fixed_tau=get("fixed_tau", None),
-            norm_by_std=bool(values.get("algorithm.norm_adv_by_std_in_grpo", True)),
-            on_infeasible=get("calibration.on_infeasible", SetGRPOCalibrationConfig.on_infeasible),
-            srgo_procedure=get("srgo_procedure", SetGRPOConfig.srgo_procedure), tau_start=get("tau_start", None),
-            coverage_groups=get("calibration.coverage_groups", SetGRPOCalibrationConfig.coverage_groups),
-        )
+        config = SetGRPOConfig(**given(_SETTING_KEYS, "algorithm.setgrpo."), calibration=SetGRPOCalibrationConfig(
+            **given(_CALIBRATION_KEYS, "algorithm.setgrpo.calibration.")))
+        return config.calibration_settings(norm_by_std=bool(values.get("algorithm.norm_adv_by_std_in_grpo", True)))
     except ValueError as exc:
-        field = str(exc).split("=", 1)[0]
-        raise LaunchError(f"{_SETTING_FLAGS.get(field, field)}: {exc}") from None
+        text = str(exc).removeprefix("algorithm.setgrpo.")
+        key = text.split("=", 1)[0]
+        raise LaunchError(f"{_FLAGS.get(key, 'algorithm.setgrpo.' + key)}: {text}") from None
 
 
 def _requested_levels(values: Mapping[str, Any]) -> tuple[float, float, float, Sequence[float]]:

@@ -225,7 +225,7 @@ def evaluate_method(
         raise ValueError("calibration and held-out groups overlap")
     point, reference, gram = paired["point"], paired["reference"], paired["gram"]
     settings = levels.replace(ablation=ablation, fixed_tau=None, on_infeasible="reject_all")
-    record = calibrate(point[calibration], reference[calibration], gram[calibration], **settings.as_kwargs(),
+    record = calibrate(point[calibration], reference[calibration], gram[calibration], settings,
                        split_seed=split_seed, metadata=dict(metadata or {}))
     p, m = point[held_out], gram[held_out]
     result = setgrpo_coefficients(p, m, record)
@@ -236,8 +236,8 @@ def evaluate_method(
     for name, scores in targets.items():
         cov = torch.zeros(len(held_out), dtype=torch.bool)
         if live.any():
-            s = nonconformity_scores(p[live], scores[live], rho=record.rho, norm_by_std=record.norm_by_std,
-                                     eps=record.eps, shape=shape)
+            s = nonconformity_scores(p[live], scores[live], rho=settings.rho, norm_by_std=settings.norm_by_std,
+                                     eps=settings.eps, shape=shape)
             cov[live] = s <= record.q_alpha
         covered[name] = cov
     reversal = _reversals(result.coefficients, result.accepted, m, targets, levels, record.degenerate_rtol)
@@ -385,7 +385,7 @@ def sample_size_plan(records: Sequence[CalibrationRecord], *, holdout_fraction: 
     if not (0.0 <= holdout_fraction < 1.0 and 0.0 < live_share <= 1.0):
         raise ValueError(f"need holdout_fraction in [0, 1) and live_share in (0, 1], got {holdout_fraction}, "
                          f"{live_share}")
-    first = records[0]
+    first = records[0].settings
     m, n_risk = len(first.tau_grid), sum(r.n_risk for r in records)
     risk_share = n_risk / max(sum(r.n_risk + r.n_cov for r in records), 1)
     per_group = risk_share * live_share * (1.0 - holdout_fraction)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from setgrpo_verl.merge import merge_calibration
-from setgrpo_verl.validate import ValidationLevels, load_paired, run_validation
+from setgrpo_verl.validate import load_paired, run_validation
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = REPO / "validation" / "paper"
@@ -54,9 +54,10 @@ def rebuilt(tmp_path_factory):
 @pytest.mark.slow
 def test_table4_row_is_the_records(rebuilt):
     record, _ = rebuilt
-    assert (record.alpha, record.beta, record.delta, record.K, len(record.tau_grid)) == (0.05, 0.08, 0.05, 4, 20)
+    levels = record.settings
+    assert (levels.alpha, levels.beta, levels.delta, record.K, len(levels.tau_grid)) == (0.05, 0.08, 0.05, 4, 20)
     assert len(record.calibration_prompts) == 5446 and record.grader["flip_prob"] == 0.1
-    assert record.srgo_procedure == "fixed_sequence" and record.tau_start == 0.25
+    assert record.settings.srgo_procedure == "fixed_sequence" and record.settings.tau_start == 0.25
     section = _section()
     ours = next(v for k, v in _rows(section, "backbone").items() if "this run" in k)
     want = [f"{record.n_cov:,}", f"{record.n_risk:,}", f"{record.q_alpha:.3f}", f"{record.tau_sel:.2f}",
@@ -64,7 +65,7 @@ def test_table4_row_is_the_records(rebuilt):
     assert ours == want
     # the fixed sequence's tests as the page quotes them, from tau_start = 0.25 down to the failed test at 0.05
     section = _flat(section)
-    at = {round(tau, 2): j for j, tau in enumerate(record.tau_grid)}
+    at = {round(tau, 2): j for j, tau in enumerate(record.settings.tau_grid)}
     n, f, p = record.n_accepted, record.n_reversals, record.p_values
     s = at[record.tau_sel]
     quoted = [f"0.25 (N = {n[at[0.25]]}, F = {f[at[0.25]]}, p = {p[at[0.25]]:.3f})",
@@ -79,7 +80,7 @@ def test_table4_row_is_the_records(rebuilt):
 @pytest.mark.slow
 def test_table5_is_the_held_out_analysis(rebuilt):
     record, paired = rebuilt
-    result = run_validation(paired, levels=ValidationLevels.from_record(record), n_splits=20, holdout_fraction=0.25,
+    result = run_validation(paired, levels=record.settings, n_splits=20, holdout_fraction=0.25,
                             first_seed=0)
     summary = result.report["summary"]
     section = _section()
@@ -108,5 +109,5 @@ def test_table5_is_the_held_out_analysis(rebuilt):
     assert all(q in readme for q in quoted), quoted
     # the figures the page's prose quotes: coverage at the nominal level, SetGRPO reverses less than GRPO
     assert abs(summary["setgrpo"]["coverage_reference"]["mean"] - 0.95) < 0.005
-    assert summary["setgrpo"]["reversal_rate_reference"]["mean"] < record.beta < \
+    assert summary["setgrpo"]["reversal_rate_reference"]["mean"] < record.settings.beta < \
         summary["grpo"]["reversal_rate_reference"]["mean"]

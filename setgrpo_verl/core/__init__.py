@@ -4,8 +4,8 @@ Public API::
 
     grpo_coefficients(scores [G,K], norm_by_std=True, eps=1e-6) -> [G,K]
     grpo_jacobian(scores [G,K], norm_by_std=True, eps=1e-6)     -> [G,K,K]
-    calibrate(point, reference, gram, *, alpha, beta, delta, srgo_procedure, tau_start, ...) -> CalibrationRecord
     CalibrationSettings(alpha, beta, delta, tau_grid, rho, ...)  -> the one validated settings object
+    calibrate(point, reference, gram, settings, *, split_seed, metadata, ...) -> CalibrationRecord (.settings)
     setgrpo_coefficients(point, gram, record, *, ablation=None) -> SetGRPOResult
     OnlineRiskMonitor(record).update(result, reference, gram)   -> metrics dict
 
@@ -58,7 +58,7 @@ from ._shards import (
 )
 from ._reversal import reference_coefficients, reversal_events
 from ._sequential import anytime_upper_bound, risk_evidence
-from ._settings import ABLATIONS, COVERAGE_GROUPS, ON_INFEASIBLE, CalibrationSettings
+from ._settings import ABLATIONS, COVERAGE_GROUPS, ON_INFEASIBLE, VARIANTS, CalibrationSettings
 from ._srgo import (
     DEFAULT_TAU_GRID,
     PROCEDURES,
@@ -76,7 +76,7 @@ from ._srgo import (
 )
 
 __all__ = [
-    "ABLATIONS", "COVERAGE_GROUPS", "DEFAULT_TAU_GRID", "PROCEDURES", "ThresholdTests", "anytime_upper_bound",
+    "ABLATIONS", "COVERAGE_GROUPS", "VARIANTS", "DEFAULT_TAU_GRID", "PROCEDURES", "ThresholdTests", "anytime_upper_bound",
     "binomial_p_values", "certification_power", "content_sha256", "pilot_start", "reference_coefficients",
     "reversal_events", "risk_evidence", "threshold_tests", "calibration_groups_needed", "power_plan",
     "required_risk_groups", "risk_group_power", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",

@@ -27,7 +27,7 @@ from ._record import CalibrationRecord, package_versions
 from ._reversal import reversal_events
 from ._sequential import anytime_upper_bound, risk_evidence
 from ._settings import ABLATIONS, COVERAGE_GROUPS, CalibrationSettings
-from ._srgo import DEFAULT_TAU_GRID, infeasible_text, threshold_tests
+from ._srgo import infeasible_text, threshold_tests
 
 logger = logging.getLogger(__name__)
 
@@ -94,25 +94,11 @@ def calibrate(
     point: torch.Tensor,
     reference: torch.Tensor,
     gram: torch.Tensor,
+    settings: CalibrationSettings,
     *,
-    alpha: float = 0.05,
-    beta: float = 0.08,
-    delta: float = 0.05,
-    tau_grid=None,
-    rho: float = 0.1,
     split_seed: int = 0,
-    risk_fraction: float = 0.5,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-    grid_size: int = 100,
-    ablation: str | None = None,
-    fixed_tau: float | None = None,
-    on_infeasible: str = "error",
     metadata: dict | None = None,
     degenerate_rtol: float = DEGENERATE_RTOL,
-    coverage_groups: int | None = COVERAGE_GROUPS,
-    srgo_procedure: str = "bonferroni",
-    tau_start: float | None = None,
     tau_start_source: dict | None = None,
     created_at: str | None = None,
 ) -> CalibrationRecord:
@@ -121,66 +107,55 @@ def calibrate(
     Implements docs/algorithm.md#2-jrsc and #4-srgo. Degenerate groups (no spread of the point scores
     beyond ``degenerate_rtol`` times the group's largest |score|, see :func:`degenerate_groups`)
     are dropped first; the rest are split at random (``split_seed``) into coverage groups
-    (``1 - risk_fraction`` of them, at most ``coverage_groups``) and disjoint risk groups. On coverage groups the
-    nonconformity scores give the conformal radius ``Q_alpha``. On risk groups, for every threshold tau_j the GGSR
-    recovery gives accepted groups (N_j), their reversals (:func:`reversal_events`: ``b*^T M a' < 0`` in the
-    true geometry, never for a reference group without spread) (F_j), and the utility
-    ``U_j = sum_accepted eta* / n_risk``. SRGO tests the thresholds (``srgo_procedure``: ``bonferroni``, every
-    threshold with the Clopper-Pearson bound at ``1 - delta/m``; ``fixed_sequence``, from ``tau_start`` down the
-    grid at ``1 - delta`` each, stopping at the first failure) and ``tau_sel`` maximises U among the certified
+    (``1 - settings.risk_fraction`` of them, at most ``settings.coverage_groups``) and disjoint risk groups. On
+    coverage groups the nonconformity scores give the conformal radius ``Q_alpha``. On risk groups, for every
+    threshold tau_j the GGSR recovery gives accepted groups (N_j), their reversals (:func:`reversal_events`:
+    ``b*^T M a' < 0`` in the true geometry, never for a reference group without spread) (F_j), and the utility
+    ``U_j = sum_accepted eta* / n_risk``. SRGO tests the thresholds (``settings.srgo_procedure``: ``bonferroni``,
+    every threshold with the Clopper-Pearson bound at ``1 - delta/m``; ``fixed_sequence``, from ``tau_start`` down
+    the grid at ``1 - delta`` each, stopping at the first failure) and ``tau_sel`` maximises U among the certified
     thresholds (ties: larger tau).
 
     Guarantees (exchangeability): coverage ``P(T(r'_new) in C_new) >= 1 - alpha``; with probability
     ``>= 1 - delta`` the conditional reversal risk of accepted groups at ``tau_sel`` is ``<= beta``.
 
+    What is a setting and what is not: ``settings`` holds what the method is (levels, grid, ridge, coefficient
+    map, ablation, procedure, split shares, variant) and is stored whole as ``record.settings``; the keyword
+    arguments describe this one calibration (its split seed, degeneracy tolerance, provenance and time) and are
+    stored as record fields of their own.
+
     Args:
         point, reference: ``[G, K]`` float tensors, two independent scorings (reward units).
         gram: ``[G, K, K]`` float tensor, Gram matrices of per-response gradients at the
             calibration policy (symmetric PSD).
-        alpha, beta, delta: miscoverage, risk level and failure probability, each in (0, 1).
-        tau_grid: increasing thresholds in (-1, 1); default 0.00, 0.05, ..., 0.95.
-        rho: scale-free ridge of the set shape (> 0 for GRPO).
+        settings: the validated :class:`CalibrationSettings` (docs/algorithm.md#41-defaults), e.g.
+            ``CalibrationSettings(alpha=0.05, beta=0.08, delta=0.05)``.
         split_seed: seed of the coverage/risk split (recorded).
-        risk_fraction: share of non-degenerate groups used for risk calibration, in (0, 1).
-        norm_by_std, eps: the coefficient map (GRPO / Dr.GRPO, verl's eps).
-        grid_size: recovery grid intervals N.
-        ablation: None or one of ``spherical_set``, ``identity_geometry``, ``safe_anchor_only``,
-            ``fixed_threshold`` (needs ``fixed_tau``; SRGO selection skipped), ``random_discard``
-            (calibrated like the full method; the discard happens at application).
-        fixed_tau: the threshold of the ``fixed_threshold`` ablation (added to the grid if absent).
-        on_infeasible: ``"error"`` (default) or ``"reject_all"`` when no threshold is risk-feasible.
         metadata: optional dict with keys ``loss_agg_mode`` (str), ``sketch``, ``grader``, ``policy``
             (dicts) stored in the record for later compatibility checks, and ``calibration_prompts``
             (one :func:`prompt_fingerprint` per calibration prompt: what the record was calibrated on).
         degenerate_rtol: relative tolerance of the degeneracy test (stored in the record; training
             applies the same value, so a group is degenerate in both phases or in neither).
-        coverage_groups: most coverage groups (default 1,000), or None for the ``risk_fraction`` split alone.
-        srgo_procedure: ``"bonferroni"`` (default, the paper's) or ``"fixed_sequence"`` (Learn then Test).
-        tau_start: the fixed sequence's first threshold, on the grid; chosen without these groups.
-        tau_start_source: where ``tau_start`` came from, stored in the record: ``{"kind": "user"}`` (the default
-            for a fixed sequence) or ``{"kind": "pilot", "record_sha256": ...}`` from :func:`pilot_start`.
+        tau_start_source: where ``settings.tau_start`` came from, stored in the record: ``{"kind": "user"}`` (the
+            default for a fixed sequence) or ``{"kind": "pilot", "record_sha256": ...}`` from :func:`pilot_start`.
         created_at: the record's ``created_at`` (ISO 8601, UTC); default now. Calibration from shards passes the
             time its last shard was written, so that one shard set always gives the same record, byte for byte.
 
     Returns:
-        A frozen, validated :class:`CalibrationRecord`.
+        A frozen, validated :class:`CalibrationRecord` whose ``settings`` is ``settings``.
 
     Raises:
-        ValueError: bad shapes/values (see checks), settings that :class:`CalibrationSettings` refuses
-            (the one validation of alpha, beta, delta, tau_grid, rho, grid_size, ablation, fixed_tau,
-            risk_fraction, eps, on_infeasible), too few non-degenerate groups for alpha, unknown metadata
+        TypeError: ``settings`` is not a :class:`CalibrationSettings` (build one; it validates its fields).
+        ValueError: bad shapes/values (see checks), too few non-degenerate groups for alpha, unknown metadata
             keys, or no risk-feasible threshold with ``on_infeasible="error"`` (the message gives the
             smallest UCB reached).
     """
+    if not isinstance(settings, CalibrationSettings):
+        raise TypeError(f"settings must be a CalibrationSettings, got {type(settings).__name__}: build one, e.g. "
+                        "calibrate(point, reference, gram, CalibrationSettings(alpha=0.05, beta=0.08, delta=0.05))")
     check_pair(point, reference)
-    settings = CalibrationSettings(alpha=alpha, beta=beta, delta=delta,
-                                   tau_grid=DEFAULT_TAU_GRID if tau_grid is None else tau_grid, rho=rho,
-                                   grid_size=grid_size, ablation=ablation, fixed_tau=fixed_tau,
-                                   risk_fraction=risk_fraction, norm_by_std=norm_by_std, eps=eps,
-                                   on_infeasible=on_infeasible, coverage_groups=coverage_groups,
-                                   srgo_procedure=srgo_procedure, tau_start=tau_start)
-    alpha, beta, delta, rho = settings.alpha, settings.beta, settings.delta, settings.rho
-    risk_fraction, eps, grid = settings.risk_fraction, settings.eps, list(settings.tau_grid)
+    s = settings
+    grid = list(s.tau_grid)
     metadata = dict(metadata or {})
     unknown = set(metadata) - set(_METADATA_KEYS)
     if unknown:
@@ -191,42 +166,43 @@ def calibrate(
     p64, r64 = point.to(torch.float64), reference.to(torch.float64)
     keep = (~degenerate_groups(point, degenerate_rtol)).nonzero().flatten()
     n = int(keep.numel())
-    cov_pos, risk_pos = coverage_risk_split(n, split_seed=split_seed, risk_fraction=risk_fraction,
-                                            coverage_groups=settings.coverage_groups)
+    cov_pos, risk_pos = coverage_risk_split(n, split_seed=split_seed, risk_fraction=s.risk_fraction,
+                                            coverage_groups=s.coverage_groups)
     cov, risk = keep[cov_pos], keep[risk_pos]
     n_risk = int(risk.numel())
-    need = min_calibration_groups(alpha)
+    need = min_calibration_groups(s.alpha)
     if cov.numel() < need or n_risk < 1:
         raise ValueError(
             f"too few calibration groups: {n} of {g} are non-degenerate, giving {cov.numel()} coverage and {n_risk} "
-            f"risk groups; alpha={alpha} needs at least {need} coverage groups, i.e. about "
-            f"{math.ceil(need / (1 - risk_fraction))} non-degenerate groups (add calibration prompts or raise alpha)"
+            f"risk groups; alpha={s.alpha} needs at least {need} coverage groups, i.e. about "
+            f"{math.ceil(need / (1 - s.risk_fraction))} non-degenerate groups (add calibration prompts or raise alpha)"
         )
-    shape = "spherical" if ablation == "spherical_set" else "jacobian"
-    scores = nonconformity_scores(p64[cov], r64[cov], rho=rho, norm_by_std=norm_by_std, eps=eps, shape=shape)
-    q_alpha = conformal_radius(scores, alpha)
+    shape = "spherical" if s.ablation == "spherical_set" else "jacobian"
+    scores = nonconformity_scores(p64[cov], r64[cov], rho=s.rho, norm_by_std=s.norm_by_std, eps=s.eps, shape=shape)
+    q_alpha = conformal_radius(scores, s.alpha)
 
-    geo = _geometry(p64[risk], m_true[risk], q=q_alpha, rho=rho, norm_by_std=norm_by_std, eps=eps, ablation=ablation)
+    geo = _geometry(p64[risk], m_true[risk], q=q_alpha, rho=s.rho, norm_by_std=s.norm_by_std, eps=s.eps,
+                    ablation=s.ablation)
     taus = torch.tensor(grid, dtype=torch.float64)
-    eta, feasible = recovery_ratios(geo.sets, geo.gram, geo.anchor, taus, grid_size=grid_size,
-                                    anchor_only=ablation == "safe_anchor_only")
+    eta, feasible = recovery_ratios(geo.sets, geo.gram, geo.anchor, taus, grid_size=s.grid_size,
+                                    anchor_only=s.ablation == "safe_anchor_only")
     accepted = feasible & ~geo.null[None]
     b_star = path_point(geo.anchor[None], geo.sets.center[None], eta)  # [m, G, K]
-    reversal = reversal_events(b_star, m_true[risk], r64[risk], accepted, norm_by_std=norm_by_std, eps=eps,
+    reversal = reversal_events(b_star, m_true[risk], r64[risk], accepted, norm_by_std=s.norm_by_std, eps=s.eps,
                                degenerate_rtol=degenerate_rtol)
     n_acc = accepted.sum(1).tolist()
     n_rev = reversal.sum(1).tolist()
     utility = (torch.where(accepted, eta, 0.0).sum(1) / n_risk).tolist()
-    procedure = settings.srgo_procedure
-    start = None if procedure == "bonferroni" else grid.index(settings.tau_start)
-    source = {} if procedure == "bonferroni" else dict(tau_start_source or {"kind": "user"})
-    tests = threshold_tests(n_acc, n_rev, utility, beta=beta, delta=delta, procedure=procedure, start_index=start)
+    start = None if s.srgo_procedure == "bonferroni" else grid.index(s.tau_start)
+    source = {} if s.srgo_procedure == "bonferroni" else dict(tau_start_source or {"kind": "user"})
+    tests = threshold_tests(n_acc, n_rev, utility, beta=s.beta, delta=s.delta, procedure=s.srgo_procedure,
+                            start_index=start)
     ucb, index = tests.ucb, tests.index
-    if ablation == "fixed_threshold":
-        tau_sel = float(fixed_tau)
+    if s.ablation == "fixed_threshold":
+        tau_sel = s.fixed_tau
     elif index is None:
-        if on_infeasible == "error":
-            why = infeasible_text(grid, n_acc, n_rev, ucb, beta=beta, stopped_at=tests.stopped_at)
+        if s.on_infeasible == "error":
+            why = infeasible_text(grid, n_acc, n_rev, ucb, beta=s.beta, stopped_at=tests.stopped_at)
             raise ValueError(
                 f"SRGO found no risk-feasible threshold: {why}. Use "
                 "more calibration groups (tighter bounds), a larger beta, or on_infeasible='reject_all' to train no "
@@ -235,22 +211,20 @@ def calibrate(
         tau_sel = None
     else:
         tau_sel = grid[index]
-    a_ref = grpo_coefficients(r64[risk], norm_by_std, eps)
+    a_ref = grpo_coefficients(r64[risk], s.norm_by_std, s.eps)
     coverage = float((mahalanobis(a_ref - geo.sets.center, geo.sets.pinv) <= q_alpha).double().mean())
     return CalibrationRecord(
-        alpha=float(alpha), beta=float(beta), delta=float(delta), rho=float(rho), q_alpha=q_alpha,
-        n_cov=int(cov.numel()), n_risk=n_risk, n_degenerate=g - n, tau_grid=tuple(grid),
+        settings=s, q_alpha=q_alpha, n_cov=int(cov.numel()), n_risk=n_risk, n_degenerate=g - n,
         n_accepted=tuple(int(x) for x in n_acc), n_reversals=tuple(int(x) for x in n_rev),
         ucb=tuple(float(x) for x in ucb), utility=tuple(float(x) for x in utility), tau_sel=tau_sel,
-        K=k, norm_by_std=bool(norm_by_std), eps=float(eps), coverage_risk_set=coverage,
-        split_seed=int(split_seed), grid_size=int(grid_size), ablation=ablation, on_infeasible=on_infeasible,
+        K=k, coverage_risk_set=coverage, split_seed=int(split_seed),
         loss_agg_mode=str(metadata.get("loss_agg_mode", "token-mean")), sketch=dict(metadata.get("sketch", {})),
         grader=dict(metadata.get("grader", {})), policy=dict(metadata.get("policy", {})),
         package_versions=package_versions(),
         created_at=created_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         degenerate_rtol=float(degenerate_rtol),
         calibration_prompts=tuple(dict(p) for p in metadata.get("calibration_prompts", ())),
-        srgo_procedure=procedure, tau_start=settings.tau_start, tau_start_source=source,
+        tau_start_source=source,
     )
 
 
@@ -357,13 +331,14 @@ def setgrpo_coefficients(
     check_scores(point, "point")
     g, k = point.shape
     record.check_compatible(K=k)
-    if ablation is not None and ablation != record.ablation:
+    rs = record.settings
+    if ablation is not None and ablation != rs.ablation:
         _check_ablation(ablation)
         raise ValueError(
-            f"ablation {ablation!r} differs from the record's ({record.ablation!r}); the record certifies the variant "
-            "it was calibrated with - recalibrate with calibrate(..., ablation=...)"
+            f"ablation {ablation!r} differs from the record's ({rs.ablation!r}); the record certifies the variant "
+            "it was calibrated with - recalibrate with calibrate(..., settings.replace(ablation=...))"
         )
-    ablation = record.ablation
+    ablation = rs.ablation
     m_all = check_gram(gram, g, k)
     t0 = time.perf_counter()
     p64 = point.to(torch.float64)
@@ -376,15 +351,15 @@ def setgrpo_coefficients(
     accepted = torch.zeros(g, dtype=torch.bool)
     t1 = t0
     if keep.numel():
-        geo = _geometry(p64[keep], m_all[keep], q=record.q_alpha, rho=record.rho, norm_by_std=record.norm_by_std,
-                        eps=record.eps, ablation=ablation)
+        geo = _geometry(p64[keep], m_all[keep], q=record.q_alpha, rho=rs.rho, norm_by_std=rs.norm_by_std,
+                        eps=rs.eps, ablation=ablation)
         t1 = time.perf_counter()
         if record.tau_sel is None:
             eta = torch.zeros(keep.numel(), dtype=torch.float64)
             feasible = torch.zeros(keep.numel(), dtype=torch.bool)
         else:
             eta, feasible = recovery_ratios(geo.sets, geo.gram, geo.anchor, torch.tensor([record.tau_sel]),
-                                            grid_size=record.grid_size, anchor_only=ablation == "safe_anchor_only")
+                                            grid_size=rs.grid_size, anchor_only=ablation == "safe_anchor_only")
             eta, feasible = eta[0], feasible[0]
         acc = feasible & ~geo.null
         b = path_point(geo.anchor, geo.sets.center, eta)
@@ -469,8 +444,8 @@ class OnlineRiskMonitor:
         self.certified, self.drift = self._flags()
 
     def _flags(self) -> tuple[bool, bool]:
-        low, high = risk_evidence([self.reversals], [self.accepted], self.record.beta)
-        bar = math.log(1.0 / self.record.delta)
+        low, high = risk_evidence([self.reversals], [self.accepted], self.record.settings.beta)
+        bar = math.log(1.0 / self.record.settings.delta)
         return bool(low[0] >= bar), bool(high[0] >= bar)
 
     def update(self, result: SetGRPOResult, reference: torch.Tensor, gram: torch.Tensor,
@@ -491,17 +466,17 @@ class OnlineRiskMonitor:
             raise ValueError(f"reference scores {tuple(reference.shape)} do not match the result's groups "
                              f"{tuple(result.coefficients.shape)}")
         m = check_gram(gram, g, k)
-        rec = self.record
-        a_ref = grpo_coefficients(reference.to(torch.float64), rec.norm_by_std, rec.eps)
+        rec, rs = self.record, self.record.settings
+        a_ref = grpo_coefficients(reference.to(torch.float64), rs.norm_by_std, rs.eps)
         live = torch.tensor([s != "degenerate" for s in result.status])
         covered = torch.zeros(g, dtype=torch.bool)
         if live.any():
-            shape = "spherical" if rec.ablation == "spherical_set" else "jacobian"
-            _, pinv = set_shape(result.point[live], rho=rec.rho, norm_by_std=rec.norm_by_std, eps=rec.eps,
+            shape = "spherical" if rs.ablation == "spherical_set" else "jacobian"
+            _, pinv = set_shape(result.point[live], rho=rs.rho, norm_by_std=rs.norm_by_std, eps=rs.eps,
                                 shape=shape)
             covered[live] = mahalanobis(a_ref[live] - result.grpo[live], pinv) <= rec.q_alpha
-        rev = reversal_events(result.coefficients, m, reference, result.accepted, norm_by_std=rec.norm_by_std,
-                              eps=rec.eps, degenerate_rtol=rec.degenerate_rtol)
+        rev = reversal_events(result.coefficients, m, reference, result.accepted, norm_by_std=rs.norm_by_std,
+                              eps=rs.eps, degenerate_rtol=rec.degenerate_rtol)
         n_live, n_acc = int(live.sum()), int(result.accepted.sum())
         self.seen += n_live
         self.covered += int(covered.sum())
@@ -509,10 +484,10 @@ class OnlineRiskMonitor:
         self.reversals += int(rev.sum())
         was_drift = self.drift
         self.certified, self.drift = self._flags()
-        ucb = anytime_upper_bound(self.reversals, self.accepted, rec.delta)
+        ucb = anytime_upper_bound(self.reversals, self.accepted, rs.delta)
         if self.drift and not was_drift:
             msg = (f"SetGRPO online monitor: {self.reversals}/{self.accepted} accepted groups reversed, evidence at "
-                   f"level delta={rec.delta} (anytime-valid) that the reversal risk is above beta={rec.beta}; the "
+                   f"level delta={rs.delta} (anytime-valid) that the reversal risk is above beta={rs.beta}; the "
                    "policy may have drifted from the calibration policy - consider recalibrating")
             logger.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)

@@ -20,7 +20,6 @@ from ._api import calibrate, setgrpo_coefficients
 from ._grpo import degenerate_groups
 from ._record import CalibrationRecord
 from ._reversal import reversal_events
-from ._settings import CalibrationSettings
 
 #: Default share of exchangeable splits a band holds: its ends are the 5 % and 95 % quantiles.
 BAND_LEVEL = 0.90
@@ -211,26 +210,27 @@ def resplit(point: torch.Tensor, reference: torch.Tensor, gram: torch.Tensor, re
             f"paired scores with {point.shape[0]} groups of K={point.shape[1]} ({n_live} non-degenerate) are not the "
             f"ones this record was calibrated on ({record.n_cov} + {record.n_risk} non-degenerate, "
             f"{record.n_degenerate} degenerate, K={record.K}); pass the calibration stage's own paired_scores.npz")
-    settings = CalibrationSettings.from_record(record, risk_fraction=record.n_risk / n_live,
-                                               on_infeasible="reject_all")
-    kwargs = dict(settings.as_kwargs(), degenerate_rtol=record.degenerate_rtol)
-    coverage = np.array([calibrate(point, reference, gram, **kwargs, split_seed=s).coverage_risk_set
-                         for s in range(seeds)])
+    # the record's split sizes exactly, whatever its split shares were
+    same_split = record.settings.replace(risk_fraction=record.n_risk / n_live, coverage_groups=record.n_cov,
+                                         on_infeasible="reject_all")
+    coverage = np.array([calibrate(point, reference, gram, same_split, split_seed=s,
+                                   degenerate_rtol=record.degenerate_rtol).coverage_risk_set for s in range(seeds)])
     live_idx = live.nonzero().flatten()
     n_hold = n_live // 2
-    half = CalibrationSettings.from_record(record, on_infeasible="reject_all").as_kwargs()
-    half["degenerate_rtol"] = record.degenerate_rtol
+    half = record.settings.replace(on_infeasible="reject_all")
     risk, n_acc = np.full(seeds, np.nan), np.zeros(seeds, dtype=np.int64)
     for s in range(seeds):
         perm = live_idx[torch.randperm(n_live, generator=torch.Generator().manual_seed(s))]
         hold, cal = perm[:n_hold], perm[n_hold:]
         try:
-            rec = calibrate(point[cal], reference[cal], gram[cal], **half, split_seed=s)
+            rec = calibrate(point[cal], reference[cal], gram[cal], half, split_seed=s,
+                            degenerate_rtol=record.degenerate_rtol)
         except ValueError:  # half the groups are too few for alpha: this re-split has no risk figure
             continue
         res = setgrpo_coefficients(point[hold], gram[hold], rec)
         rev = reversal_events(res.coefficients, gram[hold], reference[hold], res.accepted,
-                              norm_by_std=record.norm_by_std, eps=record.eps, degenerate_rtol=record.degenerate_rtol)
+                              norm_by_std=record.settings.norm_by_std, eps=record.settings.eps,
+                              degenerate_rtol=record.degenerate_rtol)
         n_acc[s] = int(res.accepted.sum())
         if n_acc[s]:
             risk[s] = int(rev.sum()) / n_acc[s]
@@ -254,12 +254,13 @@ def guarantee_lines(record: CalibrationRecord, resplits: Resplits | None = None,
     Returns:
         Lines of text (no trailing newlines).
     """
-    band = coverage_band(record.n_cov, record.n_risk, record.alpha, level=level)
+    levels = record.settings
+    band = coverage_band(record.n_cov, record.n_risk, levels.alpha, level=level)
     pct = f"{100 * (1 - level) / 2:g}-{100 * (1 + level) / 2:g} %"
     cov = record.coverage_risk_set
     where = band.position(cov)
     lines = [f"held-out coverage {cov:.3f} on {record.n_risk} held-out groups ({round(cov * record.n_risk)} covered; "
-             f"guarantee: >= {1 - record.alpha:.2f} on average over splits)",
+             f"guarantee: >= {1 - levels.alpha:.2f} on average over splits)",
              f"  expected under exchangeability: mean {band.mean:.2f}, single splits {band.lo:.2f}-{band.hi:.2f} "
              f"({pct} band, n_cov={record.n_cov}) -> {where} the band"]
     if where == "below":
@@ -282,18 +283,18 @@ def guarantee_lines(record: CalibrationRecord, resplits: Resplits | None = None,
                          f"[{band.lo:.2f}, {band.hi:.2f}] of a single split: "
                          + ("calibration and held-out groups do not behave as exchangeable"
                             if mean < band.lo else "the sets are wider than 1 - alpha needs (tied scores)"))
-        share = resplits.share_risk_at_most(record.beta)
+        share = resplits.share_risk_at_most(levels.beta)
         judged = int((~np.isnan(resplits.risk)).sum())
         if share is None:
             lines.append(f"risk: none of {resplits.seeds} re-splits accepted a held-out group (each calibrated on half "
                          f"the groups, {resplits.n_held_out} held out; too few for a risk-feasible threshold): the "
                          "realised risk is not measurable on these paired scores")
         else:
-            floor = risk_share_floor(resplits.n_accepted, record.beta, record.delta)
-            lines.append(f"risk: realised risk <= beta={record.beta} in {share:.2f} of the {judged} re-splits with an "
+            floor = risk_share_floor(resplits.n_accepted, levels.beta, levels.delta)
+            lines.append(f"risk: realised risk <= beta={levels.beta} in {share:.2f} of the {judged} re-splits with an "
                          "accepted held-out group")
             lines.append(f"  (each calibrated on half the groups, {resplits.n_held_out} held out; guarantee >= "
-                         f"{1 - record.delta:.2f} for the true risk, >= {floor:.2f} expected for the realised rate on "
+                         f"{1 - levels.delta:.2f} for the true risk, >= {floor:.2f} expected for the realised rate on "
                          f"{np.mean(resplits.n_accepted[resplits.n_accepted > 0]):.1f} accepted groups)")
             if share < floor:
                 lines.append(f"  WARNING: realised risk <= beta in only {share:.2f} of re-splits, below the "

@@ -15,15 +15,21 @@ from typing import Any
 import numpy as np
 
 from ._grpo import DEGENERATE_RTOL
-from ._settings import ABLATIONS, ON_INFEASIBLE
-from ._srgo import PROCEDURES, infeasible_text, threshold_tests
+from ._settings import COVERAGE_GROUPS, CalibrationSettings
+from ._srgo import infeasible_text, threshold_tests
 
 #: Version 2 added ``degenerate_rtol`` (the degeneracy tolerance that calibration used and training applies);
 #: version 3 added ``calibration_prompts`` (what the record was calibrated on); version 4 the SRGO testing procedure
-#: (``srgo_procedure``, ``tau_start`` and where it came from, the test order, levels, p-values and the stop).
-SCHEMA_VERSION = 4
-#: The older schema that is still read: a version-3 record is a Bonferroni record, its tests re-derived on reading.
-_READABLE_OLD = 3
+#: (``srgo_procedure``, ``tau_start`` and where it came from, the test order, levels, p-values and the stop);
+#: version 5 nests the settings the record was calibrated with as ``settings`` (a ``CalibrationSettings`` dict, with
+#: the split shares, ``fixed_tau`` and ``variant`` that the flat fields of versions 3 and 4 left out).
+SCHEMA_VERSION = 5
+#: Older schemas that are still read, migrated on reading (:func:`_migrate`): a version-3 record is a Bonferroni
+#: record, its tests re-derived; versions 3 and 4 have flat settings fields.
+_READABLE_OLD = (3, 4)
+#: The flat settings fields of schemas 3 and 4, now ``settings``' fields of the same names.
+_FLAT_SETTINGS = ("alpha", "beta", "delta", "rho", "tau_grid", "norm_by_std", "eps", "grid_size", "ablation",
+                  "on_infeasible", "srgo_procedure", "tau_start")
 _TEST_FIELDS = ("test_order", "test_levels", "p_values", "stopped_at")
 _HASH_KEY = "content_sha256"
 _PROMPT_KEYS = ("id", "question_sha256", "rubric_sha256")
@@ -89,20 +95,23 @@ class CalibrationRecord:
     radius ``q_alpha``) and, with probability >= ``1 - delta`` over the risk-calibration groups,
     the conditional direction-reversal risk of accepted groups at ``tau_sel`` is <= ``beta``.
 
-    Per-threshold arrays (length m, aligned with ``tau_grid``): ``n_accepted`` N_j,
+    Per-threshold arrays (length m, aligned with ``settings.tau_grid``): ``n_accepted`` N_j,
     ``n_reversals`` F_j, ``ucb`` (Clopper-Pearson at ``1 - delta/m``), ``utility`` U_j.
     ``degenerate_rtol`` is the relative tolerance of the degeneracy test (docs/algorithm.md#1-grpo-map,
     :func:`setgrpo_verl.core.degenerate_groups`) used to leave groups out of calibration; training
     applies the same value, so a group's status never changes between the phases.
     ``tau_sel`` is None only when calibration found no risk-feasible threshold and the user chose
     ``on_infeasible="reject_all"``: such a record rejects every group.
+    ``settings`` is the :class:`~setgrpo_verl.core.CalibrationSettings` the record was calibrated with (levels,
+    grid, ridge, coefficient map, ablation, procedure, split shares, variant); everything else is a result of the
+    calibration or describes the run it was made for.
     ``calibration_prompts`` names what the record was calibrated on: one :func:`prompt_fingerprint`
     (id, question hash, rubric hash) per calibration prompt, empty when the caller gave none;
     :meth:`check_disjoint` refuses training prompts among them.
 
-    SRGO's tests (docs/algorithm.md#4-srgo): ``srgo_procedure`` (``bonferroni`` or ``fixed_sequence``),
-    ``tau_start`` (the fixed sequence's first threshold, None for Bonferroni) and ``tau_start_source`` (where it came
-    from: ``{"kind": "user"}`` or ``{"kind": "pilot", "record_sha256": <pilot record's content hash>}``);
+    SRGO's tests (docs/algorithm.md#4-srgo): ``settings.srgo_procedure`` (``bonferroni`` or ``fixed_sequence``),
+    ``settings.tau_start`` (the fixed sequence's first threshold, None for Bonferroni) and ``tau_start_source``
+    (where it came from: ``{"kind": "user"}`` or ``{"kind": "pilot", "record_sha256": <pilot record's content hash>}``);
     ``test_order`` (grid indices in the order tested), ``test_levels`` (the level of each of those tests),
     ``p_values`` (``[m]``, ``P(Bin(N_j, beta) <= F_j)``) and ``stopped_at`` (the grid index of the failed test that
     ended a fixed sequence, None otherwise). Left empty on construction they are derived from the counts; given,
@@ -112,28 +121,19 @@ class CalibrationRecord:
     ``n_cov``, ``n_risk``, ``q_alpha`` and ``tau_sel`` (see :meth:`table4_row`).
     """
 
-    alpha: float
-    beta: float
-    delta: float
-    rho: float
+    settings: CalibrationSettings
     q_alpha: float
     n_cov: int
     n_risk: int
     n_degenerate: int
-    tau_grid: tuple[float, ...]
     n_accepted: tuple[int, ...]
     n_reversals: tuple[int, ...]
     ucb: tuple[float, ...]
     utility: tuple[float, ...]
     tau_sel: float | None
     K: int
-    norm_by_std: bool
-    eps: float
     coverage_risk_set: float
     split_seed: int = 0
-    grid_size: int = 100
-    ablation: str | None = None
-    on_infeasible: str = "error"
     loss_agg_mode: str = "token-mean"
     sketch: dict = field(default_factory=dict)
     grader: dict = field(default_factory=dict)
@@ -142,8 +142,6 @@ class CalibrationRecord:
     created_at: str = ""
     degenerate_rtol: float = DEGENERATE_RTOL
     calibration_prompts: tuple = ()
-    srgo_procedure: str = "bonferroni"
-    tau_start: float | None = None
     tau_start_source: dict = field(default_factory=dict)
     test_order: tuple = ()
     test_levels: tuple = ()
@@ -152,6 +150,9 @@ class CalibrationRecord:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        if not isinstance(self.settings, CalibrationSettings):
+            raise ValueError(f"invalid calibration record: settings must be a CalibrationSettings, got "
+                             f"{type(self.settings).__name__} (read a stored dict with CalibrationSettings.from_dict)")
         if not self.test_order and not self.test_levels and not self.p_values:
             tests = _tests(self)
             if tests is not None:
@@ -161,14 +162,15 @@ class CalibrationRecord:
 
     @property
     def start_index(self) -> int | None:
-        """Grid index of ``tau_start`` (None for Bonferroni)."""
-        return None if self.tau_start is None else self.tau_grid.index(self.tau_start)
+        """Grid index of ``settings.tau_start`` (None for Bonferroni)."""
+        s = self.settings
+        return None if s.tau_start is None else s.tau_grid.index(s.tau_start)
 
     # ----------------------------------------------------------------- Table 4 view
     @property
     def sel_index(self) -> int | None:
-        """Index of ``tau_sel`` in ``tau_grid`` (None for a reject-all record)."""
-        return None if self.tau_sel is None else self.tau_grid.index(self.tau_sel)
+        """Index of ``tau_sel`` in ``settings.tau_grid`` (None for a reject-all record)."""
+        return None if self.tau_sel is None else self.settings.tau_grid.index(self.tau_sel)
 
     @property
     def N(self) -> int:  # noqa: N802 - the paper's column name
@@ -198,10 +200,11 @@ class CalibrationRecord:
     def selection_text(self) -> str:
         """One line on SRGO's threshold (docs/algorithm.md#4-srgo): the selected tau and its bound, or, for a
         reject-all record, that no threshold is risk-feasible, the smallest bound, and that no group updates."""
+        s = self.settings
         if self.tau_sel is not None:
-            return f"tau_sel={self.tau_sel:.2f}, UCB {self.ucb_sel:.4f} <= beta={self.beta}"
-        why = infeasible_text(self.tau_grid, self.n_accepted, self.n_reversals, self.ucb, beta=self.beta,
-                              stopped_at=self.stopped_at if self.srgo_procedure == "fixed_sequence" else None)
+            return f"tau_sel={self.tau_sel:.2f}, UCB {self.ucb_sel:.4f} <= beta={s.beta}"
+        why = infeasible_text(s.tau_grid, self.n_accepted, self.n_reversals, self.ucb, beta=s.beta,
+                              stopped_at=self.stopped_at if s.srgo_procedure == "fixed_sequence" else None)
         return (f"no risk-feasible threshold: {why}, so this record accepts no group and SetGRPO updates nothing; "
                 "more calibration groups or a larger beta may certify one")
 
@@ -209,24 +212,25 @@ class CalibrationRecord:
         """SRGO's tests as lines of text (docs/algorithm.md#4-srgo): the procedure, where the start came from, and one
         line per test of a fixed sequence in the order run (threshold, N, F, p-value against its level, passed or
         failed); for Bonferroni the certified thresholds."""
-        if self.srgo_procedure == "bonferroni":
-            head = (f"SRGO procedure: bonferroni, each of the {len(self.tau_grid)} thresholds tested at level "
-                    f"delta/m = {self.delta / len(self.tau_grid):.4g}")
+        s = self.settings
+        if s.srgo_procedure == "bonferroni":
+            head = (f"SRGO procedure: bonferroni, each of the {len(s.tau_grid)} thresholds tested at level "
+                    f"delta/m = {s.delta / len(s.tau_grid):.4g}")
         else:
             src = self.tau_start_source
             origin = (f"pilot record {src['record_sha256'][:12]}" if src.get("kind") == "pilot" else "set by the user")
             stop = ("every test passed" if self.stopped_at is None
-                    else f"stopped at tau={self.tau_grid[self.stopped_at]:.2f}")
-            head = (f"SRGO procedure: fixed_sequence from tau_start={self.tau_start:.2f} ({origin}) down the grid, "
-                    f"each test at level delta = {self.delta:g}; {stop}")
+                    else f"stopped at tau={s.tau_grid[self.stopped_at]:.2f}")
+            head = (f"SRGO procedure: fixed_sequence from tau_start={s.tau_start:.2f} ({origin}) down the grid, "
+                    f"each test at level delta = {s.delta:g}; {stop}")
         lines = [head]
-        if self.srgo_procedure == "bonferroni":  # every threshold is tested; the certified ones say it all
-            passed = [f"{self.tau_grid[j]:.2f}" for j in self.test_order
-                      if self.n_accepted[j] > 0 and self.ucb[j] <= self.beta]
+        if s.srgo_procedure == "bonferroni":  # every threshold is tested; the certified ones say it all
+            passed = [f"{s.tau_grid[j]:.2f}" for j in self.test_order
+                      if self.n_accepted[j] > 0 and self.ucb[j] <= s.beta]
             return lines + [f"  certified thresholds: {', '.join(passed) if passed else 'none'}"]
         for j, level in zip(self.test_order, self.test_levels):
-            ok = self.n_accepted[j] > 0 and self.ucb[j] <= self.beta
-            lines.append(f"  tau={self.tau_grid[j]:.2f}: N={self.n_accepted[j]}, F={self.n_reversals[j]}, "
+            ok = self.n_accepted[j] > 0 and self.ucb[j] <= s.beta
+            lines.append(f"  tau={s.tau_grid[j]:.2f}: N={self.n_accepted[j]}, F={self.n_reversals[j]}, "
                          f"p={self.p_values[j]:.3g} vs level {level:.4g} -> {'passed' if ok else 'failed'}")
         return lines
 
@@ -239,17 +243,20 @@ class CalibrationRecord:
     def check_compatible(self, **run: Any) -> None:
         """Refuse to train with a record calibrated for a different run.
 
-        Keyword arguments name record fields (``K``, ``norm_by_std``, ``eps``, ``loss_agg_mode``,
-        ``grader``, ``sketch``, ``policy``, ``ablation``, ...); each given value must equal the
-        record's. Dict fields are compared key by key, and the first differing key is named.
+        Keyword arguments name record fields (``K``, ``loss_agg_mode``, ``grader``, ``sketch``, ``policy``, ...)
+        or fields of its ``settings`` (``norm_by_std``, ``eps``, ``alpha``, ``ablation``, ...); each given value
+        must equal the record's. Dict fields are compared key by key, and the first differing key is named.
 
         Raises:
             ValueError: naming the first mismatched field, both values, and the fix.
         """
+        own = {f.name for f in dataclasses.fields(self)} - {"settings"}
+        setting = {f.name for f in dataclasses.fields(self.settings)}
         for name in run:
-            if not hasattr(self, name) or name.startswith("_"):
+            if name not in own | setting:
                 raise ValueError(f"calibration record has no field {name!r}")
-        check_identity({name: getattr(self, name) for name in run}, run, what="calibration record", holder="record")
+        stored = {name: getattr(self if name in own else self.settings, name) for name in run}
+        check_identity(stored, run, what="calibration record", holder="record")
 
     def check_disjoint(self, prompts: Any, *, source: str = "the training data") -> None:
         """Refuse training prompts that the record was calibrated on (docs/record.md#compatibility-with-a-run).
@@ -327,10 +334,10 @@ class CalibrationRecord:
             raise ValueError(f"a calibration record is a JSON object, got a JSON {type(data).__name__}")
         data = dict(data)
         version = data.get("schema_version")
-        if version not in (SCHEMA_VERSION, _READABLE_OLD):
+        if version != SCHEMA_VERSION and version not in _READABLE_OLD:
             raise ValueError(
                 f"calibration record schema_version is {version!r}, this package reads {SCHEMA_VERSION} (and "
-                f"{_READABLE_OLD}, as a Bonferroni record); recalibrate with this version"
+                f"{', '.join(map(str, _READABLE_OLD))}, migrated on reading); recalibrate with this version"
             )
         stored = data.pop(_HASH_KEY, None)
         if stored is None or stored != _content_hash({**data}):
@@ -339,17 +346,23 @@ class CalibrationRecord:
                 "(or is truncated); a frozen record must not be edited - recalibrate instead"
             )
         summary = data.pop("summary", None)
-        if version == _READABLE_OLD:  # the paper's Bonferroni procedure; its tests are re-derived from the counts
-            data.update(schema_version=SCHEMA_VERSION, srgo_procedure="bonferroni", tau_start=None,
-                        tau_start_source={}, test_order=(), test_levels=(), p_values=(), stopped_at=None)
+        if version != SCHEMA_VERSION:
+            data = _migrate(data)
         names = {f.name for f in dataclasses.fields(cls)}
         missing, unknown = names - set(data), set(data) - names
         if missing or unknown:
             raise ValueError(f"calibration record fields wrong: missing {sorted(missing)}, unknown {sorted(unknown)}")
-        for key in ("tau_grid", "n_accepted", "n_reversals", "ucb", "utility", "calibration_prompts", "test_order",
+        try:
+            data["settings"] = CalibrationSettings.from_dict(data["settings"])
+        except ValueError as exc:
+            raise ValueError(f"invalid calibration record: settings: {exc}") from None
+        for key in ("n_accepted", "n_reversals", "ucb", "utility", "calibration_prompts", "test_order",
                     "test_levels", "p_values"):
             data[key] = tuple(data[key])
         record = cls(**data)
+        # the hash the file was written with: what resume state and pilot sources name the record by, also when
+        # an older schema was migrated (whose content, and so hash, is written anew by to_dict)
+        object.__setattr__(record, "_file_sha256", stored)
         if summary is not None and (summary.get("N"), summary.get("F")) != (record.N, record.F):
             raise ValueError("calibration record summary (N, F) disagrees with its per-threshold counts")
         mismatch = record.version_mismatch()
@@ -411,9 +424,43 @@ def _content_hash(d: dict[str, Any]) -> str:
 
 
 def content_sha256(record: CalibrationRecord) -> str:
-    """The content hash a record's JSON file stores (``content_sha256``): what a fixed sequence's
-    ``tau_start_source`` names when its start came from a pilot record (docs/record.md#fields)."""
-    return record.to_dict()[_HASH_KEY]
+    """The content hash a record's JSON file stores (``content_sha256``, 64 hex): what a fixed sequence's
+    ``tau_start_source`` and a checkpoint's resume state name a record by (docs/record.md#fields).
+
+    For a record read from a file (:meth:`CalibrationRecord.from_dict`) it is the hash that file stores, also for
+    an older schema migrated on reading (whose :meth:`~CalibrationRecord.to_dict` hashes the migrated content);
+    for a record built in memory, the hash :meth:`~CalibrationRecord.to_json` will write.
+    """
+    return getattr(record, "_file_sha256", None) or record.to_dict()[_HASH_KEY]
+
+
+def _migrate(data: dict[str, Any]) -> dict[str, Any]:
+    """A schema-3 or -4 record dict (hash and summary removed) as schema 5 (docs/record.md#older-records).
+
+    The flat settings fields become ``settings``; what they left out is filled in: ``variant`` is ``paper``,
+    ``fixed_tau`` is the ``fixed_threshold`` ablation's ``tau_sel``, and the split shares are the defaults
+    (``risk_fraction`` 0.5, ``coverage_groups`` 1,000) when they give the record's coverage/risk counts, else
+    ``coverage_groups`` is the record's ``n_cov`` (which does). A schema-3 record is a Bonferroni record.
+    """
+    data = dict(data)
+    if data.get("schema_version") == 3:  # the paper's Bonferroni procedure; its tests are re-derived from the counts
+        data.update(srgo_procedure="bonferroni", tau_start=None, tau_start_source={}, test_order=(),
+                    test_levels=(), p_values=(), stopped_at=None)
+    missing = [name for name in _FLAT_SETTINGS if name not in data]
+    if missing:
+        raise ValueError(f"calibration record fields wrong: schema {data.get('schema_version')} needs the settings "
+                         f"fields {list(_FLAT_SETTINGS)}, missing {missing}")
+    settings = {name: data.pop(name) for name in _FLAT_SETTINGS}
+    n_cov, n_risk = data.get("n_cov"), data.get("n_risk")
+    cap = COVERAGE_GROUPS
+    if isinstance(n_cov, int) and isinstance(n_risk, int):
+        n = n_cov + n_risk
+        if min(n - int(round(n * 0.5)), COVERAGE_GROUPS) != n_cov:
+            cap = max(n_cov, 1)
+    fixed = data.get("tau_sel") if settings["ablation"] == "fixed_threshold" else None
+    settings.update(fixed_tau=fixed, risk_fraction=0.5, coverage_groups=cap, variant="paper")
+    data.update(settings=settings, schema_version=SCHEMA_VERSION)
+    return data
 
 
 def pilot_start(pilot: CalibrationRecord, tau_grid, *, calibration_prompts=()) -> tuple[float, dict[str, str]]:
@@ -451,16 +498,13 @@ def pilot_start(pilot: CalibrationRecord, tau_grid, *, calibration_prompts=()) -
 
 def _tests(r: CalibrationRecord) -> Any:
     """SRGO's tests re-derived from a record's counts, or None when its fields cannot say (left to _validate)."""
-    m = len(r.tau_grid)
-    if r.srgo_procedure not in PROCEDURES or m == 0 or any(len(getattr(r, k)) != m for k in (
-            "n_accepted", "n_reversals", "utility")):
-        return None
-    if r.srgo_procedure == "fixed_sequence" and r.tau_start not in r.tau_grid:
+    s = r.settings
+    m = len(s.tau_grid)
+    if any(len(getattr(r, k)) != m for k in ("n_accepted", "n_reversals", "utility")):
         return None
     try:
-        return threshold_tests(r.n_accepted, r.n_reversals, r.utility, beta=r.beta, delta=r.delta,
-                               procedure=r.srgo_procedure, start_index=r.start_index if r.tau_start in r.tau_grid
-                               else None)
+        return threshold_tests(r.n_accepted, r.n_reversals, r.utility, beta=s.beta, delta=s.delta,
+                               procedure=s.srgo_procedure, start_index=r.start_index)
     except ValueError:
         return None
 
@@ -471,13 +515,11 @@ def _test_fields(tests: Any) -> dict[str, Any]:
 
 
 def _validate(r: CalibrationRecord) -> None:
+    """The record's own invariants; its settings validated themselves (:class:`CalibrationSettings`)."""
     def fail(msg: str) -> None:
         raise ValueError(f"invalid calibration record: {msg}")
 
-    for name in ("alpha", "beta", "delta"):
-        v = getattr(r, name)
-        if not (0.0 < v < 1.0):
-            fail(f"{name}={v} must lie in (0, 1)")
+    s = r.settings
     if not (r.q_alpha >= 0 and math.isfinite(r.q_alpha)):
         fail(f"q_alpha={r.q_alpha} must be finite and >= 0")
     if r.K < 2:
@@ -487,28 +529,21 @@ def _validate(r: CalibrationRecord) -> None:
         fail(f"degenerate_rtol={r.degenerate_rtol!r} must be a number in [0, 1)")
     if r.n_cov < 1 or r.n_risk < 1 or r.n_degenerate < 0:
         fail(f"group counts n_cov={r.n_cov}, n_risk={r.n_risk}, n_degenerate={r.n_degenerate} out of range")
-    m = len(r.tau_grid)
-    if m == 0 or any(len(getattr(r, k)) != m for k in ("n_accepted", "n_reversals", "ucb", "utility")):
-        fail("tau_grid, n_accepted, n_reversals, ucb and utility must be non-empty and of equal length")
-    if any(b <= a for a, b in zip(r.tau_grid, r.tau_grid[1:])) or not all(-1 < t < 1 for t in r.tau_grid):
-        fail("tau_grid must be strictly increasing inside (-1, 1)")
+    m = len(s.tau_grid)
+    if any(len(getattr(r, k)) != m for k in ("n_accepted", "n_reversals", "ucb", "utility")):
+        fail("n_accepted, n_reversals, ucb and utility must each have one entry per threshold of settings.tau_grid")
     if any(not (0 <= f <= n <= r.n_risk) for f, n in zip(r.n_reversals, r.n_accepted)):
         fail("need 0 <= n_reversals <= n_accepted <= n_risk at every threshold")
-    if r.srgo_procedure not in PROCEDURES:
-        fail(f"srgo_procedure={r.srgo_procedure!r} must be one of {PROCEDURES}")
     source = r.tau_start_source
-    if r.srgo_procedure == "bonferroni":
-        if r.tau_start is not None or source:
-            fail("a bonferroni record has no tau_start and no tau_start_source")
-    else:
-        if r.tau_start not in r.tau_grid:
-            fail(f"tau_start={r.tau_start!r} must be on tau_grid for srgo_procedure='fixed_sequence'")
-        if not (source == {"kind": "user"} or (isinstance(source, dict) and set(source) == {"kind", "record_sha256"}
-                                                and source["kind"] == "pilot"
-                                                and isinstance(source["record_sha256"], str)
-                                                and len(source["record_sha256"]) == 64)):
-            fail(f"tau_start_source={source!r} must be {{'kind': 'user'}} or {{'kind': 'pilot', 'record_sha256': "
-                 "<the pilot record's 64-hex content hash>}")
+    if s.srgo_procedure == "bonferroni":
+        if source:
+            fail("a bonferroni record has no tau_start_source")
+    elif not (source == {"kind": "user"} or (isinstance(source, dict) and set(source) == {"kind", "record_sha256"}
+                                              and source["kind"] == "pilot"
+                                              and isinstance(source["record_sha256"], str)
+                                              and len(source["record_sha256"]) == 64)):
+        fail(f"tau_start_source={source!r} must be {{'kind': 'user'}} or {{'kind': 'pilot', 'record_sha256': "
+             "<the pilot record's 64-hex content hash>}")
     tests = _tests(r)
     if tests is None:
         fail("the SRGO tests cannot be derived from these counts")
@@ -522,21 +557,17 @@ def _validate(r: CalibrationRecord) -> None:
         same = (np.allclose(mine, want, rtol=1e-9, atol=1e-15) if name in ("test_levels", "p_values")
                 and len(mine) == len(want) else tuple(mine) == tuple(want) if name != "stopped_at" else mine == want)
         if not same:
-            fail(f"{name}={mine!r} is not what the {r.srgo_procedure} tests of these counts give ({want!r})")
-    if r.ablation is not None and r.ablation not in ABLATIONS:
-        fail(f"ablation={r.ablation!r} is not one of {ABLATIONS}")
-    if r.on_infeasible not in ON_INFEASIBLE:
-        fail(f"on_infeasible={r.on_infeasible!r} must be one of {ON_INFEASIBLE}")
+            fail(f"{name}={mine!r} is not what the {s.srgo_procedure} tests of these counts give ({want!r})")
     if any(not isinstance(p, dict) or set(p) != set(_PROMPT_KEYS) or not all(isinstance(p[k], str) for k in p)
            for p in r.calibration_prompts):
         fail(f"calibration_prompts must be {{{', '.join(_PROMPT_KEYS)}}} string mappings (prompt_fingerprint)")
-    if r.tau_sel is not None and r.tau_sel not in r.tau_grid:
-        fail(f"tau_sel={r.tau_sel} is not on tau_grid")
-    if r.ablation == "fixed_threshold":
-        if r.tau_sel is None:
-            fail("a fixed_threshold record needs tau_sel")
+    if r.tau_sel is not None and r.tau_sel not in s.tau_grid:
+        fail(f"tau_sel={r.tau_sel} is not on settings.tau_grid")
+    if s.ablation == "fixed_threshold":
+        if r.tau_sel != s.fixed_tau:
+            fail(f"a fixed_threshold record's tau_sel={r.tau_sel} must be its settings.fixed_tau={s.fixed_tau}")
     elif index is None:
-        if r.tau_sel is not None or r.on_infeasible != "reject_all":
+        if r.tau_sel is not None or s.on_infeasible != "reject_all":
             fail("no threshold is risk-feasible, so tau_sel must be None with on_infeasible='reject_all'")
-    elif r.tau_sel != r.tau_grid[index]:
-        fail(f"tau_sel={r.tau_sel} is not the SRGO selection {r.tau_grid[index]} for these counts")
+    elif r.tau_sel != s.tau_grid[index]:
+        fail(f"tau_sel={r.tau_sel} is not the SRGO selection {s.tau_grid[index]} for these counts")

@@ -1,10 +1,11 @@
 """The one validated set of calibration settings (docs/algorithm.md#41-defaults).
 
 :class:`CalibrationSettings` is the only place where the levels, the threshold grid, the ridge, the recovery grid
-and the ablation are checked. :func:`setgrpo_verl.core.calibrate` builds one from its arguments, and the run's
-configuration check before Ray (``algorithm.setgrpo``), the command line and ``setgrpo-verl validate`` build the
-same object from their inputs, so that a setting refused by core is refused before any rollout, with the same
-message. A leaf module: it imports nothing from the rest of the package but the grid default.
+and the ablation are checked. :func:`setgrpo_verl.core.calibrate` takes one, and the calibration record stores it
+(``record.settings``). It is built in one place per source: from the ``algorithm.setgrpo`` block by
+``SetGRPOConfig.calibration_settings`` (the run's check before Ray and the command line), and from a JSON dict by
+:meth:`CalibrationSettings.from_dict` (shards, records), so that a setting refused by core is refused before any
+rollout, with the same message. A leaf module: it imports nothing from the rest of the package but the grid default.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from ._srgo import DEFAULT_TAU_GRID, PROCEDURES
 
 #: Ablations of docs/algorithm.md#6-diagnostics (``None`` is the full method).
 ABLATIONS = ("spherical_set", "identity_geometry", "safe_anchor_only", "fixed_threshold", "random_discard")
+#: Variants of the method (docs/algorithm.md#41-defaults): ``paper`` is the method of the paper; further variants
+#: are added here, the one list every check reads.
+VARIANTS = ("paper",)
 #: What calibration does when no threshold is risk-feasible (docs/algorithm.md#4-srgo).
 ON_INFEASIBLE = ("error", "reject_all")
 #: Default most coverage-calibration groups (docs/algorithm.md#41-defaults): the conformal radius at alpha = 0.05
@@ -55,6 +59,7 @@ class CalibrationSettings:
             (Learn then Test, docs/algorithm.md#4-srgo).
         tau_start: the fixed sequence's first threshold, on ``tau_grid``; required for ``fixed_sequence``, None for
             ``bonferroni``. It must be chosen without the calibration groups (a pilot record or the user).
+        variant: the method's variant, one of :data:`VARIANTS` (default ``"paper"``).
 
     Raises:
         ValueError: on construction, naming the first invalid field as ``<field>=<value>`` followed by the
@@ -76,8 +81,11 @@ class CalibrationSettings:
     coverage_groups: Optional[int] = COVERAGE_GROUPS
     srgo_procedure: str = "bonferroni"
     tau_start: Optional[float] = None
+    variant: str = "paper"
 
     def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant={self.variant!r}: choose one of {VARIANTS}")
         for name in ("alpha", "beta", "delta", "risk_fraction"):
             value = getattr(self, name)
             if not (_is_number(value) and 0.0 < float(value) < 1.0):
@@ -144,29 +152,25 @@ class CalibrationSettings:
         """A copy with ``changes`` applied, validated again (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
-    def as_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`setgrpo_verl.core.calibrate` these settings describe."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of every field (``tau_grid`` as a list)."""
+        """JSON-ready dict of every field (``tau_grid`` as a list): what shards and records store."""
         out = dataclasses.asdict(self)
         out["tau_grid"] = list(self.tau_grid)
         return out
 
     @classmethod
-    def from_record(cls, record: Any, **changes: Any) -> CalibrationSettings:
-        """The settings a :class:`~setgrpo_verl.core.CalibrationRecord` was calibrated with (its risk fraction is
-        the default 50/50 split, its coverage cap the record's ``n_cov``), with ``changes`` applied.
+    def from_dict(cls, data: Any) -> CalibrationSettings:
+        """The settings of a :meth:`to_dict` dict; a key it lacks takes its default (``variant`` is ``"paper"`` in
+        dicts written before variants existed).
 
         Raises:
-            ValueError: as the constructor.
+            ValueError: not a dict, a key that is no field (named, with the fields), or a value the constructor
+                refuses.
         """
-        values = dict(alpha=record.alpha, beta=record.beta, delta=record.delta, tau_grid=tuple(record.tau_grid),
-                      rho=record.rho, grid_size=record.grid_size, ablation=record.ablation,
-                      fixed_tau=record.tau_sel if record.ablation == "fixed_threshold" else None,
-                      norm_by_std=record.norm_by_std, eps=record.eps, on_infeasible=record.on_infeasible,
-                      coverage_groups=max(record.n_cov, 1), srgo_procedure=record.srgo_procedure,
-                      tau_start=record.tau_start)
-        values.update(changes)
-        return cls(**values)
+        if not isinstance(data, dict):
+            raise ValueError(f"calibration settings are a JSON object, got {type(data).__name__} {data!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"calibration settings have unknown keys {unknown}; the fields are {names}")
+        return cls(**data)

@@ -27,6 +27,7 @@ import torch
 
 from ._api import calibrate
 from ._record import CalibrationRecord, check_identity, differing_versions, pilot_start
+from ._settings import CalibrationSettings
 
 __all__ = ["SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
            "pilot_source", "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name",
@@ -85,13 +86,13 @@ def prompts_sha256(prompts: Iterable[dict]) -> str:
     return hashlib.sha256(json.dumps(list(prompts), sort_keys=True).encode()).hexdigest()
 
 
-def shard_identity(*, k: int, settings: dict, split_seed: int, run: dict, prompts: Sequence[dict],
+def shard_identity(*, k: int, settings: CalibrationSettings, split_seed: int, run: dict, prompts: Sequence[dict],
                    batch_size: int) -> dict[str, Any]:
     """The identity every shard of one calibration carries (docs/record.md#calibration-shards).
 
     Args:
         k: responses per group (``rollout.n``).
-        settings: :meth:`setgrpo_verl.core.CalibrationSettings.to_dict` (levels, grid, rho, procedure, ...).
+        settings: the calibration's settings, stored as :meth:`~setgrpo_verl.core.CalibrationSettings.to_dict`.
         split_seed: the coverage/risk split's seed.
         run: the run identity: ``loss_agg_mode``, ``sketch``, ``grader`` and ``policy``.
         prompts: every calibration prompt's fingerprint, in rollout order (all parts together).
@@ -100,10 +101,16 @@ def shard_identity(*, k: int, settings: dict, split_seed: int, run: dict, prompt
     Returns:
         A JSON-ready dict: ``K``, ``settings``, ``split_seed``, the run identity's keys and ``prompts``
         (``count``, ``batch_size``, ``sha256`` of the ordered fingerprints).
+
+    Raises:
+        TypeError: ``settings`` is not a :class:`~setgrpo_verl.core.CalibrationSettings`.
+        ValueError: ``batch_size < 1``.
     """
+    if not isinstance(settings, CalibrationSettings):
+        raise TypeError(f"settings must be a CalibrationSettings, got {type(settings).__name__}")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
-    return _canonical({"K": int(k), "settings": settings, "split_seed": int(split_seed), **run,
+    return _canonical({"K": int(k), "settings": settings.to_dict(), "split_seed": int(split_seed), **run,
                        "prompts": {"count": len(prompts), "batch_size": int(batch_size),
                                    "sha256": prompts_sha256(prompts)}})
 
@@ -208,9 +215,14 @@ def read_shard(path: str | os.PathLike) -> CalibrationShard:
     if meta.get("schema") != _SCHEMA:
         raise ValueError(f"calibration shard {path}: field schema is {meta.get('schema')!r}, this package reads "
                          f"{_SCHEMA}")
+    identity = dict(meta["identity"])
+    try:  # as this version writes them: settings written before a field existed read with its default
+        identity["settings"] = _canonical(CalibrationSettings.from_dict(identity.get("settings")).to_dict())
+    except ValueError as exc:
+        raise ValueError(f"calibration shard {path}: field identity.settings: {exc}") from None
     shard = CalibrationShard(index=int(meta["index"]), prompts=tuple(meta["prompts"]), point=data["point"],
                              reference=data["reference"], gram=data["gram"], truth=data.get("truth"),
-                             prompt_index=data["prompt_index"], identity=meta["identity"], dropped=meta["dropped"],
+                             prompt_index=data["prompt_index"], identity=identity, dropped=meta["dropped"],
                              verdicts=None if meta["verdicts"] is None else tuple(meta["verdicts"]),
                              created_at=meta["created_at"], package_versions=meta.get("package_versions", {}),
                              tau_start_source=meta.get("tau_start_source", {}))
@@ -341,13 +353,13 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
     verdicts = [s.verdicts for s in ordered if s.verdicts is not None]
     if verdicts:
         paired["unparsed_verdicts"], paired["judged_verdicts"] = (np.float64(sum(v)) for v in zip(*verdicts))
-    settings = dict(identity["settings"])
+    settings = CalibrationSettings.from_dict(identity["settings"])
     run = {key: identity[key] for key in ("loss_agg_mode", "sketch", "grader", "policy")}
     versions = shard_versions(sources)
     tau_start_source = shard_start_source(sources, tau_start_source)
     record = calibrate(
         torch.from_numpy(paired["point"]).reshape(-1, k), torch.from_numpy(paired["reference"]).reshape(-1, k),
-        torch.from_numpy(paired["gram"]).reshape(-1, k, k), **settings, split_seed=identity["split_seed"],
+        torch.from_numpy(paired["gram"]).reshape(-1, k, k), settings, split_seed=identity["split_seed"],
         metadata={**run, "calibration_prompts": [p for s in ordered for p in s.prompts]},
         tau_start_source=tau_start_source, created_at=max(s.created_at for s in ordered),
     )
@@ -428,12 +440,13 @@ def write_calibration(record: CalibrationRecord, paired: dict[str, np.ndarray], 
     record.to_json(record_path)
 
 
-def pilot_source(pilot: CalibrationRecord, settings: dict, prompts: Sequence[dict], *, name: str = "the pilot") -> dict:
+def pilot_source(pilot: CalibrationRecord, settings: CalibrationSettings, prompts: Sequence[dict], *,
+                 name: str = "the pilot") -> dict:
     """The ``tau_start_source`` of a fixed sequence whose ``tau_start`` came from ``pilot`` (docs/algorithm.md#4-srgo).
 
     Args:
         pilot: the pilot record, calibrated on other prompts.
-        settings: this calibration's settings (:meth:`~setgrpo_verl.core.CalibrationSettings.to_dict`).
+        settings: this calibration's settings.
         prompts: this calibration's prompt fingerprints (checked disjoint from the pilot's).
         name: the pilot in messages (its path).
 
@@ -445,9 +458,9 @@ def pilot_source(pilot: CalibrationRecord, settings: dict, prompts: Sequence[dic
             :func:`~setgrpo_verl.core.pilot_start` refuses (a reject-all pilot, a start off the grid, shared
             prompts).
     """
-    tau_start, source = pilot_start(pilot, settings["tau_grid"], calibration_prompts=prompts)
-    if settings["srgo_procedure"] != "fixed_sequence" or settings["tau_start"] != tau_start:
+    tau_start, source = pilot_start(pilot, settings.tau_grid, calibration_prompts=prompts)
+    if settings.srgo_procedure != "fixed_sequence" or settings.tau_start != tau_start:
         raise ValueError(f"{name} starts the fixed sequence at tau={tau_start}, but this calibration has "
-                         f"srgo_procedure={settings['srgo_procedure']}, tau_start={settings['tau_start']}: calibrate "
+                         f"srgo_procedure={settings.srgo_procedure}, tau_start={settings.tau_start}: calibrate "
                          f"with srgo_procedure=fixed_sequence and tau_start={tau_start}")
     return source

@@ -280,17 +280,17 @@ class CalibrationPhase:
         shard_dir = os.path.join(folder, SHARD_DIR)
         norm_by_std = bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True))
         settings = cfg.calibration_settings(norm_by_std=norm_by_std)
-        identity = shard_identity(k=k, settings=settings.to_dict(), split_seed=cfg.calibration.split_seed,
+        identity = shard_identity(k=k, settings=settings, split_seed=cfg.calibration.split_seed,
                                   run=self._run_identity(), prompts=self._calibration_prompts,
                                   batch_size=len(batches[0][0]))
         source = None  # where tau_start came from, checked before any rollout
         if cfg.tau_start_pilot:
             path = os.path.expanduser(cfg.tau_start_pilot)
-            source = pilot_source(CalibrationRecord.from_json(path), identity["settings"], self._calibration_prompts,
+            source = pilot_source(CalibrationRecord.from_json(path), settings, self._calibration_prompts,
                                   name=f"algorithm.setgrpo.tau_start_pilot={path}")
         # what every new shard records about how it was made: the running versions, and where the fixed
         # sequence's tau_start came from (the pilot, or the user's own value)
-        fixed = identity["settings"]["srgo_procedure"] == "fixed_sequence"
+        fixed = settings.srgo_procedure == "fixed_sequence"
         provenance = {"package_versions": package_versions(),
                       "tau_start_source": source or ({"kind": "user"} if fixed else {})}
         done = self._existing_shards(shard_dir, identity, batches, provenance)

@@ -81,10 +81,6 @@ class SetGRPOCalibrationConfig(BaseConfig):
             )
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"algorithm.setgrpo.calibration.batch_size={self.batch_size} must be null or >= 1")
-        if self.on_infeasible not in ("error", "reject_all"):
-            raise ValueError(
-                f"algorithm.setgrpo.calibration.on_infeasible={self.on_infeasible!r}: use 'error' or 'reject_all'"
-            )
         if self.chunk_batches < 1:
             raise ValueError(f"algorithm.setgrpo.calibration.chunk_batches={self.chunk_batches} must be >= 1")
         if self.shard is not None:
@@ -210,12 +206,13 @@ class SetGRPOConfig(BaseConfig):
                                            factory=SetGRPOMonitorConfig)
 
     def __post_init__(self):
-        # the levels, grid, rho, ablation and grid size: the one validation of core's CalibrationSettings; rho = 0
+        # the settings' one validation (core's CalibrationSettings), so that a bad block fails at composition; rho = 0
         # is refused again by check_run_config for the GRPO map (it needs algorithm.norm_adv_by_std_in_grpo)
         self.calibration_settings(norm_by_std=False)
 
     def calibration_settings(self, norm_by_std: bool = True) -> CalibrationSettings:
-        """The validated :class:`setgrpo_verl.core.CalibrationSettings` of this block: what ``calibrate`` receives.
+        """The :class:`setgrpo_verl.core.CalibrationSettings` of this block: what ``calibrate`` receives and the record
+        stores; the one place a run's settings are built from its configuration.
 
         Args:
             norm_by_std: verl's ``algorithm.norm_adv_by_std_in_grpo`` (True: GRPO, False: Dr.GRPO).
@@ -231,21 +228,18 @@ class SetGRPOConfig(BaseConfig):
                 alpha=self.alpha, beta=self.beta, delta=self.delta,
                 tau_grid=DEFAULT_TAU_GRID if self.tau_grid is None else tuple(self.tau_grid), rho=self.rho,
                 grid_size=self.recovery_grid, ablation=self.ablation, fixed_tau=self.fixed_tau,
-                norm_by_std=bool(norm_by_std), on_infeasible=on_infeasible, **_srgo_settings(self, coverage_groups),
+                norm_by_std=bool(norm_by_std), on_infeasible=on_infeasible,
+                coverage_groups=None if coverage_groups is None else int(coverage_groups),
+                srgo_procedure=self.srgo_procedure, tau_start=self.tau_start,
             )
         except ValueError as exc:
-            text = str(exc)
-            if text.startswith("grid_size="):
-                text = "recovery_grid=" + text.removeprefix("grid_size=")
-            raise ValueError(f"algorithm.setgrpo.{text}") from None
+            field, sep, rest = str(exc).partition("=")
+            raise ValueError(f"algorithm.setgrpo.{_SETTINGS_KEYS.get(field, field)}{sep}{rest}") from None
 
 
-def _srgo_settings(cfg: Any, coverage_groups: Any) -> dict[str, Any]:
-    """The SRGO procedure keys of ``algorithm.setgrpo`` (``srgo_procedure``, ``tau_start``,
-    ``calibration.coverage_groups``) as :class:`setgrpo_verl.core.CalibrationSettings` arguments, validated there
-    (``tau_start`` on the grid) before Ray."""
-    return {"srgo_procedure": cfg.srgo_procedure, "tau_start": cfg.tau_start,
-            "coverage_groups": None if coverage_groups is None else int(coverage_groups)}
+#: The ``algorithm.setgrpo`` key of each :class:`setgrpo_verl.core.CalibrationSettings` field whose name differs.
+_SETTINGS_KEYS = {"grid_size": "recovery_grid", "on_infeasible": "calibration.on_infeasible",
+                 "coverage_groups": "calibration.coverage_groups"}
 
 
 def _documented_fields(cls: Any) -> list[dataclasses.Field]:

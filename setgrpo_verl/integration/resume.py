@@ -51,9 +51,9 @@ def record_sha256(path: str) -> str:
     Raises:
         ValueError: the record does not load (see ``CalibrationRecord.from_json``).
     """
-    from setgrpo_verl.core import CalibrationRecord
+    from setgrpo_verl.core import CalibrationRecord, content_sha256
 
-    return CalibrationRecord.from_json(path).to_dict()["content_sha256"]
+    return content_sha256(CalibrationRecord.from_json(path))
 
 
 def resume_folder(config: Any) -> Optional[str]:

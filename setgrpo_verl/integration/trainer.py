@@ -49,7 +49,7 @@ from verl.utils.debug import marked_timer
 from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
 
-from setgrpo_verl.core import DEGENERATE_RTOL, SHARD_DIR, CalibrationRecord, OnlineRiskMonitor
+from setgrpo_verl.core import DEGENERATE_RTOL, SHARD_DIR, CalibrationRecord, OnlineRiskMonitor, content_sha256
 
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
 from .calibration import CalibrationPhase
@@ -195,7 +195,7 @@ class SetGRPOTrainer(CalibrationPhase, PPOTrainerSync):
         self.record, loaded = self._load_or_calibrate(resumed=resumed)
         if self.record is None:  # a part of a sharded calibration: its shards are written, there is no record
             raise _CalibrationDone(os.path.join(os.path.dirname(os.path.abspath(self._record_out())), SHARD_DIR))
-        self._record_sha256 = self.record.to_dict()["content_sha256"]
+        self._record_sha256 = content_sha256(self.record)
         if self.setgrpo.monitor.enable:
             self.monitor = OnlineRiskMonitor(self.record)
         restored = False

@@ -145,8 +145,9 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False, resplit
     label = policy_label(rec)
     versions = "  ".join(f"{k} {v}" for k, v in rec.package_versions.items()) or "not recorded"
     lines = [format_table4(rec, label), "columns: " + "; ".join(TABLE4_COLUMNS), "",
-             f"alpha={rec.alpha}  beta={rec.beta}  delta={rec.delta}  rho={rec.rho}  K={rec.K}  "
-             f"norm_by_std={rec.norm_by_std}  loss_agg_mode={rec.loss_agg_mode}  ablation={rec.ablation}",
+             f"alpha={rec.settings.alpha}  beta={rec.settings.beta}  delta={rec.settings.delta}  "
+             f"rho={rec.settings.rho}  K={rec.K}  norm_by_std={rec.settings.norm_by_std}  "
+             f"loss_agg_mode={rec.loss_agg_mode}  ablation={rec.settings.ablation}",
              rec.selection_text(), *rec.tests_lines(), f"degenerate groups dropped={rec.n_degenerate}",
              *_guarantees(rec, p.parent / "paired_scores.npz", resplits),
              f"grader: {rec.grader}", f"policy: {rec.policy}", f"created {rec.created_at}, file {p}",
@@ -156,7 +157,7 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False, resplit
         lines.append(f"warning: {mismatch}")
     if thresholds:
         lines += ["", f"{'tau':>6} {'N_j':>5} {'F_j':>5} {'UCB_j':>8} {'U_j':>7}"]
-        for t, nj, fj, u, uu in zip(rec.tau_grid, rec.n_accepted, rec.n_reversals, rec.ucb, rec.utility):
+        for t, nj, fj, u, uu in zip(rec.settings.tau_grid, rec.n_accepted, rec.n_reversals, rec.ucb, rec.utility):
             mark = "  <- tau_sel" if t == rec.tau_sel else ""
             lines.append(f"{t:6.2f} {nj:5d} {fj:5d} {u:8.4f} {uu:7.3f}{mark}")
     return "\n".join(lines)
@@ -182,14 +183,14 @@ def _plt():
 def plot_risk_vs_threshold(record, path: Path) -> None:
     """Paper Figure 4: per-threshold risk F_j/N_j, UCB_j (Bonferroni Clopper-Pearson), beta, tau_sel; N_j, U_j."""
     plt = _plt()
-    tau = np.array(record.tau_grid)
+    tau = np.array(record.settings.tau_grid)
     n = np.array(record.n_accepted, dtype=float)
     f = np.array(record.n_reversals, dtype=float)
     risk = np.divide(f, n, out=np.full_like(f, np.nan), where=n > 0)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax.plot(tau, record.ucb, "o-", color="tab:red", label=f"UCB$_j$ (Clopper-Pearson, 1-δ/m, δ={record.delta})")
+    ax.plot(tau, record.ucb, "o-", color="tab:red", label=f"UCB$_j$ (Clopper-Pearson, 1-δ/m, δ={record.settings.delta})")
     ax.plot(tau, risk, "s--", color="tab:blue", label="empirical risk F$_j$/N$_j$")
-    ax.axhline(record.beta, color="k", ls=":", label=f"β = {record.beta}")
+    ax.axhline(record.settings.beta, color="k", ls=":", label=f"β = {record.settings.beta}")
     if record.tau_sel is not None:
         ax.axvline(record.tau_sel, color="tab:green", lw=2, alpha=0.7, label=f"τ_sel = {record.tau_sel:.2f}")
     ax.set_xlabel("full-geometry threshold τ")
@@ -207,7 +208,7 @@ def plot_risk_vs_threshold(record, path: Path) -> None:
     ax3.set_ylim(0, 1.02)
     if record.tau_sel is not None:
         ax2.axvline(record.tau_sel, color="tab:green", lw=2, alpha=0.7)
-    feasible = [t for t, u, nj in zip(tau, record.ucb, n) if u <= record.beta and nj > 0]
+    feasible = [t for t, u, nj in zip(tau, record.ucb, n) if u <= record.settings.beta and nj > 0]
     if feasible:
         ax2.axvspan(min(feasible) - 0.02, max(feasible) + 0.02, color="tab:green", alpha=0.08,
                     label="risk-feasible (UCB ≤ β)")
@@ -240,10 +241,9 @@ def coverage_curve(point, reference, gram, record, *, alphas=None, seeds: int = 
     for alpha in alphas:
         if min_calibration_groups(alpha) > n_live - round(n_live * 0.5):
             continue
-        cov = [calibrate(torch.as_tensor(point), torch.as_tensor(reference), torch.as_tensor(gram), alpha=alpha,
-                         beta=record.beta, delta=record.delta, tau_grid=record.tau_grid, rho=record.rho,
-                         split_seed=s, norm_by_std=record.norm_by_std, eps=record.eps,
-                         on_infeasible="reject_all").coverage_risk_set for s in range(seeds)]
+        settings = record.settings.replace(alpha=alpha, on_infeasible="reject_all")
+        cov = [calibrate(torch.as_tensor(point), torch.as_tensor(reference), torch.as_tensor(gram), settings,
+                         split_seed=s).coverage_risk_set for s in range(seeds)]
         out.append((1 - alpha, float(np.mean(cov)), float(np.std(cov))))
     return out
 
@@ -258,8 +258,8 @@ def plot_coverage(curve, record, setgrpo_rows: list[dict], path: Path) -> None:
         nom, mean, std = map(np.array, zip(*curve))
         ax.errorbar(nom, mean, yerr=std, fmt="o-", color="tab:blue", capsize=3,
                     label="held-out coverage (10 random splits)")
-    ax.plot([1 - record.alpha], [record.coverage_risk_set], "*", ms=14, color="tab:red",
-            label=f"frozen record: α={record.alpha}, coverage {record.coverage_risk_set:.2f}")
+    ax.plot([1 - record.settings.alpha], [record.coverage_risk_set], "*", ms=14, color="tab:red",
+            label=f"frozen record: α={record.settings.alpha}, coverage {record.coverage_risk_set:.2f}")
     ax.set_xlabel("nominal coverage 1 - α")
     ax.set_ylabel("empirical coverage  P(T(r') ∈ C)")
     ax.set_xlim(0.4, 1.0)
@@ -275,7 +275,7 @@ def plot_coverage(curve, record, setgrpo_rows: list[dict], path: Path) -> None:
     else:
         ax2.text(0.5, 0.5, "no online coverage recorded\n(run train without --no-online-monitor)",
                  ha="center", va="center", transform=ax2.transAxes)
-    ax2.axhline(1 - record.alpha, color="k", ls=":", label=f"1 - α = {1 - record.alpha:.2f}")
+    ax2.axhline(1 - record.settings.alpha, color="k", ls=":", label=f"1 - α = {1 - record.settings.alpha:.2f}")
     ax2.set_xlabel("training step")
     ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_ylabel("share of groups with T(r') ∈ C")
@@ -419,7 +419,8 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200) -> str:
     (out / "table4.txt").write_text(table + "\n\n" + "\n".join(guarantees) + "\n")
 
     lines = ["Table 4 row (frozen calibration record):", table, "",
-             f"alpha={record.alpha} beta={record.beta} delta={record.delta}; {record.selection_text()}",
+             f"alpha={record.settings.alpha} beta={record.settings.beta} delta={record.settings.delta}; "
+             f"{record.selection_text()}",
              *guarantees, ""]
     if runs["setgrpo"]:
         lines.append("SetGRPO per step: accepted-group ratio, mean recovery ratio, reward (point), entropy")

@@ -10,6 +10,7 @@ import torch
 from setgrpo_verl.core import (
     ABLATIONS,
     CalibrationRecord,
+    CalibrationSettings,
     OnlineRiskMonitor,
     calibrate,
     grpo_coefficients,
@@ -30,7 +31,7 @@ def data():
 @pytest.fixture(scope="module")
 def record(data):
     p, r, m = data
-    return calibrate(p[:800], r[:800], m[:800], alpha=0.1, beta=0.08, delta=0.05,
+    return calibrate(p[:800], r[:800], m[:800], CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05),
                      metadata={"grader": GRADER, "loss_agg_mode": "token-mean"})
 
 
@@ -40,7 +41,7 @@ def test_record_is_consistent_table4(record, data):
     assert record.n_cov + record.n_risk == n_nondeg and record.n_degenerate == 800 - n_nondeg
     assert record.N == record.n_accepted[record.sel_index] and 0 <= record.F <= record.N
     assert record.ecr == pytest.approx(record.F / record.N)
-    assert record.ucb_sel <= record.beta and record.tau_sel in record.tau_grid
+    assert record.ucb_sel <= record.settings.beta and record.tau_sel in record.settings.tau_grid
     assert 0 < record.U <= 1 and record.q_alpha > 0
     row = record.table4_row()
     assert row["N"] == record.N and row["Qα"] == record.q_alpha
@@ -74,9 +75,9 @@ def test_inconsistent_record_values_refused(record):
 
     with pytest.raises(ValueError, match="Clopper-Pearson"):
         dataclasses.replace(record, n_reversals=record.n_accepted)
+    grid = record.settings.tau_grid
     with pytest.raises(ValueError, match="not the SRGO selection"):
-        dataclasses.replace(record, tau_sel=record.tau_grid[-1] if record.sel_index != len(record.tau_grid) - 1
-                            else record.tau_grid[0])
+        dataclasses.replace(record, tau_sel=grid[-1] if record.sel_index != len(grid) - 1 else grid[0])
 
 
 def test_mismatched_run_refused(record, data):
@@ -94,7 +95,7 @@ def test_mismatched_run_refused(record, data):
 
 def test_zero_radius_is_exactly_grpo(data):
     p, _, m = data
-    rec = calibrate(p[:800], p[:800].clone(), m[:800], alpha=0.1, beta=0.08, delta=0.05)
+    rec = calibrate(p[:800], p[:800].clone(), m[:800], CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05))
     assert rec.q_alpha == 0.0
     res = setgrpo_coefficients(p[800:], m[800:], rec)
     live = torch.tensor([s != "degenerate" for s in res.status])
@@ -133,10 +134,11 @@ def test_accepted_groups_satisfy_the_screening_conditions(record, data):
 def test_positive_affine_invariance(data):
     """Table 7: r -> a r + b 1 (a > 0) on both scorings leaves coefficients and decisions unchanged."""
     p, r, m = data
-    base = calibrate(p[:800], r[:800], m[:800], alpha=0.1, beta=0.08, delta=0.05)
+    base = calibrate(p[:800], r[:800], m[:800], CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05))
     res0 = setgrpo_coefficients(p[800:], m[800:], base)
     for a, b in ((0.5, -1.0), (2.0, 1.0), (3.0, -2.0)):
-        rec = calibrate(a * p[:800] + b, a * r[:800] + b, m[:800], alpha=0.1, beta=0.08, delta=0.05)
+        rec = calibrate(a * p[:800] + b, a * r[:800] + b, m[:800],
+                        CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05))
         assert rec.q_alpha == pytest.approx(a * base.q_alpha, rel=1e-4)
         assert rec.tau_sel == base.tau_sel
         res = setgrpo_coefficients(a * p[800:] + b, m[800:], rec)
@@ -149,8 +151,9 @@ def test_positive_affine_invariance(data):
 def test_infeasible_risk_is_an_error_or_reject_all(data):
     p, r, m = data
     with pytest.raises(ValueError, match="no risk-feasible threshold.*smallest Clopper-Pearson bound"):
-        calibrate(p[:60], r[:60], m[:60], alpha=0.1, beta=0.01, delta=0.05)
-    rec = calibrate(p[:60], r[:60], m[:60], alpha=0.1, beta=0.01, delta=0.05, on_infeasible="reject_all")
+        calibrate(p[:60], r[:60], m[:60], CalibrationSettings(alpha=0.1, beta=0.01, delta=0.05))
+    rec = calibrate(p[:60], r[:60], m[:60],
+                    CalibrationSettings(alpha=0.1, beta=0.01, delta=0.05, on_infeasible="reject_all"))
     assert rec.tau_sel is None and rec.N == 0
     res = setgrpo_coefficients(p[800:], m[800:], rec)
     assert not res.accepted.any() and (res.coefficients == 0).all()
@@ -158,8 +161,9 @@ def test_infeasible_risk_is_an_error_or_reject_all(data):
     j = min(range(len(rec.ucb)), key=rec.ucb.__getitem__)
     text = rec.selection_text()
     assert text.startswith("no risk-feasible threshold") and "accepts no group" in text
-    assert f"{rec.ucb[j]:.4f} at tau={rec.tau_grid[j]:.2f} (N={rec.n_accepted[j]}, F={rec.n_reversals[j]})" in text
-    feasible = calibrate(p[:800], r[:800], m[:800], alpha=0.1, beta=0.5, delta=0.05)
+    tau = rec.settings.tau_grid[j]
+    assert f"{rec.ucb[j]:.4f} at tau={tau:.2f} (N={rec.n_accepted[j]}, F={rec.n_reversals[j]})" in text
+    feasible = calibrate(p[:800], r[:800], m[:800], CalibrationSettings(alpha=0.1, beta=0.5, delta=0.05))
     assert feasible.selection_text() == (f"tau_sel={feasible.tau_sel:.2f}, UCB {feasible.ucb_sel:.4f} <= beta=0.5")
 
 
@@ -167,9 +171,9 @@ def test_infeasible_risk_is_an_error_or_reject_all(data):
 def test_ablations(ablation, data, record):
     p, r, m = data
     kwargs = {"fixed_tau": 0.3} if ablation == "fixed_threshold" else {}
-    rec = calibrate(p[:800], r[:800], m[:800], alpha=0.1, beta=0.08, delta=0.05, ablation=ablation,
-                    on_infeasible="reject_all", **kwargs)
-    assert rec.ablation == ablation
+    rec = calibrate(p[:800], r[:800], m[:800], CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05, ablation=ablation,
+                                                                   on_infeasible="reject_all", **kwargs))
+    assert rec.settings.ablation == ablation
     res = setgrpo_coefficients(p[800:], m[800:], rec, seed=3)
     full = setgrpo_coefficients(p[800:], m[800:], record)
     acc = res.accepted
@@ -184,8 +188,8 @@ def test_ablations(ablation, data, record):
     elif ablation == "fixed_threshold":
         assert rec.tau_sel == 0.3 and (res.m_full[acc] >= 0.3).all()
     elif ablation == "random_discard":
-        ref = setgrpo_coefficients(p[800:], m[800:], calibrate(p[:800], r[:800], m[:800], alpha=0.1, beta=0.08,
-                                                                delta=0.05))
+        ref = setgrpo_coefficients(p[800:], m[800:], calibrate(p[:800], r[:800], m[:800],
+                                                               CalibrationSettings(alpha=0.1, beta=0.08, delta=0.05)))
         assert int(acc.sum()) == int(ref.accepted.sum())
         assert not torch.equal(acc, ref.accepted)
         assert torch.equal(res.coefficients[acc], res.grpo[acc]) and (res.coefficients[~acc] == 0).all()
@@ -198,7 +202,7 @@ def test_online_monitor_coverage_and_drift_warning(record, data):
     res = setgrpo_coefficients(p[800:1000], m[800:1000], record)
     out = mon.update(res, r[800:1000], m[800:1000])
     live = torch.tensor([s != "degenerate" for s in res.status])
-    direct = nonconformity_scores(p[800:1000][live], r[800:1000][live], rho=record.rho) <= record.q_alpha
+    direct = nonconformity_scores(p[800:1000][live], r[800:1000][live], rho=record.settings.rho) <= record.q_alpha
     assert out["setgrpo/online_coverage"] == pytest.approx(float(direct.double().mean()))
     assert out["setgrpo/online_coverage"] > 0.8
     assert out["setgrpo/online_risk_certified"] == 1.0
@@ -206,5 +210,5 @@ def test_online_monitor_coverage_and_drift_warning(record, data):
     with pytest.warns(RuntimeWarning, match="anytime-valid. that the reversal risk is above beta"):
         for _ in range(5):
             out = mon.update(res, -r[800:1000], m[800:1000])
-    assert out["setgrpo/online_reversal_ucb"] > record.beta and out["setgrpo/online_risk_certified"] == 0.0
+    assert out["setgrpo/online_reversal_ucb"] > record.settings.beta and out["setgrpo/online_risk_certified"] == 0.0
     assert out["setgrpo/online_risk_drift"] == 1.0

@@ -10,6 +10,7 @@ import pytest
 from scipy.stats import betabinom, binom
 
 from setgrpo_verl.core import (
+    CalibrationSettings,
     calibrate,
     coverage_band,
     guarantee_lines,
@@ -69,9 +70,11 @@ def test_calibrate_held_out_coverage_stays_in_its_band_on_fresh_exchangeable_dat
     cov, rec = [], None
     for seed in range(80):
         p, r, m = make_groups(40, k=4, noise=0.3, seed=1000 + seed)
-        rec = calibrate(p, r, m, alpha=0.3, beta=0.5, delta=0.1, tau_grid=(0.0, 0.5), on_infeasible="reject_all")
+        rec = calibrate(p, r, m,
+                        CalibrationSettings(alpha=0.3, beta=0.5, delta=0.1, tau_grid=(0.0, 0.5),
+                                            on_infeasible="reject_all"))
         cov.append(rec.coverage_risk_set)
-    band = coverage_band(rec.n_cov, rec.n_risk, rec.alpha)
+    band = coverage_band(rec.n_cov, rec.n_risk, rec.settings.alpha)
     cov = np.array(cov)
     below = np.mean([band.position(c) == "below" for c in cov])
     above = np.mean([band.position(c) == "above" for c in cov])
@@ -91,11 +94,11 @@ def test_risk_share_floor_is_the_binomial_chance_at_beta():
 
 def test_resplit_repeats_the_records_split_and_refuses_other_scores():
     p, r, m = make_groups(48, k=4, noise=0.3, seed=3)
-    rec = calibrate(p, r, m, alpha=0.5, beta=0.65, delta=0.05, split_seed=0)
+    rec = calibrate(p, r, m, CalibrationSettings(alpha=0.5, beta=0.65, delta=0.05), split_seed=0)
     rs = resplit(p, r, m, rec, seeds=100)
     assert rs.coverage[0] == rec.coverage_risk_set and rs.coverage.shape == (100,) and len(set(rs.coverage)) > 2
     # each group's score depends on that group alone: re-splits of one continuous data set follow the band too
-    band = coverage_band(rec.n_cov, rec.n_risk, rec.alpha)
+    band = coverage_band(rec.n_cov, rec.n_risk, rec.settings.alpha)
     assert np.mean([band.position(c) == "below" for c in rs.coverage]) <= 0.05 + 3 * math.sqrt(0.0475 / 100)
     assert rs.coverage_mean == pytest.approx(band.mean, abs=3 * rs.coverage.std() / 10)
     assert rs.n_held_out == 24 and ((rs.n_accepted > 0) == ~np.isnan(rs.risk)).all()
@@ -108,7 +111,7 @@ def test_resplit_repeats_the_records_split_and_refuses_other_scores():
 
 def test_guarantee_lines_flag_a_split_outside_its_band():
     p, r, m = make_groups(48, k=4, noise=0.3, seed=3)
-    rec = calibrate(p, r, m, alpha=0.5, beta=0.65, delta=0.05, split_seed=0)
+    rec = calibrate(p, r, m, CalibrationSettings(alpha=0.5, beta=0.65, delta=0.05), split_seed=0)
     rs = resplit(p, r, m, rec, seeds=20)
     inside = dataclasses.replace(rec, coverage_risk_set=12 / 24)
     text = "\n".join(guarantee_lines(inside, rs))
@@ -124,7 +127,7 @@ def test_guarantee_lines_flag_a_split_outside_its_band():
 
 def test_guarantee_lines_flag_a_resplit_mean_and_a_risk_share_outside_their_bands():
     p, r, m = make_groups(48, k=4, noise=0.3, seed=3)
-    rec = calibrate(p, r, m, alpha=0.5, beta=0.65, delta=0.05, split_seed=0)
+    rec = calibrate(p, r, m, CalibrationSettings(alpha=0.5, beta=0.65, delta=0.05), split_seed=0)
     rs = resplit(p, r, m, rec, seeds=4)
     bad = dataclasses.replace(rs, coverage=np.full(4, 0.1), risk=np.full(4, 0.9), n_accepted=np.full(4, 20))
     text = "\n".join(guarantee_lines(rec, bad))

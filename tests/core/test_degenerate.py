@@ -15,6 +15,7 @@ from setgrpo_verl.core import (
     DEGENERATE_RTOL,
     SCHEMA_VERSION,
     CalibrationRecord,
+    CalibrationSettings,
     calibrate,
     degenerate_groups,
     nonconformity_scores,
@@ -24,7 +25,7 @@ from setgrpo_verl.core import (
 # two rubric scores of equally good responses: (0.1 + 0.2) / 0.6 and 0.3 / 0.6, computed the way rubric_score does
 A = (0.1 + 0.2) / (0.1 + 0.2 + 0.3)
 B = 0.3 / (0.1 + 0.2 + 0.3)
-KW = dict(alpha=0.2, beta=0.9, delta=0.2, tau_grid=[0.0], on_infeasible="reject_all")
+SETTINGS = CalibrationSettings(alpha=0.2, beta=0.9, delta=0.2, tau_grid=[0.0], on_infeasible="reject_all")
 
 
 def _ordinary(n, seed):
@@ -64,9 +65,9 @@ def test_rounding_groups_do_not_shrink_the_radius_or_change_status():
     p, r = _ordinary(60, seed=1)
     near = torch.tensor([[A, B, B, B]], dtype=torch.float64)
     ref_near = torch.tensor([[0.0, 1.0, 1.0, 0.0]], dtype=torch.float64)  # the second scoring disagrees strongly
-    base = calibrate(p, r, _eye(60), **KW)
+    base = calibrate(p, r, _eye(60), SETTINGS)
     mixed_p, mixed_r = torch.cat([p, near.expand(40, 4)]), torch.cat([r, ref_near.expand(40, 4)])
-    mixed = calibrate(mixed_p, mixed_r, _eye(100), **KW)
+    mixed = calibrate(mixed_p, mixed_r, _eye(100), SETTINGS)
     # the 40 rounding groups are left out: the radius is the one of the 60 ordinary groups, exactly
     assert mixed.n_degenerate == 40 and (mixed.n_cov, mixed.n_risk) == (base.n_cov, base.n_risk)
     assert mixed.q_alpha == base.q_alpha and mixed.degenerate_rtol == DEGENERATE_RTOL
@@ -77,7 +78,7 @@ def test_rounding_groups_do_not_shrink_the_radius_or_change_status():
     s_held = nonconformity_scores(held_p, held_r, rho=0.1)
     assert float((s_held <= mixed.q_alpha).double().mean()) >= 0.75
     # the same scores as float32 (verl's rm_scores) are calibrated identically
-    mixed32 = calibrate(mixed_p.float(), mixed_r.float(), _eye(100), **KW)
+    mixed32 = calibrate(mixed_p.float(), mixed_r.float(), _eye(100), SETTINGS)
     assert mixed32.n_degenerate == 40 and mixed32.q_alpha == pytest.approx(base.q_alpha, rel=1e-5)
     # training with the record: the rounding group is degenerate for float64 and float32 rewards alike
     for dtype in (torch.float64, torch.float32):
@@ -88,7 +89,7 @@ def test_rounding_groups_do_not_shrink_the_radius_or_change_status():
 
 def test_training_applies_the_recorded_tolerance():
     p, r = _ordinary(60, seed=3)
-    rec = calibrate(p, r, _eye(60), degenerate_rtol=1e-2, **KW)
+    rec = calibrate(p, r, _eye(60), SETTINGS, degenerate_rtol=1e-2)
     assert rec.degenerate_rtol == 1e-2
     group = torch.tensor([[0.5, 0.501, 0.5, 0.5], [0.5, 0.6, 0.5, 0.5]], dtype=torch.float64)
     res = setgrpo_coefficients(group, _eye(2), rec)
@@ -97,11 +98,11 @@ def test_training_applies_the_recorded_tolerance():
 
 def test_record_states_the_tolerance_and_validates_it(tmp_path):
     p, r = _ordinary(60, seed=4)
-    rec = calibrate(p, r, _eye(60), **KW)
+    rec = calibrate(p, r, _eye(60), SETTINGS)
     path = tmp_path / "record.json"
     rec.to_json(path)
     data = json.loads(path.read_text())
-    assert data["degenerate_rtol"] == DEGENERATE_RTOL and data["schema_version"] == SCHEMA_VERSION == 4
+    assert data["degenerate_rtol"] == DEGENERATE_RTOL and data["schema_version"] == SCHEMA_VERSION == 5
     assert CalibrationRecord.from_json(path) == rec
     # a record of the previous schema (no tolerance stated) is refused with the fix
     old = {k: v for k, v in data.items() if k != "degenerate_rtol"} | {"schema_version": 1}

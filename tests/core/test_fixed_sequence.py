@@ -13,6 +13,7 @@ from scipy.stats import binom
 
 from setgrpo_verl.core import (
     CalibrationRecord,
+    CalibrationSettings,
     OnlineRiskMonitor,
     calibrate,
     certification_power,
@@ -156,59 +157,73 @@ def groups():
 def test_fixed_sequence_record_round_trips_and_its_check_rederives_the_tests(groups, tmp_path):
     p, r, m = groups
     grid = (0.0, 0.2, 0.4, 0.6)
-    rec = calibrate(p, r, m, alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid, srgo_procedure="fixed_sequence",
-                    tau_start=0.4, on_infeasible="reject_all")
-    assert rec.srgo_procedure == "fixed_sequence" and rec.tau_start_source == {"kind": "user"}
+    rec = calibrate(p, r, m,
+                    CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid, srgo_procedure="fixed_sequence",
+                                        tau_start=0.4, on_infeasible="reject_all"))
+    assert rec.settings.srgo_procedure == "fixed_sequence" and rec.tau_start_source == {"kind": "user"}
     assert rec.test_order[0] == 2 and set(rec.test_levels) == {0.1} and len(rec.p_values) == 4
     path = tmp_path / "record.json"
     rec.to_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 4 and data["test_order"] == list(rec.test_order)
+    assert data["schema_version"] == 5 and data["test_order"] == list(rec.test_order)
     assert CalibrationRecord.from_json(path) == rec
     assert "fixed_sequence from tau_start=0.40 (set by the user)" in "\n".join(rec.tests_lines())
     from setgrpo_verl.report import inspect_record
     shown = inspect_record(path)
     assert "fixed_sequence from tau_start=0.40 (set by the user)" in shown and "vs level 0.1 -> passed" in shown
     for edit, needle in ((dict(stopped_at=3), "stopped_at"), (dict(test_order=(3, 2, 1, 0)), "test_order"),
-                         (dict(p_values=(0.5,) * 4), "p_values"), (dict(tau_start=0.3), "tau_start"),
+                         (dict(p_values=(0.5,) * 4), "p_values"),
+                         (dict(settings=rec.settings.replace(tau_start=0.2)), "test_order"),
                          (dict(tau_start_source={"kind": "pilot"}), "tau_start_source")):
         with pytest.raises(ValueError, match=needle):
             dataclasses.replace(rec, **edit)
     # a pilot record on other groups gives the start and is named by its content hash
-    pilot = calibrate(*make_groups(800, k=5, dim=3, noise=0.15, seed=6), alpha=0.2, beta=0.2, delta=0.1,
-                      tau_grid=grid, on_infeasible="reject_all")
+    pilot = calibrate(*make_groups(800, k=5, dim=3, noise=0.15, seed=6),
+                      CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid, on_infeasible="reject_all"))
     tau, source = pilot_start(pilot, grid)
     assert tau == pilot.tau_sel and source == {"kind": "pilot", "record_sha256": content_sha256(pilot)}
-    from_pilot = calibrate(p, r, m, alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid, srgo_procedure="fixed_sequence",
-                           tau_start=tau, tau_start_source=source, on_infeasible="reject_all")
+    from_pilot = calibrate(p, r, m,
+                           CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid,
+                                               srgo_procedure="fixed_sequence", tau_start=tau,
+                                               on_infeasible="reject_all"),
+                           tau_start_source=source)
     assert CalibrationRecord.from_dict(from_pilot.to_dict()).tau_start_source == source
     with pytest.raises(ValueError, match="tau_start=0.3 must be one of the thresholds"):
-        calibrate(p, r, m, alpha=0.2, tau_grid=grid, srgo_procedure="fixed_sequence", tau_start=0.3)
+        calibrate(p, r, m,
+                  CalibrationSettings(alpha=0.2, tau_grid=grid, srgo_procedure="fixed_sequence", tau_start=0.3))
 
 
 def test_a_schema_3_record_reads_as_a_bonferroni_record(groups):
     p, r, m = groups
-    rec = calibrate(p, r, m, alpha=0.2, beta=0.2, delta=0.1, tau_grid=(0.0, 0.3), on_infeasible="reject_all")
+    rec = calibrate(p, r, m,
+                    CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=(0.0, 0.3),
+                                        on_infeasible="reject_all"))
     data = rec.to_dict()
-    old = {k: v for k, v in data.items() if k not in ("srgo_procedure", "tau_start", "tau_start_source", "test_order",
-                                                      "test_levels", "p_values", "stopped_at", "content_sha256")}
-    old["schema_version"] = 3
+    # schema 3: the flat settings fields of its time, no SRGO procedure fields
+    flat = {k: data["settings"][k] for k in ("alpha", "beta", "delta", "rho", "tau_grid", "norm_by_std", "eps",
+                                             "grid_size", "ablation", "on_infeasible")}
+    old = {k: v for k, v in data.items() if k not in ("settings", "tau_start_source", "test_order", "test_levels",
+                                                      "p_values", "stopped_at", "content_sha256")}
+    old.update(flat, schema_version=3)
     from setgrpo_verl.core._record import _content_hash
     old["content_sha256"] = _content_hash(old)
     back = CalibrationRecord.from_dict(old)
-    assert back.srgo_procedure == "bonferroni" and back.test_order == (0, 1) and back.tau_sel == rec.tau_sel
-    assert back.test_levels == (0.05, 0.05)
+    assert back.settings.srgo_procedure == "bonferroni" and back.test_order == (0, 1) and back.tau_sel == rec.tau_sel
+    assert back.test_levels == (0.05, 0.05) and back.settings == rec.settings
 
 
 def test_coverage_set_is_capped_and_the_rest_goes_to_risk():
     p, r, m = make_groups(700, k=4, seed=2)
-    rec = calibrate(p, r, m, alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3), coverage_groups=100,
-                    on_infeasible="reject_all")
+    rec = calibrate(p, r, m,
+                    CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3), coverage_groups=100,
+                                        on_infeasible="reject_all"))
     assert rec.n_cov == 100 and rec.n_risk == 700 - 100 - rec.n_degenerate
-    even = calibrate(p, r, m, alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3), on_infeasible="reject_all")
+    even = calibrate(p, r, m,
+                     CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3),
+                                         on_infeasible="reject_all"))
     assert abs(even.n_cov - even.n_risk) <= 1  # below the default cap of 1,000: the 50/50 split
     with pytest.raises(ValueError, match="coverage_groups=0 must be an integer >= 1"):
-        calibrate(p, r, m, coverage_groups=0)
+        calibrate(p, r, m, CalibrationSettings(coverage_groups=0))
 
 
 @pytest.mark.parametrize("k", [3, 5, 6, 4])
@@ -220,10 +235,13 @@ def test_constant_reference_scores_are_never_reversals_anywhere(k):
     a = torch.randn(n, k, 6, generator=g, dtype=torch.float64)
     gram = a @ a.transpose(1, 2) + 1e-3 * torch.eye(k, dtype=torch.float64)
     ref = torch.full((n, k), 0.7, dtype=torch.float64)
-    rec = calibrate(point, ref, gram, alpha=0.5, beta=0.3, delta=0.2, tau_grid=[0.0, 0.5], on_infeasible="reject_all")
+    rec = calibrate(point, ref, gram,
+                    CalibrationSettings(alpha=0.5, beta=0.3, delta=0.2, tau_grid=[0.0, 0.5],
+                                        on_infeasible="reject_all"))
     assert rec.n_accepted[0] > 0 and rec.n_reversals == (0, 0)  # K=3: 25 of 56 counted before
-    fixed = calibrate(point, ref, gram, alpha=0.5, beta=0.3, delta=0.2, ablation="fixed_threshold", fixed_tau=0.0,
-                      on_infeasible="reject_all")
+    fixed = calibrate(point, ref, gram,
+                      CalibrationSettings(alpha=0.5, beta=0.3, delta=0.2, ablation="fixed_threshold", fixed_tau=0.0,
+                                          on_infeasible="reject_all"))
     res = setgrpo_coefficients(point[:64], gram[:64], fixed)
     for dtype in (torch.float64, torch.float32):
         mon = OnlineRiskMonitor(fixed)
@@ -270,17 +288,19 @@ def test_online_certification_is_anytime_valid_over_many_steps():
 
 def test_the_monitor_class_follows_the_vectorised_evidence():
     p, r, m = make_groups(400, k=4, seed=9)
-    rec = calibrate(p, r, m, alpha=0.3, beta=0.3, delta=0.2, tau_grid=(0.0,), on_infeasible="reject_all")
+    rec = calibrate(p, r, m,
+                    CalibrationSettings(alpha=0.3, beta=0.3, delta=0.2, tau_grid=(0.0,), on_infeasible="reject_all"))
     res = setgrpo_coefficients(p[:50], m[:50], rec)
     mon = OnlineRiskMonitor(rec)
     warnings.simplefilter("ignore")
     for step in range(6):
         ref = r[:50] if step < 3 else -p[:50]
         out = mon.update(res, ref, m[:50])
-        low, high = risk_evidence([mon.reversals], [mon.accepted], rec.beta)
-        assert out["setgrpo/online_risk_certified"] == float(low[0] >= math.log(1 / rec.delta))
-        assert out["setgrpo/online_risk_drift"] == float(high[0] >= math.log(1 / rec.delta))
-        assert (out["setgrpo/online_reversal_ucb"] <= rec.beta) == (out["setgrpo/online_risk_certified"] == 1.0)
+        low, high = risk_evidence([mon.reversals], [mon.accepted], rec.settings.beta)
+        assert out["setgrpo/online_risk_certified"] == float(low[0] >= math.log(1 / rec.settings.delta))
+        assert out["setgrpo/online_risk_drift"] == float(high[0] >= math.log(1 / rec.settings.delta))
+        certified = out["setgrpo/online_risk_certified"] == 1.0
+        assert (out["setgrpo/online_reversal_ucb"] <= rec.settings.beta) == certified
     state = mon.state_dict()
     again = OnlineRiskMonitor(rec)
     again.load_state_dict({k: v for k, v in state.items() if k not in ("certified", "drift")})

@@ -8,6 +8,7 @@ import pytest
 
 from setgrpo_verl.core import (
     CalibrationRecord,
+    CalibrationSettings,
     RecordVersionWarning,
     calibrate,
     package_versions,
@@ -17,7 +18,7 @@ from setgrpo_verl.core import (
 
 from .synthetic import make_groups
 
-KW = dict(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3), on_infeasible="reject_all")
+SETTINGS = CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3), on_infeasible="reject_all")
 QUESTIONS = [f"Write a two-line poem about topic number {i}." for i in range(60)]
 
 
@@ -26,7 +27,7 @@ def record():
     p, r, m = make_groups(60, k=4, seed=3)
     prompts = [prompt_fingerprint(f"p{i}", q, [{"criterion": "Has two lines.", "points": 2}])
                for i, q in enumerate(QUESTIONS)]
-    return calibrate(p, r, m, metadata={"calibration_prompts": prompts}, **KW)
+    return calibrate(p, r, m, SETTINGS, metadata={"calibration_prompts": prompts})
 
 
 def test_fingerprints_round_trip_and_hash_the_normalised_question(record, tmp_path):
@@ -78,7 +79,8 @@ def test_another_major_minor_warns_naming_both_versions(record, tmp_path):
 
 def test_another_schema_or_shape_stays_an_error(record, tmp_path):
     data = record.to_dict()
-    with pytest.raises(ValueError, match=r"schema_version is 2, this package reads 4 \(and 3, as a Bonferroni record\); recalibrate"):
+    with pytest.raises(ValueError,
+                       match=r"schema_version is 2, this package reads 5 \(and 3, 4, migrated on reading\); recalibrate"):
         CalibrationRecord.from_dict({**data, "schema_version": 2})
     path = tmp_path / "list.json"
     path.write_text(json.dumps([data]))

@@ -28,7 +28,7 @@ PROMPTS = [prompt_fingerprint(f"q{i}", f"question {i}", ["rubric"]) for i in ran
 def _settings(**changes):
     values = {"alpha": 0.2, "beta": 0.4, "delta": 0.2, "tau_grid": (0.0, 0.3, 0.6), "rho": 0.1,
               "on_infeasible": "reject_all", **changes}
-    return CalibrationSettings(**values).to_dict()
+    return CalibrationSettings(**values)
 
 
 def _identity(**changes):
@@ -131,7 +131,7 @@ def test_merged_parts_give_the_record_of_one_run_byte_for_byte(tmp_path):
     # ... which is calibrate() on every complete group in batch order
     direct = calibrate(*(torch.from_numpy(np.concatenate([getattr(s, n) for s in shards]))
                          for n in ("point", "reference", "gram")),
-                       **_settings(), split_seed=0, created_at=shards[-1].created_at,
+                       _settings(), split_seed=0, created_at=shards[-1].created_at,
                        metadata={**RUN, "calibration_prompts": PROMPTS})
     assert merged.to_dict() == direct.to_dict()
     saved = np.load(tmp_path / "merged" / "paired_scores.npz")
@@ -164,8 +164,9 @@ def test_merge_names_a_pilot_as_the_source_of_tau_start_and_refuses_one_that_doe
     from setgrpo_verl.core import content_sha256
 
     other = [prompt_fingerprint(f"pilot{i}", f"pilot question {i}", []) for i in range(200)]
-    pilot = calibrate(*make_groups(200, K, seed=9), alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6),
-                      on_infeasible="reject_all", metadata={"calibration_prompts": other})
+    pilot = calibrate(*make_groups(200, K, seed=9), CalibrationSettings(
+        alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6), on_infeasible="reject_all"),
+        metadata={"calibration_prompts": other})
     assert pilot.tau_sel is not None
     pilot.to_json(tmp_path / "pilot.json")
     fixed = _identity(srgo_procedure="fixed_sequence", tau_start=pilot.tau_sel)
@@ -176,8 +177,9 @@ def test_merge_names_a_pilot_as_the_source_of_tau_start_and_refuses_one_that_doe
     _write(tmp_path / "elsewhere", _shards(_identity(srgo_procedure="fixed_sequence", tau_start=start)))
     with pytest.raises(LaunchError, match=rf"starts the fixed sequence at tau={pilot.tau_sel}"):
         merge_calibration([tmp_path / "elsewhere"], tmp_path / "out2", pilot=tmp_path / "pilot.json")
-    shared = calibrate(*make_groups(200, K, seed=9), alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6),
-                       on_infeasible="reject_all", metadata={"calibration_prompts": PROMPTS[:3] + other[3:]})
+    shared = calibrate(*make_groups(200, K, seed=9), CalibrationSettings(
+        alpha=0.2, beta=0.4, delta=0.2, tau_grid=(0.0, 0.3, 0.6), on_infeasible="reject_all"),
+        metadata={"calibration_prompts": PROMPTS[:3] + other[3:]})
     shared.to_json(tmp_path / "shared.json")
     with pytest.raises(LaunchError, match="3 calibration prompt.* were also the pilot's"):
         merge_calibration([tmp_path / "run"], tmp_path / "out3", pilot=tmp_path / "shared.json")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from setgrpo_verl.core import calibrate, degenerate_groups, coverage_risk_split
+from setgrpo_verl.core import CalibrationSettings, calibrate, coverage_risk_split, degenerate_groups
 
 from .synthetic import make_groups
 
@@ -29,13 +29,14 @@ def test_calibration_uses_this_split_on_its_non_degenerate_groups():
     live = (~degenerate_groups(point)).nonzero().flatten()
     assert 0 < live.numel() < 120  # ties make some groups degenerate
     cov, risk = coverage_risk_split(int(live.numel()), split_seed=7)
-    rec = calibrate(point, reference, gram, alpha=0.2, beta=0.5, delta=0.2, split_seed=7, on_infeasible="reject_all")
+    rec = calibrate(point, reference, gram,
+                    CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, on_infeasible="reject_all"), split_seed=7)
     assert (rec.n_cov, rec.n_risk, rec.n_degenerate) == (cov.numel(), risk.numel(), 120 - live.numel())
     # the conformal quantile comes from exactly the coverage groups: re-scoring every risk group leaves it, re-scoring
     # the coverage groups moves it
-    kwargs = dict(alpha=0.2, beta=0.5, delta=0.2, split_seed=7, on_infeasible="reject_all")
+    settings = CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, on_infeasible="reject_all")
     moved_risk, moved_cov = reference.clone(), reference.clone()
     moved_risk[live[risk]] = reference[live[risk]].flip(1)
     moved_cov[live[cov]] = reference[live[cov]].flip(1)
-    assert calibrate(point, moved_risk, gram, **kwargs).q_alpha == rec.q_alpha
-    assert calibrate(point, moved_cov, gram, **kwargs).q_alpha != rec.q_alpha
+    assert calibrate(point, moved_risk, gram, settings, split_seed=7).q_alpha == rec.q_alpha
+    assert calibrate(point, moved_cov, gram, settings, split_seed=7).q_alpha != rec.q_alpha

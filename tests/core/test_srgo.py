@@ -8,6 +8,7 @@ import torch
 from scipy.stats import binom
 
 from setgrpo_verl.core import (
+    CalibrationSettings,
     calibrate,
     certification_power,
     clopper_pearson_upper,
@@ -63,12 +64,14 @@ def test_selected_threshold_controls_conditional_risk_on_fresh_data():
     ok, risks, reps = 0, [], 15
     for rep in range(reps):
         p, r, m = make_groups(3000, k=5, dim=3, noise=0.2, seed=rep)
-        rec = calibrate(p, r, m, alpha=alpha, beta=beta, delta=delta, tau_grid=grid, split_seed=rep)
+        rec = calibrate(p, r, m, CalibrationSettings(alpha=alpha, beta=beta, delta=delta, tau_grid=grid),
+                        split_seed=rep)
         risks.append(fresh_risk(rec))
         ok += risks[-1] <= beta
         if rep == 0:
-            naive = calibrate(p, r, m, alpha=alpha, beta=beta, delta=delta, tau_grid=grid,
-                              ablation="fixed_threshold", fixed_tau=0.0)
+            naive = calibrate(p, r, m,
+                              CalibrationSettings(alpha=alpha, beta=beta, delta=delta, tau_grid=grid,
+                                                  ablation="fixed_threshold", fixed_tau=0.0))
             assert fresh_risk(naive) > 1.2 * beta
             assert rec.tau_sel > 0.0 and rec.ucb_sel <= beta
     assert ok / reps >= 1 - delta, risks
@@ -76,12 +79,13 @@ def test_selected_threshold_controls_conditional_risk_on_fresh_data():
 
 def test_covered_groups_never_reverse_when_tau_nonnegative():
     p, r, m = make_groups(3000, k=6, dim=3, noise=0.2, seed=3)
-    rec = calibrate(p[:1000], r[:1000], m[:1000], alpha=0.1, beta=0.1, delta=0.1, on_infeasible="reject_all",
-                    ablation="fixed_threshold", fixed_tau=0.0)
+    rec = calibrate(p[:1000], r[:1000], m[:1000],
+                    CalibrationSettings(alpha=0.1, beta=0.1, delta=0.1, on_infeasible="reject_all",
+                                        ablation="fixed_threshold", fixed_tau=0.0))
     res = setgrpo_coefficients(p[1000:], m[1000:], rec)
     from setgrpo_verl.core import CoefficientSets, set_shape
 
-    root, pinv = set_shape(p[1000:], rho=rec.rho)
+    root, pinv = set_shape(p[1000:], rho=rec.settings.rho)
     sets = CoefficientSets(center=grpo_coefficients(p[1000:]), root=root, pinv=pinv, radius=rec.q_alpha)
     a_ref = grpo_coefficients(r[1000:])
     covered = sets.contains(a_ref)

@@ -22,27 +22,27 @@ def test_score_errors(data):
     bad = p.clone()
     bad[3, 1] = float("nan")
     with pytest.raises(ValueError, match="NaN/inf .*group 3, response 1"):
-        calibrate(bad, r, m)
+        calibrate(bad, r, m, CalibrationSettings())
     with pytest.raises(ValueError, match="same shape"):
-        calibrate(p, r[:50], m)
+        calibrate(p, r[:50], m, CalibrationSettings())
 
 
 def test_gram_errors(data):
     p, r, m = data
     with pytest.raises(ValueError, match=r"\[G, K, K\]"):
-        calibrate(p, r, m[:, :3, :3])
+        calibrate(p, r, m[:, :3, :3], CalibrationSettings())
     asym = m.clone()
     asym[5, 0, 1] += 1.0
     with pytest.raises(ValueError, match=r"gram\[5\] is not symmetric"):
-        calibrate(p, r, asym)
+        calibrate(p, r, asym, CalibrationSettings())
     neg = m.clone()
     neg[7] = -torch.eye(4, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"gram\[7\] is not positive semidefinite"):
-        calibrate(p, r, neg)
+        calibrate(p, r, neg, CalibrationSettings())
     inf = m.clone()
     inf[2, 1, 1] = float("inf")
     with pytest.raises(ValueError, match="NaN/inf"):
-        calibrate(p, r, inf)
+        calibrate(p, r, inf, CalibrationSettings())
 
 
 @pytest.mark.parametrize("name", ["alpha", "beta", "delta"])
@@ -50,23 +50,23 @@ def test_gram_errors(data):
 def test_levels_outside_unit_interval(data, name, value):
     p, r, m = data
     with pytest.raises(ValueError, match=rf"{name}={value!r} must be a number in the open interval \(0, 1\)"):
-        calibrate(p, r, m, **{name: value})
+        CalibrationSettings(**{name: value})
 
 
 def test_too_few_groups_and_bad_options(data):
     p, r, m = data
     with pytest.raises(ValueError, match="at least 19 coverage groups"):
-        calibrate(p[:30], r[:30], m[:30], alpha=0.05)
+        calibrate(p[:30], r[:30], m[:30], CalibrationSettings(alpha=0.05))
     with pytest.raises(ValueError, match="ablation='nope': choose None"):
-        calibrate(p, r, m, ablation="nope")
+        calibrate(p, r, m, CalibrationSettings(ablation="nope"))
     with pytest.raises(ValueError, match="fixed_tau"):
-        calibrate(p, r, m, ablation="fixed_threshold")
+        calibrate(p, r, m, CalibrationSettings(ablation="fixed_threshold"))
     with pytest.raises(ValueError, match="metadata keys"):
-        calibrate(p, r, m, metadata={"temperature": 1})
+        calibrate(p, r, m, CalibrationSettings(), metadata={"temperature": 1})
     with pytest.raises(ValueError, match="tau_grid"):
-        calibrate(p, r, m, tau_grid=[0.5, 0.2])
+        calibrate(p, r, m, CalibrationSettings(tau_grid=[0.5, 0.2]))
     with pytest.raises(ValueError, match="on_infeasible"):
-        calibrate(p, r, m, on_infeasible="ignore")
+        calibrate(p, r, m, CalibrationSettings(on_infeasible="ignore"))
 
 
 @pytest.mark.parametrize("grid", [[0.5, 0.2], [0.0, 0.0, 0.3], [0.0, 1.0], [-1.0, 0.2], [], [0.1, float("nan")]])
@@ -76,7 +76,7 @@ def test_tau_grid_ordered_and_strictly_inside(data, grid):
     with pytest.raises(ValueError, match="tau_grid=") as from_settings:
         CalibrationSettings(tau_grid=grid)
     with pytest.raises(ValueError, match="tau_grid=") as from_calibrate:
-        calibrate(p, r, m, tau_grid=grid)
+        calibrate(p, r, m, CalibrationSettings(tau_grid=grid))
     assert str(from_settings.value) == str(from_calibrate.value)
 
 
@@ -86,15 +86,17 @@ def test_rho_zero_needs_dr_grpo_or_spherical_set(data):
     with pytest.raises(ValueError, match=r"rho=0.0 must be > 0") as exc:
         CalibrationSettings(rho=0.0)
     with pytest.raises(ValueError, match=r"rho=0.0 must be > 0") as again:
-        calibrate(p, r, m, rho=0.0)
+        calibrate(p, r, m, CalibrationSettings(rho=0.0))
     assert str(exc.value) == str(again.value)
     for bad in (-0.1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="rho="):
             CalibrationSettings(rho=bad)
     assert CalibrationSettings(rho=0.0, norm_by_std=False).rho == 0.0
     assert CalibrationSettings(rho=0.0, ablation="spherical_set").rho == 0.0
-    record = calibrate(p, r, m, rho=0.0, norm_by_std=False, alpha=0.2, beta=0.5, delta=0.2, on_infeasible="reject_all")
-    assert record.rho == 0.0 and record.norm_by_std is False
+    record = calibrate(p, r, m,
+                       CalibrationSettings(rho=0.0, norm_by_std=False, alpha=0.2, beta=0.5, delta=0.2,
+                                           on_infeasible="reject_all"))
+    assert record.settings.rho == 0.0 and record.settings.norm_by_std is False
 
 
 def test_settings_normalise_and_insert_fixed_tau():

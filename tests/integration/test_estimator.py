@@ -22,7 +22,7 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 from verl.trainer.ppo.v1 import trainer_base
 from verl.trainer.ppo.v1 import utils as v1_utils
 
-from setgrpo_verl.core import OnlineRiskMonitor, calibrate, setgrpo_coefficients
+from setgrpo_verl.core import CalibrationSettings, OnlineRiskMonitor, calibrate, setgrpo_coefficients
 from setgrpo_verl.integration.batch import reference_scores_from
 from setgrpo_verl.integration.calibration import calibration_groups
 from setgrpo_verl.integration.config import TRAINER_MODE_OVERRIDE
@@ -34,7 +34,7 @@ K = 4
 M_SKETCH = 6
 
 
-def _record(seed: int = 0, norm_by_std: bool = True, **kw):
+def _record(seed: int = 0, norm_by_std: bool = True, metadata: dict | None = None, **settings):
     """A real record from `calibrate` on exchangeable synthetic groups with sketch-like Gram matrices."""
     g = torch.Generator().manual_seed(seed)
     n = 160
@@ -42,8 +42,9 @@ def _record(seed: int = 0, norm_by_std: bool = True, **kw):
     point = mu + 0.1 * torch.randn(n, K, generator=g, dtype=torch.float64)
     ref = mu + 0.1 * torch.randn(n, K, generator=g, dtype=torch.float64)
     s = torch.randn(n, K, M_SKETCH, generator=g, dtype=torch.float64) + 0.7 * torch.randn(n, 1, M_SKETCH, generator=g, dtype=torch.float64)
-    return calibrate(point, ref, s @ s.transpose(1, 2), alpha=0.1, beta=0.3, delta=0.1, norm_by_std=norm_by_std,
-                     on_infeasible="reject_all", **kw)
+    return calibrate(point, ref, s @ s.transpose(1, 2), CalibrationSettings(
+        alpha=0.1, beta=0.3, delta=0.1, norm_by_std=norm_by_std, on_infeasible="reject_all", **settings),
+        metadata=metadata)
 
 
 def _batch(n_groups: int = 6, seed: int = 1, t_max: int = 7, padding_rows: int = 2):

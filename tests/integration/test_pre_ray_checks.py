@@ -364,3 +364,29 @@ def test_calibrating_and_training_on_shared_prompts_is_refused(tmp_path):
         check_calibration_disjoint(_compose(LOCAL, data, f"algorithm.setgrpo.calibration.files={overlap}"))
     check_calibration_disjoint(_compose(LOCAL, data, f"algorithm.setgrpo.calibration.files={disjoint}"))
     check_calibration_disjoint(_compose(LOCAL, data, CAL_ONLY))  # calibration alone trains on nothing
+
+
+def test_the_command_line_and_the_run_build_the_settings_in_one_place():
+    """The launcher's check asks SetGRPOConfig for the settings: the same object as the run's own, errors named by
+    the flag where there is one and by the algorithm.setgrpo key otherwise."""
+    from setgrpo_verl.integration.config import SetGRPOCalibrationConfig, SetGRPOConfig
+
+    values = {"algorithm.setgrpo.alpha": 0.2, "algorithm.setgrpo.tau_grid": [0.0, 0.5], "algorithm.setgrpo.rho": 0.0,
+              "algorithm.norm_adv_by_std_in_grpo": False, "algorithm.setgrpo.calibration.coverage_groups": None,
+              "algorithm.setgrpo.srgo_procedure": "fixed_sequence", "algorithm.setgrpo.tau_start": 0.5}
+    config = SetGRPOConfig(alpha=0.2, tau_grid=[0.0, 0.5], rho=0.0, srgo_procedure="fixed_sequence", tau_start=0.5,
+                           calibration=SetGRPOCalibrationConfig(coverage_groups=None))
+    want = CalibrationSettings(alpha=0.2, tau_grid=(0.0, 0.5), rho=0.0, norm_by_std=False, coverage_groups=None,
+                               srgo_procedure="fixed_sequence", tau_start=0.5)
+    assert launch.requested_settings(values) == config.calibration_settings(norm_by_std=False) == want
+    for key, value, message in (
+            ("calibration.on_infeasible", "ignore",
+             "--on-infeasible: calibration.on_infeasible='ignore': choose one of ('error', 'reject_all')"),
+            ("calibration.coverage_groups", 0,
+             "algorithm.setgrpo.calibration.coverage_groups: calibration.coverage_groups=0 must be an integer >= 1"),
+            ("recovery_grid", 0, "algorithm.setgrpo.recovery_grid: recovery_grid=0 must be an integer >= 1")):
+        with pytest.raises(launch.LaunchError) as exc:
+            launch.requested_settings({f"algorithm.setgrpo.{key}": value})
+        assert str(exc.value).startswith(message), str(exc.value)
+    with pytest.raises(ValueError, match=r"^algorithm\.setgrpo\.calibration\.on_infeasible='ignore': choose one"):
+        SetGRPOConfig(calibration=SetGRPOCalibrationConfig(on_infeasible="ignore"))

@@ -12,12 +12,13 @@ from __future__ import annotations
 import inspect
 import json
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
 
-from setgrpo_verl.core import OnlineRiskMonitor, calibrate, setgrpo_coefficients
+from setgrpo_verl.core import CalibrationSettings, OnlineRiskMonitor, calibrate, setgrpo_coefficients
 from setgrpo_verl.integration.config import run_identity, setgrpo_config_from
 from setgrpo_verl.integration.resume import STATE_FILE, check_resume, read_history, read_state
 from setgrpo_verl.integration.trainer import SetGRPOTrainer
@@ -51,8 +52,9 @@ def _records(tmp_path):
     point, ref, gram = make_groups(200, k=4, noise=0.05, seed=0)
     paths = []
     for name, split_seed in (("A", 0), ("B", 5)):
-        rec = calibrate(point, ref, gram, alpha=0.1, beta=0.3, delta=0.1, split_seed=split_seed, metadata=identity,
-                        on_infeasible="reject_all")
+        rec = calibrate(point, ref, gram,
+                        CalibrationSettings(alpha=0.1, beta=0.3, delta=0.1, on_infeasible="reject_all"),
+                        split_seed=split_seed, metadata=identity)
         rec.to_json(tmp_path / f"{name}.json")
         paths.append(str(tmp_path / f"{name}.json"))
     return paths
@@ -201,3 +203,14 @@ def test_resume_from_a_path_outside_the_run_restores_that_checkpoint(tmp_path):
     trainer.global_steps = 4  # verl's _load_checkpoint loaded step 3, fit() added 1
     trainer.on_train_begin()
     assert trainer.monitor.state_dict() == state["monitor"] and state["monitor"]["seen"] > 0
+
+
+def test_a_record_of_the_previous_schema_answers_to_the_hash_its_checkpoints_name(tmp_path):
+    """A checkpoint trained with a schema-4 record names that file's hash; the migrated record still matches it."""
+    from setgrpo_verl.integration.resume import check_state, record_sha256
+
+    path = Path(__file__).parents[1] / "core" / "data" / "record_schema4.json"
+    stored = json.loads(path.read_text())["content_sha256"]
+    assert record_sha256(str(path)) == stored
+    state = {"version": 1, "step": 3, "record_sha256": stored, "monitor": None}
+    assert check_state(str(tmp_path), state, str(path), record_sha256(str(path)), allow_other=False)

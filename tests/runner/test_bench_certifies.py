@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl.core import calibrate, coverage_risk_split
+from setgrpo_verl.core import CalibrationSettings, calibrate, coverage_risk_split
 
 from ..core.synthetic import make_groups
 
@@ -27,7 +27,8 @@ def _bench():
 
 def _run(tmp_path: Path, groups: int = 120):
     point, reference, gram = make_groups(groups, k=4, noise=0.2, seed=5, levels=3)
-    rec = calibrate(point, reference, gram, alpha=0.3, beta=0.6, delta=0.2, split_seed=2, on_infeasible="reject_all")
+    rec = calibrate(point, reference, gram,
+                    CalibrationSettings(alpha=0.3, beta=0.6, delta=0.2, on_infeasible="reject_all"), split_seed=2)
     cal = tmp_path / "run" / "calibration"
     cal.mkdir(parents=True)
     rec.to_json(cal / "record.json")
@@ -50,13 +51,14 @@ def test_no_resampled_group_is_in_both_parts(tmp_path):
         assert set(rows[cov_pos.numpy()]) <= set(coverage) and set(rows[risk_pos.numpy()]) <= set(risk)
         # re-calibration drops none of them and splits them where they were put: its conformal quantile is that of
         # the drawn coverage groups alone, so re-scoring the drawn risk groups leaves it unchanged
-        kwargs = dict(alpha=rec.alpha, beta=rec.beta, delta=rec.delta, split_seed=rec.split_seed,
-                      risk_fraction=share, coverage_groups=None, on_infeasible="reject_all")
-        again = calibrate(paired["point"][rows], paired["reference"][rows], paired["gram"][rows], **kwargs)
+        settings = rec.settings.replace(risk_fraction=share, coverage_groups=None, on_infeasible="reject_all")
+        again = calibrate(paired["point"][rows], paired["reference"][rows], paired["gram"][rows], settings,
+                          split_seed=rec.split_seed)
         assert (again.n_cov, again.n_risk, again.n_degenerate) == (cov_pos.numel(), risk_pos.numel(), 0)
         moved = paired["reference"][rows].clone()
         moved[risk_pos] = moved[risk_pos].flip(1)
-        assert calibrate(paired["point"][rows], moved, paired["gram"][rows], **kwargs).q_alpha == again.q_alpha
+        assert calibrate(paired["point"][rows], moved, paired["gram"][rows], settings,
+                         split_seed=rec.split_seed).q_alpha == again.q_alpha
         assert bench.certified(paired, rec, rows, share) == (again.tau_sel is not None)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from setgrpo_verl import cli, launch
-from setgrpo_verl.core import calibrate
+from setgrpo_verl.core import CalibrationSettings, calibrate
 from setgrpo_verl.integration.reward_manager import grading_counts
 from setgrpo_verl.lifecycle import DEPENDS, dir_state, plan_run
 from setgrpo_verl.models import embedded_model_dir
@@ -222,7 +222,9 @@ def _calibrated(run, complete_text: str) -> None:
     cal = run / "calibration"
     cal.mkdir(parents=True)
     point, ref, gram = make_groups(120, k=4, seed=3)
-    calibrate(point, ref, gram, alpha=0.2, beta=0.3, delta=0.05, on_infeasible="reject_all").to_json(cal / "record.json")
+    calibrate(point, ref, gram,
+              CalibrationSettings(alpha=0.2, beta=0.3, delta=0.05,
+                                  on_infeasible="reject_all")).to_json(cal / "record.json")
     np.savez(cal / "paired_scores.npz", point=point.numpy(), reference=ref.numpy(), gram=gram.numpy())
     (cal / COMPLETE).write_text(complete_text)
 

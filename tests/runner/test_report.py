@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from setgrpo_verl import report
-from setgrpo_verl.core import calibrate
+from setgrpo_verl.core import CalibrationSettings, calibrate
 from setgrpo_verl.launch import COMPLETE
 
 
@@ -25,7 +25,8 @@ def _paired(g=80, k=4, noise=0.15, seed=0):
 @pytest.fixture()
 def run_dir(tmp_path):
     point, reference, gram = _paired()
-    record = calibrate(point, reference, gram, alpha=0.1, beta=0.3, delta=0.1, tau_grid=(0.0, 0.2, 0.4, 0.6, 0.8))
+    record = calibrate(point, reference, gram,
+                       CalibrationSettings(alpha=0.1, beta=0.3, delta=0.1, tau_grid=(0.0, 0.2, 0.4, 0.6, 0.8)))
     calib = tmp_path / "calibration"
     calib.mkdir()
     record.to_json(calib / "record.json")
@@ -80,7 +81,7 @@ def test_report_draws_every_step_once_when_a_step_was_trained_again(run_dir):
 def test_coverage_curve_is_calibrated_on_exchangeable_groups():
     """Held-out coverage of the re-fitted sets tracks the nominal level (split conformal, docs/algorithm.md#2-jrsc)."""
     point, reference, gram = _paired(g=240, seed=1)
-    record = calibrate(point, reference, gram, alpha=0.1, beta=0.3, delta=0.1, tau_grid=(0.0, 0.4))
+    record = calibrate(point, reference, gram, CalibrationSettings(alpha=0.1, beta=0.3, delta=0.1, tau_grid=(0.0, 0.4)))
     curve = report.coverage_curve(point, reference, gram, record, alphas=[0.1, 0.3, 0.5], seeds=6)
     assert [round(c[0], 2) for c in curve] == [0.9, 0.7, 0.5]
     for nominal, mean, _ in curve:
@@ -98,7 +99,7 @@ def test_report_and_inspect_record_show_the_coverage_band_and_flag_a_split_below
     from setgrpo_verl.core import CalibrationRecord, coverage_band
 
     path, record = run_dir
-    band = coverage_band(record.n_cov, record.n_risk, record.alpha)
+    band = coverage_band(record.n_cov, record.n_risk, record.settings.alpha)
     assert (record.n_cov, record.n_risk) == (40, 40) and band.position(record.coverage_risk_set) == "inside"
     expected = f"expected under exchangeability: mean {band.mean:.2f}, single splits {band.lo:.2f}-{band.hi:.2f}"
     text = report.inspect_record(path, resplits=10)

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from setgrpo_verl import cli, launch
-from setgrpo_verl.core import CalibrationRecord, calibrate, prompt_fingerprint
+from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate, prompt_fingerprint
 from setgrpo_verl.datasplit import split_matches
 from setgrpo_verl.grading import write_verl_parquet
 from setgrpo_verl.integration.config import check_training_data
@@ -52,7 +52,9 @@ def finished(tmp_path):
     split = _split(data)
     launch.write_data(run, split)
     p, r, m = make_groups(60, k=3, seed=2)
-    record = calibrate(p, r, m, alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3), on_infeasible="reject_all",
+    record = calibrate(p, r, m,
+                       CalibrationSettings(alpha=0.2, beta=0.5, delta=0.2, tau_grid=(0.0, 0.3),
+                                           on_infeasible="reject_all"),
                        metadata={"calibration_prompts": _fingerprints(split["calibration"])})
     (run / "calibration").mkdir()
     record.to_json(run / "calibration" / "record.json")

@@ -102,20 +102,19 @@ def test_record_is_consistent(smoke_run):
     rec = CalibrationRecord.from_json(run / "calibration" / "record.json")
     point, reference, gram = _paired(run)
     if rec.tau_sel is None:  # the smoke profile's 12 groups may certify no threshold: a reject-all record
-        assert rec.on_infeasible == "reject_all" and rec.N == 0 and rec.U == 0.0
-        assert all(u > rec.beta for u, n in zip(rec.ucb, rec.n_accepted) if n > 0)
+        assert rec.settings.on_infeasible == "reject_all" and rec.N == 0 and rec.U == 0.0
+        assert all(u > rec.settings.beta for u, n in zip(rec.ucb, rec.n_accepted) if n > 0)
         return
-    j = rec.tau_grid.index(rec.tau_sel)
+    j = rec.settings.tau_grid.index(rec.tau_sel)
     n, f = rec.n_accepted[j], rec.n_reversals[j]
     assert (rec.N, rec.F) == (n, f) and n > 0
     assert rec.ecr == pytest.approx(f / n)
-    m = len(rec.tau_grid)
-    ucb = 1.0 if f == n else float(beta_dist.ppf(1 - rec.delta / m, f + 1, n - f))
-    assert rec.ucb_sel == pytest.approx(ucb, rel=1e-9) and ucb <= rec.beta
+    m = len(rec.settings.tau_grid)
+    ucb = 1.0 if f == n else float(beta_dist.ppf(1 - rec.settings.delta / m, f + 1, n - f))
+    assert rec.ucb_sel == pytest.approx(ucb, rel=1e-9) and ucb <= rec.settings.beta
     assert rec.n_cov + rec.n_risk + rec.n_degenerate == 12
     row = stdout.split("Backbone", 1)[1].splitlines()[1].split()
     assert row[-5:] == [f"{rec.tau_sel:.2f}", str(n), str(f), f"{rec.ecr:.4f}", f"{rec.U:.3f}"]
     # the stored paired scores re-fit offline to the very same record
-    refit = calibrate(point, reference, gram, alpha=rec.alpha, beta=rec.beta, delta=rec.delta, tau_grid=rec.tau_grid,
-                      rho=rec.rho, split_seed=rec.split_seed)
+    refit = calibrate(point, reference, gram, rec.settings, split_seed=rec.split_seed)
     assert (refit.q_alpha, refit.tau_sel, refit.N, refit.F, refit.U) == (rec.q_alpha, rec.tau_sel, n, f, rec.U)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from setgrpo_verl import cli
-from setgrpo_verl.core import CalibrationRecord, calibrate, degenerate_groups
+from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate, degenerate_groups
 from setgrpo_verl.validate import (
     ValidationLevels,
     evaluate_grpo,
@@ -115,9 +115,11 @@ def test_summary_is_consistent_with_rows_and_records(synthetic_result):
                 continue
             assert summary["coverage_reference"] == sum(r["covered_reference"] for r in live) / len(live)
             record = result.records[(split["split"], method)]
-            refit = calibrate(data["point"][cal], data["reference"][cal], data["gram"][cal], alpha=0.1, beta=0.1,
-                              delta=0.1, tau_grid=(0.0, 0.2, 0.4), split_seed=split["seed"],
-                              ablation=None if method == "setgrpo" else method, on_infeasible="reject_all")
+            refit = calibrate(data["point"][cal], data["reference"][cal], data["gram"][cal],
+                              CalibrationSettings(alpha=0.1, beta=0.1, delta=0.1, tau_grid=(0.0, 0.2, 0.4),
+                                                  ablation=None if method == "setgrpo" else method,
+                                                  on_infeasible="reject_all"),
+                              split_seed=split["seed"])
             assert (refit.q_alpha, refit.tau_sel, refit.N) == (record.q_alpha, record.tau_sel, record.N)
             assert summary["record"]["q_alpha"] == record.q_alpha and summary["record"]["tau_sel"] == record.tau_sel
     for method, agg in report["summary"].items():
@@ -185,9 +187,10 @@ def test_sample_size_plan_from_the_records(synthetic_result):
     records = [result.records[(s, "setgrpo")] for s in range(6)]
     plan = sample_size_plan(records, holdout_fraction=0.5, live_share=1.0)
     r0 = records[0]
-    assert plan["accepted_no_reversal"] == required_accepted_groups(r0.beta, r0.delta, len(r0.tau_grid))
+    levels = r0.settings
+    assert plan["accepted_no_reversal"] == required_accepted_groups(levels.beta, levels.delta, len(levels.tau_grid))
     for row in plan["thresholds"]:
-        j = r0.tau_grid.index(row["tau"])
+        j = levels.tau_grid.index(row["tau"])
         assert row["accepted"] == sum(r.n_accepted[j] for r in records)
         assert row["reversals"] == sum(r.n_reversals[j] for r in records)
         if row["accepted_needed"] is not None:
@@ -246,9 +249,9 @@ def _run_dir(tmp_path, data, **record_kw) -> str:
     run = tmp_path / "run"
     (run / "calibration").mkdir(parents=True)
     np.savez(run / "calibration" / "paired_scores.npz", **{k: v.numpy() for k, v in data.items()})
-    record = calibrate(data["point"], data["reference"], data["gram"], on_infeasible="reject_all",
-                       metadata={"grader": {"name": "noisy+rubric+rules", "flip_prob": 0.1, "noise_seed": 0}},
-                       **record_kw)
+    record = calibrate(data["point"], data["reference"], data["gram"],
+                       CalibrationSettings(on_infeasible="reject_all", **record_kw),
+                       metadata={"grader": {"name": "noisy+rubric+rules", "flip_prob": 0.1, "noise_seed": 0}})
     record.to_json(run / "calibration" / "record.json")
     (run / "calibration" / "COMPLETE").write_text("12.5 s\n")
     return str(run)

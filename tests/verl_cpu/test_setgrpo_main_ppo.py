@@ -50,7 +50,7 @@ def calibrated(tiny_model, reward_file, tmp_path_factory):
 def test_calibration_record_and_paired_scores(calibrated):
     run, _ = calibrated
     rec = CalibrationRecord.from_json(run / "calibration" / "record.json")
-    assert rec.K == 3 and rec.alpha == 0.5 and rec.tau_grid == (0.0, 0.3)
+    assert rec.K == 3 and rec.settings.alpha == 0.5 and rec.settings.tau_grid == (0.0, 0.3)
     assert rec.sketch == dataclasses.asdict(SketchConfig())
     assert rec.grader["name"].startswith("function")
     # the calibration's unparsed-verdict ratio reaches verl's tracker (a function grader: no judge verdicts)
@@ -61,8 +61,7 @@ def test_calibration_record_and_paired_scores(calibrated):
     assert z["point"].shape == (6, 3) and z["gram"].shape == (6, 3, 3)
     # the stored paired scores re-fit offline to the very same record
     refit = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]),
-                      alpha=rec.alpha, beta=rec.beta, delta=rec.delta, tau_grid=rec.tau_grid, rho=rec.rho,
-                      split_seed=rec.split_seed, on_infeasible=rec.on_infeasible)
+                      rec.settings, split_seed=rec.split_seed)
     assert (refit.q_alpha, refit.tau_sel, refit.N, refit.F) == (rec.q_alpha, rec.tau_sel, rec.N, rec.F)
 
 
@@ -159,8 +158,7 @@ def test_reject_all_record_leaves_the_policy_bit_identical(calibrated, tiny_mode
     rec = CalibrationRecord.from_json(run / "calibration" / "record.json")
     z = np.load(run / "calibration" / "paired_scores.npz")
     reject_all = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]),
-                           alpha=rec.alpha, beta=1e-4, delta=rec.delta, tau_grid=rec.tau_grid, rho=rec.rho,
-                           on_infeasible="reject_all",
+                           rec.settings.replace(beta=1e-4, on_infeasible="reject_all"),
                            metadata={"loss_agg_mode": rec.loss_agg_mode, "sketch": rec.sketch, "grader": rec.grader,
                                      "policy": rec.policy})
     assert reject_all.tau_sel is None

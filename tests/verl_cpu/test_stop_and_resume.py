@@ -157,9 +157,7 @@ def test_stopped_train_resumes_like_an_uninterrupted_run(calibrated, tmp_path):
 
     z = np.load(stopped / "calibration" / "paired_scores.npz")
     refit = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]),
-                      alpha=original.alpha, beta=original.beta, delta=original.delta, tau_grid=original.tau_grid,
-                      rho=original.rho, split_seed=original.split_seed + 1, on_infeasible=original.on_infeasible,
-                      norm_by_std=original.norm_by_std,
+                      original.settings, split_seed=original.split_seed + 1,
                       metadata={"loss_agg_mode": original.loss_agg_mode, "sketch": original.sketch,
                                 "grader": original.grader, "policy": original.policy})
     refit.to_json(tmp_path / "refit.json")

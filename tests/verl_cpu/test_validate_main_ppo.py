@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl.core import CalibrationRecord, calibrate, degenerate_groups
+from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate, degenerate_groups
 from setgrpo_verl.validate import split_groups
 
 from .conftest import jsonl, tail
@@ -56,7 +56,7 @@ def test_stage_stores_the_truth_and_the_noise_identity(validated):
     record = CalibrationRecord.from_json(run / "calibration" / "record.json")
     assert record.grader["name"] == "noisy+rubric+rules"
     assert (record.grader["flip_prob"], record.grader["noise_seed"]) == (0.2, 3)
-    assert record.on_infeasible == "reject_all"
+    assert record.settings.on_infeasible == "reject_all"
 
 
 def test_json_agrees_with_the_group_log_and_the_records(validated):
@@ -89,9 +89,11 @@ def test_json_agrees_with_the_group_log_and_the_records(validated):
                 continue
             record = CalibrationRecord.from_json(out / "records" / f"split{split['split']}_{method}.json")
             assert summary["record"]["q_alpha"] == record.q_alpha and summary["record"]["tau_sel"] == record.tau_sel
-            refit = calibrate(paired["point"][cal], paired["reference"][cal], paired["gram"][cal], alpha=0.4,
-                              beta=0.9, delta=0.3, tau_grid=(0.0, 0.3), split_seed=split["seed"],
-                              ablation=None if method == "setgrpo" else method, on_infeasible="reject_all")
+            refit = calibrate(paired["point"][cal], paired["reference"][cal], paired["gram"][cal],
+                              CalibrationSettings(alpha=0.4, beta=0.9, delta=0.3, tau_grid=(0.0, 0.3),
+                                                  ablation=None if method == "setgrpo" else method,
+                                                  on_infeasible="reject_all"),
+                              split_seed=split["seed"])
             assert (refit.q_alpha, refit.tau_sel, refit.N, refit.F) == (record.q_alpha, record.tau_sel, record.N,
                                                                         record.F)
             assert record.grader == report["metadata"]["grader"]
