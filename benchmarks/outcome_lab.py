@@ -1,0 +1,562 @@
+"""Outcome lab: does SetGRPO train a better policy than GRPO under a noisy rubric grader? (docs/outcome.md)
+
+A simulated RL run with exact per-response gradients, driven by the library's own ``calibrate``,
+``setgrpo_coefficients`` and ``OnlineRiskMonitor``:
+
+* **Policy**: a softmax over ``C`` candidate responses per prompt with shared linear features,
+  ``pi(c | p) = softmax_c(phi(p, c) . theta)``, ``theta`` in R^D (D = 256). Every prompt's gradient moves the same
+  parameters, so the groups of a step interact, as an LLM's do. The per-response gradient of ``log pi`` is
+  ``phi(p, c) - E_pi[phi(p, .)]`` exactly, and the Gram matrix of a group is formed from it (no sketch).
+* **Rubrics**: every prompt has 3-6 criteria with points 1-6; whether a candidate meets a criterion is drawn once
+  per world from a latent quality that a shared direction of the features predicts. The truth score is the rubric
+  score of those verdicts (docs/algorithm.md#0-notation).
+* **Graders**: ``flip``, the ``NoisyGrader`` rule (docs/validation.md#noisy-grader): every scoring flips every verdict
+  independently with probability ``flip``, drawn fresh per call; ``length``, a systematic error: the flip rate of
+  a candidate is ``2 flip l`` with ``l`` in [0, 1] its length, so long responses are scored worse, every time.
+* **Common random numbers**: per seed, every arm sees the same prompts, the same sampling uniforms and the same
+  flip uniforms at every step; only what the arms do with them differs.
+* **Training**: ``theta += lr / (G K) sum_g sum_i a_gi g_gi`` (the PPO-clip gradient at ratio 1, token-mean over
+  one-token responses); one learning rate, tuned for GRPO, for every arm.
+* **Measures**: the gain in expected truth reward ``E_p E_{c ~ pi} r*(p, c)`` over the start, at equal steps and at
+  equal training grader calls, with 95 % t-bands over seeds and paired bands against ``grpo`` and ``grpo_mean2``;
+  the accepted share per step; the cosine of each step's update with the truth-GRPO update on the same samples.
+
+The SetGRPO arms are calibrated once per (grader, K) on ``--calib-groups`` groups at the initial policy (their
+grader calls are reported apart from training's). The world (features, rubrics, verdicts) is one fixed draw;
+seeds vary the training streams.
+
+    python benchmarks/outcome_lab.py --quick                 # < 10 min on 2 cores
+    python benchmarks/outcome_lab.py --json lab.json         # the full table
+    python benchmarks/outcome_lab.py --shards validation/paper   # the real-geometry instrument
+
+Its last line is ``outcome lab: ...``, the default arm's paired gain over ``grpo_mean2`` and ``grpo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from scipy import stats
+
+from setgrpo_verl.core import (
+    CalibrationRecord,
+    CalibrationSettings,
+    CoefficientSets,
+    OnlineRiskMonitor,
+    calibrate,
+    degenerate_groups,
+    grpo_coefficients,
+    projections,
+    set_shape,
+    setgrpo_coefficients,
+)
+
+PAPER_LEVELS = {"alpha": 0.05, "beta": 0.08, "delta": 0.05}
+# The product's default (integration/config.py SetGRPOConfig); tests/test_outcome_lab.py checks the two agree.
+PRODUCT_DEFAULT = {"variant": "paper", **PAPER_LEVELS}
+LOOSE_LEVELS = {"alpha": 0.2, "beta": 0.3, "delta": 0.1}
+WIDE_LEVELS = {"alpha": 0.5, "beta": 0.5, "delta": 0.2}
+# Tuned for GRPO at flip 0.1, K 4 (``--tune-lr``): the best final gain over lr in {0.3, 1, 3, 10, 30}.
+LR = 30.0
+ONLINE_EVERY, ONLINE_WINDOW_STEPS = 10, 32  # refit every 10 steps on the last 32 x G groups
+
+
+# --------------------------------------------------------------------------------------------------- the world
+@dataclass(frozen=True)
+class World:
+    """One fixed draw of prompts, candidates and rubrics (float64 tensors).
+
+    Attributes:
+        phi: ``[P, C, D]`` candidate features.
+        verdicts: ``[P, C, J]`` 0/1 truth verdicts (J = 6; criteria beyond a prompt's count are masked by zero points).
+        points: ``[P, J]`` criterion points (0 where a prompt has fewer criteria).
+        truth: ``[P, C]`` truth rubric scores in [0, 1].
+        length: ``[P, C]`` response lengths in [0, 1] (the systematic grader's flip rate grows with them).
+    """
+
+    phi: torch.Tensor
+    verdicts: torch.Tensor
+    points: torch.Tensor
+    truth: torch.Tensor
+    length: torch.Tensor
+
+
+def make_world(seed: int = 0, prompts: int = 512, candidates: int = 16, dim: int = 256) -> World:
+    """A world whose truth a shared feature direction predicts (so training on any prompt helps the others)."""
+    g = torch.Generator().manual_seed(seed)
+    phi = torch.randn(prompts, candidates, dim, generator=g, dtype=torch.float64)
+    direction = torch.randn(dim, generator=g, dtype=torch.float64)
+    quality = phi @ direction / math.sqrt(dim) + 1.5 * torch.randn(prompts, candidates, generator=g, dtype=torch.float64)
+    n_crit = torch.randint(3, 7, (prompts,), generator=g)
+    points = torch.randint(1, 7, (prompts, 6), generator=g).double() * (torch.arange(6)[None] < n_crit[:, None])
+    difficulty = torch.randn(prompts, 1, 6, generator=g, dtype=torch.float64)
+    p_met = torch.sigmoid(1.5 * quality[..., None] - difficulty)
+    verdicts = (torch.rand(prompts, candidates, 6, generator=g, dtype=torch.float64) < p_met).double()
+    truth = (verdicts * points[:, None]).sum(-1) / points.sum(-1)[:, None]
+    length = torch.rand(prompts, candidates, generator=g, dtype=torch.float64)
+    return World(phi=phi / math.sqrt(dim) * 2.0, verdicts=verdicts, points=points, truth=truth, length=length)
+
+
+def expected_truth(world: World, theta: torch.Tensor) -> torch.Tensor:
+    """``[S]`` expected truth reward of the policies ``theta [S, D]`` over all prompts."""
+    pi = torch.softmax(torch.einsum("pcd,sd->spc", world.phi, theta), -1)
+    return (pi * world.truth[None]).sum(-1).mean(-1)
+
+
+@dataclass
+class Batch:
+    """One step's samples of S streams x G groups x K responses, at the policies that drew them."""
+
+    prompt: torch.Tensor   # [S, G] long
+    cand: torch.Tensor     # [S, G, K] long
+    grad: torch.Tensor     # [S, G, K, D] per-response gradients of log pi
+    gram: torch.Tensor     # [S, G, K, K]
+    truth: torch.Tensor    # [S, G, K]
+    scores: list = field(default_factory=list)  # scorings, each [S, G, K]
+
+
+def draw(world: World, theta: torch.Tensor, prompt: torch.Tensor, uniform: torch.Tensor, flips: torch.Tensor,
+         rate: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    """Sample with the inverse CDF of ``pi(. | p)`` at ``uniform [S, G, K]``, and score with ``flips [n, S, G, K, J]``
+    (one scoring per leading index: criterion j flips where its uniform is below the candidate's ``rate``)."""
+    phi = world.phi[prompt]                                         # [S, G, C, D]
+    pi = torch.softmax(torch.einsum("sgcd,sd->sgc", phi, theta), -1)
+    cdf = pi.cumsum(-1)
+    cand = torch.searchsorted(cdf.contiguous(), uniform.contiguous()).clamp_max(pi.shape[-1] - 1)
+    mean_phi = torch.einsum("sgc,sgcd->sgd", pi, phi)
+    grad = torch.gather(phi, 2, cand[..., None].expand(*cand.shape, phi.shape[-1])) - mean_phi[:, :, None]
+    p_idx = prompt[..., None].expand_as(cand)
+    verdicts = world.verdicts[p_idx, cand]                          # [S, G, K, J]
+    points = world.points[prompt][:, :, None]                       # [S, G, 1, J]
+    flip_rate = rate(world.length[p_idx, cand])[..., None]          # [S, G, K, 1]
+    scores = [((verdicts + (u < flip_rate).double()) % 2 * points).sum(-1) / points.sum(-1) for u in flips]
+    return Batch(prompt=prompt, cand=cand, grad=grad, gram=grad @ grad.transpose(-1, -2),
+                 truth=world.truth[p_idx, cand], scores=scores)
+
+
+def grader_rate(grader: str, flip: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-candidate flip rate of a grader: ``flip`` everywhere, or ``2 flip l`` with length ``l`` (capped < 1)."""
+    if grader == "flip":
+        return lambda length: torch.full_like(length, flip)
+    if grader == "length":
+        return lambda length: (2.0 * flip * length).clamp_max(0.95)
+    raise ValueError(f"unknown grader {grader!r}: use 'flip' or 'length'")
+
+
+# --------------------------------------------------------------------------------------------------- the arms
+def range_advantages(center: torch.Tensor, half_width: torch.Tensor) -> torch.Tensor:
+    """Range-GRPO's pairwise interval advantages ``[..., K]`` of reward ranges ``center +- half_width`` (``[..., K]``).
+
+    ``A_i = (1/K) sum_j kappa_ij (m_i - m_j)`` with ``kappa_ij = d^2 / (d^2 + (h_i + h_j)^2)``, ``d = m_i - m_j``:
+    a pair whose midpoints differ by less than their combined uncertainty contributes less, and a pair of wider
+    intervals less than a pair of narrow ones. With every ``h = 0``, ``kappa = 1`` and ``A`` is Dr.GRPO's
+    ``m_i - mean(m)``. (Range-GRPO's own equation did not survive in ../shared/seeds/002; this is the lab's reading
+    of its stated properties: pairwise, width-downweighted, Dr.GRPO at collapse.)
+    """
+    d = center[..., :, None] - center[..., None, :]
+    h = half_width[..., :, None] + half_width[..., None, :]
+    kappa = torch.where(d == 0, torch.zeros_like(d), d.square() / (d.square() + h.square()).clamp_min(1e-300))
+    return (kappa * d).mean(-1)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """A training arm: how many scorings a training step pays for, and its coefficients from a batch.
+
+    ``coefficients(batch, state) -> (a [S, G, K], accepted [S, G] bool or None)``; ``state`` holds the arm's
+    calibration (records, widths) and running monitors.
+    """
+
+    name: str
+    scorings: int
+    coefficients: Callable
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _setgrpo(point: torch.Tensor, gram: torch.Tensor, record: CalibrationRecord):
+    s, g, k = point.shape
+    res = setgrpo_coefficients(_flat(point), _flat(gram), record)
+    return res, res.coefficients.reshape(s, g, k), res.accepted.reshape(s, g)
+
+
+def soft_weights(point: torch.Tensor, gram: torch.Tensor, record: CalibrationRecord) -> torch.Tensor:
+    """``[G]`` certified weights ``w = clip(M_full(a_hat), 0, 1)`` of the GRPO coefficients ``a_hat = T(point)``.
+
+    ``M_full(a_hat) = min_{c in C} <u(c), u(a_hat)> / ||u(a_hat)||^2`` (docs/algorithm.md#32-projections) is the
+    share of the group's GRPO update that every coefficient vector of its JRSC set agrees with. ``w = 1`` when the
+    set collapses (``Q_alpha = 0``: plain GRPO) and ``w = 0`` when some plausible coefficients reverse the update;
+    a group whose reference coefficients lie in its set (probability >= 1 - alpha) cannot reverse a trained update,
+    so a trained group reverses with probability <= alpha (marginally, under exchangeability).
+    """
+    w = torch.zeros(point.shape[0], dtype=torch.float64)
+    live = ~degenerate_groups(point, record.degenerate_rtol)
+    if not bool(live.any()):
+        return w
+    p = point[live]
+    st = record.settings
+    center = grpo_coefficients(p, st.norm_by_std, st.eps)
+    root, pinv = set_shape(p, rho=st.rho, norm_by_std=st.norm_by_std, eps=st.eps)
+    sets = CoefficientSets(center=center, root=root, pinv=pinv, radius=record.q_alpha)
+    m_full, _ = projections(center, sets, gram[live])
+    w[live] = torch.nan_to_num(m_full, neginf=0.0).clamp(0.0, 1.0)
+    return w
+
+
+def make_arms() -> dict[str, Arm]:
+    """The lab's arms (docs/outcome.md#arms)."""
+
+    def grpo(b, st):
+        return grpo_coefficients(_flat(b.scores[0])).reshape(b.truth.shape), None
+
+    def grpo_mean2(b, st):
+        return grpo_coefficients(_flat((b.scores[0] + b.scores[1]) / 2)).reshape(b.truth.shape), None
+
+    def drgrpo(b, st):
+        return grpo_coefficients(_flat(b.scores[0]), norm_by_std=False).reshape(b.truth.shape), None
+
+    def oracle(b, st):
+        return grpo_coefficients(_flat(b.truth)).reshape(b.truth.shape), None
+
+    def range_grpo(b, st):
+        return range_advantages(b.scores[0], torch.full_like(b.scores[0], st["range_q"])), None
+
+    def gated(record_key, mean2=False):
+        def arm(b, st):
+            point = (b.scores[0] + b.scores[1]) / 2 if mean2 else b.scores[0]
+            reference = b.scores[2] if mean2 else b.scores[1]
+            res, a, acc = _setgrpo(point, b.gram, st[record_key])
+            st.setdefault(record_key + "/monitor", OnlineRiskMonitor(st[record_key])).update(
+                res, _flat(reference), _flat(b.gram))
+            return a, acc
+        return arm
+
+    def soft(record_key, mean2, scale_key=None):
+        def arm(b, st):
+            point = (b.scores[0] + b.scores[1]) / 2 if mean2 else b.scores[0]
+            w = soft_weights(_flat(point), _flat(b.gram), st[record_key]).reshape(point.shape[:2])
+            if scale_key:  # divide by the calibration groups' mean weight: GRPO's step size at the start
+                w = w / st[scale_key]
+            a = grpo_coefficients(_flat(point)).reshape(point.shape) * w[..., None]
+            return a, w > 0
+        return arm
+
+    def online(b, st):
+        """Rolling calibration: the record is refitted every ``ONLINE_EVERY`` steps on the last ``ONLINE_WINDOW``
+        groups of the stream's own training steps (point, reference, Gram at the policies that drew them)."""
+        hist = st.setdefault("online/history", [])
+        hist.append((b.scores[0], b.scores[1], b.gram))
+        del hist[:-ONLINE_WINDOW_STEPS]
+        if len(hist) % ONLINE_EVERY == 0 or "online/records" not in st:
+            if len(hist) >= ONLINE_EVERY:
+                st["online/records"] = [
+                    calibrate_levels(*(torch.cat([h[i][s] for h in hist]) for i in range(3)), LOOSE_LEVELS)
+                    for s in range(b.truth.shape[0])]
+            else:
+                st["online/records"] = [st["loose"]] * b.truth.shape[0]
+        a, acc = torch.zeros_like(b.truth), torch.zeros(b.truth.shape[:2], dtype=torch.bool)
+        for s, rec in enumerate(st["online/records"]):
+            res = setgrpo_coefficients(b.scores[0][s], b.gram[s], rec)
+            a[s], acc[s] = res.coefficients, res.accepted
+        return a, acc
+
+    return {a.name: a for a in [
+        Arm("grpo", 1, grpo), Arm("grpo_mean2", 2, grpo_mean2), Arm("drgrpo", 1, drgrpo), Arm("oracle", 0, oracle),
+        Arm("range_grpo", 1, range_grpo),
+        Arm("setgrpo_paper", 2, gated("paper")), Arm("setgrpo", 2, gated("default")),
+        Arm("setgrpo_loose", 2, gated("loose")),
+        Arm("setgrpo_mean2", 3, gated("mean2", mean2=True)),
+        Arm("setgrpo_online", 2, online),
+        Arm("setgrpo_mean2_paper", 3, gated("mean2_paper", mean2=True)),
+        Arm("setgrpo_mean2_wide", 3, gated("mean2_wide", mean2=True)),
+        Arm("setgrpo_soft", 1, soft("loose", mean2=False)),
+        Arm("setgrpo_soft_mean2", 2, soft("mean2", mean2=True, scale_key="mean2/soft_scale")),
+    ]}
+
+
+# --------------------------------------------------------------------------------------------------- calibration
+def calibration_data(world: World, k: int, groups: int, rate, seed: int) -> Batch:
+    """``groups`` groups at the initial (uniform) policy with three independent scorings."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    prompt = torch.randint(0, world.phi.shape[0], (1, groups), generator=g)
+    uniform = torch.rand(1, groups, k, generator=g, dtype=torch.float64)
+    flips = torch.rand(3, 1, groups, k, 6, generator=g, dtype=torch.float64)
+    return draw(world, torch.zeros(1, world.phi.shape[-1], dtype=torch.float64), prompt, uniform, flips, rate)
+
+
+def calibrate_levels(point, reference, gram, levels: dict) -> CalibrationRecord:
+    """The library's ``calibrate`` at ``levels`` (alpha, beta, delta), every other setting the product's default;
+    ``reject_all`` when nothing certifies, so that the arm trains no group and says so."""
+    settings = CalibrationSettings(alpha=levels["alpha"], beta=levels["beta"], delta=levels["delta"],
+                                   on_infeasible="reject_all", coverage_groups=None)
+    return calibrate(point, reference, gram, settings)
+
+
+def calibrate_arms(data: Batch) -> tuple[dict, dict]:
+    """The records and widths the arms use, and their calibration grader calls per record."""
+    p0, p1, p2, gram = (_flat(x) for x in (*data.scores, data.gram))
+    mean2 = (p0 + p1) / 2
+    state = {"paper": calibrate_levels(p0, p1, gram, PAPER_LEVELS),
+             "default": calibrate_levels(p0, p1, gram, {k: PRODUCT_DEFAULT[k] for k in PAPER_LEVELS}),
+             "loose": calibrate_levels(p0, p1, gram, LOOSE_LEVELS),
+             "mean2": calibrate_levels(mean2, p2, gram, LOOSE_LEVELS),
+             "mean2_paper": calibrate_levels(mean2, p2, gram, PAPER_LEVELS),
+             "mean2_wide": calibrate_levels(mean2, p2, gram, WIDE_LEVELS)}
+    live = ~degenerate_groups(mean2)
+    state["mean2/soft_scale"] = float(soft_weights(mean2[live], gram[live], state["mean2"]).mean())
+    resid = (p0 - p1).abs().flatten().sort().values
+    n = resid.numel()
+    state["range_q"] = float(resid[min(n - 1, math.ceil((n + 1) * (1 - LOOSE_LEVELS["alpha"])) - 1)])
+    calls = {"paper": 2, "default": 2, "loose": 2, "mean2": 3, "mean2_paper": 3, "mean2_wide": 3, "range_q": 2}
+    return state, {key: c * n for key, c in calls.items()}
+
+
+# --------------------------------------------------------------------------------------------------- training
+@dataclass
+class Curves:
+    """Per arm: expected truth reward ``[T + 1, S]``, accepted share ``[T, S]`` and update cosines ``[T, S]``."""
+
+    reward: np.ndarray
+    accept: np.ndarray
+    cos: np.ndarray
+    scorings: int
+
+
+def train(world: World, arms: dict[str, Arm], state: dict, *, k: int, seeds: int, steps: int, groups: int,
+          lr: float, rate, seed0: int = 0) -> dict[str, Curves]:
+    """Train every arm for ``steps`` steps on ``seeds`` streams (common random numbers across arms)."""
+    d = world.phi.shape[-1]
+    theta = {name: torch.zeros(seeds, d, dtype=torch.float64) for name in arms}
+    out = {name: Curves(np.zeros((steps + 1, seeds)), np.full((steps, seeds), np.nan), np.zeros((steps, seeds)),
+                        arm.scorings) for name, arm in arms.items()}
+    for name in arms:
+        out[name].reward[0] = expected_truth(world, theta[name]).numpy()
+    for t in range(steps):
+        g = torch.Generator().manual_seed(seed0 * 1_000_003 + t)
+        prompt = torch.randint(0, world.phi.shape[0], (seeds, groups), generator=g)
+        uniform = torch.rand(seeds, groups, k, generator=g, dtype=torch.float64)
+        flips = torch.rand(3, seeds, groups, k, 6, generator=g, dtype=torch.float64)
+        for name, arm in arms.items():
+            batch = draw(world, theta[name], prompt, uniform, flips, rate)
+            a, accepted = arm.coefficients(batch, state)
+            update = torch.einsum("sgk,sgkd->sd", a, batch.grad) / (groups * k)
+            truth_update = torch.einsum("sgk,sgkd->sd", grpo_coefficients(_flat(batch.truth)).reshape(a.shape),
+                                        batch.grad)
+            theta[name] = theta[name] + lr * update
+            norms = update.norm(dim=-1) * truth_update.norm(dim=-1)
+            out[name].cos[t] = torch.where(norms > 0, (update * truth_update).sum(-1) / norms.clamp_min(1e-300),
+                                           0.0).numpy()
+            if accepted is not None:
+                live = (~degenerate_groups(_flat(batch.scores[0]))).reshape(seeds, groups).double()
+                out[name].accept[t] = ((accepted.double() * live).sum(-1) / live.sum(-1).clamp_min(1)).numpy()
+            out[name].reward[t + 1] = expected_truth(world, theta[name]).numpy()
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- analysis
+def band(x: np.ndarray) -> tuple[float, float]:
+    """Mean and 95 % t half-width of the seeds' values ``x [S]``."""
+    x = np.asarray(x, dtype=float)
+    if x.size < 2:
+        return float(x.mean()), math.nan
+    return float(x.mean()), float(stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+
+
+def gain_at_calls(c: Curves, steps: int) -> np.ndarray:
+    """Per seed gain at the training grader calls a one-scoring arm spends in ``steps`` steps."""
+    at = steps if c.scorings <= 1 else steps // c.scorings
+    return c.reward[at] - c.reward[0]
+
+
+def analyse(curves: dict[str, Curves], *, flip: float, k: int, grader: str) -> list[dict]:
+    """One row per arm: the ``--json`` row format (docs/outcome.md#the-lab)."""
+    steps = curves["grpo"].accept.shape[0]
+    q = max(1, steps // 4)
+    rows = []
+    for name, c in curves.items():
+        gain = c.reward[-1] - c.reward[0]
+        row = {"grader": grader, "flip": flip, "K": k, "arm": name, "gain": band(gain)[0], "band": band(gain)[1],
+               "gain_calls": band(gain_at_calls(c, steps))[0], "band_calls": band(gain_at_calls(c, steps))[1],
+               "scorings": c.scorings, "paired": {}, "paired_calls": {},
+               "accept": float(np.nanmean(c.accept)) if not np.isnan(c.accept).all() else None,
+               "accept_first_quarter": float(np.nanmean(c.accept[:q])) if not np.isnan(c.accept).all() else None,
+               "accept_last_quarter": float(np.nanmean(c.accept[-q:])) if not np.isnan(c.accept).all() else None,
+               "cos": float(c.cos.mean())}
+        for ref in ("grpo", "grpo_mean2"):
+            row["paired"][ref] = list(band(gain - (curves[ref].reward[-1] - curves[ref].reward[0])))
+            row["paired_calls"][ref] = list(band(gain_at_calls(c, steps) - gain_at_calls(curves[ref], steps)))
+        rows.append(row)
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'grader':>6} {'flip':>5} {'K':>2} {'arm':>14} {'gain':>7} {'+-':>6} {'vs grpo':>15} {'vs mean2':>15} "
+          f"{'vs mean2@calls':>15} {'accept':>13} {'cos':>5}")
+    for r in rows:
+        acc = "" if r["accept"] is None else f"{r['accept_first_quarter']:.2f}->{r['accept_last_quarter']:.2f}"
+        pg, pm, pc = r["paired"]["grpo"], r["paired"]["grpo_mean2"], r["paired_calls"]["grpo_mean2"]
+        print(f"{r['grader']:>6} {r['flip']:>5} {r['K']:>2} {r['arm']:>14} {r['gain']:7.4f} {r['band']:6.4f} "
+              f"{pg[0]:+7.4f}+-{pg[1]:.4f} {pm[0]:+7.4f}+-{pm[1]:.4f} {pc[0]:+7.4f}+-{pc[1]:.4f} {acc:>13} "
+              f"{r['cos']:5.2f}")
+
+
+def markdown(rows: list[dict], arms: list[str] | None = None) -> str:
+    """docs/outcome.md's table of ``rows``: gain, paired gain over ``grpo_mean2`` at equal steps and at equal training
+    grader calls (mean +- 95 % half-width), paired gain over ``grpo``, accepted share first -> last quarter, cosine."""
+    out = ["| grader | flip | K | arm | gain | - grpo_mean2 | - grpo_mean2, equal calls | - grpo | accepted | cos |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if arms and r["arm"] not in arms:
+            continue
+        acc = "" if r["accept"] is None else f"{r['accept_first_quarter']:.2f} -> {r['accept_last_quarter']:.2f}"
+        pm, pc, pg = r["paired"]["grpo_mean2"], r["paired_calls"]["grpo_mean2"], r["paired"]["grpo"]
+        out.append(f"| {r['grader']} | {r['flip']:g} | {r['K']} | `{r['arm']}` | {r['gain']:.3f} | "
+                   f"{pm[0]:+.3f} ± {pm[1]:.3f} | {pc[0]:+.3f} ± {pc[1]:.3f} | {pg[0]:+.3f} ± {pg[1]:.3f} | {acc} | "
+                   f"{r['cos']:.2f} |")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------------------------- real geometry
+def real_geometry(shard_dir: Path, batches_per_step: int = 1) -> dict[str, float]:
+    """The arms' per-step alignment with the truth-GRPO update on committed calibration shards.
+
+    Each shard (``batch_*.npz``: point, reference, truth ``[G, K]``, gram ``[G, K, K]`` of a real policy) is one
+    step; groups are taken as mutually orthogonal, so ``<u(a), u(b)> = sum_g a_g^T M_g b_g``. The first half of the
+    shards calibrates the SetGRPO records, the second half is scored. Returns ``{arm: {"cos": mean cosine,
+    "trained": mean share of groups with a nonzero update, "steps": scored shards}}``.
+    """
+    files = sorted(shard_dir.glob("batch_*.npz"))
+    if not files:
+        raise SystemExit(f"no batch_*.npz shards in {shard_dir}")
+    shards = [{k: torch.from_numpy(np.load(f)[k]).double() for k in ("point", "reference", "truth", "gram")}
+              for f in files]
+    half = len(shards) // 2
+    cal = {k: torch.cat([s[k] for s in shards[:half]]) for k in ("point", "reference", "gram")}
+    records = {"setgrpo_paper": calibrate_levels(cal["point"], cal["reference"], cal["gram"], PAPER_LEVELS),
+               "setgrpo_loose": calibrate_levels(cal["point"], cal["reference"], cal["gram"], LOOSE_LEVELS)}
+    resid = (cal["point"] - cal["reference"]).abs().flatten().sort().values
+    q = float(resid[min(resid.numel() - 1, math.ceil((resid.numel() + 1) * (1 - LOOSE_LEVELS["alpha"])) - 1)])
+    arms = {"grpo": lambda s: grpo_coefficients(s["point"]),
+            "grpo_mean2": lambda s: grpo_coefficients((s["point"] + s["reference"]) / 2),
+            "drgrpo": lambda s: grpo_coefficients(s["point"], norm_by_std=False),
+            "range_grpo": lambda s: range_advantages(s["point"], torch.full_like(s["point"], q)),
+            **{name: (lambda s, r=rec: setgrpo_coefficients(s["point"], s["gram"], r).coefficients)
+               for name, rec in records.items()},
+            "setgrpo_soft": lambda s: grpo_coefficients(s["point"]) * soft_weights(
+                s["point"], s["gram"], records["setgrpo_loose"])[:, None]}
+    cos = {name: [] for name in arms}
+    trained = {name: [] for name in arms}
+    for s in shards[half:]:
+        t = grpo_coefficients(s["truth"])
+        tt = torch.einsum("gi,gij,gj->", t, s["gram"], t)
+        for name, fn in arms.items():
+            a = fn(s)
+            aa = torch.einsum("gi,gij,gj->", a, s["gram"], a)
+            at = torch.einsum("gi,gij,gj->", a, s["gram"], t)
+            cos[name].append(float(at / (aa * tt).sqrt()) if aa > 0 and tt > 0 else 0.0)
+            trained[name].append(float((a.abs().sum(-1) > 0).double().mean()))
+    return {name: {"cos": float(np.mean(cos[name])), "trained": float(np.mean(trained[name])),
+                   "steps": len(cos[name])} for name in arms}
+
+
+# --------------------------------------------------------------------------------------------------- command line
+def run(*, flips, ks, graders, seeds, steps, groups, calib_groups, lr, arms=None, verbose=True) -> list[dict]:
+    """Every (grader, flip, K) cell: calibrate, train every arm, analyse. Returns the ``--json`` rows."""
+    world = make_world()
+    all_arms = make_arms()
+    chosen = {n: all_arms[n] for n in (arms or all_arms)}
+    for must in ("grpo", "grpo_mean2"):
+        chosen.setdefault(must, all_arms[must])
+    rows = []
+    for grader in graders:
+        for flip in flips:
+            rate = grader_rate(grader, flip)
+            for k in ks:
+                t0 = time.perf_counter()
+                state, calib_calls = calibrate_arms(calibration_data(world, k, calib_groups, rate, seed=0))
+                curves = train(world, chosen, state, k=k, seeds=seeds, steps=steps, groups=groups, lr=lr, rate=rate)
+                cell = analyse(curves, flip=flip, k=k, grader=grader)
+                for row in cell:
+                    key = {"setgrpo_paper": "paper", "setgrpo": "default", "setgrpo_loose": "loose",
+                           "setgrpo_mean2": "mean2", "range_grpo": "range_q", "setgrpo_online": "loose",
+                           "setgrpo_soft": "loose", "setgrpo_mean2_paper": "mean2_paper",
+                           "setgrpo_mean2_wide": "mean2_wide", "setgrpo_soft_mean2": "mean2"}.get(row["arm"])
+                    row["calibration_grader_calls"] = calib_calls.get(key, 0) if key else 0
+                    row["training_grader_calls_per_step"] = row["scorings"] * groups * k
+                    rec = state.get(key) if key and key != "range_q" else None
+                    row["tau_sel"] = None if rec is None else rec.tau_sel
+                    row["q_alpha"] = None if rec is None else rec.q_alpha
+                rows += cell
+                if verbose:
+                    print(f"[grader {grader}, flip {flip}, K {k}: {time.perf_counter() - t0:.0f} s]", flush=True)
+                    print_rows(cell)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="the full run's cells at flips 0.05, 0.1, 0.2 with the flip grader only (same numbers)")
+    ap.add_argument("--flips", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3])
+    ap.add_argument("--K", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--graders", nargs="+", default=["flip", "length"])
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--calib-groups", type=int, default=1000)
+    ap.add_argument("--lr", type=float, default=LR)
+    ap.add_argument("--lr-scale", type=float, default=1.0, help="sensitivity check: 3 and 1/3")
+    ap.add_argument("--arms", nargs="+", default=None)
+    ap.add_argument("--tune-lr", action="store_true", help="GRPO at flip 0.1, K 4 over lr x {0.3, 1, 3, 10, 30}")
+    ap.add_argument("--shards", type=Path, default=None, help="the real-geometry instrument on a shard directory")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None, help="print docs/outcome.md's table of a --json file")
+    args = ap.parse_args(argv)
+    if args.markdown is not None:
+        print(markdown(json.loads(args.markdown.read_text())["rows"], args.arms))
+        return
+    if args.shards is not None:
+        cos = real_geometry(args.shards)
+        print("real geometry: mean cosine with the truth-GRPO update per step, share of groups trained")
+        for name, c in cos.items():
+            print(f"  {name:>14} {c['cos']:.3f} {c['trained']:.3f}")
+        if args.json:
+            args.json.write_text(json.dumps({"real_geometry": cos}, indent=1))
+        return
+    if args.quick:
+        args.flips = [f for f in args.flips if f <= 0.2] if args.flips == [0.05, 0.1, 0.2, 0.3] else args.flips
+        args.graders = ["flip"] if args.graders == ["flip", "length"] else args.graders
+    if args.tune_lr:
+        for scale in (0.3, 1, 3, 10, 30):
+            rows = run(flips=[0.1], ks=[4], graders=["flip"], seeds=args.seeds, steps=args.steps, groups=args.groups,
+                       calib_groups=args.calib_groups, lr=scale, arms=["grpo"], verbose=False)
+            r = next(r for r in rows if r["arm"] == "grpo")
+            print(f"lr {scale:g}: grpo gain {r['gain']:.4f} +- {r['band']:.4f}")
+        return
+    t0 = time.perf_counter()
+    rows = run(flips=args.flips, ks=args.K, graders=args.graders, seeds=args.seeds, steps=args.steps,
+               groups=args.groups, calib_groups=args.calib_groups, lr=args.lr * args.lr_scale, arms=args.arms)
+    meta = {"seeds": args.seeds, "steps": args.steps, "groups": args.groups, "calib_groups": args.calib_groups,
+            "lr": args.lr * args.lr_scale, "seconds": time.perf_counter() - t0}
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    default = [r for r in rows if r["arm"] == "setgrpo"]
+    for r in default:
+        print(f"outcome lab: setgrpo {r['grader']} flip {r['flip']} K {r['K']}: gain {r['gain']:.4f}, "
+              f"- grpo_mean2 {r['paired']['grpo_mean2'][0]:+.4f} +- {r['paired']['grpo_mean2'][1]:.4f} "
+              f"(at equal calls {r['paired_calls']['grpo_mean2'][0]:+.4f}), "
+              f"- grpo {r['paired']['grpo'][0]:+.4f} +- {r['paired']['grpo'][1]:.4f}")
+
+
+if __name__ == "__main__":
+    main()
