@@ -307,7 +307,7 @@ def _flavour_url(server, parser):
 def test_cli_probe_of_a_thinking_judge_names_the_token_budget(server, capsys, tmp_path):
     """`calibrate --judge openai` against a thinking judge whose replies are cut off: one error line (exit 2) that
     names the budget and both knobs, before the policy loads; with the flags the grader sends them."""
-    from setgrpo_verl import cli, launch
+    from setgrpo_verl.runner import cli, launch
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"question": f"Name the number {i}.", "id": f"d{i}", "rubrics": [

@@ -1,6 +1,6 @@
 """Command line of setgrpo-verl (``setgrpo-verl ...`` or ``python -m setgrpo_verl ...``).
 
-Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (:mod:`setgrpo_verl.launch`):
+Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (:mod:`setgrpo_verl.runner.launch`):
 
 * ``calibrate``      roll out the calibration prompts, score each response twice, sketch, write the frozen record;
 * ``train``          SetGRPO steps with that record, or ``--estimator grpo``: verl's stock GRPO on the same data;
@@ -15,7 +15,7 @@ Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (
 
 Flags are shorthands for keys of the one configuration (``algorithm.setgrpo.*``, whose ``--help`` texts come from
 its field docs, and a few of verl's keys); any further ``key=value`` argument is passed to verl's Hydra config as
-it is. ``--dry-run`` prints the run directory's plan (:mod:`setgrpo_verl.lifecycle`) and the verl command lines
+it is. ``--dry-run`` prints the run directory's plan (:mod:`setgrpo_verl.runner.lifecycle`) and the verl command lines
 without running them. A failing command prints one line
 ``error: ...`` and exits with status 2.
 """
@@ -153,7 +153,7 @@ def _profile_levels(name: str) -> str:
 def _flag_help(key: str, text: str | None) -> str:
     if text is not None:
         return f"{text} [{key}]"
-    from .integration.config import field_doc
+    from ..integration.config import field_doc
 
     return f"{field_doc(key.removeprefix('algorithm.setgrpo.'))} [{key}]"
 
@@ -240,7 +240,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
         if flag == "--on-infeasible":
             kwargs["choices"] = ("error", "reject_all")
         if flag == "--ablation":
-            from .integration.config import ABLATIONS
+            from ..integration.config import ABLATIONS
 
             kwargs["choices"] = ABLATIONS
         names = (flag, "-K") if flag == "--rollout-n" else (flag,)
@@ -339,7 +339,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise LaunchError("--judge rules checks rule criteria by code: it takes no --judge-model, --judge-base-url or "
                           "--judge-temperature")
     if args.flip_prob is not None:
-        from .grading.noisy import check_flip_prob
+        from ..grading.noisy import check_flip_prob
 
         try:
             check_flip_prob(args.flip_prob)
@@ -371,7 +371,7 @@ def _sketch_batches(values: dict[str, Any], command: str, trains: bool) -> dict[
 
 
 def _padding_multiple(values: dict[str, Any], ranks: int) -> int:
-    from .integration.config import padded_batch_multiple
+    from ..integration.config import padded_batch_multiple
 
     mini = values.get("actor_rollout_ref.actor.ppo_mini_batch_size") or values.get("data.train_batch_size", 1)
     return padded_batch_multiple(ranks=ranks, mini_batch_prompts=int(mini),
@@ -387,8 +387,8 @@ def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 1
     Raises:
         LaunchError: the batches cannot be split evenly over ``ranks``.
     """
-    from .integration.config import sketch_micro_batch_error
-    from .rundir import LaunchError
+    from ..integration.config import sketch_micro_batch_error
+    from ..rundir import LaunchError
 
     k = int(values.get("actor_rollout_ref.rollout.n", 8))
     train = int(values.get("data.train_batch_size", 1))
@@ -445,7 +445,7 @@ def _check_grader(grader: dict[str, Any]) -> None:
     Raises:
         LaunchError: the message of :func:`setgrpo_verl.grading.check_stochastic_judge`.
     """
-    from .grading import check_stochastic_judge
+    from ..grading import check_stochastic_judge
     from .launch import LaunchError
 
     judge = grader.get("base", grader) if grader.get("type") == "noisy" else grader
@@ -483,7 +483,7 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
         LaunchError: a bad flag, model directory, setting or micro-batch size.
     """
     from . import launch
-    from .integration.config import sketch_micro_batch_error
+    from ..integration.config import sketch_micro_batch_error
 
     values = {**(defaults or {}), **overrides_from_args(args)}
     seed = int(values.get("data.seed", 1))
@@ -495,7 +495,7 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _
         if not (model / "config.json").is_file():
             raise launch.LaunchError(f"--model {args.model}: not a local Hugging Face model directory (no config.json)")
     else:
-        from .models import embedded_model_dir
+        from ..models import embedded_model_dir
 
         model = embedded_model_dir()
     values["actor_rollout_ref.model.path"] = str(model)
@@ -577,7 +577,7 @@ def _split(args: argparse.Namespace, plan: _Plan) -> dict[str, Any] | None:
 
 def _lifecycle(args: argparse.Namespace, writes: list[str], reads: tuple[str, ...] = (),
                split: dict[str, Any] | None = None):
-    """The run directory's plan of this command (:func:`setgrpo_verl.lifecycle.plan_run`)."""
+    """The run directory's plan of this command (:func:`setgrpo_verl.runner.lifecycle.plan_run`)."""
     from .datasplit import split_matches
     from .lifecycle import plan_run
 
@@ -626,16 +626,16 @@ def _run_stages(args: argparse.Namespace, commands: list[tuple[str, list[str]]],
 
 
 def _record_of(run_dir: Path) -> Path:
-    from .rundir import STAGES
+    from ..rundir import STAGES
 
     return run_dir / STAGES["calibrate"] / "record.json"
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> str | None:
     """``calibrate``: split the data, then the calibration stage (the frozen record)."""
-    from .core import parse_part
+    from ..core import parse_part
     from .preflight import check_calibration_size
-    from .rundir import LaunchError
+    from ..rundir import LaunchError
 
     if args.shard is not None:
         try:
@@ -673,7 +673,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
     _start(args, plan, lifecycle, split)
     lifecycle.prepare("report")  # an old report describes the stages about to be run again
     _run_stages(args, commands, lifecycle)
-    from .report import make_report
+    from ..report import make_report
 
     lifecycle.prepare("report")
     return make_report(args.run_dir)
@@ -682,7 +682,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
 def _cmd_train(args: argparse.Namespace) -> str | None:
     """``train``: SetGRPO with the run's record (or ``--estimator grpo``) on the split ``calibrate`` wrote."""
     from . import datasplit, preflight
-    from .rundir import STAGES, LaunchError
+    from ..rundir import STAGES, LaunchError
 
     plan = _plan(args)
     run_dir = args.run_dir
@@ -741,7 +741,7 @@ def _cmd_validate(args: argparse.Namespace) -> str | None:
 
 def _cmd_report(args: argparse.Namespace) -> str:
     """``report``: PNG plots and a text summary of a run directory."""
-    from .report import make_report
+    from ..report import make_report
 
     if (args.run_dir / "report").exists():
         from .lifecycle import plan_run
@@ -752,7 +752,7 @@ def _cmd_report(args: argparse.Namespace) -> str:
 
 def _cmd_inspect_record(args: argparse.Namespace) -> str:
     """``inspect-record``: a record as the paper's Table 4 row, its levels, identities and package versions."""
-    from .report import inspect_record
+    from ..report import inspect_record
 
     return inspect_record(args.record, thresholds=args.thresholds)
 
@@ -794,9 +794,9 @@ def _check_validate(args: argparse.Namespace, values: dict[str, Any]) -> None:
 def _analyse(args: argparse.Namespace, values: dict[str, Any], lifecycle) -> str:
     """The offline part of ``validate``: repeated splits of the stage's paired scores, JSON + PNG + table; the
     ``validation/`` directory is only replaced once the new results exist."""
-    from .core import CalibrationRecord
-    from .report import summary_table, write_validation
-    from .rundir import STAGES, LaunchError, complete_seconds
+    from ..core import CalibrationRecord
+    from ..report import summary_table, write_validation
+    from ..rundir import STAGES, LaunchError, complete_seconds
     from .validate import ValidationLevels, load_paired, run_validation
 
     calibration = args.run_dir / STAGES["calibrate"]
@@ -824,14 +824,14 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any], lifecycle) -> str
     result.report["calibration_stage_seconds"] = complete_seconds(calibration)
     lifecycle.prepare("validation")
     paths = write_validation(result, out)
-    from .rundir import mark_complete
+    from ..rundir import mark_complete
 
     mark_complete(out, result.report["analysis_seconds"])
     return f"{summary_table(result.report)}\nwritten: {paths['json']}, {paths['png']}, {paths['groups']}"
 
 
 def _hold_lock(args: argparse.Namespace) -> None:
-    """Take the run directory's lock (:func:`setgrpo_verl.runlock.run_dir_lock`) for the rest of the command,
+    """Take the run directory's lock (:func:`setgrpo_verl.runner.runlock.run_dir_lock`) for the rest of the command,
     unless it is held already or this is a dry run."""
     if getattr(args, "dry_run", False) or getattr(args, "locked", False) or getattr(args, "lock", None) is None:
         return
@@ -844,8 +844,8 @@ def _hold_lock(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``setgrpo-verl``; returns the process exit status."""
     args = build_parser().parse_args(argv)
-    from .report import ReportError
-    from .rundir import LaunchError
+    from ..report import ReportError
+    from ..rundir import LaunchError
 
     try:
         with contextlib.ExitStack() as args.lock:

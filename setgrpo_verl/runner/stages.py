@@ -1,8 +1,8 @@
 """Run one verl ``main_ppo`` command as a stage of a run directory (docs/cli.md#run-directory): its directory,
 ``command.sh``, ``main_ppo.log``, ``metrics.jsonl`` and the ``COMPLETE`` / ``FAILED`` marker written last.
 
-The process runs under :class:`setgrpo_verl.supervise.Supervisor` (stopped with its Ray instance on a stop
-signal) and is shown by :class:`setgrpo_verl.console.StageConsole`.
+The process runs under :class:`setgrpo_verl.runner.supervise.Supervisor` (stopped with its Ray instance on a stop
+signal) and is shown by :class:`setgrpo_verl.runner.console.StageConsole`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .lifecycle import RunPlan, calibration_shards, plan_run
-from .rundir import FAILED, STAGES, LaunchError, latest_checkpoint_step, mark_complete
+from ..rundir import FAILED, STAGES, LaunchError, latest_checkpoint_step, mark_complete
 
 __all__ = ["run_stage", "stage_writes"]
 
@@ -28,8 +28,8 @@ _WORKER_DEATHS = re.compile(r"(\d+) Workers \(tasks / actors\) killed due to mem
 
 
 def stage_writes(stage: str) -> list[str]:
-    """The run-directory parts a stage writes (:data:`setgrpo_verl.lifecycle.DEPENDS` keys): its own directory and,
-    for ``calibrate_train``, ``calibration/``."""
+    """The run-directory parts a stage writes (:data:`setgrpo_verl.runner.lifecycle.DEPENDS` keys): its own directory
+    and, for ``calibrate_train``, ``calibration/``."""
     return [STAGES[stage]] + (["calibration"] if stage == "calibrate_train" else [])
 
 
@@ -49,17 +49,17 @@ def run_stage(
 
     Writes ``command.sh`` first (the exact command line, environment variables included), writes verl's output to
     ``main_ppo.log`` (and streams it when ``verbose``; else shows progress bars and one line per step, see
-    :mod:`setgrpo_verl.console`), points verl's file logger at ``metrics.jsonl``, and writes ``COMPLETE`` only
+    :mod:`setgrpo_verl.runner.console`), points verl's file logger at ``metrics.jsonl``, and writes ``COMPLETE`` only
     when verl exits with status 0 (else ``FAILED`` with the exit status and the log's tail).
 
-    ``main_ppo`` runs in a session of its own (:class:`setgrpo_verl.supervise.Supervisor`): on SIGINT, SIGTERM or
+    ``main_ppo`` runs in a session of its own (:class:`setgrpo_verl.runner.supervise.Supervisor`): on SIGINT, SIGTERM or
     SIGHUP it and the local Ray instance it started are stopped (docs/cli.md#stopping-a-run), nothing of that
     session is left running, and ``FAILED`` says which signal stopped it and at which checkpoint to resume. When
     the raylet reports workers of the run killed for memory or crashed, the stage is stopped the same way rather
     than left waiting on them.
 
-    What happens to the stage's directory is ``plan``'s decision (:func:`setgrpo_verl.lifecycle.plan_run`; without
-    one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
+    What happens to the stage's directory is ``plan``'s decision (:func:`~setgrpo_verl.runner.lifecycle.plan_run`;
+    without one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
     again, a continued one resumes from its latest verl checkpoint (``trainer.resume_mode=auto``, verl's default), a
     created or replaced one starts from an empty directory; a continued ``calibration/`` (shards, no record)
     calibrates only the batches without a shard (docs/record.md#calibration-shards). ``calibrate_train`` marks
@@ -114,7 +114,7 @@ def run_stage(
           flush=True)
     history: list[bytes] = []
     if resumed_from is not None:
-        from .integration.resume import read_history
+        from ..integration.resume import read_history
 
         history = read_history(str(metrics), resumed_from)
     t0 = time.perf_counter()
