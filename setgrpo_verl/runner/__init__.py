@@ -1,6 +1,7 @@
 """The command line (``setgrpo-verl``) and its run directories.
 
 * ``cli``       - argument parsing and the commands.
+* ``run``       - a training command's plan from its flags, its data split, verl command lines and stages.
 * ``launch``    - verl's ``main_ppo`` command line of each stage and the CPU backend's settings.
 * ``stages``    - runs one stage as a supervised ``main_ppo`` process.
 * ``datasplit`` - the calibration / train split, written as verl parquet files.
