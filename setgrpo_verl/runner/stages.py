@@ -73,9 +73,6 @@ def run_stage(
             (the message says how many, why, and where to resume).
         SystemExit: with status 128 + the signal number, after a stop signal stopped the stage.
     """
-    from .console import StageConsole
-    from .supervise import Supervisor
-
     run_dir = Path(run_dir)
     if plan is None:
         plan = plan_run(run_dir, stage_writes(stage), overwrite=overwrite, resume=resume)
@@ -93,15 +90,45 @@ def run_stage(
     continued = plan.action(STAGES[stage]) == "continue" or (stage == "calibrate_train"
                                                              and plan.action("calibration") == "continue")
     resumed_from = latest_checkpoint_step(stage_dir) if continued else None
+    env = _stage_env(env, stage_dir)
+    metrics = Path(env["VERL_FILE_LOGGER_PATH"])
+    log_path = _announce(stage, stage_dir, command, env, continued, resumed_from, verbose)
+    history: list[bytes] = []
+    if resumed_from is not None:
+        from ..integration.resume import read_history
+
+        history = read_history(str(metrics), resumed_from)
+    try:
+        child, status, elapsed, tail = _supervise(stage, command, env, metrics, log_path, append=continued,
+                                                  verbose=verbose, grace=stop_grace)
+    finally:
+        if stage == "calibrate_train" and (calibration / "record.json").is_file():
+            mark_complete(calibration, note=f"calibrated by {stage_dir.name}/")
+    _keep_history(metrics, history)
+    _check_exit(stage, stage_dir, calibration, child, status, elapsed, tail, log_path, verbose)
+    if stage == "calibrate_train" and not (calibration / "record.json").is_file():
+        raise LaunchError(f"{stage}: verl exited normally but wrote no record to {calibration}/record.json")
+    mark_complete(stage_dir, elapsed)
+    print(f"[setgrpo-verl] {stage}: done in {elapsed:.0f} s", flush=True)
+    return stage_dir
+
+
+def _stage_env(env: Mapping[str, str], stage_dir: Path) -> dict[str, str]:
+    """``env`` with verl's file logger pointed at the stage's ``metrics.jsonl`` and verl's local trackers writing into
+    the stage directory (tensorboard: ``TENSORBOARD_DIR``, else ``./tensorboard_log/...``; mlflow:
+    ``MLFLOW_TRACKING_URI``, else ``/tmp/mlruns.db``; trackio: ``TRACKIO_DIR``, else the Hugging Face cache)."""
     env = dict(env)
-    metrics = (stage_dir / "metrics.jsonl").resolve()
-    env["VERL_FILE_LOGGER_PATH"] = str(metrics)
-    # verl's local trackers write where these say (tensorboard: TENSORBOARD_DIR, else ./tensorboard_log/...; mlflow:
-    # MLFLOW_TRACKING_URI, else /tmp/mlruns.db; trackio: TRACKIO_DIR, else the Hugging Face cache): in the stage
+    env["VERL_FILE_LOGGER_PATH"] = str((stage_dir / "metrics.jsonl").resolve())
     for key, where in (("TENSORBOARD_DIR", "tensorboard"), ("WANDB_DIR", ""), ("SWANLAB_LOG_DIR", "swanlog"),
                        ("TRACKIO_DIR", "trackio")):
         env.setdefault(key, str((stage_dir / where).resolve()))
     env.setdefault("MLFLOW_TRACKING_URI", "sqlite:///" + str((stage_dir / "mlruns.db").resolve()))
+    return env
+
+
+def _announce(stage: str, stage_dir: Path, command: Sequence[str], env: Mapping[str, str], continued: bool,
+              resumed_from: int | None, verbose: bool) -> Path:
+    """Write the stage's ``command.sh`` and print how it starts; returns the path of its ``main_ppo.log``."""
     shown_env = {k: env[k] for k in ("VERL_PLATFORM", "VERL_FILE_LOGGER_PATH") if k in env}
     line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()), *map(shlex.quote, command)])
     (stage_dir / "command.sh").write_text("#!/usr/bin/env bash\n" + line + "\n")
@@ -112,13 +139,23 @@ def run_stage(
         print(f"[setgrpo-verl] {stage}: {line}", flush=True)
     print(f"[setgrpo-verl] {stage}: {start} verl's main_ppo (command: {stage_dir / 'command.sh'}, log: {log_path})",
           flush=True)
-    history: list[bytes] = []
-    if resumed_from is not None:
-        from ..integration.resume import read_history
+    return log_path
 
-        history = read_history(str(metrics), resumed_from)
+
+def _supervise(stage: str, command: Sequence[str], env: Mapping[str, str], metrics: Path, log_path: Path, *,
+               append: bool, verbose: bool, grace: float) -> tuple:
+    """Run ``command`` in a session of its own, its output in ``log_path`` and on the stage's console, stopped
+    as on a stop signal when the raylet reports lost workers of the run.
+
+    Returns:
+        The :class:`~setgrpo_verl.runner.supervise.Supervisor`, the exit status, the seconds it ran and the last
+        lines of its output.
+    """
+    from .console import StageConsole
+    from .supervise import Supervisor
+
     t0 = time.perf_counter()
-    with open(log_path, "a" if continued else "w", encoding="utf-8") as log:
+    with open(log_path, "a" if append else "w", encoding="utf-8") as log:
         console = StageConsole(stage, command, metrics, log, verbose=verbose)
 
         def on_line(text: str) -> None:
@@ -127,15 +164,18 @@ def run_stage(
             if died:
                 child.stop(died)
 
-        child = Supervisor(command, env=env, on_line=on_line, grace=stop_grace)
+        child = Supervisor(command, env=env, on_line=on_line, grace=grace)
         try:
             status = child.run(poll=console.poll)
         finally:
             console.close()
-            if stage == "calibrate_train" and (calibration / "record.json").is_file():
-                mark_complete(calibration, note=f"calibrated by {stage_dir.name}/")
-    elapsed = time.perf_counter() - t0
-    _keep_history(metrics, history)
+    return child, status, time.perf_counter() - t0, console.tail
+
+
+def _check_exit(stage: str, stage_dir: Path, calibration: Path, child, status: int, elapsed: float,
+                tail: Sequence[str], log_path: Path, verbose: bool) -> None:
+    """Write ``FAILED`` and raise unless ``main_ppo`` exited with status 0 on its own: lost workers or a stop signal
+    (saying where a rerun continues) or verl's own error (quoting the log's last error line)."""
     if child.stopped_by is not None or child.stop_reason is not None:
         step, shards = latest_checkpoint_step(stage_dir), calibration_shards(calibration)
         where = (f"its latest checkpoint is step {step}: rerun with --resume to continue from there" if step is not None
@@ -154,16 +194,11 @@ def run_stage(
         print(f"[setgrpo-verl] {stage}: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(128 + int(child.stopped_by))
     if status != 0:
-        reason = _last_error(console.tail)
+        reason = _last_error(tail)
         (stage_dir / FAILED).write_text(f"main_ppo exited with status {status} after {elapsed:.0f} s: {reason}\n")
         if not verbose:  # the log was not shown: its end says what went wrong
-            sys.stderr.write("".join(t + "\n" for t in console.tail[-15:]))
+            sys.stderr.write("".join(t + "\n" for t in tail[-15:]))
         raise LaunchError(f"{stage}: verl's main_ppo exited with status {status}: {reason} (full log: {log_path})")
-    if stage == "calibrate_train" and not (calibration / "record.json").is_file():
-        raise LaunchError(f"{stage}: verl exited normally but wrote no record to {calibration}/record.json")
-    mark_complete(stage_dir, elapsed)
-    print(f"[setgrpo-verl] {stage}: done in {elapsed:.0f} s", flush=True)
-    return stage_dir
 
 
 def _keep_history(metrics: Path, history: Sequence[bytes]) -> None:
