@@ -1,7 +1,7 @@
-"""``python -m setgrpo_verl ...``: the same command line as ``setgrpo-verl`` (see :mod:`setgrpo_verl.cli`)."""
+"""``python -m setgrpo_verl ...``: the same command line as ``setgrpo-verl`` (see :mod:`setgrpo_verl.runner.cli`)."""
 
 import sys
 
-from .cli import main
+from .runner.cli import main
 
 sys.exit(main())

@@ -141,7 +141,7 @@ def test_the_first_verl_command_shown_is_the_plain_estimator_override(page):
 
 def test_the_readme_describes_the_quickstart_the_cli_runs():
     """The README's calibration size, levels and certification figure are the default profile's and the benchmark's."""
-    from setgrpo_verl.cli import PROFILES
+    from setgrpo_verl.runner.cli import PROFILES
 
     default, text = PROFILES["default"], " ".join((REPO / "README.md").read_text().split())
     groups = default["algorithm.setgrpo.calibration.num_prompts"]

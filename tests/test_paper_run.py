@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from setgrpo_verl.merge import merge_calibration
-from setgrpo_verl.validate import load_paired, run_validation
+from setgrpo_verl.runner.merge import merge_calibration
+from setgrpo_verl.runner.validate import load_paired, run_validation
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = REPO / "validation" / "paper"

@@ -25,12 +25,13 @@ reported as ``unparsed`` in the metrics; if no criterion with non-zero normalise
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..core import question_key
 from .rubrichub import release_row, rule_from_tags
@@ -152,79 +153,9 @@ class Rubric:
         question = row["question"]
         if not isinstance(question, str) or not question.strip():
             fail(f"must be a non-blank string, got {question!r}", field="question", row_id=rid)
-        prompt, messages = row.get("prompt"), None
-        if prompt is not None:
-            if hasattr(prompt, "tolist"):
-                prompt = prompt.tolist()
-            ok = isinstance(prompt, list) and len(prompt) > 0 and all(
-                isinstance(m, Mapping) and m.get("role") in _CHAT_ROLES and isinstance(m.get("content"), str)
-                for m in prompt)
-            if not ok:
-                fail(f"must be a non-empty list of {{role, content}} chat messages (role in {_CHAT_ROLES}, content "
-                     f"a string), got {prompt!r}; or leave it out to use the question as one user turn",
-                     field="prompt", row_id=rid)
-            messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
-        items = row["rubrics"]
-        if isinstance(items, (str, bytes)):
-            try:
-                items = json.loads(items)
-            except json.JSONDecodeError as exc:
-                fail(f"a string that is not a JSON list ({exc.msg})", field="rubrics", row_id=rid)
-        if hasattr(items, "tolist") and not isinstance(items, Mapping):  # a numpy array from a parquet column
-            items = items.tolist()
-        if isinstance(items, Mapping) or not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
-            fail(f"must be a list of {{criterion, points[, rule]}}, got {type(items).__name__}", field="rubrics",
-                 row_id=rid)
-        if len(items) == 0:
-            fail("empty; every rubric row needs at least one criterion", field="rubrics", row_id=rid)
-        criteria = []
-        for j, item in enumerate(items):
-            if not isinstance(item, Mapping):
-                fail(f"must be a mapping {{criterion, points[, rule]}}, got {item!r}", index=j, row_id=rid)
-            for key in ("criterion", "points"):
-                if key not in item:
-                    fail("missing; every criterion needs criterion (text) and points (a number)", field=key,
-                         index=j, row_id=rid)
-            text = item["criterion"]
-            if text is None:
-                fail("null; give the criterion text the judge decides (or remove the criterion)",
-                     field="criterion", index=j, row_id=rid)
-            if not isinstance(text, str) or not text.strip():
-                fail(f"must be a non-blank string, got {text!r}; give the criterion text the judge decides",
-                     field="criterion", index=j, row_id=rid)
-            points = item["points"]
-            if points is None:
-                fail("null; give a number (positive: credit when met, negative: penalty when met)",
-                     field="points", index=j, row_id=rid)
-            if isinstance(points, bool) or not isinstance(points, numbers.Real):
-                fail(f"must be a number, got {type(points).__name__} {points!r}; write it as a JSON number "
-                     "(positive: credit when met, negative: penalty when met)", field="points", index=j, row_id=rid)
-            points = float(points)
-            if not math.isfinite(points):
-                fail(f"{points!r}; points must be finite", field="points", index=j, row_id=rid)
-            rule = item.get("rule")
-            try:
-                tagged = rule_from_tags(item.get("tags"))
-            except ValueError as exc:
-                fail(str(exc), field="tags", index=j, row_id=rid)
-            if tagged is not None:
-                if rule is not None:
-                    fail("has both a rule and rule tags (tags.verifier 'rule'); keep one of them", field="tags",
-                         index=j, row_id=rid)
-                rule = {"id": tagged[0], "kwargs": tagged[1]}
-            if rule is not None:
-                if not isinstance(rule, Mapping) or not isinstance(rule.get("id"), str) or not rule["id"].strip():
-                    fail(f"must be {{id, kwargs}} with a string id, got {rule!r}", field="rule", index=j, row_id=rid)
-                kwargs = rule.get("kwargs")
-                if kwargs is not None and not isinstance(kwargs, Mapping):
-                    fail(f"must be a mapping, got {type(kwargs).__name__}", field="rule.kwargs", index=j, row_id=rid)
-                rule = Rule(rule["id"], {k: v for k, v in dict(kwargs or {}).items() if v is not None})
-                try:
-                    validate_rule(rule)
-                except ValueError as exc:
-                    field = "rule.id" if isinstance(exc, UnknownRuleError) else "rule.kwargs"
-                    fail(str(exc), field=field, index=j, row_id=rid)
-            criteria.append(Criterion(text, points, rule))
+        messages = _chat_messages(row.get("prompt"), functools.partial(fail, field="prompt", row_id=rid))
+        items = _rubric_items(row["rubrics"], functools.partial(fail, field="rubrics", row_id=rid))
+        criteria = [_criterion(item, functools.partial(fail, index=j, row_id=rid)) for j, item in enumerate(items)]
         if all(c.points == 0 for c in criteria):
             fail("all criteria have 0 points, so the score would be undefined; give at least one criterion "
                  "non-zero points", field="rubrics", row_id=rid)
@@ -353,3 +284,83 @@ def rubric_score(rubric: Rubric, verdicts: Sequence[Verdict | bool | None]) -> f
             "docs/grading.md#unparsed-verdicts lists the words read in other languages) or raise its parse retries"
         )
     return total / norm
+
+
+def _chat_messages(prompt: Any, fail: Callable[[str], None]) -> tuple[dict[str, str], ...] | None:
+    """A row's own chat ``prompt`` as ``{role, content}`` messages, or None when the row has none; ``fail(message)``
+    raises the row's error."""
+    if prompt is None:
+        return None
+    if hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()
+    ok = isinstance(prompt, list) and len(prompt) > 0 and all(
+        isinstance(m, Mapping) and m.get("role") in _CHAT_ROLES and isinstance(m.get("content"), str)
+        for m in prompt)
+    if not ok:
+        fail(f"must be a non-empty list of {{role, content}} chat messages (role in {_CHAT_ROLES}, content "
+             f"a string), got {prompt!r}; or leave it out to use the question as one user turn")
+    return tuple({"role": m["role"], "content": m["content"]} for m in prompt)
+
+
+def _rubric_items(items: Any, fail: Callable[[str], None]) -> Sequence:
+    """A row's ``rubrics``: a non-empty list (or its JSON string, or a parquet column's array); ``fail(message)``
+    raises the row's error."""
+    if isinstance(items, (str, bytes)):
+        try:
+            items = json.loads(items)
+        except json.JSONDecodeError as exc:
+            fail(f"a string that is not a JSON list ({exc.msg})")
+    if hasattr(items, "tolist") and not isinstance(items, Mapping):  # a numpy array from a parquet column
+        items = items.tolist()
+    if isinstance(items, Mapping) or not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
+        fail(f"must be a list of {{criterion, points[, rule]}}, got {type(items).__name__}")
+    if len(items) == 0:
+        fail("empty; every rubric row needs at least one criterion")
+    return items
+
+
+def _criterion(item: Any, fail: Callable[..., None]) -> Criterion:
+    """One criterion of a row, checked as :meth:`Rubric.from_row` says; ``fail(message, field=None)`` raises the
+    row's error naming the criterion."""
+    if not isinstance(item, Mapping):
+        fail(f"must be a mapping {{criterion, points[, rule]}}, got {item!r}")
+    for key in ("criterion", "points"):
+        if key not in item:
+            fail("missing; every criterion needs criterion (text) and points (a number)", field=key)
+    text = item["criterion"]
+    if text is None:
+        fail("null; give the criterion text the judge decides (or remove the criterion)", field="criterion")
+    if not isinstance(text, str) or not text.strip():
+        fail(f"must be a non-blank string, got {text!r}; give the criterion text the judge decides",
+             field="criterion")
+    points = item["points"]
+    if points is None:
+        fail("null; give a number (positive: credit when met, negative: penalty when met)", field="points")
+    if isinstance(points, bool) or not isinstance(points, numbers.Real):
+        fail(f"must be a number, got {type(points).__name__} {points!r}; write it as a JSON number "
+             "(positive: credit when met, negative: penalty when met)", field="points")
+    points = float(points)
+    if not math.isfinite(points):
+        fail(f"{points!r}; points must be finite", field="points")
+    rule = item.get("rule")
+    try:
+        tagged = rule_from_tags(item.get("tags"))
+    except ValueError as exc:
+        fail(str(exc), field="tags")
+    if tagged is not None:
+        if rule is not None:
+            fail("has both a rule and rule tags (tags.verifier 'rule'); keep one of them", field="tags")
+        rule = {"id": tagged[0], "kwargs": tagged[1]}
+    if rule is not None:
+        if not isinstance(rule, Mapping) or not isinstance(rule.get("id"), str) or not rule["id"].strip():
+            fail(f"must be {{id, kwargs}} with a string id, got {rule!r}", field="rule")
+        kwargs = rule.get("kwargs")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            fail(f"must be a mapping, got {type(kwargs).__name__}", field="rule.kwargs")
+        rule = Rule(rule["id"], {k: v for k, v in dict(kwargs or {}).items() if v is not None})
+        try:
+            validate_rule(rule)
+        except ValueError as exc:
+            field = "rule.id" if isinstance(exc, UnknownRuleError) else "rule.kwargs"
+            fail(str(exc), field=field)
+    return Criterion(text, points, rule)

@@ -300,9 +300,26 @@ class CalibrationPhase:
                        "calibrate; shards in %s", len(batches), len(self._calibration_prompts), part, parts,
                        sum(in_part(b, part, parts) for b in done), len(todo), shard_dir)
         progress = _Progress(len(todo), sum(len(batches[b][0]) for b in done))
+        asleep = self._calibrate_batches(shard_dir, batches, todo, identity, k, progress, provenance)
+        if parts > 1:
+            if not cfg.calibration.only:  # check_run_config refuses this; a stopped part never trains
+                raise RuntimeError("a part of a sharded calibration cannot train: calibration.only=true is needed")
+            logger.warning("SetGRPO calibration: part %d/%d finished in %.0f s; build the record from every part's "
+                           "shard directory with `setgrpo-verl merge-calibration`", part, parts,
+                           time.perf_counter() - t0)
+            return None
+        record = self._write_record(shard_dir, identity, source, out, t0)
+        if not cfg.calibration.only and asleep:  # training follows: verl's sync trainer starts with the rollout awake
+            self.checkpoint_manager.update_weights(self.global_steps)
+        return record
+
+    def _calibrate_batches(self, shard_dir: str, batches: list, todo: list[int], identity: dict, k: int,
+                           progress: _Progress, provenance: dict) -> bool:
+        """Roll out, score, sketch and write the shard of each batch of ``todo``, a chunk of batches at a time: the
+        rollout sleeps between a chunk's rollouts and its passes. Returns whether the rollout is asleep."""
         limit = calibration_chunk_prompts(self.config)
         asleep = False
-        for chunk in _chunks(((b, *batches[b]) for b in todo), limit, cfg.calibration.chunk_batches):
+        for chunk in _chunks(((b, *batches[b]) for b in todo), limit, self.setgrpo.calibration.chunk_batches):
             if asleep:  # the rollout slept through the previous chunk's passes: wake it, same weights
                 self.checkpoint_manager.update_weights(self.global_steps)
             rollouts = []
@@ -320,13 +337,12 @@ class CalibrationPhase:
                 shard = self._calibration_shard(index, uids, batch, identity, k, progress, provenance)
                 path = write_shard(shard_dir, shard)
                 progress.shard_done(len(uids), os.path.basename(path))
-        if parts > 1:
-            if not cfg.calibration.only:  # check_run_config refuses this; a stopped part never trains
-                raise RuntimeError("a part of a sharded calibration cannot train: calibration.only=true is needed")
-            logger.warning("SetGRPO calibration: part %d/%d finished in %.0f s; build the record from every part's "
-                           "shard directory with `setgrpo-verl merge-calibration`", part, parts,
-                           time.perf_counter() - t0)
-            return None
+        return asleep
+
+    def _write_record(self, shard_dir: str, identity: dict, source: Optional[dict], out: str,
+                      t0: float) -> CalibrationRecord:
+        """The record of the complete shard set read back from disk, written to ``out`` with its paired scores; the
+        groups left out, the unparsed verdicts and the record go to the log and the tracker."""
         shards, _ = load_shards(shard_dir, identity)
         record, paired = record_from_shards([(os.path.join(shard_dir, shard_name(b)), s) for b, s in shards.items()],
                                             tau_start_source=source)
@@ -344,8 +360,6 @@ class CalibrationPhase:
         logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
         if record.tau_sel is None:
             logger.warning("SetGRPO: %s", record.selection_text())
-        if not cfg.calibration.only and asleep:  # training follows: verl's sync trainer starts with the rollout awake
-            self.checkpoint_manager.update_weights(self.global_steps)
         return record
 
     def _existing_shards(self, shard_dir: str, identity: dict, batches: list, provenance: dict) -> dict:

@@ -1,6 +1,6 @@
 """Report of a run directory: the paper's calibration and training figures as PNG files plus a text summary.
 
-``make_report(run_dir)`` reads what the stages of :mod:`setgrpo_verl.launch` wrote (``calibration/record.json``,
+``make_report(run_dir)`` reads what the stages of :mod:`setgrpo_verl.runner.launch` wrote (``calibration/record.json``,
 ``calibration/paired_scores.npz``, verl's file-logger ``train_<estimator>/metrics.jsonl`` and the trainer's
 ``train_setgrpo/groups.jsonl``) and writes ``<run_dir>/report/``:
 

@@ -1,6 +1,6 @@
 """Tables and the figure of a validation (docs/validation.md#outputs): the summary table with the coverage band and
 sample-size lines, ``validation.png``, and the ``validation/`` folder written from a
-:class:`setgrpo_verl.validate.ValidationResult`.
+:class:`setgrpo_verl.runner.validate.ValidationResult`.
 """
 
 from __future__ import annotations
@@ -150,9 +150,9 @@ def plot_validation(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
 
 
 def write_validation(result: Any, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write a :class:`setgrpo_verl.validate.ValidationResult` as ``validation.json`` (figures), ``validation.png``,
-    ``groups.jsonl`` (per split, method and held-out group) and ``records/split<s>_<method>.json`` (each split's
-    frozen record) into ``out_dir``.
+    """Write a :class:`setgrpo_verl.runner.validate.ValidationResult` as ``validation.json`` (figures),
+    ``validation.png``, ``groups.jsonl`` (per split, method and held-out group) and
+    ``records/split<s>_<method>.json`` (each split's frozen record) into ``out_dir``.
 
     Returns:
         ``{"json", "png", "groups", "records"}`` paths.

@@ -16,7 +16,7 @@ Active only in processes whose environment has ``VERL_PLATFORM=cpu`` (the launch
 This module imports nothing from verl at import time and no Ray actor class at all: a process that imports the
 rollout server first (Ray does, to rebuild the actor) imports verl through it, verl loads the plugin, and the plugin
 finds this module complete and calls :func:`activate`; a process that imports verl first gets the same result. See ``docs/verl_integration.md#cpu-backend`` for the verl
-settings a CPU run needs (the launcher, :mod:`setgrpo_verl.launch`, applies them).
+settings a CPU run needs (the launcher, :mod:`setgrpo_verl.runner.launch`, applies them).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ and :class:`TransformersRolloutAdapter` lives in verl's hybrid actor worker and 
 the server on verl's weight-sync path (every step), so the rollout always samples from the current policy.
 
 The model runs in verl's ``rollout.dtype`` (bf16 in the GPU recipes and on CPUs with bf16 units, see
-:func:`setgrpo_verl.launch.cpu_overrides`). Log-probabilities, when verl asks for them
+:func:`setgrpo_verl.runner.launch.cpu_overrides`). Log-probabilities, when verl asks for them
 (``rollout.calculate_log_probs``), are those of the sampled tokens under ``softmax(logits / temperature)`` of the
 unprocessed logits, taken in float32: the quantity verl's actor computes.
 """

@@ -14,7 +14,7 @@ from setgrpo_verl.core import (CalibrationRecord, CalibrationSettings, Calibrati
                                in_part, load_shards, package_versions, parse_part, prompt_fingerprint, read_shard,
                                record_from_shards, shard_identity, shard_name, shard_start_source, shard_versions,
                                write_calibration, write_shard)
-from setgrpo_verl.merge import merge_calibration
+from setgrpo_verl.runner.merge import merge_calibration
 from setgrpo_verl.rundir import LaunchError
 
 from .synthetic import make_groups

@@ -307,7 +307,8 @@ def _flavour_url(server, parser):
 def test_cli_probe_of_a_thinking_judge_names_the_token_budget(server, capsys, tmp_path):
     """`calibrate --judge openai` against a thinking judge whose replies are cut off: one error line (exit 2) that
     names the budget and both knobs, before the policy loads; with the flags the grader sends them."""
-    from setgrpo_verl import cli, launch
+    from setgrpo_verl.runner import cli, launch
+    from setgrpo_verl.runner.run import grader_config
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"question": f"Name the number {i}.", "id": f"d{i}", "rubrics": [
@@ -321,7 +322,7 @@ def test_cli_probe_of_a_thinking_judge_names_the_token_budget(server, capsys, tm
     assert not (tmp_path / "run").exists()
     args = cli.build_parser().parse_args(argv + ["--judge-max-tokens", "512", "--judge-chat-template-kwargs",
                                                  '{"enable_thinking": false}'])
-    grader = cli._grader(args, seed=0)
+    grader = grader_config(args, seed=0)
     assert (grader["max_tokens"], grader["chat_template_kwargs"]) == (512, {"enable_thinking": False})
     launch.probe_judge(grader)  # the probe now gets a verdict
     assert server.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from setgrpo_verl import launch
+from setgrpo_verl.runner import launch
 from setgrpo_verl.grading import (
     DualScorer,
     Rubric,

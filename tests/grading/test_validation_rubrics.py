@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from setgrpo_verl import launch
+from setgrpo_verl.runner import launch
 from setgrpo_verl.grading import NLTK_DATA_RULES, Rubric, Rule, check_rule, load_validation_rubrics
 from setgrpo_verl.grading.convert import validation_rubrics_file
 from setgrpo_verl.grading.rules import rule_description, validate_rule
@@ -172,7 +172,7 @@ def test_more_rows_extend_the_shipped_file_and_feed_a_larger_calibration(tmp_pat
 
 
 def test_a_calibration_larger_than_the_embedded_rows_says_how_to_make_more():
-    from setgrpo_verl.cli import PROFILES
+    from setgrpo_verl.runner.cli import PROFILES
 
     groups = PROFILES["paper"]["algorithm.setgrpo.calibration.num_prompts"]
     with pytest.raises(launch.LaunchError, match=f"calibration needs {groups}") as err:

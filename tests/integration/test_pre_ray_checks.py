@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 import verl.trainer.main_ppo as main_ppo
 
-from setgrpo_verl import launch
+from setgrpo_verl.runner import launch
 from setgrpo_verl.core import CalibrationSettings
 from setgrpo_verl.integration.config import check_run_config, sketch_micro_batch_error
 from setgrpo_verl.models import embedded_model_dir

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from setgrpo_verl import cli
+from setgrpo_verl.runner import cli
 from setgrpo_verl.integration.config import field_doc
 
 
@@ -233,7 +233,7 @@ def test_rules_judge_refuses_judged_criteria_and_warns_on_beta(capsys, tmp_path)
 
 
 def test_tracker_lists_keep_the_file_logger():
-    from setgrpo_verl.launch import with_file_logger
+    from setgrpo_verl.runner.launch import with_file_logger
 
     assert with_file_logger(["trainer.logger=[console,tensorboard]", "a=1"]) == [
         "trainer.logger=[console,tensorboard,file]", "a=1"]
@@ -243,7 +243,7 @@ def test_tracker_lists_keep_the_file_logger():
 
 
 def test_trackers_write_in_the_stage_directory(tmp_path, monkeypatch):
-    from setgrpo_verl.launch import run_stage
+    from setgrpo_verl.runner.launch import run_stage
 
     keys = ("TENSORBOARD_DIR", "WANDB_DIR", "SWANLAB_LOG_DIR", "TRACKIO_DIR", "MLFLOW_TRACKING_URI")
     for key in keys:
@@ -298,7 +298,7 @@ def test_duplicate_criteria_flag(capsys, tmp_path):
     err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(tmp_path / "run"), "--data", data])
     assert "3 of 30 rows repeat a criterion" in err and "--duplicate-criteria keep_one" in err
     assert not (tmp_path / "run").exists()
-    from setgrpo_verl.datasplit import split_data
+    from setgrpo_verl.runner.datasplit import split_data
     from setgrpo_verl.models import embedded_model_dir
 
     split = split_data(data=data, model_path=embedded_model_dir(), max_prompt_length=512, calibration_prompts=6,

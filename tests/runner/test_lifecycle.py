@@ -1,4 +1,4 @@
-"""The run directory's lifecycle: one decision per directory (setgrpo_verl.lifecycle), the lock, and the commands
+"""The run directory's lifecycle: one decision per directory (setgrpo_verl.runner.lifecycle), the lock, and the commands
 that used to lose finished work."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import time
 import numpy as np
 import pytest
 
-from setgrpo_verl import cli, launch
+from setgrpo_verl.runner import cli, launch
 from setgrpo_verl.core import CalibrationSettings, calibrate
 from setgrpo_verl.integration.reward_manager import grading_counts
-from setgrpo_verl.lifecycle import DEPENDS, dir_state, plan_run
+from setgrpo_verl.runner.lifecycle import DEPENDS, dir_state, plan_run
 from setgrpo_verl.models import embedded_model_dir
 from setgrpo_verl.rundir import COMPLETE, LaunchError
-from setgrpo_verl.runlock import LOCK_FILE, holder, run_dir_lock
+from setgrpo_verl.runner.runlock import LOCK_FILE, holder, run_dir_lock
 
 from ..core.synthetic import make_groups
 

@@ -10,7 +10,7 @@ import torch
 
 from setgrpo_verl import report
 from setgrpo_verl.core import CalibrationSettings, calibrate
-from setgrpo_verl.launch import COMPLETE
+from setgrpo_verl.runner.launch import COMPLETE
 
 
 def _paired(g=80, k=4, noise=0.15, seed=0):
@@ -95,7 +95,7 @@ def test_report_and_inspect_record_show_the_coverage_band_and_flag_a_split_below
     (docs/record.md#reading-the-guarantees)."""
     import dataclasses
 
-    from setgrpo_verl import cli
+    from setgrpo_verl.runner import cli
     from setgrpo_verl.core import CalibrationRecord, coverage_band
 
     path, record = run_dir

@@ -9,13 +9,13 @@ import json
 import pandas as pd
 import pytest
 
-from setgrpo_verl import cli, launch
+from setgrpo_verl.runner import cli, launch
 from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate, prompt_fingerprint
-from setgrpo_verl.datasplit import split_matches
+from setgrpo_verl.runner.datasplit import split_matches
 from setgrpo_verl.grading import write_verl_parquet
 from setgrpo_verl.integration.config import check_training_data
 from setgrpo_verl.integration.prompts import prompt_identity
-from setgrpo_verl.lifecycle import plan_run
+from setgrpo_verl.runner.lifecycle import plan_run
 from setgrpo_verl.models import embedded_model_dir
 
 from ..core.synthetic import make_groups

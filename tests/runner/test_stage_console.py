@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from setgrpo_verl import launch
+from setgrpo_verl.runner import launch
 
 _FAKE = textwrap.dedent("""
     import json, os, sys, time
@@ -159,7 +159,7 @@ def test_a_raylet_report_of_no_lost_worker_does_not_stop_the_run(tmp_path):
 def test_the_calibration_eta_of_a_resumed_stage_counts_only_the_groups_it_calibrates(tmp_path):
     import io
 
-    from setgrpo_verl.console import StageConsole
+    from setgrpo_verl.runner.console import StageConsole
 
     clock = [1000.0]
     console = StageConsole("calibrate", ["algorithm.setgrpo.calibration.num_prompts=5446"], tmp_path / "m.jsonl",

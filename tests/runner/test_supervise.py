@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from setgrpo_verl.supervise import Supervisor, session_members
+from setgrpo_verl.runner.supervise import Supervisor, session_members
 
 _CHILD = textwrap.dedent("""
     import os, signal, subprocess, sys, time
@@ -57,7 +57,7 @@ def test_a_signal_to_the_command_line_stops_the_whole_child_session(tmp_path, si
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
         import sys
-        from setgrpo_verl.supervise import Supervisor
+        from setgrpo_verl.runner.supervise import Supervisor
         lines = []
         def on_line(text):
             print("child:", text, end="", flush=True)

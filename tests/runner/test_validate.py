@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl import cli
+from setgrpo_verl.runner import cli
 from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate, degenerate_groups
-from setgrpo_verl.validate import (
+from setgrpo_verl.runner.validate import (
     ValidationLevels,
     evaluate_grpo,
     evaluate_method,
@@ -181,7 +181,7 @@ def test_cumulative_recovery_and_nonzero_update_rate(synthetic_result):
 def test_sample_size_plan_from_the_records(synthetic_result):
     """Pooled per-threshold counts of the splits' records, and the group count that N(p) accepted groups imply."""
     from setgrpo_verl.core import required_accepted_groups
-    from setgrpo_verl.validate import sample_size_plan
+    from setgrpo_verl.runner.validate import sample_size_plan
 
     _, result = synthetic_result
     records = [result.records[(s, "setgrpo")] for s in range(6)]

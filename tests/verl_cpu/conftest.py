@@ -79,10 +79,10 @@ def read_metrics(path: Path) -> list[dict]:
 def run_main_ppo(overrides: list[str], *, workdir: Path, config_name: str = "ppo_trainer", env: dict | None = None,
                  timeout: int = 600, rollout: str = "transformers", precision: str | None = None
                  ) -> subprocess.CompletedProcess:
-    """``python -m verl.trainer.main_ppo`` on the CPU backend with :func:`setgrpo_verl.launch.cpu_overrides`
+    """``python -m verl.trainer.main_ppo`` on the CPU backend with :func:`setgrpo_verl.runner.launch.cpu_overrides`
     (``precision``: ``bf16``, ``fp32`` or None for the machine's default); verl's file logger writes
     ``workdir/metrics.jsonl``."""
-    from setgrpo_verl.launch import cpu_environment, cpu_overrides, main_ppo_command
+    from setgrpo_verl.runner.launch import cpu_environment, cpu_overrides, main_ppo_command
 
     cpu = [o if not o.startswith("actor_rollout_ref.rollout.name=") else f"actor_rollout_ref.rollout.name={rollout}"
            for o in cpu_overrides(precision=precision)]

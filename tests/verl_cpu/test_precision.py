@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from setgrpo_verl import launch
+from setgrpo_verl.runner import launch
 from setgrpo_verl.verl_cpu.rollout import TransformersRolloutServer
 
 _FLAGS = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n\nprocessor\t: 1\nflags\t\t: fpu sse2 {extra}\n"
@@ -35,7 +35,7 @@ def test_default_precision_and_the_one_fallback_line(monkeypatch, caplog, units,
     monkeypatch.setattr(launch, "cpu_bf16_units", lambda: units)
     launch.cpu_precision.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="setgrpo_verl.launch"):
+        with caplog.at_level(logging.WARNING, logger="setgrpo_verl.runner.launch"):
             assert launch.cpu_precision() == expected
             assert launch.cpu_precision() == expected  # asked again: no second line
             overrides = launch.cpu_overrides()

@@ -86,7 +86,7 @@ def _hand_written(run, tiny_model, reward_file, record, *extra: str, precision: 
                   plain: bool = False) -> list[str]:
     """A ``main_ppo`` command with ``--config-name setgrpo_trainer``, or (``plain``) the documented plain form
     ``python -m verl.trainer.main_ppo algorithm.adv_estimator=setgrpo ...`` on verl's default config."""
-    from setgrpo_verl.launch import cpu_overrides, main_ppo_command
+    from setgrpo_verl.runner.launch import cpu_overrides, main_ppo_command
 
     overrides = cpu_overrides(precision=precision) + [
         f"data.train_files={run / 'data' / 'train.parquet'}", f"data.val_files={run / 'data' / 'train.parquet'}",
@@ -106,7 +106,7 @@ def _hand_written(run, tiny_model, reward_file, record, *extra: str, precision: 
 
 
 def _main_ppo(cmd: list[str]) -> subprocess.CompletedProcess:
-    from setgrpo_verl.launch import cpu_environment
+    from setgrpo_verl.runner.launch import cpu_environment
 
     return subprocess.run(cmd, capture_output=True, text=True, env=cpu_environment(), timeout=900)
 

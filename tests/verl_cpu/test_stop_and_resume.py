@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from setgrpo_verl.integration.resume import read_state
-from setgrpo_verl.supervise import session_members
+from setgrpo_verl.runner.supervise import session_members
 
 from .conftest import REWARD_PY, read_metrics, tail
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate, degenerate_groups
-from setgrpo_verl.validate import split_groups
+from setgrpo_verl.runner.validate import split_groups
 
 from .conftest import jsonl, tail
 

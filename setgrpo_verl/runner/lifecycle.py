@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .rundir import COMPLETE, FAILED, LaunchError, latest_checkpoint_step
+from ..rundir import COMPLETE, FAILED, LaunchError, latest_checkpoint_step
 
 __all__ = ["ACTIONS", "DEPENDS", "STATES", "DirPlan", "RunPlan", "calibration_shards", "dir_state", "plan_run"]
 

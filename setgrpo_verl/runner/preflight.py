@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .console import override_value
-from .rundir import LaunchError
+from ..rundir import LaunchError
 
 __all__ = ["calibration_minimums", "check_calibration_size", "check_training_prompts", "check_training_steps",
            "check_validation_size", "probe_judge", "requested_settings"]
@@ -31,7 +31,7 @@ def requested_settings(values: Mapping[str, Any]) -> Any:
     Raises:
         LaunchError: naming the flag (or key) and the admissible range.
     """
-    from .integration.config import SetGRPOCalibrationConfig, SetGRPOConfig
+    from ..integration.config import SetGRPOCalibrationConfig, SetGRPOConfig
 
     def given(keys: Sequence[str], prefix: str) -> dict[str, Any]:
         return {key: values[prefix + key] for key in keys if prefix + key in values}
@@ -62,7 +62,7 @@ def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:
     Args:
         values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
     """
-    from .core import min_calibration_groups, required_accepted_groups
+    from ..core import min_calibration_groups, required_accepted_groups
 
     settings = requested_settings(values)  # the fixed sequence tests at delta: 36 instead of 72 at the paper's levels
     return min_calibration_groups(settings.alpha), required_accepted_groups(
@@ -75,7 +75,7 @@ def _levels(values: Mapping[str, Any]) -> str:
 
 
 def _calibration_prompts(values: Mapping[str, Any]) -> int:
-    from .integration.config import SetGRPOCalibrationConfig
+    from ..integration.config import SetGRPOCalibrationConfig
 
     return int(values.get("algorithm.setgrpo.calibration.num_prompts", SetGRPOCalibrationConfig.num_prompts))
 
@@ -144,7 +144,7 @@ def probe_judge(grader: Mapping[str, Any]) -> None:
     Raises:
         LaunchError: the judge cannot be reached or does not answer (the message names the URL and model).
     """
-    from .grading import DualScorer, GradingError
+    from ..grading import DualScorer, GradingError
 
     probe = {"question": "Say hello.", "id": "probe", "rubrics": [{"criterion": "The response greets.", "points": 1}]}
     try:
@@ -162,8 +162,8 @@ def check_training_prompts(record: str | os.PathLike, run_dir: str | os.PathLike
         LaunchError: naming the first such prompt (:meth:`setgrpo_verl.core.CalibrationRecord.check_disjoint`), or a
             record that does not validate.
     """
-    from .core import CalibrationRecord
-    from .integration.prompts import read_prompt_identities
+    from ..core import CalibrationRecord
+    from ..integration.prompts import read_prompt_identities
 
     train = Path(run_dir) / "data" / "train.parquet"
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .lifecycle import dir_state
-from .rundir import LaunchError, mark_complete
+from ..rundir import LaunchError, mark_complete
 
 __all__ = ["DEFAULT_DATA", "SPLIT_FILE", "check_split_flags", "existing_split", "split_data",
            "split_matches", "write_data"]
@@ -26,7 +26,7 @@ DEFAULT_DATA = ("ifbench", "validation")
 
 def _rubric_rows(data: str | os.PathLike | None, rules_only: bool = False,
                  default_data: str = "ifbench", duplicate_criteria: str = "error") -> tuple[list[dict], str]:
-    from .grading import load_ifbench_rubrics, load_validation_rubrics, read_rubric_rows
+    from ..grading import load_ifbench_rubrics, load_validation_rubrics, read_rubric_rows
 
     if default_data not in DEFAULT_DATA:
         raise LaunchError(f"default data {default_data!r}: use one of {', '.join(DEFAULT_DATA)}")
@@ -86,7 +86,7 @@ def split_data(
     """
     from transformers import AutoTokenizer
 
-    from .grading import as_rubric, drop_duplicate_rows, rubrics_to_verl_rows
+    from ..grading import as_rubric, drop_duplicate_rows, rubrics_to_verl_rows
 
     rows, source = _rubric_rows(data, rules_only, default_data, duplicate_criteria)
     try:
@@ -146,7 +146,7 @@ def _split_ids(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 def write_data(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> dict[str, Path]:
     """Write :func:`split_data`'s rows as ``<run_dir>/data/{calibration,train}.parquet``, its settings and prompt
     ids as ``data/split.json`` and then ``data/COMPLETE``; returns the two parquet paths."""
-    from .grading import write_verl_parquet
+    from ..grading import write_verl_parquet
 
     out = Path(run_dir) / "data"
     paths = {name: write_verl_parquet(split[name], out / f"{name}.parquet") for name in ("calibration", "train")}
@@ -159,7 +159,7 @@ def write_data(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> dict[str
 
 def existing_split(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The ``data/split.json`` of a run directory whose ``data/`` is complete, or None when it has no finished data
-    split (:func:`setgrpo_verl.lifecycle.dir_state`).
+    split (:func:`setgrpo_verl.runner.lifecycle.dir_state`).
 
     Raises:
         LaunchError: a complete ``data/`` without a readable ``split.json``.

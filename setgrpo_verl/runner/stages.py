@@ -1,8 +1,8 @@
 """Run one verl ``main_ppo`` command as a stage of a run directory (docs/cli.md#run-directory): its directory,
 ``command.sh``, ``main_ppo.log``, ``metrics.jsonl`` and the ``COMPLETE`` / ``FAILED`` marker written last.
 
-The process runs under :class:`setgrpo_verl.supervise.Supervisor` (stopped with its Ray instance on a stop
-signal) and is shown by :class:`setgrpo_verl.console.StageConsole`.
+The process runs under :class:`setgrpo_verl.runner.supervise.Supervisor` (stopped with its Ray instance on a stop
+signal) and is shown by :class:`setgrpo_verl.runner.console.StageConsole`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .lifecycle import RunPlan, calibration_shards, plan_run
-from .rundir import FAILED, STAGES, LaunchError, latest_checkpoint_step, mark_complete
+from ..rundir import FAILED, STAGES, LaunchError, latest_checkpoint_step, mark_complete
 
 __all__ = ["run_stage", "stage_writes"]
 
@@ -28,8 +28,8 @@ _WORKER_DEATHS = re.compile(r"(\d+) Workers \(tasks / actors\) killed due to mem
 
 
 def stage_writes(stage: str) -> list[str]:
-    """The run-directory parts a stage writes (:data:`setgrpo_verl.lifecycle.DEPENDS` keys): its own directory and,
-    for ``calibrate_train``, ``calibration/``."""
+    """The run-directory parts a stage writes (:data:`setgrpo_verl.runner.lifecycle.DEPENDS` keys): its own directory
+    and, for ``calibrate_train``, ``calibration/``."""
     return [STAGES[stage]] + (["calibration"] if stage == "calibrate_train" else [])
 
 
@@ -49,17 +49,17 @@ def run_stage(
 
     Writes ``command.sh`` first (the exact command line, environment variables included), writes verl's output to
     ``main_ppo.log`` (and streams it when ``verbose``; else shows progress bars and one line per step, see
-    :mod:`setgrpo_verl.console`), points verl's file logger at ``metrics.jsonl``, and writes ``COMPLETE`` only
+    :mod:`setgrpo_verl.runner.console`), points verl's file logger at ``metrics.jsonl``, and writes ``COMPLETE`` only
     when verl exits with status 0 (else ``FAILED`` with the exit status and the log's tail).
 
-    ``main_ppo`` runs in a session of its own (:class:`setgrpo_verl.supervise.Supervisor`): on SIGINT, SIGTERM or
+    ``main_ppo`` runs in a session of its own (:class:`setgrpo_verl.runner.supervise.Supervisor`): on SIGINT, SIGTERM or
     SIGHUP it and the local Ray instance it started are stopped (docs/cli.md#stopping-a-run), nothing of that
     session is left running, and ``FAILED`` says which signal stopped it and at which checkpoint to resume. When
     the raylet reports workers of the run killed for memory or crashed, the stage is stopped the same way rather
     than left waiting on them.
 
-    What happens to the stage's directory is ``plan``'s decision (:func:`setgrpo_verl.lifecycle.plan_run`; without
-    one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
+    What happens to the stage's directory is ``plan``'s decision (:func:`~setgrpo_verl.runner.lifecycle.plan_run`;
+    without one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
     again, a continued one resumes from its latest verl checkpoint (``trainer.resume_mode=auto``, verl's default), a
     created or replaced one starts from an empty directory; a continued ``calibration/`` (shards, no record)
     calibrates only the batches without a shard (docs/record.md#calibration-shards). ``calibrate_train`` marks
@@ -73,9 +73,6 @@ def run_stage(
             (the message says how many, why, and where to resume).
         SystemExit: with status 128 + the signal number, after a stop signal stopped the stage.
     """
-    from .console import StageConsole
-    from .supervise import Supervisor
-
     run_dir = Path(run_dir)
     if plan is None:
         plan = plan_run(run_dir, stage_writes(stage), overwrite=overwrite, resume=resume)
@@ -93,15 +90,45 @@ def run_stage(
     continued = plan.action(STAGES[stage]) == "continue" or (stage == "calibrate_train"
                                                              and plan.action("calibration") == "continue")
     resumed_from = latest_checkpoint_step(stage_dir) if continued else None
+    env = _stage_env(env, stage_dir)
+    metrics = Path(env["VERL_FILE_LOGGER_PATH"])
+    log_path = _announce(stage, stage_dir, command, env, continued, resumed_from, verbose)
+    history: list[bytes] = []
+    if resumed_from is not None:
+        from ..integration.resume import read_history
+
+        history = read_history(str(metrics), resumed_from)
+    try:
+        child, status, elapsed, tail = _supervise(stage, command, env, metrics, log_path, append=continued,
+                                                  verbose=verbose, grace=stop_grace)
+    finally:
+        if stage == "calibrate_train" and (calibration / "record.json").is_file():
+            mark_complete(calibration, note=f"calibrated by {stage_dir.name}/")
+    _keep_history(metrics, history)
+    _check_exit(stage, stage_dir, calibration, child, status, elapsed, tail, log_path, verbose)
+    if stage == "calibrate_train" and not (calibration / "record.json").is_file():
+        raise LaunchError(f"{stage}: verl exited normally but wrote no record to {calibration}/record.json")
+    mark_complete(stage_dir, elapsed)
+    print(f"[setgrpo-verl] {stage}: done in {elapsed:.0f} s", flush=True)
+    return stage_dir
+
+
+def _stage_env(env: Mapping[str, str], stage_dir: Path) -> dict[str, str]:
+    """``env`` with verl's file logger pointed at the stage's ``metrics.jsonl`` and verl's local trackers writing into
+    the stage directory (tensorboard: ``TENSORBOARD_DIR``, else ``./tensorboard_log/...``; mlflow:
+    ``MLFLOW_TRACKING_URI``, else ``/tmp/mlruns.db``; trackio: ``TRACKIO_DIR``, else the Hugging Face cache)."""
     env = dict(env)
-    metrics = (stage_dir / "metrics.jsonl").resolve()
-    env["VERL_FILE_LOGGER_PATH"] = str(metrics)
-    # verl's local trackers write where these say (tensorboard: TENSORBOARD_DIR, else ./tensorboard_log/...; mlflow:
-    # MLFLOW_TRACKING_URI, else /tmp/mlruns.db; trackio: TRACKIO_DIR, else the Hugging Face cache): in the stage
+    env["VERL_FILE_LOGGER_PATH"] = str((stage_dir / "metrics.jsonl").resolve())
     for key, where in (("TENSORBOARD_DIR", "tensorboard"), ("WANDB_DIR", ""), ("SWANLAB_LOG_DIR", "swanlog"),
                        ("TRACKIO_DIR", "trackio")):
         env.setdefault(key, str((stage_dir / where).resolve()))
     env.setdefault("MLFLOW_TRACKING_URI", "sqlite:///" + str((stage_dir / "mlruns.db").resolve()))
+    return env
+
+
+def _announce(stage: str, stage_dir: Path, command: Sequence[str], env: Mapping[str, str], continued: bool,
+              resumed_from: int | None, verbose: bool) -> Path:
+    """Write the stage's ``command.sh`` and print how it starts; returns the path of its ``main_ppo.log``."""
     shown_env = {k: env[k] for k in ("VERL_PLATFORM", "VERL_FILE_LOGGER_PATH") if k in env}
     line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()), *map(shlex.quote, command)])
     (stage_dir / "command.sh").write_text("#!/usr/bin/env bash\n" + line + "\n")
@@ -112,13 +139,23 @@ def run_stage(
         print(f"[setgrpo-verl] {stage}: {line}", flush=True)
     print(f"[setgrpo-verl] {stage}: {start} verl's main_ppo (command: {stage_dir / 'command.sh'}, log: {log_path})",
           flush=True)
-    history: list[bytes] = []
-    if resumed_from is not None:
-        from .integration.resume import read_history
+    return log_path
 
-        history = read_history(str(metrics), resumed_from)
+
+def _supervise(stage: str, command: Sequence[str], env: Mapping[str, str], metrics: Path, log_path: Path, *,
+               append: bool, verbose: bool, grace: float) -> tuple:
+    """Run ``command`` in a session of its own, its output in ``log_path`` and on the stage's console, stopped
+    as on a stop signal when the raylet reports lost workers of the run.
+
+    Returns:
+        The :class:`~setgrpo_verl.runner.supervise.Supervisor`, the exit status, the seconds it ran and the last
+        lines of its output.
+    """
+    from .console import StageConsole
+    from .supervise import Supervisor
+
     t0 = time.perf_counter()
-    with open(log_path, "a" if continued else "w", encoding="utf-8") as log:
+    with open(log_path, "a" if append else "w", encoding="utf-8") as log:
         console = StageConsole(stage, command, metrics, log, verbose=verbose)
 
         def on_line(text: str) -> None:
@@ -127,15 +164,18 @@ def run_stage(
             if died:
                 child.stop(died)
 
-        child = Supervisor(command, env=env, on_line=on_line, grace=stop_grace)
+        child = Supervisor(command, env=env, on_line=on_line, grace=grace)
         try:
             status = child.run(poll=console.poll)
         finally:
             console.close()
-            if stage == "calibrate_train" and (calibration / "record.json").is_file():
-                mark_complete(calibration, note=f"calibrated by {stage_dir.name}/")
-    elapsed = time.perf_counter() - t0
-    _keep_history(metrics, history)
+    return child, status, time.perf_counter() - t0, console.tail
+
+
+def _check_exit(stage: str, stage_dir: Path, calibration: Path, child, status: int, elapsed: float,
+                tail: Sequence[str], log_path: Path, verbose: bool) -> None:
+    """Write ``FAILED`` and raise unless ``main_ppo`` exited with status 0 on its own: lost workers or a stop signal
+    (saying where a rerun continues) or verl's own error (quoting the log's last error line)."""
     if child.stopped_by is not None or child.stop_reason is not None:
         step, shards = latest_checkpoint_step(stage_dir), calibration_shards(calibration)
         where = (f"its latest checkpoint is step {step}: rerun with --resume to continue from there" if step is not None
@@ -154,16 +194,11 @@ def run_stage(
         print(f"[setgrpo-verl] {stage}: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(128 + int(child.stopped_by))
     if status != 0:
-        reason = _last_error(console.tail)
+        reason = _last_error(tail)
         (stage_dir / FAILED).write_text(f"main_ppo exited with status {status} after {elapsed:.0f} s: {reason}\n")
         if not verbose:  # the log was not shown: its end says what went wrong
-            sys.stderr.write("".join(t + "\n" for t in console.tail[-15:]))
+            sys.stderr.write("".join(t + "\n" for t in tail[-15:]))
         raise LaunchError(f"{stage}: verl's main_ppo exited with status {status}: {reason} (full log: {log_path})")
-    if stage == "calibrate_train" and not (calibration / "record.json").is_file():
-        raise LaunchError(f"{stage}: verl exited normally but wrote no record to {calibration}/record.json")
-    mark_complete(stage_dir, elapsed)
-    print(f"[setgrpo-verl] {stage}: done in {elapsed:.0f} s", flush=True)
-    return stage_dir
 
 
 def _keep_history(metrics: Path, history: Sequence[bytes]) -> None:

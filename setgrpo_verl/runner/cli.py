@@ -1,6 +1,6 @@
 """Command line of setgrpo-verl (``setgrpo-verl ...`` or ``python -m setgrpo_verl ...``).
 
-Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (:mod:`setgrpo_verl.launch`):
+Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (:mod:`setgrpo_verl.runner.launch`):
 
 * ``calibrate``      roll out the calibration prompts, score each response twice, sketch, write the frozen record;
 * ``train``          SetGRPO steps with that record, or ``--estimator grpo``: verl's stock GRPO on the same data;
@@ -15,7 +15,7 @@ Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (
 
 Flags are shorthands for keys of the one configuration (``algorithm.setgrpo.*``, whose ``--help`` texts come from
 its field docs, and a few of verl's keys); any further ``key=value`` argument is passed to verl's Hydra config as
-it is. ``--dry-run`` prints the run directory's plan (:mod:`setgrpo_verl.lifecycle`) and the verl command lines
+it is. ``--dry-run`` prints the run directory's plan (:mod:`setgrpo_verl.runner.lifecycle`) and the verl command lines
 without running them. A failing command prints one line
 ``error: ...`` and exits with status 2.
 """
@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import shlex
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from .run import (Plan, dir_plan, dry_run_text, hold_lock, make_plan, make_split, record_path, run_stages,
+                  stage_commands, start, train_prompts)
 
 __all__ = ["FLAGS", "HANDLERS", "PROFILES", "build_parser", "main", "overrides_from_args"]
 
@@ -153,7 +153,7 @@ def _profile_levels(name: str) -> str:
 def _flag_help(key: str, text: str | None) -> str:
     if text is not None:
         return f"{text} [{key}]"
-    from .integration.config import field_doc
+    from ..integration.config import field_doc
 
     return f"{field_doc(key.removeprefix('algorithm.setgrpo.'))} [{key}]"
 
@@ -240,7 +240,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
         if flag == "--on-infeasible":
             kwargs["choices"] = ("error", "reject_all")
         if flag == "--ablation":
-            from .integration.config import ABLATIONS
+            from ..integration.config import ABLATIONS
 
             kwargs["choices"] = ABLATIONS
         names = (flag, "-K") if flag == "--rollout-n" else (flag,)
@@ -339,7 +339,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise LaunchError("--judge rules checks rule criteria by code: it takes no --judge-model, --judge-base-url or "
                           "--judge-temperature")
     if args.flip_prob is not None:
-        from .grading.noisy import check_flip_prob
+        from ..grading.noisy import check_flip_prob
 
         try:
             check_flip_prob(args.flip_prob)
@@ -356,286 +356,17 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _sketch_batches(values: dict[str, Any], command: str, trains: bool) -> dict[str, int]:
-    """The batches the sketch pass sees (description -> prompts): a training step when the command trains, the
-    calibration batches (the last, smaller one too) when it calibrates."""
-    train = int(values["data.train_batch_size"])
-    batches = {f"a training step (--groups-per-step {train})": train} if trains else {}
-    if command != "train":
-        size = int(values.get("algorithm.setgrpo.calibration.batch_size") or train)
-        prompts = int(values["algorithm.setgrpo.calibration.num_prompts"])
-        batches[f"a calibration batch (--calib-batch-size {size})"] = min(size, prompts)
-        if prompts > size and prompts % size:
-            batches[f"the last calibration batch (--calib-groups {prompts} in batches of {size})"] = prompts % size
-    return batches
-
-
-def _padding_multiple(values: dict[str, Any], ranks: int) -> int:
-    from .integration.config import padded_batch_multiple
-
-    mini = values.get("actor_rollout_ref.actor.ppo_mini_batch_size") or values.get("data.train_batch_size", 1)
-    return padded_batch_multiple(ranks=ranks, mini_batch_prompts=int(mini),
-                                 k=int(values.get("actor_rollout_ref.rollout.n", 8)))
-
-
-def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 16) -> int:
-    """Responses per micro-batch and rank: whole groups, at most ``max_responses``, dividing every batch a rank sees
-    (training steps and every calibration batch, the last one too, as verl pads them).
-
-    verl's fixed micro-batching needs each rank's share of a batch to be a multiple of the micro-batch size.
-
-    Raises:
-        LaunchError: the batches cannot be split evenly over ``ranks``.
-    """
-    from .integration.config import sketch_micro_batch_error
-    from .rundir import LaunchError
-
-    k = int(values.get("actor_rollout_ref.rollout.n", 8))
-    train = int(values.get("data.train_batch_size", 1))
-    calibration = int(values.get("algorithm.setgrpo.calibration.batch_size") or train)
-    groups = math.gcd(train, calibration)
-    if groups % ranks:
-        raise LaunchError(f"--groups-per-step {train} and --calib-batch-size {calibration} must both be multiples of "
-                          f"--actor-ranks {ranks}")
-    per_rank = groups // ranks
-    batches = _sketch_batches({"algorithm.setgrpo.calibration.num_prompts": calibration, **values,
-                               "data.train_batch_size": train}, "quickstart", True)
-    multiple = _padding_multiple(values, ranks)
-    for d in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0 and (d == 1 or k * d <= max_responses)),
-                    reverse=True):
-        if sketch_micro_batch_error(k=k, prompts=batches, ranks=ranks, micro=k * d, source="",
-                                    multiple=multiple) is None:
-            return k * d
-    return k
-
-
-def _grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    grader = _base_grader(args, seed)
-    if args.flip_prob is None:
-        return grader
-    return {"type": "noisy", "flip_prob": float(args.flip_prob), "seed": int(args.noise_seed or 0), "base": grader}
-
-
-def _base_grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    if args.judge == "rules":
-        return {"type": "rules", "seed": seed}
-    if args.judge == "local":
-        grader: dict[str, Any] = {"type": "local_hf", "seed": seed}
-        if args.judge_model:
-            grader["model_path"] = str(Path(args.judge_model).expanduser().resolve())
-    elif args.judge == "function":
-        path, _, name = str(args.reward_function).partition(":")
-        return {"type": "function", "path": str(Path(path).expanduser().resolve()), "name": name or "compute_score",
-                "seed": seed}
-    else:
-        grader = {"type": "openai", "base_url": args.judge_base_url, "model": args.judge_model, "seed": seed}
-        if args.judge_max_tokens is not None:
-            grader["max_tokens"] = args.judge_max_tokens
-        if args.judge_chat_template_kwargs:
-            grader["chat_template_kwargs"] = dict(args.judge_chat_template_kwargs)
-    if args.judge_max_response_tokens is not None:
-        grader["max_response_tokens"] = args.judge_max_response_tokens
-    grader["temperature"] = 1.0 if args.judge_temperature is None else args.judge_temperature
-    return grader
-
-
-def _check_grader(grader: dict[str, Any]) -> None:
-    """Refuse a deterministic judge (``--judge-temperature`` <= 0) before anything is read or loaded.
-
-    Raises:
-        LaunchError: the message of :func:`setgrpo_verl.grading.check_stochastic_judge`.
-    """
-    from .grading import check_stochastic_judge
-    from .launch import LaunchError
-
-    judge = grader.get("base", grader) if grader.get("type") == "noisy" else grader
-    try:
-        check_stochastic_judge(str(judge.get("type")), judge.get("temperature"))
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from None
-
-
-def _train_prompts(run_dir: Path, split: dict[str, Any] | None) -> int:
-    """Rows of the training split about to be written (``split``), else of the run's ``data/train.parquet``."""
-    if split is not None:
-        return len(split["train"])
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(run_dir / "data" / "train.parquet").metadata.num_rows
-
-
-@dataclass
-class _Plan:
-    """What every training command needs: config values, the policy model, the grader and the shared overrides."""
-
-    values: dict[str, Any]
-    model: Path
-    grader: dict[str, Any]
-    seed: int
-    common: list[str] = field(default_factory=list)
-
-
-def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> _Plan:
-    """Flags -> config values (``defaults`` where neither a flag nor the profile sets a key), checked before anything
-    is read or written (levels, grid, rho, micro-batches).
-
-    Raises:
-        LaunchError: a bad flag, model directory, setting or micro-batch size.
-    """
-    from . import launch
-    from .integration.config import sketch_micro_batch_error
-
-    values = {**(defaults or {}), **overrides_from_args(args)}
-    seed = int(values.get("data.seed", 1))
-    # a deterministic judge is refused before the embedded model is resolved (its first use converts and loads it)
-    grader = _grader(args, seed)
-    _check_grader(grader)
-    if args.model is not None:
-        model = Path(args.model).expanduser().resolve()
-        if not (model / "config.json").is_file():
-            raise launch.LaunchError(f"--model {args.model}: not a local Hugging Face model directory (no config.json)")
-    else:
-        from .models import embedded_model_dir
-
-        model = embedded_model_dir()
-    values["actor_rollout_ref.model.path"] = str(model)
-    launch.requested_settings(values)
-    values.setdefault("actor_rollout_ref.actor.ppo_mini_batch_size", values.get("data.train_batch_size"))
-    micro = _micro_batch_size(values, args.actor_ranks)
-    values.setdefault("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", micro)
-    values.setdefault("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", micro)
-    sketch_key = "algorithm.setgrpo.sketch.micro_batch_size_per_gpu"
-    # the sketch pass's micro-batch (its own, else the log-prob one), checked here before anything is written
-    sketch_micro = values.get(sketch_key)
-    source = sketch_key if sketch_micro is not None else "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
-    if sketch_micro is None and values.get("algorithm.setgrpo.sketch.max_token_len_per_gpu") is None:
-        sketch_micro = values["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"]
-    if sketch_micro is not None and not (args.command == "train" and args.estimator == "grpo"):
-        trains = args.command == "quickstart" or (args.command == "train" and args.estimator == "setgrpo")
-        error = sketch_micro_batch_error(k=int(values["actor_rollout_ref.rollout.n"]),
-                                         prompts=_sketch_batches(values, args.command, trains), ranks=args.actor_ranks,
-                                         micro=int(sketch_micro), source=source,
-                                         multiple=_padding_multiple(values, args.actor_ranks))
-        if error:
-            raise launch.LaunchError(error)
-    if args.resume and args.overwrite:
-        raise launch.LaunchError("--resume keeps the run directory's stages and --overwrite deletes them: pass one")
-    common = [launch.format_override(k, v) for k, v in values.items() if v is not None]
-    common += launch.cpu_overrides(args.actor_ranks, args.precision) + [launch.format_override("+reward.reward_kwargs.grader", grader)]
-    common += ["reward.reward_manager.name=setgrpo_dual"]
-    return _Plan(values=values, model=model, grader=grader, seed=seed, common=common)
-
-
-def _commands(args: argparse.Namespace, plan: _Plan, stages: list[str], record: Path) -> list[tuple[str, list[str]]]:
-    """The verl command line of each stage."""
-    from . import launch
-
-    commands = []
-    for stage in stages:
-        overrides = (plan.common + launch.stage_overrides(stage, args.run_dir, record=record)
-                     + launch.with_file_logger(args.overrides))
-        config = "ppo_trainer" if stage == "grpo" else "setgrpo_trainer"
-        if stage == "grpo":  # verl's stock config has no algorithm.setgrpo block
-            overrides = [o for o in overrides if not o.startswith("algorithm.setgrpo")]
-        commands.append((stage, launch.main_ppo_command(overrides, config_name=config)))
-    return commands
-
-
-def _dry_run(commands: list[tuple[str, list[str]]], lifecycle=None) -> str:
-    """``--dry-run``'s text: the run directory's plan (what each directory would get) and the verl command lines."""
-    lines = [] if lifecycle is None else [lifecycle.text()]
-    if lifecycle is not None:
-        from .runlock import holder
-
-        if holder(lifecycle.run_dir) is not None:
-            lines.append(f"[setgrpo-verl] plan: {lifecycle.run_dir} is locked by another command: "
-                         f"{holder(lifecycle.run_dir)}")
-        refused = [d for d in lifecycle.dirs if d.action == "refuse"]
-        if refused:
-            lines.append(f"[setgrpo-verl] plan: the command would stop before writing anything: "
-                         f"{lifecycle.run_dir / refused[0].name} {refused[0].reason}")
-    return "\n".join(lines + [" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands])
-
-
-def _split(args: argparse.Namespace, plan: _Plan) -> dict[str, Any] | None:
-    """The data split these flags make (nothing written; a dry run makes it too, so that it never prints a command
-    the run would refuse).
-
-    Raises:
-        LaunchError: bad data, or too few prompts for the calibration.
-    """
-    from . import datasplit
-
-    values = plan.values
-    return datasplit.split_data(data=args.data, model_path=plan.model,
-                                max_prompt_length=int(values["data.max_prompt_length"]),
-                                calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
-                                seed=plan.seed, rules_only=args.judge == "rules",
-                                default_data="validation" if args.command == "validate" else "ifbench",
-                                duplicate_criteria=args.duplicate_criteria)
-
-
-def _lifecycle(args: argparse.Namespace, writes: list[str], reads: tuple[str, ...] = (),
-               split: dict[str, Any] | None = None):
-    """The run directory's plan of this command (:func:`setgrpo_verl.lifecycle.plan_run`)."""
-    from .datasplit import split_matches
-    from .lifecycle import plan_run
-
-    same = split_matches(args.run_dir, split) if split is not None else None
-    return plan_run(args.run_dir, writes, reads=reads, overwrite=args.overwrite, resume=args.resume, same_data=same)
-
-
-def _write_split(args: argparse.Namespace, lifecycle, split: dict[str, Any]) -> None:
-    from .datasplit import write_data
-
-    if lifecycle.action("data") == "keep":
-        print(f"[setgrpo-verl] data: {args.run_dir / 'data'} already holds this split; kept", flush=True)
-        return
-    lifecycle.prepare("data")
-    write_data(args.run_dir, split)
-    print(f"[setgrpo-verl] data: {len(split['calibration'])} calibration and {len(split['train'])} training prompts "
-          f"from {split['source']}", flush=True)
-    if split["duplicates"]:
-        print(f"[setgrpo-verl] data: removed {split['duplicates']} duplicate prompts (same id or same question text)",
-              flush=True)
-
-
-def _start(args: argparse.Namespace, plan: _Plan, lifecycle, split: dict[str, Any] | None) -> None:
-    """Everything checked: probe the judge, remove what the replaced directories' results no longer match, print
-    the plan and write the data split."""
-    from .preflight import probe_judge
-
-    lifecycle.check()
-    if args.judge == "openai":
-        probe_judge(plan.grader)
-    _hold_lock(args)
-    if any(d.action != "create" for d in lifecycle.dirs):
-        print(lifecycle.text(), flush=True)
-    lifecycle.remove_derived()
-    if split is not None:
-        _write_split(args, lifecycle, split)
-
-
-def _run_stages(args: argparse.Namespace, commands: list[tuple[str, list[str]]], lifecycle) -> None:
-    from .launch import cpu_environment
-    from .stages import run_stage
-
-    env = cpu_environment()
-    for stage, cmd in commands:
-        run_stage(args.run_dir, stage, cmd, env=env, plan=lifecycle, verbose=args.verbose)
-
-
-def _record_of(run_dir: Path) -> Path:
-    from .rundir import STAGES
-
-    return run_dir / STAGES["calibrate"] / "record.json"
+def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Plan:
+    """The command's checked plan (:func:`~setgrpo_verl.runner.run.make_plan`); ``defaults`` hold where neither a
+    flag nor the profile sets a key."""
+    return make_plan(args, {**(defaults or {}), **overrides_from_args(args)})
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> str | None:
     """``calibrate``: split the data, then the calibration stage (the frozen record)."""
-    from .core import parse_part
+    from ..core import parse_part
     from .preflight import check_calibration_size
-    from .rundir import LaunchError
+    from ..rundir import LaunchError
 
     if args.shard is not None:
         try:
@@ -643,14 +374,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> str | None:
         except ValueError as exc:
             raise LaunchError(f"--{exc}") from None
     plan = _plan(args, defaults={"algorithm.setgrpo.calibration.shard": args.shard} if args.shard else None)
-    commands = _commands(args, plan, ["calibrate"], _record_of(args.run_dir))
+    commands = stage_commands(args, plan, ["calibrate"], record_path(args.run_dir))
     check_calibration_size(plan.values)
-    split = _split(args, plan)
-    lifecycle = _lifecycle(args, ["data", "calibration"], split=split)
+    split = make_split(args, plan)
+    lifecycle = dir_plan(args, ["data", "calibration"], split=split)
     if args.dry_run:
-        return _dry_run(commands, lifecycle)
-    _start(args, plan, lifecycle, split)
-    _run_stages(args, commands, lifecycle)
+        return dry_run_text(commands, lifecycle)
+    start(args, plan, lifecycle, split)
+    run_stages(args, commands, lifecycle)
     return None
 
 
@@ -661,19 +392,19 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
 
     plan = _plan(args)
     check_calibration_size(plan.values)
-    split = _split(args, plan)
+    split = make_split(args, plan)
     writes = ["data", "calibration", "train_setgrpo"] + (["train_grpo"] if args.baseline else []) + ["report"]
-    lifecycle = _lifecycle(args, writes, split=split)
+    lifecycle = dir_plan(args, writes, split=split)
     first = "train" if lifecycle.action("calibration") == "keep" else "calibrate_train"
-    commands = _commands(args, plan, [first] + (["grpo"] if args.baseline else []), _record_of(args.run_dir))
+    commands = stage_commands(args, plan, [first] + (["grpo"] if args.baseline else []), record_path(args.run_dir))
     if split is not None:
-        check_training_steps(plan.values, args.overrides, _train_prompts(args.run_dir, split))
+        check_training_steps(plan.values, args.overrides, train_prompts(args.run_dir, split))
     if args.dry_run:
-        return _dry_run(commands, lifecycle)
-    _start(args, plan, lifecycle, split)
+        return dry_run_text(commands, lifecycle)
+    start(args, plan, lifecycle, split)
     lifecycle.prepare("report")  # an old report describes the stages about to be run again
-    _run_stages(args, commands, lifecycle)
-    from .report import make_report
+    run_stages(args, commands, lifecycle)
+    from ..report import make_report
 
     lifecycle.prepare("report")
     return make_report(args.run_dir)
@@ -682,31 +413,31 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
 def _cmd_train(args: argparse.Namespace) -> str | None:
     """``train``: SetGRPO with the run's record (or ``--estimator grpo``) on the split ``calibrate`` wrote."""
     from . import datasplit, preflight
-    from .rundir import STAGES, LaunchError
+    from ..rundir import STAGES, LaunchError
 
     plan = _plan(args)
     run_dir = args.run_dir
     stage = "train" if args.estimator == "setgrpo" else "grpo"
-    record = args.record if args.record is not None else _record_of(run_dir)
-    commands = _commands(args, plan, [stage], record)
+    record = args.record if args.record is not None else record_path(run_dir)
+    commands = stage_commands(args, plan, [stage], record)
     reads = ("data",) + (("calibration",) if stage == "train" and args.record is None else ())
-    lifecycle = _lifecycle(args, [STAGES[stage]], reads=reads)
+    lifecycle = dir_plan(args, [STAGES[stage]], reads=reads)
     if not args.dry_run:
         lifecycle.check()
     elif any(d.action == "refuse" for d in lifecycle.dirs):
-        return _dry_run(commands, lifecycle)  # its plan lines say where the run would stop
+        return dry_run_text(commands, lifecycle)  # its plan lines say where the run would stop
     # a dry run makes the checks a started run would make, and fails as it would
     datasplit.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
-    preflight.check_training_steps(plan.values, args.overrides, _train_prompts(run_dir, None))
+    preflight.check_training_steps(plan.values, args.overrides, train_prompts(run_dir, None))
     if stage == "train":
         if not Path(record).is_file():
             raise LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
                               f"{run_dir}` first or pass --record")
         preflight.check_training_prompts(record, run_dir)
     if args.dry_run:
-        return _dry_run(commands, lifecycle)
-    _start(args, plan, lifecycle, None)
-    _run_stages(args, commands, lifecycle)
+        return dry_run_text(commands, lifecycle)
+    start(args, plan, lifecycle, None)
+    run_stages(args, commands, lifecycle)
     return None
 
 
@@ -719,29 +450,29 @@ def _cmd_validate(args: argparse.Namespace) -> str | None:
                                                                  "reject_all"})
     _check_validate(args, plan.values)
     if args.analysis_only:
-        lifecycle = _lifecycle(args, ["validation"], reads=("calibration",))
+        lifecycle = dir_plan(args, ["validation"], reads=("calibration",))
         if args.dry_run:
-            return _dry_run([], lifecycle)
+            return dry_run_text([], lifecycle)
         lifecycle.check()
         return _analyse(args, plan.values, lifecycle)
-    commands = _commands(args, plan, ["calibrate"], _record_of(args.run_dir))
+    commands = stage_commands(args, plan, ["calibrate"], record_path(args.run_dir))
     warning = check_validation_size(plan.values, args.holdout_fraction)
     if warning and not args.dry_run:
         print(f"[setgrpo-verl] warning: {warning}", flush=True)
-    split = _split(args, plan)
-    lifecycle = _lifecycle(args, ["data", "calibration", "validation"], split=split)
+    split = make_split(args, plan)
+    lifecycle = dir_plan(args, ["data", "calibration", "validation"], split=split)
     if args.dry_run:
-        return _dry_run(commands, lifecycle)
-    _start(args, plan, lifecycle, split)
+        return dry_run_text(commands, lifecycle)
+    start(args, plan, lifecycle, split)
     if lifecycle.action("calibration") == "replace":
         lifecycle.prepare("validation")  # its results were made from the calibration about to be replaced
-    _run_stages(args, commands, lifecycle)
+    run_stages(args, commands, lifecycle)
     return _analyse(args, plan.values, lifecycle)
 
 
 def _cmd_report(args: argparse.Namespace) -> str:
     """``report``: PNG plots and a text summary of a run directory."""
-    from .report import make_report
+    from ..report import make_report
 
     if (args.run_dir / "report").exists():
         from .lifecycle import plan_run
@@ -752,7 +483,7 @@ def _cmd_report(args: argparse.Namespace) -> str:
 
 def _cmd_inspect_record(args: argparse.Namespace) -> str:
     """``inspect-record``: a record as the paper's Table 4 row, its levels, identities and package versions."""
-    from .report import inspect_record
+    from ..report import inspect_record
 
     return inspect_record(args.record, thresholds=args.thresholds)
 
@@ -794,9 +525,9 @@ def _check_validate(args: argparse.Namespace, values: dict[str, Any]) -> None:
 def _analyse(args: argparse.Namespace, values: dict[str, Any], lifecycle) -> str:
     """The offline part of ``validate``: repeated splits of the stage's paired scores, JSON + PNG + table; the
     ``validation/`` directory is only replaced once the new results exist."""
-    from .core import CalibrationRecord
-    from .report import summary_table, write_validation
-    from .rundir import STAGES, LaunchError, complete_seconds
+    from ..core import CalibrationRecord
+    from ..report import summary_table, write_validation
+    from ..rundir import STAGES, LaunchError, complete_seconds
     from .validate import load_paired, run_validation
 
     calibration = args.run_dir / STAGES["calibrate"]
@@ -824,34 +555,23 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any], lifecycle) -> str
     result.report["calibration_stage_seconds"] = complete_seconds(calibration)
     lifecycle.prepare("validation")
     paths = write_validation(result, out)
-    from .rundir import mark_complete
+    from ..rundir import mark_complete
 
     mark_complete(out, result.report["analysis_seconds"])
     return f"{summary_table(result.report)}\nwritten: {paths['json']}, {paths['png']}, {paths['groups']}"
 
 
-def _hold_lock(args: argparse.Namespace) -> None:
-    """Take the run directory's lock (:func:`setgrpo_verl.runlock.run_dir_lock`) for the rest of the command,
-    unless it is held already or this is a dry run."""
-    if getattr(args, "dry_run", False) or getattr(args, "locked", False) or getattr(args, "lock", None) is None:
-        return
-    from .runlock import run_dir_lock
-
-    args.lock.enter_context(run_dir_lock(args.run_dir, args.argv))
-    args.locked = True
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``setgrpo-verl``; returns the process exit status."""
     args = build_parser().parse_args(argv)
-    from .report import ReportError
-    from .rundir import LaunchError
+    from ..report import ReportError
+    from ..rundir import LaunchError
 
     try:
         with contextlib.ExitStack() as args.lock:
             args.argv = ["setgrpo-verl", *(sys.argv[1:] if argv is None else argv)]
             if getattr(args, "run_dir", None) is not None and args.run_dir.is_dir():
-                _hold_lock(args)  # before the run directory is looked at; a new one is locked when it is created
+                hold_lock(args)  # before the run directory is looked at; a new one is locked when it is created
             text = HANDLERS[args.command](args)
         if text:
             print(text)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .rundir import LaunchError
+from ..rundir import LaunchError
 
 __all__ = ["LOCK_FILE", "holder", "run_dir_lock"]
 

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .core import (
+from ..core import (
     DEGENERATE_RTOL,
     PROCEDURES,
     CalibrationRecord,

@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from .core import (SHARD_DIR, CalibrationRecord, CalibrationSettings, TornShardError, load_shards, pilot_source,
+from ..core import (SHARD_DIR, CalibrationRecord, CalibrationSettings, TornShardError, load_shards, pilot_source,
                    record_from_shards, shard_name, write_calibration)
-from .rundir import LaunchError
+from ..rundir import LaunchError
 
 __all__ = ["merge_calibration", "shard_dirs"]
 
