@@ -273,6 +273,10 @@ class GradingItem:
     """One (prompt, response, rubric) to grade. ``prompt`` defaults to ``rubric.question`` when ``None``.
 
     ``data_source`` and ``extra_info`` are passed through to function graders (verl's ``compute_score`` style).
+    ``nonce`` names this grading call among all others of a run (the verl reward manager: training step, dataset
+    row and rollout session), so that a grader drawing fresh randomness per call (the noisy grader,
+    docs/validation.md#noisy-grader) gives two samples with the same text independent draws; ``None`` when the
+    caller has none (graders that need it refuse the item).
     """
 
     response: str
@@ -281,6 +285,7 @@ class GradingItem:
     data_source: str = "rubric"
     extra_info: Mapping[str, Any] | None = None
     ground_truth: Any = None
+    nonce: str | None = None
 
     @property
     def question(self) -> str:
