@@ -118,7 +118,7 @@ class NoisyGrader:
         Returns:
             One :class:`GradeResult` per item: the score of the flipped verdicts, the flipped verdicts (source
             ``noisy:<base source>``, so that the dual scorer counts their disagreement), and ``truth`` = the base
-            score when :attr:`has_truth`, else ``None``.
+            score and ``truth_verdicts`` = the base verdicts when :attr:`has_truth`, else ``None``.
 
         Raises:
             GradingError: an item without a rubric or without a nonce, or a base result whose verdicts do not match the rubric's
@@ -151,7 +151,8 @@ class NoisyGrader:
                 verdicts.append(Verdict(outcome, f"noisy:{v.source}", v.p_yes, v.raw))
             out.append(GradeResult(score=rubric_score(item.rubric, verdicts), verdicts=tuple(verdicts),
                                    scoring_index=int(scoring_index), seed=self.seed,
-                                   truth=float(res.score) if self.has_truth else None))
+                                   truth=float(res.score) if self.has_truth else None,
+                                   truth_verdicts=tuple(res.verdicts) if self.has_truth else None))
         return out
 
     async def aclose(self) -> None:

@@ -301,13 +301,15 @@ class GradeResult:
     """One scoring of one response: ``score`` (float, see :func:`rubric_score`), the per-criterion ``verdicts``
     (same order as the rubric's criteria; may be empty for a function grader), ``scoring_index`` and ``seed``;
     ``truth`` is the noise-free score when the grader knows it (a noisy grader around a deterministic one,
-    docs/validation.md#noisy-grader), else ``None``."""
+    docs/validation.md#noisy-grader), else ``None``, and ``truth_verdicts`` the noise-free verdicts it comes from
+    (one per criterion), else ``None``."""
 
     score: float
     verdicts: tuple[Verdict, ...]
     scoring_index: int
     seed: int
     truth: float | None = None
+    truth_verdicts: tuple[Verdict, ...] | None = None
 
     @property
     def num_unparsed(self) -> int:

@@ -15,7 +15,9 @@ grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-
   scorings); :func:`grading_metrics` turns a batch's ``unparsed`` / ``judged`` into ``setgrpo/grading/unparsed_ratio``
   for verl's tracker (docs/grading.md#unparsed-verdicts);
 * with a grader that knows the noise-free score (``type: noisy`` around a deterministic grader,
-  docs/validation.md#noisy-grader) also ``truth_score``, which the calibration stage stores as ``truth``.
+  docs/validation.md#noisy-grader) also ``truth_score``, which the calibration stage stores as ``truth``, and
+  ``truth_verdicts`` (the noise-free verdicts and the criteria's points, :data:`TRUTH_VERDICTS_KEY`), which it
+  stores in its shards.
 
 Each response's grading item carries a nonce naming its rollout sample (:func:`sample_nonce`: the step, the
 dataset row and the rollout session that verl's v1 agent loop passes with every sample), from which the noisy
@@ -60,6 +62,7 @@ from .reward_config import (
     REFERENCE_SCORE_KEY,
     REWARD_MANAGER_NAME,
     TRUTH_SCORE_KEY,
+    TRUTH_VERDICTS_KEY,
     grader_config,
     grader_identity,
     reference_score_key,
@@ -69,6 +72,7 @@ __all__ = [
     "REFERENCE_SCORE_KEY",
     "REWARD_MANAGER_NAME",
     "TRUTH_SCORE_KEY",
+    "TRUTH_VERDICTS_KEY",
     "SetGRPODualRewardManager",
     "grader_config",
     "GRADING_COUNT_KEYS",
@@ -241,6 +245,10 @@ class SetGRPODualRewardManager(RewardManagerBase):
         }
         if scores.truth is not None:
             extra[TRUTH_SCORE_KEY] = float(scores.truth[0])
+        verdicts = scores.point_results[0].truth_verdicts
+        if verdicts is not None and rubric is not None:
+            extra[TRUTH_VERDICTS_KEY] = json.dumps({"met": [-1 if v.met is None else int(v.met) for v in verdicts],
+                                                    "points": [float(c.points) for c in rubric.criteria]})
         return {"reward_score": point, "reward_extra_info": extra}
 
 

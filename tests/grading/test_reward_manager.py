@@ -220,6 +220,9 @@ def test_noisy_grader_puts_the_truth_into_reward_extra_info():
     out = worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, rows, texts)))
     infos = [o["reward_extra_info"] for o in out]
     assert [info["truth_score"] for info in infos] == [1.0, 0.0] * 6
+    # the noise-free verdicts behind truth_score, with the criteria points, for the calibration's shards
+    assert [json.loads(info["truth_verdicts"]) for info in infos] == [
+        {"met": [1], "points": [2.0]}, {"met": [0], "points": [2.0]}] * 6
     for o, info in zip(out, infos):
         for key, score in (("point_verdicts", o["reward_score"]), ("reference_verdicts", info["reference_score"])):
             (verdict,) = json.loads(info[key])
