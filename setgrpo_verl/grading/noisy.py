@@ -121,8 +121,8 @@ class NoisyGrader:
             score and ``truth_verdicts`` = the base verdicts when :attr:`has_truth`, else ``None``.
 
         Raises:
-            GradingError: an item without a rubric or without a nonce, or a base result whose verdicts do not match the rubric's
-                criteria one to one (the flips need them); whatever the base grader raises.
+            GradingError: an item without a rubric or without a nonce, or a base result whose verdicts do not
+                match the rubric's criteria one to one (the flips need them); whatever the base grader raises.
         """
         for n, item in enumerate(items):
             if item.rubric is None:

@@ -1,6 +1,6 @@
 """What the trainer reads from a rolled-out TransferQueue batch besides verl's own fields: the reference (and
-truth) scores and the truth verdicts of the dual-reward manager and the actor's gradient sketches with the rows it sketched
-(docs/verl_integration.md#trainer-mode). Calibration and the advantage step read them the same way.
+truth) scores and the truth verdicts of the dual-reward manager and the actor's gradient sketches with the rows
+it sketched (docs/verl_integration.md#trainer-mode). Calibration and the advantage step read them the same way.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def truth_verdicts_from(data: TensorDict | dict, key: str) -> Optional[list[tupl
     for n, value in enumerate(values):
         row = json.loads(value) if isinstance(value, (str, bytes)) else value
         met, points = (row.get("met"), row.get("points")) if isinstance(row, dict) else (None, None)
-        if not (isinstance(met, list) and isinstance(points, list) and len(met) == len(points)
-                and all(m in (-1, 0, 1) for m in met) and all(isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) for p in points)):
+        numbers = isinstance(points, list) and all(
+            isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) for p in points)
+        if not (numbers and isinstance(met, list) and len(met) == len(points) and all(m in (-1, 0, 1) for m in met)):
             raise ValueError(f"verdicts {key!r} of reward_extra_info of response {n} is {str(value)[:200]!r}; "
                              "expected {\"met\": [1, 0 or -1 per criterion], \"points\": [one number per criterion]}")
         rows.append(([int(m) for m in met], [float(p) for p in points]))

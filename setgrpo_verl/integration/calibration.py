@@ -36,10 +36,10 @@ from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, d
 
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows, truth_verdicts_from
 from .config import TRUTH_SCORE_KEY
-from .reward_config import TRUTH_VERDICTS_KEY
 from .groups import complete_group_rows, group_gram
 from .prompts import prompt_identity
-from .reward_manager import GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, unparsed_ratio
+from .reward_manager import (GRADING_COUNT_KEYS, TRUTH_VERDICTS_KEY, UNPARSED_RATIO_METRIC, grading_counts,
+                             unparsed_ratio)
 from .worker import SKETCH_KEY
 
 logger = logging.getLogger(__name__)
@@ -103,10 +103,10 @@ def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TR
             by :func:`reference_scores_from`).
         reference_key: ``algorithm.setgrpo.reference_score_key``.
         truth_key: key of the noise-free score in ``reward_extra_info``.
-        verdicts_key: key of the noise-free verdicts in ``reward_extra_info`` (:func:`truth_verdicts_from`).
         k: ``actor_rollout_ref.rollout.n``; a group with fewer responses (a failed rollout session, which verl's
             agent loop keeps) is left out and counted in ``incomplete``
             (docs/verl_integration.md#partial-groups).
+        verdicts_key: key of the noise-free verdicts in ``reward_extra_info`` (:func:`truth_verdicts_from`).
 
     Returns:
         :class:`CalibrationGroups` (float64, complete groups by uid, padding groups skipped; ``truth`` and the

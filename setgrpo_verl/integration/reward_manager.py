@@ -134,8 +134,8 @@ def grading_metrics(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = Non
     return {} if counts is None else {UNPARSED_RATIO_METRIC: unparsed_ratio(*counts)}
 
 
-#: The per-sample fields of verl 0.9.1's v1 agent loop that together name one rollout sample of a run.
-NONCE_FIELDS = ("global_steps", "index", "session_id")
+# the per-sample fields of verl 0.9.1's v1 agent loop that together name one rollout sample of a run
+_NONCE_FIELDS = ("global_steps", "index", "session_id")
 
 
 def sample_nonce(non_tensor: Mapping[str, Any]) -> Optional[str]:
@@ -151,7 +151,7 @@ def sample_nonce(non_tensor: Mapping[str, Any]) -> Optional[str]:
     Args:
         non_tensor: one sample's non-tensor fields (``DataProto.non_tensor_batch`` of one row).
     """
-    values = [non_tensor.get(key) for key in NONCE_FIELDS]
+    values = [non_tensor.get(key) for key in _NONCE_FIELDS]
     if any(v is None for v in values):
         return None
     return "/".join(str(v.item() if hasattr(v, "item") else v) for v in values)
