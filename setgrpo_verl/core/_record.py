@@ -396,7 +396,8 @@ def check_identity(stored: dict[str, Any], current: dict[str, Any], *, what: str
 
     Raises:
         ValueError: naming the first mismatched field (for dict fields the first differing key, as
-            ``name.key``), both values, why it matters and the fix.
+            ``name.key``; a key the stored side lacks is named as written before that field existed), both
+            values, why it matters and the fix.
     """
     owner = f"{holder}'s"
     for name, value in current.items():
@@ -407,10 +408,13 @@ def check_identity(stored: dict[str, Any], current: dict[str, Any], *, what: str
                 k, (rec, cur) = sorted(diff.items())[0]
                 why = ("the coverage and risk guarantees hold only for the grader that was calibrated"
                        if name == "grader" else "the calibration was made under other settings")
-                raise ValueError(
-                    f"{what} mismatch in {name}.{k}: {holder} has {rec!r}, this run has {cur!r}; {why} - "
-                    f"{fix or f'recalibrate for this run or run with the {owner} {name}.{k}'}"
-                )
+                # a key the stored side lacks was added after it was written: no setting of this run gives it
+                if k in mine:
+                    has, fix_k = f"{holder} has {rec!r}", f"recalibrate for this run or run with the {owner} {name}.{k}"
+                else:
+                    has, fix_k = f"{holder} has no {name}.{k} (written before that field existed)", \
+                        "recalibrate for this run"
+                raise ValueError(f"{what} mismatch in {name}.{k}: {has}, this run has {cur!r}; {why} - {fix or fix_k}")
         elif mine != value:
             raise ValueError(
                 f"{what} mismatch in {name}: {holder} has {mine!r}, this run has {value!r}; "

@@ -37,6 +37,7 @@ __all__ = ["SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_s
 SHARD_DIR = "shards"
 _SCHEMA = 1
 _FLOATS = ("point", "reference", "gram", "truth")
+_DTYPES = {"prompt_index": np.int64, "truth_verdicts": np.int8}
 _FIX = ("these shards were calibrated for another run: delete them (or the whole calibration directory) to "
         "calibrate again, or run with the shard's settings")
 
@@ -58,6 +59,11 @@ class CalibrationShard:
     ``package_versions``: :func:`~setgrpo_verl.core.package_versions` of the process that rolled the batch out and
     sketched it; ``tau_start_source``: where the fixed sequence's ``tau_start`` came from
     (:func:`pilot_source`; empty: set by the user). Both are empty in shards written before shards recorded them.
+    ``truth_verdicts`` int8 ``[G, K, J]`` (1 met, 0 unmet, -1 no verdict, or past the J_g criteria of group g's
+    rubric) and ``criterion_points`` float64 ``[G, J]`` (0 past a rubric's criteria): the noise-free verdicts of
+    every response when the grader knows them (docs/validation.md#noisy-grader), so that the batch can be scored
+    again offline at another noise level (its Gram matrices do not depend on the grader); both None otherwise and
+    in shards written before shards stored them.
     """
 
     index: int
@@ -73,6 +79,8 @@ class CalibrationShard:
     created_at: str = ""
     package_versions: dict = field(default_factory=dict)
     tau_start_source: dict = field(default_factory=dict)
+    truth_verdicts: np.ndarray | None = None
+    criterion_points: np.ndarray | None = None
 
 
 def _canonical(value: Any) -> Any:
@@ -152,7 +160,8 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
     """Write ``shard`` into ``directory`` as :func:`shard_name` atomically (a temporary file, then a rename) and
     return its path.
 
-    The file is a compressed ``.npz`` of the arrays (float64; ``prompt_index`` int64), a ``meta`` JSON string
+    The file is a compressed ``.npz`` of the arrays (float64; ``prompt_index`` int64, ``truth_verdicts`` int8),
+    a ``meta`` JSON string
     (batch, prompts, identity, dropped counts, verdict counts, created_at, package versions, tau_start source and
     each array's SHA-256) and ``content_sha256``, the SHA-256 of ``meta``.
     """
@@ -160,9 +169,10 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     arrays = {"point": shard.point, "reference": shard.reference, "gram": shard.gram,
               "prompt_index": np.asarray(shard.prompt_index, dtype=np.int64)}
-    if shard.truth is not None:
-        arrays["truth"] = shard.truth
-    arrays = {k: np.asarray(v, dtype=np.int64 if k == "prompt_index" else np.float64) for k, v in arrays.items()}
+    for name in ("truth", "truth_verdicts", "criterion_points"):
+        if getattr(shard, name) is not None:
+            arrays[name] = getattr(shard, name)
+    arrays = {k: np.asarray(v, dtype=_DTYPES.get(k, np.float64)) for k, v in arrays.items()}
     meta = json.dumps({"schema": _SCHEMA, "index": int(shard.index), "prompts": list(shard.prompts),
                        "identity": shard.identity, "dropped": {k: int(v) for k, v in shard.dropped.items()},
                        "verdicts": None if shard.verdicts is None else [float(v) for v in shard.verdicts],
@@ -225,11 +235,23 @@ def read_shard(path: str | os.PathLike) -> CalibrationShard:
                              prompt_index=data["prompt_index"], identity=identity, dropped=meta["dropped"],
                              verdicts=None if meta["verdicts"] is None else tuple(meta["verdicts"]),
                              created_at=meta["created_at"], package_versions=meta.get("package_versions", {}),
-                             tau_start_source=meta.get("tau_start_source", {}))
+                             tau_start_source=meta.get("tau_start_source", {}),
+                             truth_verdicts=data.get("truth_verdicts"), criterion_points=data.get("criterion_points"))
     g, k = shard.point.shape if shard.point.ndim == 2 else (-1, -1)
     shapes = {"point": (g, k), "reference": (g, k), "gram": (g, k, k), "prompt_index": (g,)}
     if shard.truth is not None:
         shapes["truth"] = (g, k)
+    if (shard.truth_verdicts is None) != (shard.criterion_points is None):
+        missing, there = (("criterion_points", "truth_verdicts") if shard.criterion_points is None
+                          else ("truth_verdicts", "criterion_points"))
+        raise ValueError(f"calibration shard {path}: field {missing} is missing while {there} is there: a shard "
+                         "stores both or neither")
+    if shard.truth_verdicts is not None:
+        j = shard.criterion_points.shape[-1] if shard.criterion_points.ndim == 2 else -1
+        shapes.update(truth_verdicts=(g, k, j), criterion_points=(g, j))
+        if not np.isin(shard.truth_verdicts, (-1, 0, 1)).all():
+            raise ValueError(f"calibration shard {path}: field truth_verdicts holds values other than 1 (met), 0 "
+                             "(unmet) and -1 (no verdict)")
     for name, shape in shapes.items():
         if getattr(shard, name).shape != shape or k != shard.identity.get("K"):
             raise ValueError(f"calibration shard {path}: field {name} has shape {getattr(shard, name).shape}, "

@@ -133,7 +133,8 @@ class DualScorer:
         rubrics: Sequence[Rubric | Mapping[str, Any] | str],
     ) -> DualScores:
         """Sync entry point: score ``responses[i]`` (answering ``prompts[i]``, ``None`` = the rubric's question)
-        against ``rubrics[i]`` (Rubric, RubricHub dict or JSON string) twice. Runs its own event loop and closes
+        against ``rubrics[i]`` (Rubric, RubricHub dict or JSON string) twice; ``i`` is the item's nonce (a grader
+        drawing fresh noise per call gives equal responses independent draws). Runs its own event loop and closes
         the grader's connections before returning, so do not call it from inside a running event loop.
 
         Raises:
@@ -142,8 +143,8 @@ class DualScorer:
         if not (len(prompts) == len(responses) == len(rubrics)):
             raise ValueError(f"got {len(prompts)} prompts, {len(responses)} responses, {len(rubrics)} rubrics")
         items = [
-            GradingItem(response=str(resp), rubric=as_rubric(rub), prompt=prompt)
-            for prompt, resp, rub in zip(prompts, responses, rubrics)
+            GradingItem(response=str(resp), rubric=as_rubric(rub), prompt=prompt, nonce=str(n))
+            for n, (prompt, resp, rub) in enumerate(zip(prompts, responses, rubrics))
         ]
 
         async def run():

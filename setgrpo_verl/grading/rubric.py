@@ -204,6 +204,10 @@ class GradingItem:
     """One (prompt, response, rubric) to grade. ``prompt`` defaults to ``rubric.question`` when ``None``.
 
     ``data_source`` and ``extra_info`` are passed through to function graders (verl's ``compute_score`` style).
+    ``nonce`` names this grading call among all others of a run (the verl reward manager: training step, dataset
+    row and rollout session), so that a grader drawing fresh randomness per call (the noisy grader,
+    docs/validation.md#noisy-grader) gives two samples with the same text independent draws; ``None`` when the
+    caller has none (graders that need it refuse the item).
     """
 
     response: str
@@ -212,6 +216,7 @@ class GradingItem:
     data_source: str = "rubric"
     extra_info: Mapping[str, Any] | None = None
     ground_truth: Any = None
+    nonce: str | None = None
 
     @property
     def question(self) -> str:
@@ -227,13 +232,15 @@ class GradeResult:
     """One scoring of one response: ``score`` (float, see :func:`rubric_score`), the per-criterion ``verdicts``
     (same order as the rubric's criteria; may be empty for a function grader), ``scoring_index`` and ``seed``;
     ``truth`` is the noise-free score when the grader knows it (a noisy grader around a deterministic one,
-    docs/validation.md#noisy-grader), else ``None``."""
+    docs/validation.md#noisy-grader), else ``None``, and ``truth_verdicts`` the noise-free verdicts it comes from
+    (one per criterion), else ``None``."""
 
     score: float
     verdicts: tuple[Verdict, ...]
     scoring_index: int
     seed: int
     truth: float | None = None
+    truth_verdicts: tuple[Verdict, ...] | None = None
 
     @property
     def num_unparsed(self) -> int:

@@ -1,10 +1,12 @@
 """What the trainer reads from a rolled-out TransferQueue batch besides verl's own fields: the reference (and
-truth) scores of the dual-reward manager and the actor's gradient sketches with the rows it sketched
-(docs/verl_integration.md#trainer-mode). Calibration and the advantage step read them the same way.
+truth) scores and the truth verdicts of the dual-reward manager and the actor's gradient sketches with the rows
+it sketched (docs/verl_integration.md#trainer-mode). Calibration and the advantage step read them the same way.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Optional
 
 import torch
@@ -12,18 +14,15 @@ from tensordict import TensorDict
 
 from .worker import SKETCH_ROWS_KEY
 
-__all__ = ["dense_sketches", "reference_scores_from", "sketch_rows_field", "sketched_rows"]
+__all__ = ["dense_sketches", "reference_scores_from", "sketch_rows_field", "sketched_rows", "truth_verdicts_from"]
 
 
-def reference_scores_from(data: TensorDict | dict, key: str) -> Optional[torch.Tensor]:
-    """Reference scores r' of a batch (docs/algorithm.md#0-notation) as float64 [B] (reward units), or None when the reward
-    manager did not return them.
-
-    Looks for a top-level field ``key`` (colocated reward path) and else for ``extra_fields[i]
-    ["reward_extra_info"][key]`` (verl's streaming reward loop).
+def _extra_values(data: TensorDict | dict, key: str, what: str) -> Optional[list]:
+    """One value per row of ``key``: a top-level field (colocated reward path), else ``extra_fields[i]
+    ["reward_extra_info"][key]`` (verl's streaming reward loop); None when no row carries it.
 
     Raises:
-        ValueError: some rows carry the score and others do not, or a value is not a finite number.
+        ValueError: some rows carry it and others do not (``what`` names it in the message).
     """
     values: Optional[list] = None
     if key in data.keys():
@@ -38,13 +37,55 @@ def reference_scores_from(data: TensorDict | dict, key: str) -> Optional[torch.T
         return None
     if any(v is None for v in values):
         raise ValueError(
-            f"score {key!r} of reward_extra_info is missing for {sum(v is None for v in values)} of {len(values)} "
+            f"{what} {key!r} of reward_extra_info is missing for {sum(v is None for v in values)} of {len(values)} "
             "responses"
         )
+    return values
+
+
+def reference_scores_from(data: TensorDict | dict, key: str) -> Optional[torch.Tensor]:
+    """Reference scores r' of a batch (docs/algorithm.md#0-notation) as float64 [B] (reward units), or None when the reward
+    manager did not return them.
+
+    Looks for a top-level field ``key`` (colocated reward path) and else for ``extra_fields[i]
+    ["reward_extra_info"][key]`` (verl's streaming reward loop).
+
+    Raises:
+        ValueError: some rows carry the score and others do not, or a value is not a finite number.
+    """
+    values = _extra_values(data, key, "score")
+    if values is None:
+        return None
     out = torch.tensor([float(v) for v in values], dtype=torch.float64)
     if not torch.isfinite(out).all():
         raise ValueError(f"score {key!r} of reward_extra_info contains NaN/inf")
     return out
+
+
+def truth_verdicts_from(data: TensorDict | dict, key: str) -> Optional[list[tuple[list[int], list[float]]]]:
+    """Each row's noise-free verdicts and its criteria's points, ``(met, points)`` with ``met`` 1 / 0 / -1 (met,
+    unmet, no verdict) per criterion, as the dual-reward manager writes them under ``key``
+    (:data:`~setgrpo_verl.integration.reward_config.TRUTH_VERDICTS_KEY`, docs/validation.md#noisy-grader); None
+    when the reward manager did not return them. Read as :func:`reference_scores_from` reads a score.
+
+    Raises:
+        ValueError: some rows carry them and others do not, or a row's value is not ``{"met": [...], "points":
+            [...]}`` with one verdict in {-1, 0, 1} and one finite number of points per criterion.
+    """
+    values = _extra_values(data, key, "verdicts")
+    if values is None:
+        return None
+    rows = []
+    for n, value in enumerate(values):
+        row = json.loads(value) if isinstance(value, (str, bytes)) else value
+        met, points = (row.get("met"), row.get("points")) if isinstance(row, dict) else (None, None)
+        numbers = isinstance(points, list) and all(
+            isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) for p in points)
+        if not (numbers and isinstance(met, list) and len(met) == len(points) and all(m in (-1, 0, 1) for m in met)):
+            raise ValueError(f"verdicts {key!r} of reward_extra_info of response {n} is {str(value)[:200]!r}; "
+                             "expected {\"met\": [1, 0 or -1 per criterion], \"points\": [one number per criterion]}")
+        rows.append(([int(m) for m in met], [float(p) for p in points]))
+    return rows
 
 
 def dense_sketches(sketches: torch.Tensor) -> torch.Tensor:

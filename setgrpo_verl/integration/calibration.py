@@ -34,11 +34,12 @@ from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, d
                                shard_identity, shard_name, shard_start_source, shard_versions, write_calibration,
                                write_shard)
 
-from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
+from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows, truth_verdicts_from
 from .config import TRUTH_SCORE_KEY
 from .groups import complete_group_rows, group_gram
 from .prompts import prompt_identity
-from .reward_manager import GRADING_COUNT_KEYS, UNPARSED_RATIO_METRIC, grading_counts, unparsed_ratio
+from .reward_manager import (GRADING_COUNT_KEYS, TRUTH_VERDICTS_KEY, UNPARSED_RATIO_METRIC, grading_counts,
+                             unparsed_ratio)
 from .worker import SKETCH_KEY
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ class CalibrationGroups(NamedTuple):
     """Calibration inputs of one batch, grouped by uid: float64 ``point [G, K]``, ``reference [G, K]``,
     ``gram [G, K, K]`` and ``truth [G, K]`` (noise-free scores, docs/validation.md#noisy-grader) or ``None``; the G
     complete groups' ``uids`` and ``incomplete``, each group left out for holding fewer than K responses -> its
-    response count."""
+    response count; ``truth_verdicts`` int8 ``[G, K, J]`` (1 met, 0 unmet, -1 no verdict or no criterion J of a
+    rubric with fewer) and ``criterion_points`` float64 ``[G, J]`` (0 past a rubric's criteria) of the noise-free
+    verdicts, J the most criteria of a rubric in the batch, or both ``None``."""
 
     point: torch.Tensor
     reference: torch.Tensor
@@ -59,6 +62,8 @@ class CalibrationGroups(NamedTuple):
     truth: Optional[torch.Tensor]
     uids: list = []
     incomplete: dict = {}
+    truth_verdicts: Optional[np.ndarray] = None
+    criterion_points: Optional[np.ndarray] = None
 
 
 @contextlib.contextmanager
@@ -89,7 +94,7 @@ def calibration_sampling(replay_buffer: Any) -> Iterator[None]:
 
 
 def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TRUTH_SCORE_KEY, *,
-                       k: int) -> CalibrationGroups:
+                       k: int, verdicts_key: str = TRUTH_VERDICTS_KEY) -> CalibrationGroups:
     """Calibration inputs of one rolled-out, scored and sketched batch (docs/algorithm.md#2-jrsc, #4-srgo).
 
     Args:
@@ -101,14 +106,16 @@ def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TR
         k: ``actor_rollout_ref.rollout.n``; a group with fewer responses (a failed rollout session, which verl's
             agent loop keeps) is left out and counted in ``incomplete``
             (docs/verl_integration.md#partial-groups).
+        verdicts_key: key of the noise-free verdicts in ``reward_extra_info`` (:func:`truth_verdicts_from`).
 
     Returns:
-        :class:`CalibrationGroups` (float64, complete groups by uid, padding groups skipped; ``truth`` None when
-        the batch carries none).
+        :class:`CalibrationGroups` (float64, complete groups by uid, padding groups skipped; ``truth`` and the
+        truth verdicts None when the batch carries none).
 
     Raises:
         ValueError: no reference scores (the run does not use the dual-reward manager), a group larger than
-            ``k``, non-finite sketches, a truth for only some responses or a non-finite one.
+            ``k``, non-finite sketches, a truth for only some responses or a non-finite one, truth verdicts for
+            only some responses or malformed, or responses of one group with different criteria points.
     """
     reference = reference_scores_from(data, reference_key)
     if reference is None:
@@ -128,8 +135,34 @@ def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TR
         unread = ~sketched[groups].all(-1) & ~degenerate_groups(point)
         if unread.any():
             raise ValueError(f"{int(unread.sum())} calibration group(s) are not degenerate but were not sketched")
+    verdicts, points = _group_verdicts(truth_verdicts_from(data, verdicts_key), groups)
     return CalibrationGroups(point, reference[groups], gram, None if truth is None else truth[groups], uids,
-                             incomplete)
+                             incomplete, verdicts, points)
+
+
+def _group_verdicts(rows: Optional[list], groups: torch.Tensor) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """``(int8 [G, K, J], float64 [G, J])``: the rows' truth verdicts (:func:`truth_verdicts_from`) by group, -1 and
+    0 points past a rubric's criteria; ``(None, None)`` without rows.
+
+    Raises:
+        ValueError: the responses of one group have different criteria points (they answer one rubric).
+    """
+    if rows is None:
+        return None, None
+    g, k = groups.shape
+    j = max((len(rows[int(r)][0]) for r in groups.reshape(-1)), default=0)
+    verdicts = np.full((g, k, j), -1, dtype=np.int8)
+    points = np.zeros((g, j), dtype=np.float64)
+    for a, members in enumerate(groups.tolist()):
+        first = rows[members[0]][1]
+        points[a, :len(first)] = first
+        for b, r in enumerate(members):
+            met, own = rows[r]
+            if own != first:
+                raise ValueError(f"responses {members[0]} and {r} of one calibration group carry the criteria points "
+                                 f"{first} and {own}; the K responses of a prompt answer one rubric")
+            verdicts[a, b, :len(met)] = met
+    return verdicts, points
 
 
 def calibration_chunk_prompts(config: Any) -> Optional[int]:
@@ -422,7 +455,8 @@ class CalibrationPhase:
         progress.phase("sketch", index)
         self._compute_sketches(batch)
         fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-        fields += [f for f in (key, TRUTH_SCORE_KEY, *GRADING_COUNT_KEYS) if batch.fields and f in batch.fields]
+        fields += [f for f in (key, TRUTH_SCORE_KEY, TRUTH_VERDICTS_KEY, *GRADING_COUNT_KEYS)
+                   if batch.fields and f in batch.fields]
         fields += sketch_rows_field(batch)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         groups = calibration_groups(data, key, k=k)
@@ -440,6 +474,8 @@ class CalibrationPhase:
             index=index, prompts=tuple(self._calibration_prompts[index * size:index * size + n]),
             point=groups.point[order].numpy(), reference=groups.reference[order].numpy(),
             gram=groups.gram[order].numpy(), truth=None if groups.truth is None else groups.truth[order].numpy(),
+            truth_verdicts=None if groups.truth_verdicts is None else groups.truth_verdicts[order],
+            criterion_points=None if groups.criterion_points is None else groups.criterion_points[order],
             prompt_index=np.array([position[groups.uids[g]] for g in order], dtype=np.int64), identity=identity,
             dropped={"incomplete": len(groups.incomplete),
                      "no_response": n - len(groups.uids) - len(groups.incomplete)},

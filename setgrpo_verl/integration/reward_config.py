@@ -18,6 +18,7 @@ __all__ = [
     "REFERENCE_SCORE_KEY",
     "REWARD_MANAGER_NAME",
     "TRUTH_SCORE_KEY",
+    "TRUTH_VERDICTS_KEY",
     "grader_config",
     "grader_identity",
     "reference_score_key",
@@ -30,6 +31,10 @@ REFERENCE_SCORE_KEY = "reference_score"
 #: ``reward_extra_info`` key of the noise-free score, present when the grader knows it
 #: (docs/validation.md#noisy-grader); the calibration stage stores it as ``truth`` in ``paired_scores.npz``.
 TRUTH_SCORE_KEY = "truth_score"
+#: ``reward_extra_info`` key of the noise-free verdicts, present with ``truth_score``: the JSON object
+#: ``{"met": [1 | 0 | -1 per criterion (met, unmet, no verdict)], "points": [the criteria's points]}``; the
+#: calibration stage stores them in its shards (docs/record.md#calibration-shards).
+TRUTH_VERDICTS_KEY = "truth_verdicts"
 
 
 def _get(node: Any, key: str) -> Any:

@@ -15,7 +15,13 @@ grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-
   scorings); :func:`grading_metrics` turns a batch's ``unparsed`` / ``judged`` into ``setgrpo/grading/unparsed_ratio``
   for verl's tracker (docs/grading.md#unparsed-verdicts);
 * with a grader that knows the noise-free score (``type: noisy`` around a deterministic grader,
-  docs/validation.md#noisy-grader) also ``truth_score``, which the calibration stage stores as ``truth``.
+  docs/validation.md#noisy-grader) also ``truth_score``, which the calibration stage stores as ``truth``, and
+  ``truth_verdicts`` (the noise-free verdicts and the criteria's points, :data:`TRUTH_VERDICTS_KEY`), which it
+  stores in its shards.
+
+Each response's grading item carries a nonce naming its rollout sample (:func:`sample_nonce`: the step, the
+dataset row and the rollout session that verl's v1 agent loop passes with every sample), from which the noisy
+grader draws its flips fresh per sample.
 
 Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
 
@@ -56,6 +62,7 @@ from .reward_config import (
     REFERENCE_SCORE_KEY,
     REWARD_MANAGER_NAME,
     TRUTH_SCORE_KEY,
+    TRUTH_VERDICTS_KEY,
     grader_config,
     grader_identity,
     reference_score_key,
@@ -65,6 +72,7 @@ __all__ = [
     "REFERENCE_SCORE_KEY",
     "REWARD_MANAGER_NAME",
     "TRUTH_SCORE_KEY",
+    "TRUTH_VERDICTS_KEY",
     "SetGRPODualRewardManager",
     "grader_config",
     "GRADING_COUNT_KEYS",
@@ -73,6 +81,7 @@ __all__ = [
     "grading_counts",
     "grading_metrics",
     "register",
+    "sample_nonce",
     "unparsed_ratio",
 ]
 
@@ -123,6 +132,29 @@ def grading_metrics(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = Non
     docs/grading.md#unparsed-verdicts."""
     counts = grading_counts(data, tags)
     return {} if counts is None else {UNPARSED_RATIO_METRIC: unparsed_ratio(*counts)}
+
+
+# the per-sample fields of verl 0.9.1's v1 agent loop that together name one rollout sample of a run
+_NONCE_FIELDS = ("global_steps", "index", "session_id")
+
+
+def sample_nonce(non_tensor: Mapping[str, Any]) -> Optional[str]:
+    """The nonce of one rollout sample (docs/validation.md#noisy-grader): ``"<global_steps>/<index>/<session_id>"``,
+    or ``None`` when a field is missing (verl's v0 trainer passes no ``session_id``).
+
+    verl's v1 agent loop passes the prompt's non-tensor fields with each sample: ``global_steps`` (the step whose
+    batch it belongs to; the calibration batches share step 0, before training's step 1), ``index`` (the dataset
+    row, ``extra_info.index``, which the converters number) and ``session_id`` (which of the prompt's
+    ``rollout.n`` responses it is). Together they name one sample, the same in a rerun of the run; verl's ``uid``
+    does not serve, being a fresh ``uuid4`` per run.
+
+    Args:
+        non_tensor: one sample's non-tensor fields (``DataProto.non_tensor_batch`` of one row).
+    """
+    values = [non_tensor.get(key) for key in _NONCE_FIELDS]
+    if any(v is None for v in values):
+        return None
+    return "/".join(str(v.item() if hasattr(v, "item") else v) for v in values)
 
 
 def unparsed_ratio(unparsed: float, judged: float) -> float:
@@ -197,6 +229,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
             data_source=str(ntb.get("data_source", "rubric")),
             extra_info=extra_info,
             ground_truth=ground_truth if is_function else None,
+            nonce=sample_nonce(ntb),
         )
         scores = await self.scorer.ascore([grading_item])
         point, reference = float(scores.point[0]), float(scores.reference[0])
@@ -212,6 +245,10 @@ class SetGRPODualRewardManager(RewardManagerBase):
         }
         if scores.truth is not None:
             extra[TRUTH_SCORE_KEY] = float(scores.truth[0])
+        verdicts = scores.point_results[0].truth_verdicts
+        if verdicts is not None and rubric is not None:
+            extra[TRUTH_VERDICTS_KEY] = json.dumps({"met": [-1 if v.met is None else int(v.met) for v in verdicts],
+                                                    "points": [float(c.points) for c in rubric.criteria]})
         return {"reward_score": point, "reward_extra_info": extra}
 
 

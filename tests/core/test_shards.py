@@ -67,6 +67,34 @@ def test_a_shard_reads_back_as_written(tmp_path):
     assert back.prompts == shard.prompts and back.identity == shard.identity and back.dropped == shard.dropped
 
 
+def test_truth_verdicts_read_back_and_shards_without_them_still_load(tmp_path):
+    """The noise-free verdicts [G, K, J] (int8, -1 past a rubric's criteria) and the criteria points [G, J] read
+    back as written; a shard without them (written before shards stored them) reads with both None."""
+    import dataclasses
+
+    shard = _shards()[4]
+    g = shard.point.shape[0]
+    rng = np.random.default_rng(0)
+    verdicts = rng.integers(0, 2, size=(g, K, 3)).astype(np.int8)
+    points = np.tile([2.0, -1.0, 0.0], (g, 1))
+    verdicts[:, :, 2] = -1  # every rubric has 2 criteria here; the third is padding
+    back = read_shard(write_shard(tmp_path, dataclasses.replace(shard, truth_verdicts=verdicts,
+                                                                criterion_points=points)))
+    assert back.truth_verdicts.dtype == np.int8 and back.criterion_points.dtype == np.float64
+    np.testing.assert_array_equal(back.truth_verdicts, verdicts)
+    np.testing.assert_array_equal(back.criterion_points, points)
+    old = read_shard(write_shard(tmp_path / "old", shard))
+    assert old.truth_verdicts is None and old.criterion_points is None
+    with pytest.raises(ValueError, match=r"field truth_verdicts has shape \(12, 4, 3\), expected \(12, 4, 2\)"):
+        read_shard(write_shard(tmp_path / "bad", dataclasses.replace(shard, truth_verdicts=verdicts,
+                                                                     criterion_points=points[:, :2])))
+    with pytest.raises(ValueError, match="field criterion_points is missing while truth_verdicts is there"):
+        read_shard(write_shard(tmp_path / "half", dataclasses.replace(shard, truth_verdicts=verdicts)))
+    with pytest.raises(ValueError, match="field truth_verdicts holds values other than"):
+        read_shard(write_shard(tmp_path / "two", dataclasses.replace(shard, truth_verdicts=verdicts + 1,
+                                                                     criterion_points=points)))
+
+
 def test_changed_content_is_refused_naming_the_file_and_field(tmp_path):
     path = write_shard(tmp_path, _shards()[0])
     with np.load(path) as z:

@@ -1,8 +1,10 @@
-"""The noisy grader (docs/validation.md#noisy-grader): flips at the stated rate, fresh per scoring, truth = base."""
+"""The noisy grader (docs/validation.md#noisy-grader): flips at the stated rate, fresh per scoring and per call
+(each item's nonce), truth = base."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -20,6 +22,8 @@ from setgrpo_verl.grading import (
     grader_identity,
     load_ifbench_rubrics,
 )
+from setgrpo_verl.core import check_identity
+from setgrpo_verl.grading.noisy import NOISE_SCHEME
 from setgrpo_verl.grading.rubric import GradeResult
 
 RESPONSES = ("Sure. Here is a short answer, in plain words.", "NO", "one two three four five six seven eight",
@@ -28,9 +32,16 @@ RESPONSES = ("Sure. Here is a short answer, in plain words.", "NO", "one two thr
 
 @pytest.fixture(scope="module")
 def items() -> list[GradingItem]:
-    """The rule-only IFBench rubrics, each with the four responses above (about 1,300 rule verdicts)."""
+    """The rule-only IFBench rubrics, each with the four responses above (about 1,300 rule verdicts); nonce = the
+    item's position."""
     rows = load_ifbench_rubrics(rules_only=True)
-    return [GradingItem(text, Rubric.from_row(row)) for row in rows for text in RESPONSES]
+    pairs = [(row, text) for row in rows for text in RESPONSES]
+    return [GradingItem(text, Rubric.from_row(row), nonce=str(n)) for n, (row, text) in enumerate(pairs)]
+
+
+def _renonce(items, prefix: str) -> list[GradingItem]:
+    """The same items (same texts) under other nonces, as other rollout samples of the same responses."""
+    return [dataclasses.replace(item, nonce=f"{prefix}/{item.nonce}") for item in items]
 
 
 def _grade(grader, items, index):
@@ -95,6 +106,54 @@ def test_flips_are_reproducible_and_seeded(items):
     assert a != c
 
 
+@pytest.mark.parametrize("flip_prob", [0.1, 0.3])
+def test_identical_responses_in_one_call_get_independent_flips(items, flip_prob):
+    """Two copies of every item in one call, under other nonces (two rollout samples with the same text): each copy
+    flips at the stated rate, and the copies flip together at rate p**2, as independent draws do."""
+    noisy = NoisyGrader(RubricGrader(None), flip_prob=flip_prob, seed=7)
+    truth = _outcomes(_grade(RubricGrader(None), items, 0))
+    n = truth.size
+    a, b = _renonce(items, "step 1"), _renonce(items, "step 2")
+    results = _grade(noisy, a + b, 0)
+    flips_a = _outcomes(results[:len(items)]) != truth
+    flips_b = _outcomes(results[len(items):]) != truth
+    for flips in (flips_a, flips_b):
+        assert binomtest(int(flips.sum()), n, flip_prob).pvalue > 0.01, (int(flips.sum()), n)
+    both = int((flips_a & flips_b).sum())
+    assert binomtest(both, n, flip_prob ** 2).pvalue > 0.01, (both, n)  # a shared draw would give n p
+    assert abs(np.corrcoef(flips_a, flips_b)[0, 1]) < 4 / np.sqrt(n)
+
+
+def test_same_nonce_same_flips_other_nonce_other_flips(items):
+    noisy = NoisyGrader(RubricGrader(None), flip_prob=0.3, seed=3)
+    first, again = _grade(noisy, items, 0), _grade(noisy, items, 0)
+    np.testing.assert_array_equal(_outcomes(first), _outcomes(again))
+    assert [r.score for r in first] == [r.score for r in again]
+    other = _outcomes(_grade(noisy, _renonce(items, "x"), 0))
+    # independent draws at p = 0.3 differ on a verdict with probability 2 p (1 - p) = 0.42
+    disagree = int((other != _outcomes(first)).sum())
+    assert binomtest(disagree, other.size, 0.42).pvalue > 0.01, (disagree, other.size)
+
+
+def test_an_item_without_a_nonce_is_refused(items):
+    noisy = NoisyGrader(RubricGrader(None), flip_prob=0.1)
+    with pytest.raises(GradingError, match="item 1 has no nonce: .*GradingItem.nonce"):
+        _grade(noisy, [items[0], dataclasses.replace(items[1], nonce=None)], 0)
+
+
+def test_a_record_of_the_earlier_noise_scheme_is_refused_naming_the_field():
+    cfg = {"type": "noisy", "flip_prob": 0.1, "seed": 5, "base": {"type": "rules", "seed": 2}}
+    ident = grader_identity(cfg)
+    assert ident["noise"] == NOISE_SCHEME == "per_call"
+    earlier = {k: v for k, v in ident.items() if k != "noise"}  # a record made before the nonce
+    with pytest.raises(ValueError) as info:
+        check_identity({"grader": earlier}, {"grader": ident}, what="calibration record", holder="record")
+    assert str(info.value).startswith("calibration record mismatch in grader.noise: record has no grader.noise "
+                                      "(written before that field existed), this run has 'per_call';")
+    assert str(info.value).endswith("- recalibrate for this run")
+    check_identity({"grader": dict(ident)}, {"grader": ident}, what="calibration record", holder="record")
+
+
 def test_config_and_identity():
     cfg = {"type": "noisy", "flip_prob": 0.1, "seed": 5, "base": {"type": "rules", "seed": 2}}
     grader = build_grader(cfg)
@@ -102,6 +161,7 @@ def test_config_and_identity():
     ident = grader.identity
     assert ident == grader_identity(cfg)
     assert ident["name"] == "noisy+rubric+rules" and ident["flip_prob"] == 0.1 and ident["noise_seed"] == 5
+    assert ident["noise"] == "per_call"
     assert grader_identity({**cfg, "flip_prob": 0.2}) != ident and grader_identity({**cfg, "seed": 6}) != ident
 
 
@@ -152,4 +212,5 @@ def test_base_results_without_verdicts_are_refused():
 
     row = Rubric.from_row({"question": "q", "id": "n", "rubrics": [{"criterion": "c", "points": 1}]})
     with pytest.raises(GradingError, match="one verdict per criterion"):
-        asyncio.run(NoisyGrader(_NoVerdicts(), flip_prob=0.1).agrade([GradingItem("r", row)], scoring_index=0))
+        asyncio.run(NoisyGrader(_NoVerdicts(), flip_prob=0.1).agrade([GradingItem("r", row, nonce="0")],
+                                                                      scoring_index=0))

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from scipy.stats import binomtest
 from omegaconf import OmegaConf
 
 import verl  # noqa: F401  (loads the setgrpo plugin, which registers the manager)
@@ -33,7 +34,9 @@ def _config(grader=GRADER):
     })
 
 
-def _batch(tokenizer, rows, responses, max_prompt=64, max_response=48):
+def _batch(tokenizer, rows, responses, max_prompt=64, max_response=48, sessions=None, nonce_fields=True):
+    """verl's per-sample fields for ``rows`` and ``responses``: step 1, row i (``index``) and, unless ``sessions``
+    gives them, session 0 of each (``nonce_fields=False``: without step, index and session, as verl's v0 trainer)."""
     from verl import DataProto
 
     b = len(rows)
@@ -53,6 +56,10 @@ def _batch(tokenizer, rows, responses, max_prompt=64, max_response=48):
         "extra_info": np.array([{"index": i, "id": row["id"]} for i, row in enumerate(rows)], dtype=object),
         "uid": np.array(["g0"] * b, dtype=object),
     }
+    if nonce_fields:
+        non_tensors["global_steps"] = np.array([1] * b)
+        non_tensors["index"] = np.array([row.get("index", i) for i, row in enumerate(rows)])
+        non_tensors["session_id"] = np.array(sessions if sessions is not None else [0] * b)
     return DataProto.from_dict(tensors={"prompts": prompts, "responses": resp, "attention_mask": mask},
                                non_tensors=non_tensors)
 
@@ -213,9 +220,43 @@ def test_noisy_grader_puts_the_truth_into_reward_extra_info():
     out = worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, rows, texts)))
     infos = [o["reward_extra_info"] for o in out]
     assert [info["truth_score"] for info in infos] == [1.0, 0.0] * 6
+    # the noise-free verdicts behind truth_score, with the criteria points, for the calibration's shards
+    assert [json.loads(info["truth_verdicts"]) for info in infos] == [
+        {"met": [1], "points": [2.0]}, {"met": [0], "points": [2.0]}] * 6
     for o, info in zip(out, infos):
         for key, score in (("point_verdicts", o["reward_score"]), ("reference_verdicts", info["reference_score"])):
             (verdict,) = json.loads(info[key])
             assert verdict["source"] == "noisy:rule" and score == (1.0 if verdict["outcome"] == "met" else 0.0)
     flips = sum(o["reward_score"] != info["truth_score"] for o, info in zip(out, infos))
     assert 0 < flips < 12  # 12 verdicts at flip_prob 0.3: some flipped, not all
+
+
+def test_sample_nonce_names_step_row_and_session():
+    from setgrpo_verl.integration.reward_manager import sample_nonce
+
+    assert sample_nonce({"global_steps": np.int64(3), "index": np.int64(17), "session_id": 2, "uid": "u"}) == "3/17/2"
+    assert sample_nonce({"global_steps": 3, "index": 17}) is None  # verl's v0 trainer: no session_id
+
+
+def test_noisy_grader_flips_copies_of_one_response_independently():
+    """The K responses of one prompt with the same text (a sharpened policy) get independent flips: the sessions
+    differ, so the nonces do; without verl's step, row and session fields the noisy grader refuses."""
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    from setgrpo_verl.grading import GradingError
+
+    grader = {"type": "noisy", "flip_prob": 0.3, "seed": 0, "base": {"type": "rules", "seed": 0}}
+    worker = RewardLoopWorker(_config(grader))
+    row = {"question": "Describe a cat in a few words.", "id": "cat", "index": 5, "rubrics": [
+        {"criterion": "Uses 3 to 5 words", "points": 2, "rule": WORDS_RULE}]}
+    k = 40
+    data = _batch(worker.input_tokenizer, [row] * k, ["My cat is soft."] * k, sessions=list(range(k)))
+    out = worker.loop.run_until_complete(worker.compute_score_batch(data))
+    assert [o["reward_extra_info"]["truth_score"] for o in out] == [1.0] * k
+    flipped = sum(o["reward_score"] == 0.0 for o in out)
+    assert binomtest(flipped, k, 0.3).pvalue > 0.01, flipped  # one shared draw would give 0 or 40
+    again = worker.loop.run_until_complete(worker.compute_score_batch(data))
+    assert [o["reward_score"] for o in again] == [o["reward_score"] for o in out]  # reproducible
+    bare = _batch(worker.input_tokenizer, [row], ["My cat is soft."], nonce_fields=False)
+    with pytest.raises(GradingError, match="has no nonce"):
+        worker.loop.run_until_complete(worker.compute_score_batch(bare))

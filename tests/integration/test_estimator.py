@@ -295,6 +295,36 @@ def test_calibration_groups_carry_the_truth_when_the_grader_has_one():
         calibration_groups(data, "reference_score", k=2)
 
 
+def test_calibration_groups_carry_the_truth_verdicts_by_group():
+    """``truth_verdicts`` of the dual-reward manager become int8 [G, K, J] (-1 past a rubric's criteria) and the
+    criteria points float64 [G, J], grouped like the scores (docs/record.md#calibration-shards)."""
+    import json
+
+    from setgrpo_verl.integration.worker import SKETCH_KEY
+
+    uids = ["b", "a", "b", "a"]
+    rows = [{"met": [1, 0], "points": [2.0, -1.0]}, {"met": [0], "points": [3.0]},
+            {"met": [0, 1], "points": [2.0, -1.0]}, {"met": [1], "points": [3.0]}]
+    extra = np.array([{"reward_extra_info": {"reference_score": 0.0, "truth_score": 0.0,
+                                             "truth_verdicts": json.dumps(r)}} for r in rows], dtype=object)
+    data = {"uid": uids, "response_mask": torch.ones(4, 3, dtype=torch.long), "rm_scores": torch.zeros(4, 3),
+            "extra_fields": extra, SKETCH_KEY: torch.arange(8, dtype=torch.float32).reshape(4, 2)}
+    out = calibration_groups(data, "reference_score", k=2)
+    assert out.truth_verdicts.dtype == np.int8 and out.criterion_points.dtype == np.float64
+    np.testing.assert_array_equal(out.truth_verdicts, [[[1, 0], [0, 1]], [[0, -1], [1, -1]]])
+    np.testing.assert_array_equal(out.criterion_points, [[2.0, -1.0], [3.0, 0.0]])
+    extra[2]["reward_extra_info"]["truth_verdicts"] = json.dumps({"met": [0, 1], "points": [2.0, 1.0]})
+    with pytest.raises(ValueError, match="responses 0 and 2 of one calibration group carry the criteria points"):
+        calibration_groups(data, "reference_score", k=2)
+    extra[2]["reward_extra_info"]["truth_verdicts"] = json.dumps({"met": [2, 1], "points": [2.0, -1.0]})
+    with pytest.raises(ValueError, match="of response 2 is"):
+        calibration_groups(data, "reference_score", k=2)
+    for e in extra:
+        del e["reward_extra_info"]["truth_verdicts"]
+    out = calibration_groups(data, "reference_score", k=2)
+    assert out.truth_verdicts is None and out.criterion_points is None
+
+
 def test_degenerate_groups_are_not_sketched_and_their_sketch_rows_are_never_read():
     """rows_to_sketch marks the rows of complete, non-degenerate groups only; with NaN sketch rows elsewhere, the
     step equals the one with every row sketched (the monitor too), and a group that can update but was not
