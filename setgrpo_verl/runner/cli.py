@@ -73,8 +73,8 @@ FLAGS: tuple[tuple[str, str, Callable[[str], Any], str | None], ...] = (
 
 #: Named presets: values of the keys above (and of verl keys without a flag). ``default`` is the quickstart on
 #: 2 CPU cores; ``smoke`` is the plumbing check of the end-to-end test; ``validate`` is ``setgrpo-verl validate`` on
-#: the composite validation rubrics at the tightest levels its 240 groups certify (about 23 minutes on 2 CPU cores;
-#: docs/validation.md#profiles). Flags and ``key=value`` arguments win.
+#: the composite validation rubrics at the tightest levels its 240 groups certify (docs/validation.md#profiles).
+#: Flags and ``key=value`` arguments win. Measured times of each profile: docs/benchmarks.md.
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {
         "actor_rollout_ref.rollout.n": 4,
@@ -82,9 +82,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         "trainer.total_training_steps": 3,
         "data.max_prompt_length": 96,
         "data.max_response_length": 24,
-        # 96 groups (about 48 risk groups) certify a threshold at these levels in 193 and 198 of 200 stratified
-        # bootstrap resamples of two quickstarts' calibrations (benchmarks/bench_quickstart_certifies.py); three
-        # batches rolled out together keep the one weight sync of a single chunk
+        # sized for the risk test: 96 groups leave about 48 risk groups, enough for a threshold to certify at
+        # these levels in nearly every calibration (benchmarks/bench_quickstart_certifies.py); three batches
+        # rolled out together keep the one weight sync of a single chunk
         "algorithm.setgrpo.calibration.num_prompts": 96,
         "algorithm.setgrpo.calibration.batch_size": 32,
         "algorithm.setgrpo.calibration.chunk_batches": 3,
@@ -123,7 +123,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "data.max_response_length": 48,
         "algorithm.setgrpo.calibration.num_prompts": 240,
         "algorithm.setgrpo.calibration.batch_size": 16,
-        # 4 responses per sketch micro-batch: the actor worker peaks near 4 GB instead of 9 GB
+        # small sketch micro-batches bound the actor worker's peak memory, so that Ray's memory monitor does not
+        # kill it on a small shared machine
         "algorithm.setgrpo.sketch.micro_batch_size_per_gpu": 4,
         # the tightest levels that 240 groups certify in (nearly) every split (docs/validation.md#profiles)
         "algorithm.setgrpo.alpha": 0.2,
@@ -132,8 +133,8 @@ PROFILES: dict[str, dict[str, Any]] = {
     },
 }
 #: ``validate`` at the paper's levels (alpha 0.05, beta 0.08, delta 0.05, the 20 default thresholds), sized from the
-#: sample-size plan of the validate profile's stage: 16,000 groups (about 24 hours on 2 CPU cores; needs
-#: ``--data`` with more rows than the embedded 3,000, docs/validation.md#profiles).
+#: sample-size plan of the validate profile's stage: 16,000 groups (needs ``--data`` with more rows than the
+#: embedded 3,000, docs/validation.md#profiles).
 PROFILES["paper"] = {
     **PROFILES["validate"],
     "algorithm.setgrpo.calibration.num_prompts": 16_000,
