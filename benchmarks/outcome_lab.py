@@ -437,6 +437,28 @@ def markdown(rows: list[dict], arms: list[str] | None = None) -> str:
     return "\n".join(out)
 
 
+def plot(rows: list[dict], path: Path, cells=(("flip", 0.1, 4), ("flip", 0.2, 4), ("flip", 0.2, 8)),
+         arms=("oracle", "grpo_mean2", "grpo", "setgrpo_mean2_wide", "setgrpo_paper")) -> None:
+    """docs/outcome.md's figure: mean expected truth reward against steps, one panel per (grader, flip, K) cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.4), sharey=True)
+    for ax, (grader, flip, k) in zip(np.atleast_1d(axes), cells):
+        for arm in arms:
+            r = next(r for r in rows if (r["grader"], r["flip"], r["K"], r["arm"]) == (grader, flip, k, arm))
+            steps = np.arange(len(r["curve"])) * CURVE_EVERY
+            ax.plot(steps, np.asarray(r["curve"]) - r["curve"][0], label=f"{arm} ({r['gain']:.3f} ± {r['band']:.3f})")
+        ax.set_title(f"{grader} grader, flip {flip:g}, K {k}")
+        ax.set_xlabel("training step")
+        ax.legend(fontsize=7, loc="lower right")
+    np.atleast_1d(axes)[0].set_ylabel("truth-reward gain (mean of seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 # --------------------------------------------------------------------------------------------------- real geometry
 def real_geometry(shard_dir: Path, batches_per_step: int = 1) -> dict[str, float]:
     """The arms' per-step alignment with the truth-GRPO update on committed calibration shards.
@@ -532,7 +554,12 @@ def main(argv=None) -> None:
     ap.add_argument("--shards", type=Path, default=None, help="the real-geometry instrument on a shard directory")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None, help="print docs/outcome.md's table of a --json file")
+    ap.add_argument("--plot", type=Path, nargs=2, default=None, metavar=("JSON", "PNG"),
+                    help="draw docs/outcome.md's figure from a --json file")
     args = ap.parse_args(argv)
+    if args.plot is not None:
+        plot(json.loads(args.plot[0].read_text())["rows"], args.plot[1])
+        return
     if args.markdown is not None:
         print(markdown(json.loads(args.markdown.read_text())["rows"], args.arms))
         return
