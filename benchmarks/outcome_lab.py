@@ -59,6 +59,10 @@ from setgrpo_verl.core import (
     setgrpo_coefficients,
 )
 
+# One thread: the lab's tensors are small (thread start-up and spin-waiting cost more than they save on a busy
+# machine), and one summation order gives the same numbers on every host.
+torch.set_num_threads(1)
+
 PAPER_LEVELS = {"alpha": 0.05, "beta": 0.08, "delta": 0.05}
 # The product's default (integration/config.py SetGRPOConfig); tests/test_outcome_lab.py checks the two agree.
 PRODUCT_DEFAULT = {"variant": "paper", **PAPER_LEVELS}
