@@ -352,3 +352,9 @@ def test_calls_metric_leaves_out_padding_rows_and_reads_top_level_counts():
     assert grading_metrics(top) == {UNPARSED_RATIO_METRIC: 0.25, CALLS_METRIC: 2.0}
     # another reward manager's batch: no counts, no metric
     assert grading_metrics({"extra_fields": [{"reward_extra_info": {"acc": 1.0}}] * 2}) == {}
+    # the layout the trainers read from TransferQueue: per-sample extra_fields in a TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    data = tu.list_of_dict_to_tensordict([{"rm_scores": torch.zeros(3), "extra_fields": {"reward_extra_info": {
+        "unparsed": 0, "judged": 2, "scorings": 1}}} for _ in range(5)])
+    assert grading_metrics(data) == {UNPARSED_RATIO_METRIC: 0.0, CALLS_METRIC: 5.0}
