@@ -21,6 +21,9 @@ present during training the online coverage / reversal monitor runs and warns on
 
 Internally the trainer reports ``trainer_mode == "sync"`` to verl's base class so that the replay buffer,
 dataloader and checkpoint logic behave exactly as in the stock sync trainer.
+
+:class:`GradedSyncTrainer` (``trainer.v1.trainer_mode=graded_sync``, the command line's GRPO baseline) is verl's
+sync trainer plus the grading metrics of the reward manager, which verl's own trainer does not log while training.
 """
 
 from __future__ import annotations
