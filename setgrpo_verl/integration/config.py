@@ -39,9 +39,9 @@ TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 GRADED_SYNC_NAME = "graded_sync"
 
 __all__ = [
-    "ABLATIONS", "GRADED_SYNC_NAME", "SETGRPO_NAME", "TRAINER_MODE_OVERRIDE", "TRUTH_SCORE_KEY", "SetGRPOAlgoConfig", "SetGRPOConfig",
-    "SetGRPOConfigCheck", "check_record", "check_run_config", "check_sketch_micro_batch", "check_training_data",
-    "field_doc", "padded_batch_multiple", "render_yaml", "run_identity", "setgrpo_config_from",
+    "ABLATIONS", "GRADED_SYNC_NAME", "SETGRPO_NAME", "TRAINER_MODE_OVERRIDE", "TRUTH_SCORE_KEY", "SetGRPOAlgoConfig",
+    "SetGRPOConfig", "SetGRPOConfigCheck", "check_record", "check_run_config", "check_sketch_micro_batch",
+    "check_training_data", "field_doc", "padded_batch_multiple", "render_yaml", "run_identity", "setgrpo_config_from",
     "sketch_micro_batch_error",
 ]
 
@@ -480,7 +480,8 @@ def _check_reward(config: Any, *, needs_reference: bool) -> None:
     except ValueError as exc:
         raise ValueError(f"reward.reward_kwargs.grader: {exc}") from None
     reference_score_key(config)
-    if scorings(config) != 2 and needs_reference:
+    count = scorings(config)  # a value other than 1 and 2 is refused in every trainer mode
+    if needs_reference and count == 1:
         raise ValueError(f"{SCORINGS_KEY}=1: SetGRPO needs the reference score r' of a second "
                          "scoring (calibration fits the coefficient set and the risk gate on it, and the online "
                          f"monitor reads it during training); set {SCORINGS_KEY}=2 or leave it unset (1 is for the "
@@ -501,8 +502,8 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             names the missing override) or the reverse; with the ``setgrpo_dual`` reward manager (any trainer mode),
             a grader config that verl's reward worker could not build (unknown type, misspelled or missing key) or
             a ``reward.reward_kwargs.reference_score_key`` or ``reward.reward_kwargs.scorings`` other than 1 or 2
-            (and, for SetGRPO, other than 2: it reads the reference score); ``actor_rollout_ref.rollout.n < 2``, an invalid
-            ``algorithm.setgrpo`` block (the levels, grid, rho, ablation and recovery grid as
+            (for SetGRPO, other than 2: it reads the reference score); ``actor_rollout_ref.rollout.n < 2``, an
+            invalid ``algorithm.setgrpo`` block (the levels, grid, rho, ablation and recovery grid as
             :class:`setgrpo_verl.core.CalibrationSettings` validates them for ``calibrate``), a fixed sketch
             micro-batch that does not divide a rank's batch (:func:`check_sketch_micro_batch`), or an
             ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run

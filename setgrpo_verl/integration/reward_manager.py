@@ -229,7 +229,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
         return self.scorer.identity
 
     async def run_single(self, data: DataProto) -> dict:
-        """Score one response once or twice (:attr:`scorings`). Returns ``{"reward_score": r, "reward_extra_info": {...}}`` (module docstring).
+        """Score one response once or twice (:attr:`scorings`). Returns
+        ``{"reward_score": r, "reward_extra_info": {...}}`` (module docstring).
 
         Raises:
             setgrpo_verl.grading.RubricRowError: (a ``ValueError``) the row's ``reward_model.ground_truth`` is not a
