@@ -135,11 +135,14 @@ run_recipe() {
         grpo)
             # the GRPO baseline: verl's stock config and estimator, identical Table 3 settings and the same
             # rubric-validating dataset class as setgrpo_trainer; setgrpo_trainer's check before Ray (grader,
-            # attention kernels) as a Hydra callback, which verl's stock config lacks
+            # attention kernels) as a Hydra callback, which verl's stock config lacks; one scoring per response
+            # (GRPO reads no reference score) and verl's sync trainer that also logs the grading metrics
             exec "$PYTHON" -m verl.trainer.main_ppo \
                 +hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.config.SetGRPOConfigCheck \
                 "${args[@]}" \
                 algorithm.adv_estimator=grpo \
+                +reward.reward_kwargs.scorings=1 \
+                trainer.v1.trainer_mode=graded_sync \
                 data.custom_cls.path=pkg://setgrpo_verl.grading.verl_dataset \
                 data.custom_cls.name=RubricRLHFDataset \
                 trainer.experiment_name="$experiment" \

@@ -2,7 +2,8 @@
 
 The point scores ``r`` (scoring index 0) train the policy; the reference scores ``r'`` (scoring index 1)
 calibrate the coefficient set (JRSC) and the risk gate (SRGO). Both scorings run concurrently; they differ only in
-their verdict seeds (see :func:`setgrpo_verl.grading.graders.verdict_seed`).
+their verdict seeds (see :func:`setgrpo_verl.grading.graders.verdict_seed`). A scorer with one scoring index gives
+the point scores alone (the GRPO baseline, which has no use for r').
 """
 
 from __future__ import annotations
@@ -23,64 +24,80 @@ __all__ = ["DualScorer", "DualScores"]
 
 @dataclass(frozen=True)
 class DualScores:
-    """Two scorings of N responses.
+    """One or two scorings of N responses.
 
     Attributes:
         point: float64 ``[N]`` point scores r (scoring ``scoring_indices[0]``).
-        reference: float64 ``[N]`` reference scores r' (scoring ``scoring_indices[1]``).
-        point_results / reference_results: the :class:`GradeResult` of each scoring (verdicts, seeds).
+        reference: float64 ``[N]`` reference scores r' (scoring ``scoring_indices[1]``), ``None`` with one scoring.
+        point_results / reference_results: the :class:`GradeResult` of each scoring (verdicts, seeds);
+            ``reference_results`` is ``None`` with one scoring.
         truth: float64 ``[N]`` noise-free scores when the grader knows them (a noisy grader around a deterministic
             one, docs/validation.md#noisy-grader), else ``None``.
     """
 
     point: np.ndarray
-    reference: np.ndarray
+    reference: np.ndarray | None
     point_results: tuple[GradeResult, ...]
-    reference_results: tuple[GradeResult, ...]
+    reference_results: tuple[GradeResult, ...] | None
     truth: np.ndarray | None = None
 
+    @property
+    def scorings(self) -> int:
+        """Scorings per response: 2, or 1 without a reference."""
+        return 1 if self.reference_results is None else 2
+
     def metrics(self, prefix: str = "grading/") -> dict[str, float]:
-        """Per-batch grading metrics: mean point / reference score, mean |r - r'|, fraction of judged verdicts that
-        differ between the scorings, the number of judged verdicts (both scorings), unparsed verdict count and rate (over
-        judged verdicts of both scorings)."""
+        """Per-batch grading metrics: mean point score, the number of judged verdicts, unparsed verdict count and rate
+        (over the judged verdicts of every scoring); with two scorings also the mean reference score, mean |r - r'|
+        and the fraction of judged criteria whose verdicts differ between the scorings (undefined with one scoring,
+        so absent)."""
+        scorings = (self.point_results,) if self.reference_results is None else (self.point_results,
+                                                                                  self.reference_results)
         judged = disagree = unparsed = 0
-        for a, b in zip(self.point_results, self.reference_results):
-            for va, vb in zip(a.verdicts, b.verdicts):
-                if va.source == "rule":
+        for results in zip(*scorings):
+            for verdicts in zip(*(r.verdicts for r in results)):
+                if verdicts[0].source == "rule":
                     continue
                 judged += 1
-                disagree += va.outcome != vb.outcome
-                unparsed += (va.outcome == "unparsed") + (vb.outcome == "unparsed")
+                disagree += len({v.outcome for v in verdicts}) > 1
+                unparsed += sum(v.outcome == "unparsed" for v in verdicts)
         n = len(self.point)
-        return {
+        out = {
             f"{prefix}point_mean": float(self.point.mean()) if n else float("nan"),
-            f"{prefix}reference_mean": float(self.reference.mean()) if n else float("nan"),
-            f"{prefix}abs_diff_mean": float(np.abs(self.point - self.reference).mean()) if n else float("nan"),
-            f"{prefix}judged_disagreement_rate": disagree / judged if judged else 0.0,
-            f"{prefix}judged": float(2 * judged),
+            f"{prefix}judged": float(len(scorings) * judged),
             f"{prefix}unparsed": float(unparsed),
-            f"{prefix}unparsed_rate": unparsed / (2 * judged) if judged else 0.0,
+            f"{prefix}unparsed_rate": unparsed / (len(scorings) * judged) if judged else 0.0,
         }
+        if self.reference is not None:
+            out[f"{prefix}reference_mean"] = float(self.reference.mean()) if n else float("nan")
+            out[f"{prefix}abs_diff_mean"] = float(np.abs(self.point - self.reference).mean()) if n else float("nan")
+            out[f"{prefix}judged_disagreement_rate"] = disagree / judged if judged else 0.0
+        return out
 
 
 class DualScorer:
-    """Score each response twice with one grader (point = scoring ``scoring_indices[0]``, reference = ``[1]``).
+    """Score each response twice with one grader (point = scoring ``scoring_indices[0]``, reference = ``[1]``), or
+    once (point only) with one scoring index.
 
     Args:
         grader: a grader (:class:`~.graders.RubricGrader`, :class:`~.graders.FunctionGrader`) or a config
             mapping for :func:`~.graders.build_grader`.
-        scoring_indices: the two scoring indices (distinct; default ``(0, 1)``).
+        scoring_indices: the scoring indices, two distinct ones (default ``(0, 1)``) or one (``(0,)``: point
+            scores alone).
+
+    Raises:
+        ValueError: ``scoring_indices`` is neither two distinct integers nor one.
 
     Use :meth:`ascore` from async code (verl's reward loop) or :meth:`score` from sync code (a script, the command line's judge probe).
     """
 
-    def __init__(self, grader, scoring_indices: tuple[int, int] = (0, 1)):
+    def __init__(self, grader, scoring_indices: tuple[int, ...] = (0, 1)):
         if isinstance(grader, Mapping):
             grader = build_grader(grader)
-        if len(scoring_indices) != 2 or scoring_indices[0] == scoring_indices[1]:
-            raise ValueError(f"scoring_indices must be two distinct integers, got {scoring_indices!r}")
+        if len(scoring_indices) not in (1, 2) or len(set(scoring_indices)) != len(scoring_indices):
+            raise ValueError(f"scoring_indices must be two distinct integers or one, got {scoring_indices!r}")
         self.grader = grader
-        self.scoring_indices = (int(scoring_indices[0]), int(scoring_indices[1]))
+        self.scoring_indices = tuple(int(i) for i in scoring_indices)
 
     @property
     def identity(self) -> dict:
@@ -88,27 +105,29 @@ class DualScorer:
         return dict(self.grader.identity)
 
     async def ascore(self, items: Sequence[GradingItem]) -> DualScores:
-        """Both scorings of ``items``, concurrently.
+        """Every scoring of ``items`` (``len(scoring_indices)`` grader calls per item), concurrently.
 
         Raises:
             GradingError: a grading failure, a non-finite score from the grader (naming the response), or a truth
                 that only some results carry or that differs between the two scorings of a response.
             ValueError: whatever else the grader raises for bad input.
         """
-        point, reference = await gather_or_cancel(
+        scorings = await gather_or_cancel(
             [self.grader.agrade(items, scoring_index=i) for i in self.scoring_indices]
         )
-        for results, index in ((point, self.scoring_indices[0]), (reference, self.scoring_indices[1])):
+        for results, index in zip(scorings, self.scoring_indices):
             for item, res in zip(items, results):
                 if not math.isfinite(res.score):  # any grader, also a duck-typed one: never a non-finite reward
                     raise GradingError(f"grader {self.identity.get('name')!r} gave the non-finite score {res.score!r} "
                                        f"in scoring {index} for {describe_item(item)}; a reward must be a finite number")
+        point = scorings[0]
+        reference = scorings[1] if len(scorings) > 1 else None
         return DualScores(
             point=np.array([r.score for r in point], dtype=np.float64),
-            reference=np.array([r.score for r in reference], dtype=np.float64),
+            reference=None if reference is None else np.array([r.score for r in reference], dtype=np.float64),
             point_results=tuple(point),
-            reference_results=tuple(reference),
-            truth=self._truth(items, point, reference),
+            reference_results=None if reference is None else tuple(reference),
+            truth=self._truth(items, point, point if reference is None else reference),
         )
 
     def _truth(self, items, point, reference) -> np.ndarray | None:

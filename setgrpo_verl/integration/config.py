@@ -24,7 +24,8 @@ from setgrpo_verl.sketch import SketchConfig
 
 from .prompts import check_calibration_disjoint, read_prompt_identities
 from .resume import check_resume
-from .reward_config import REWARD_MANAGER_NAME, TRUTH_SCORE_KEY, grader_identity, reference_score_key
+from .reward_config import (REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_SCORE_KEY, grader_identity, reference_score_key,
+                            scorings)
 from .support import check_attention_kernels, check_sketch_support, check_trainer_settings
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
@@ -33,10 +34,14 @@ SETGRPO_NAME = "setgrpo"
 #: The override that switches verl's v1 trainer to the SetGRPO trainer mode.
 TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
 
+#: The trainer mode of verl's stock sync trainer plus the grading metrics of the ``setgrpo_dual`` reward manager
+#: (the command line's GRPO baseline, docs/verl_integration.md#trainer-mode).
+GRADED_SYNC_NAME = "graded_sync"
+
 __all__ = [
-    "ABLATIONS", "SETGRPO_NAME", "TRAINER_MODE_OVERRIDE", "TRUTH_SCORE_KEY", "SetGRPOAlgoConfig", "SetGRPOConfig",
-    "SetGRPOConfigCheck", "check_record", "check_run_config", "check_sketch_micro_batch", "check_training_data",
-    "field_doc", "padded_batch_multiple", "render_yaml", "run_identity", "setgrpo_config_from",
+    "ABLATIONS", "GRADED_SYNC_NAME", "SETGRPO_NAME", "TRAINER_MODE_OVERRIDE", "TRUTH_SCORE_KEY", "SetGRPOAlgoConfig",
+    "SetGRPOConfig", "SetGRPOConfigCheck", "check_record", "check_run_config", "check_sketch_micro_batch",
+    "check_training_data", "field_doc", "padded_batch_multiple", "render_yaml", "run_identity", "setgrpo_config_from",
     "sketch_micro_batch_error",
 ]
 
@@ -463,8 +468,9 @@ def check_sketch_micro_batch(config: Any, setgrpo: SetGRPOConfig) -> None:
         raise ValueError(error)
 
 
-def _check_reward(config: Any) -> None:
-    """The dual-reward manager's grader and reference-score key, as verl's reward worker will read them."""
+def _check_reward(config: Any, *, needs_reference: bool) -> None:
+    """The dual-reward manager's grader, reference-score key and scorings, as verl's reward worker will read them;
+    ``needs_reference``: the run reads the reference score (SetGRPO), so one scoring per response is refused."""
     reward = config.get("reward", None) if hasattr(config, "get") else None
     manager = reward.get("reward_manager", None) if reward is not None else None
     if manager is None or str(manager.get("name", "")) != REWARD_MANAGER_NAME:
@@ -474,6 +480,12 @@ def _check_reward(config: Any) -> None:
     except ValueError as exc:
         raise ValueError(f"reward.reward_kwargs.grader: {exc}") from None
     reference_score_key(config)
+    count = scorings(config)  # a value other than 1 and 2 is refused in every trainer mode
+    if needs_reference and count == 1:
+        raise ValueError(f"{SCORINGS_KEY}=1: SetGRPO needs the reference score r' of a second "
+                         "scoring (calibration fits the coefficient set and the risk gate on it, and the online "
+                         f"monitor reads it during training); set {SCORINGS_KEY}=2 or leave it unset (1 is for the "
+                         "GRPO baseline)")
 
 
 def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
@@ -489,8 +501,9 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
         ValueError: ``algorithm.adv_estimator=setgrpo`` without ``trainer.v1.trainer_mode=setgrpo`` (the message
             names the missing override) or the reverse; with the ``setgrpo_dual`` reward manager (any trainer mode),
             a grader config that verl's reward worker could not build (unknown type, misspelled or missing key) or
-            a ``reward.reward_kwargs.reference_score_key``; ``actor_rollout_ref.rollout.n < 2``, an invalid
-            ``algorithm.setgrpo`` block (the levels, grid, rho, ablation and recovery grid as
+            a ``reward.reward_kwargs.reference_score_key`` or ``reward.reward_kwargs.scorings`` other than 1 or 2
+            (for SetGRPO, other than 2: it reads the reference score); ``actor_rollout_ref.rollout.n < 2``, an
+            invalid ``algorithm.setgrpo`` block (the levels, grid, rho, ablation and recovery grid as
             :class:`setgrpo_verl.core.CalibrationSettings` validates them for ``calibrate``), a fixed sketch
             micro-batch that does not divide a rank's batch (:func:`check_sketch_micro_batch`), or an
             ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run
@@ -514,17 +527,17 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             f"(got {estimator!r})"
         )
     if trainer_mode != SETGRPO_NAME:
-        _check_reward(config)
+        _check_reward(config, needs_reference=False)
         check_attention_kernels(config)
         return None
     if config.actor_rollout_ref.rollout.n < 2:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
     setgrpo = setgrpo_config_from(config.algorithm)
     setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
+    _check_reward(config, needs_reference=True)
     check_trainer_settings(config, setgrpo)
     check_sketch_micro_batch(config, setgrpo)
     check_sketch_support(config, setgrpo.sketch.to_sketch_config())
-    _check_reward(config)
     check_calibration_disjoint(config)
     if setgrpo.record_path:
         path = os.path.expanduser(setgrpo.record_path)

@@ -17,17 +17,22 @@ from ..grading import grader_identity as _grader_identity
 __all__ = [
     "REFERENCE_SCORE_KEY",
     "REWARD_MANAGER_NAME",
+    "SCORINGS_KEY",
     "TRUTH_SCORE_KEY",
     "TRUTH_VERDICTS_KEY",
     "grader_config",
     "grader_identity",
     "reference_score_key",
+    "scorings",
 ]
 
 #: Name under which the dual-reward manager is registered (``reward.reward_manager.name``).
 REWARD_MANAGER_NAME = "setgrpo_dual"
 #: ``reward_extra_info`` key of the reference score r' (default of ``algorithm.setgrpo.reference_score_key``).
 REFERENCE_SCORE_KEY = "reference_score"
+#: Config key of the scorings per response (1: the point score alone, the GRPO baseline; 2: point and reference, the
+#: default, which SetGRPO needs), read by :func:`scorings`.
+SCORINGS_KEY = "reward.reward_kwargs.scorings"
 #: ``reward_extra_info`` key of the noise-free score, present when the grader knows it
 #: (docs/validation.md#noisy-grader); the calibration stage stores it as ``truth`` in ``paired_scores.npz``.
 TRUTH_SCORE_KEY = "truth_score"
@@ -103,3 +108,19 @@ def reference_score_key(config: Any) -> str:
     setgrpo = _get(_get(config, "algorithm"), "setgrpo")
     key = _get(setgrpo, "reference_score_key")
     return REFERENCE_SCORE_KEY if key is None else str(key)
+
+
+def scorings(config: Any) -> int:
+    """Scorings per response (grader calls per response) of a verl config: ``reward.reward_kwargs.scorings``, 1 or
+    2, default 2 (docs/verl_integration.md#reward-manager).
+
+    Raises:
+        ValueError: a value other than the integers 1 and 2 (the message names the key and both values).
+    """
+    value = _get(_get(_get(config, "reward"), "reward_kwargs"), "scorings")
+    if value is None:
+        return 2
+    if isinstance(value, bool) or value not in (1, 2) or not isinstance(value, int):
+        raise ValueError(f"{SCORINGS_KEY}={value!r}: set 1 (the point score alone, the GRPO baseline) or 2 (point and "
+                         "reference scores, the default, which SetGRPO's calibration and training read)")
+    return int(value)

@@ -2,18 +2,20 @@
 
 verl's reward loop (``verl.experimental.reward_loop``) resolves ``reward.reward_manager.name`` through the registry
 ``verl.experimental.reward_loop.reward_manager.get_reward_manager_cls`` (``source: register``) and calls
-``await manager.run_single(data_item)`` once per response. This manager scores each response twice with the same
+``await manager.run_single(data_item)`` once per response. This manager scores each response
+``reward.reward_kwargs.scorings`` times (:func:`~.reward_config.scorings`: 2, the default, or 1) with the same
 grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-notation):
 
 * ``reward_score`` = the point score r (verl puts it on the last response token of ``rm_scores``);
-* ``reward_extra_info`` (one value per response, every key always present) carries
-  ``reference_score`` (r', under the key ``algorithm.setgrpo.reference_score_key``, which the SetGRPO trainer
-  reads back; the one source of that key),
-  ``score`` (= r), ``point_verdicts`` / ``reference_verdicts`` (JSON lists of per-criterion verdicts),
-  ``unparsed`` (number of unparsed judge verdicts in both scorings), ``judged`` (number of judge verdicts in both
-  scorings) and ``judged_disagreement`` (fraction of judged criteria whose verdicts differ between the two
-  scorings); :func:`grading_metrics` turns a batch's ``unparsed`` / ``judged`` into ``setgrpo/grading/unparsed_ratio``
-  for verl's tracker (docs/grading.md#unparsed-verdicts);
+* ``reward_extra_info`` (one value per response; the same keys for every response of a run) carries
+  ``score`` (= r), ``point_verdicts`` (JSON list of per-criterion verdicts), ``unparsed`` (number of unparsed judge
+  verdicts in all scorings), ``judged`` (number of judge verdicts in all scorings) and ``scorings`` (grader calls
+  made for the response, 1 or 2); with two scorings also ``reference_score`` (r', under the key
+  ``algorithm.setgrpo.reference_score_key``, which the SetGRPO trainer reads back; the one source of that key),
+  ``reference_verdicts`` and ``judged_disagreement`` (fraction of judged criteria whose verdicts differ between the
+  two scorings; undefined with one scoring, which has no reference and no disagreement);
+  :func:`grading_metrics` turns a batch's counts into ``setgrpo/grading/unparsed_ratio``
+  (docs/grading.md#unparsed-verdicts) and ``setgrpo/grading/calls_per_step`` for verl's tracker;
 * with a grader that knows the noise-free score (``type: noisy`` around a deterministic grader,
   docs/validation.md#noisy-grader) also ``truth_score``, which the calibration stage stores as ``truth``, and
   ``truth_verdicts`` (the noise-free verdicts and the criteria's points, :data:`TRUTH_VERDICTS_KEY`), which it
@@ -29,6 +31,7 @@ Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
       reward_manager: {source: register, name: setgrpo_dual}
       num_workers: 1                 # each reward worker builds its own grader (a local judge loads a model)
       reward_kwargs:
+        scorings: 2                  # 1: the point score alone (the GRPO baseline; SetGRPO refuses it)
         grader: {type: local_hf, temperature: 1.0, seed: 0}      # see setgrpo_verl.grading.build_grader
         # or {type: openai, base_url: http://127.0.0.1:8000/v1, model: Qwen/Qwen3-8B, max_concurrency: 64,
         #     chat_template_kwargs: {enable_thinking: false}}   # a reasoning judge: thinking off, or instead
@@ -66,6 +69,7 @@ from .reward_config import (
     grader_config,
     grader_identity,
     reference_score_key,
+    scorings,
 )
 
 __all__ = [
@@ -73,6 +77,7 @@ __all__ = [
     "REWARD_MANAGER_NAME",
     "TRUTH_SCORE_KEY",
     "TRUTH_VERDICTS_KEY",
+    "CALLS_METRIC",
     "SetGRPODualRewardManager",
     "grader_config",
     "GRADING_COUNT_KEYS",
@@ -87,14 +92,45 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: verl tracker metric: unparsed judge verdicts / judge verdicts of a batch (both scorings).
+#: verl tracker metric: unparsed judge verdicts / judge verdicts of a batch (all scorings).
 UNPARSED_RATIO_METRIC = "setgrpo/grading/unparsed_ratio"
-#: ``reward_extra_info`` keys that :func:`grading_metrics` reads (per response: counts over both scorings).
-GRADING_COUNT_KEYS = ("unparsed", "judged")
+#: verl tracker metric: grader calls of a step's batch (responses x scorings per response).
+CALLS_METRIC = "setgrpo/grading/calls_per_step"
+#: ``reward_extra_info`` keys that :func:`grading_metrics` reads (per response: counts over all its scorings, and
+#: its number of scorings).
+GRADING_COUNT_KEYS = ("unparsed", "judged", "scorings")
+
+
+def _count_rows(data: Any, tags: Optional[Sequence[Mapping[str, Any]]]) -> Optional[list[dict[str, Any]]]:
+    """Each real row's :data:`GRADING_COUNT_KEYS` values (``None`` where absent), or ``None`` when the batch
+    carries no counts (arguments: :func:`grading_counts`)."""
+    keys = set(data.keys())
+    if {"unparsed", "judged"} <= keys:
+        columns = {k: list(data[k]) for k in GRADING_COUNT_KEYS if k in keys}
+        rows = [{k: columns[k][i] if k in columns else None for k in GRADING_COUNT_KEYS}
+                for i in range(len(columns["unparsed"]))]
+    elif "extra_fields" in keys:
+        extra = data["extra_fields"]
+        infos = [(e or {}).get("reward_extra_info") or {} if isinstance(e, Mapping) else {}
+                 for e in (extra.tolist() if hasattr(extra, "tolist") else list(extra))]
+        rows = [{k: info.get(k) for k in GRADING_COUNT_KEYS} for info in infos]
+    else:
+        return None
+    if tags is not None:
+        if len(tags) != len(rows):
+            raise ValueError(f"{len(tags)} tags for a batch of {len(rows)} rows")
+        rows = [row for row, tag in zip(rows, tags) if not (tag or {}).get("is_padding", False)]
+    return rows
+
+
+def _sum(rows: list[dict[str, Any]], *keys: str) -> Optional[tuple[float, ...]]:
+    """Sums of ``keys`` over the rows that carry them all, or ``None`` when no row does."""
+    carried = [tuple(float(row[k]) for k in keys) for row in rows if all(row[k] is not None for k in keys)]
+    return tuple(map(sum, zip(*carried))) if carried else None
 
 
 def grading_counts(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = None) -> Optional[tuple[float, float]]:
-    """``(unparsed, judged)`` judge verdicts of one scored batch, summed over its responses and both scorings, or
+    """``(unparsed, judged)`` judge verdicts of one scored batch, summed over its responses and their scorings, or
     ``None`` when the batch carries no counts (another reward manager). docs/grading.md#unparsed-verdicts.
 
     Args:
@@ -102,36 +138,34 @@ def grading_counts(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = None
             the streaming reward loop) or top-level ``unparsed`` and ``judged`` arrays (the colocated path).
         tags: verl's per-sample tags of the batch (``KVBatchMeta.tags``), one per row; rows tagged ``is_padding``
             (verl's copies of a real row that fill a batch up to its divisor) are left out.
+
+    Raises:
+        ValueError: ``tags`` has not one tag per row.
     """
-    keys = set(data.keys())
-    if set(GRADING_COUNT_KEYS) <= keys:
-        unparsed, judged = list(data["unparsed"]), list(data["judged"])
-    elif "extra_fields" in keys:
-        extra = data["extra_fields"]
-        infos = [(e or {}).get("reward_extra_info") or {} if isinstance(e, Mapping) else {}
-                 for e in (extra.tolist() if hasattr(extra, "tolist") else list(extra))]
-        unparsed = [i.get("unparsed") for i in infos]
-        judged = [i.get("judged") for i in infos]
-    else:
-        return None
-    if tags is not None:
-        if len(tags) != len(unparsed):
-            raise ValueError(f"{len(tags)} tags for a batch of {len(unparsed)} rows")
-        real = [not (t or {}).get("is_padding", False) for t in tags]
-        unparsed = [u for u, keep in zip(unparsed, real) if keep]
-        judged = [j for j, keep in zip(judged, real) if keep]
-    pairs = [(float(u), float(j)) for u, j in zip(unparsed, judged) if u is not None and j is not None]
-    if not pairs:
-        return None
-    return sum(u for u, _ in pairs), sum(j for _, j in pairs)
+    rows = _count_rows(data, tags)
+    return None if rows is None else _sum(rows, "unparsed", "judged")
 
 
 def grading_metrics(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = None) -> dict[str, float]:
-    """``{UNPARSED_RATIO_METRIC: unparsed / judged}`` of one scored batch (:func:`grading_counts`, padding rows
-    left out by ``tags``; 0 when nothing was judged), or ``{}`` when the batch carries no counts.
-    docs/grading.md#unparsed-verdicts."""
-    counts = grading_counts(data, tags)
-    return {} if counts is None else {UNPARSED_RATIO_METRIC: unparsed_ratio(*counts)}
+    """The grading metrics of one scored batch (arguments: :func:`grading_counts`; padding rows left out):
+    ``UNPARSED_RATIO_METRIC`` (unparsed / judged, 0 when nothing was judged; docs/grading.md#unparsed-verdicts) and
+    ``CALLS_METRIC`` (the rows' ``scorings`` summed: responses x scorings; docs/cli.md#metrics), each present when
+    the batch carries its counts, so ``{}`` for another reward manager.
+
+    Raises:
+        ValueError: ``tags`` has not one tag per row.
+    """
+    rows = _count_rows(data, tags)
+    if rows is None:
+        return {}
+    metrics = {}
+    counts = _sum(rows, "unparsed", "judged")
+    if counts is not None:
+        metrics[UNPARSED_RATIO_METRIC] = unparsed_ratio(*counts)
+    calls = _sum(rows, "scorings")
+    if calls is not None:
+        metrics[CALLS_METRIC] = calls[0]
+    return metrics
 
 
 # the per-sample fields of verl 0.9.1's v1 agent loop that together name one rollout sample of a run
@@ -163,12 +197,17 @@ def unparsed_ratio(unparsed: float, judged: float) -> float:
 
 
 class SetGRPODualRewardManager(RewardManagerBase):
-    """verl reward manager that scores every response twice (point + reference) with one rubric grader.
+    """verl reward manager that scores every response twice (point + reference) with one rubric grader, or once
+    (point only) with ``reward.reward_kwargs.scorings=1``.
 
     Constructed by verl (``load_reward_manager``) as ``cls(config, tokenizer, compute_score, **kwargs)``; the
     grader comes from :func:`grader_config`, the reference score's key from :func:`reference_score_key`
-    (``algorithm.setgrpo.reference_score_key``). One scorer is shared by all instances in a process with the same
-    grader config (a local judge model is loaded once per reward worker).
+    (``algorithm.setgrpo.reference_score_key``), the scorings from :func:`scorings`. One scorer is shared by all
+    instances in a process with the same grader config and scorings (a local judge model is loaded once per reward
+    worker).
+
+    Raises (at construction):
+        ValueError: no grader block, a ``reward.reward_kwargs.reference_score_key``, or scorings other than 1 or 2.
     """
 
     _scorers: dict[str, DualScorer] = {}
@@ -177,10 +216,11 @@ class SetGRPODualRewardManager(RewardManagerBase):
         super().__init__(config, tokenizer, compute_score)
         self.grader_cfg = grader_config(config)
         self.reference_key = reference_score_key(config)
-        key = json.dumps(self.grader_cfg, sort_keys=True, default=str)
+        self.scorings = scorings(config)
+        key = json.dumps([self.grader_cfg, self.scorings], sort_keys=True, default=str)
         scorer = self._scorers.get(key)
         if scorer is None:
-            scorer = DualScorer(build_grader(self.grader_cfg))
+            scorer = DualScorer(build_grader(self.grader_cfg), scoring_indices=(0, 1)[:self.scorings])
             self._scorers[key] = scorer
         self.scorer = scorer
 
@@ -189,7 +229,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
         return self.scorer.identity
 
     async def run_single(self, data: DataProto) -> dict:
-        """Score one response twice. Returns ``{"reward_score": r, "reward_extra_info": {...}}`` (module docstring).
+        """Score one response once or twice (:attr:`scorings`). Returns
+        ``{"reward_score": r, "reward_extra_info": {...}}`` (module docstring).
 
         Raises:
             setgrpo_verl.grading.RubricRowError: (a ``ValueError``) the row's ``reward_model.ground_truth`` is not a
@@ -232,17 +273,19 @@ class SetGRPODualRewardManager(RewardManagerBase):
             nonce=sample_nonce(ntb),
         )
         scores = await self.scorer.ascore([grading_item])
-        point, reference = float(scores.point[0]), float(scores.reference[0])
+        point = float(scores.point[0])
         metrics = scores.metrics(prefix="")
         extra: dict[str, Any] = {
             "score": point,
-            self.reference_key: reference,
             "point_verdicts": scores.point_results[0].verdicts_json(),
-            "reference_verdicts": scores.reference_results[0].verdicts_json(),
             "unparsed": int(metrics["unparsed"]),
             "judged": int(metrics["judged"]),
-            "judged_disagreement": float(metrics["judged_disagreement_rate"]),
+            "scorings": scores.scorings,
         }
+        if scores.reference is not None:
+            extra[self.reference_key] = float(scores.reference[0])
+            extra["reference_verdicts"] = scores.reference_results[0].verdicts_json()
+            extra["judged_disagreement"] = float(metrics["judged_disagreement_rate"])
         if scores.truth is not None:
             extra[TRUTH_SCORE_KEY] = float(scores.truth[0])
         verdicts = scores.point_results[0].truth_verdicts

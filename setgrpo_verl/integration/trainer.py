@@ -21,6 +21,9 @@ present during training the online coverage / reversal monitor runs and warns on
 
 Internally the trainer reports ``trainer_mode == "sync"`` to verl's base class so that the replay buffer,
 dataloader and checkpoint logic behave exactly as in the stock sync trainer.
+
+:class:`GradedSyncTrainer` (``trainer.v1.trainer_mode=graded_sync``, the command line's GRPO baseline) is verl's
+sync trainer plus the grading metrics of the reward manager, which verl's own trainer does not log while training.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from setgrpo_verl.core import DEGENERATE_RTOL, SHARD_DIR, CalibrationRecord, Onl
 
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
 from .calibration import CalibrationPhase
-from .config import SETGRPO_NAME, SetGRPOConfig, check_record, check_run_config, run_identity
+from .config import GRADED_SYNC_NAME, SETGRPO_NAME, SetGRPOConfig, check_record, check_run_config, run_identity
 from .estimator import SetGRPOStep, setgrpo_step
 from .groups import rows_to_sketch
 from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
@@ -120,6 +123,37 @@ def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]
             "coefficients": [float(v) for v in torch.as_tensor(result.coefficients[g]).tolist()],
         })
     return rows
+
+
+@register_trainer(GRADED_SYNC_NAME)
+class GradedSyncTrainer(PPOTrainerSync):
+    """verl's sync PPO trainer (``trainer.v1.trainer_mode=graded_sync``) that also logs the grading metrics of the
+    ``setgrpo_dual`` reward manager (:func:`~setgrpo_verl.integration.reward_manager.grading_metrics`:
+    ``setgrpo/grading/unparsed_ratio``, ``setgrpo/grading/calls_per_step``; docs/cli.md#metrics) at every step.
+
+    verl's trainer keeps the reward manager's ``reward_extra_info`` in the batch but logs none of it during
+    training, so the command line's GRPO baseline runs this mode to report what its grader did; everything else is
+    the stock sync trainer (verl's base class sees ``trainer_mode == "sync"``). With another reward manager no
+    metric is added.
+
+    Raises (at construction):
+        ValueError: ``trainer.v1.trainer_mode`` is not ``graded_sync``.
+    """
+
+    @property
+    def trainer_mode(self) -> str:
+        return "sync"
+
+    @trainer_mode.setter
+    def trainer_mode(self, value: str) -> None:
+        if value != GRADED_SYNC_NAME:
+            raise ValueError(f"GradedSyncTrainer needs trainer.v1.trainer_mode={GRADED_SYNC_NAME}, got {value!r}")
+
+    def _compute_advantage(self, batch, metrics: dict):
+        fields = ["extra_fields"] + [k for k in GRADING_COUNT_KEYS if batch.fields and k in batch.fields]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        metrics.update(grading_metrics(data, batch.tags))
+        return super()._compute_advantage(batch, metrics)
 
 
 @register_trainer(SETGRPO_NAME)

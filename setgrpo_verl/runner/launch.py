@@ -270,6 +270,9 @@ def stage_overrides(stage: str, run_dir: str | os.PathLike, *, record: str | os.
     if stage == "grpo":  # verl's stock config, with the same rubric-validating dataset class and pre-Ray check
         return common + [
             "algorithm.adv_estimator=grpo",
+            # GRPO reads the point score alone: one grader call per response, and the grading metrics logged
+            "+reward.reward_kwargs.scorings=1",
+            "trainer.v1.trainer_mode=graded_sync",
             "data.custom_cls.path=pkg://setgrpo_verl.grading.verl_dataset",
             "data.custom_cls.name=RubricRLHFDataset",
             "+hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.config.SetGRPOConfigCheck",

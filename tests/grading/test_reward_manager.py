@@ -11,12 +11,12 @@ from omegaconf import OmegaConf
 
 import verl  # noqa: F401  (loads the setgrpo plugin, which registers the manager)
 from setgrpo_verl.grading import DualScorer, GradingItem, Rubric, RubricGrader, check_rule, load_ifbench_rubrics, rubric_score
-from setgrpo_verl.integration.reward_manager import UNPARSED_RATIO_METRIC, grading_metrics
+from setgrpo_verl.integration.reward_manager import CALLS_METRIC, UNPARSED_RATIO_METRIC, grading_metrics
 
 GRADER = {"type": "local_hf", "temperature": 1.0, "max_question_tokens": 96, "max_response_tokens": 96, "seed": 0}
 
 
-def _config(grader=GRADER):
+def _config(grader=GRADER, scorings=None):
     import importlib.resources
 
     from setgrpo_verl.models import embedded_model_dir
@@ -28,6 +28,8 @@ def _config(grader=GRADER):
     OmegaConf.set_struct(reward, False)
     if grader is not None:
         reward.reward_kwargs = {"grader": grader}
+    if scorings is not None:
+        reward.reward_kwargs.scorings = scorings
     return OmegaConf.create({
         "actor_rollout_ref": {"model": {"path": str(embedded_model_dir()), "tokenizer_path": None}},
         "reward": reward,
@@ -112,11 +114,11 @@ def test_reward_loop_worker_on_real_responses(ifbench_samples, smollm2_judge):
                               meta_info={"reward_extra_keys": keys})
     reward_tensor, extra = extract_reward(out)
     assert set(keys) == {"score", "reference_score", "point_verdicts", "reference_verdicts", "unparsed", "judged",
-                         "judged_disagreement"}
+                         "judged_disagreement", "scorings"}
     # judge verdicts of both scorings per response: twice the criteria without a rule
     assert extra["judged"].tolist() == [2 * sum(c.rule is None for c in Rubric.from_row(r).criteria) for r in rows]
     assert grading_metrics({"extra_fields": [{"reward_extra_info": info} for info in infos]}) == {
-        UNPARSED_RATIO_METRIC: 0.0}
+        UNPARSED_RATIO_METRIC: 0.0, CALLS_METRIC: 8.0}  # 4 responses x 2 scorings
     valid = data.batch["attention_mask"][:, 64:].sum(-1)
     for i in range(4):
         assert reward_tensor[i, valid[i] - 1].item() == pytest.approx(scores[i])
@@ -260,3 +262,99 @@ def test_noisy_grader_flips_copies_of_one_response_independently():
     bare = _batch(worker.input_tokenizer, [row], ["My cat is soft."], nonce_fields=False)
     with pytest.raises(GradingError, match="has no nonce"):
         worker.loop.run_until_complete(worker.compute_score_batch(bare))
+
+
+def _counting_worker(tmp_path, scorings):
+    """verl's reward-loop worker around a function grader that appends its scoring index to a file per call."""
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    calls = tmp_path / "calls.txt"
+    fn = tmp_path / "counting_fn.py"
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info, scoring_index, **kwargs):\n"
+                  f"    with open({str(calls)!r}, 'a') as f:\n"
+                  "        f.write(f'{extra_info[\"id\"]} {scoring_index}\\n')\n"
+                  "    return 1.0 / len(solution_str)\n")
+    grader = {"type": "function", "path": str(fn), "name": "compute_score", "seed": 0}
+    return RewardLoopWorker(_config(grader, scorings=scorings)), calls
+
+
+def _scored(worker, n):
+    rows = [{"question": f"Say something {i}.", "id": f"c-{i}", "rubrics": [{"criterion": "Says it", "points": 1}]}
+            for i in range(n)]
+    data = _batch(worker.input_tokenizer, rows, ["abcd"] * n)
+    return worker.loop.run_until_complete(worker.compute_score_batch(data))
+
+
+@pytest.mark.parametrize("scorings", [None, 2])
+def test_two_scorings_call_the_grader_twice_per_response(tmp_path, scorings):
+    """The default and ``scorings=2``: scoring indices 0 and 1 for every response, the reference score present."""
+    worker, calls = _counting_worker(tmp_path, scorings)
+    out = _scored(worker, 3)
+    assert sorted(calls.read_text().split("\n")[:-1]) == [f"c-{i} {s}" for i in range(3) for s in (0, 1)]
+    infos = [o["reward_extra_info"] for o in out]
+    assert [o["reward_score"] for o in out] == [0.25] * 3
+    assert [(i["reference_score"], i["scorings"]) for i in infos] == [(0.25, 2)] * 3
+    assert grading_metrics({"extra_fields": [{"reward_extra_info": i} for i in infos]})[CALLS_METRIC] == 6.0
+
+
+def test_one_scoring_calls_the_grader_once_per_response_and_gives_no_reference(tmp_path):
+    worker, calls = _counting_worker(tmp_path, 1)
+    out = _scored(worker, 3)
+    assert sorted(calls.read_text().split("\n")[:-1]) == ["c-0 0", "c-1 0", "c-2 0"]
+    infos = [o["reward_extra_info"] for o in out]
+    assert [o["reward_score"] for o in out] == [0.25] * 3
+    assert set(infos[0]) == {"score", "point_verdicts", "unparsed", "judged", "scorings"}
+    assert [(i["score"], i["scorings"], i["judged"], i["unparsed"]) for i in infos] == [(0.25, 1, 0, 0)] * 3
+    assert grading_metrics({"extra_fields": [{"reward_extra_info": i} for i in infos]}) == {
+        UNPARSED_RATIO_METRIC: 0.0, CALLS_METRIC: 3.0}
+
+
+@pytest.mark.parametrize("value", [0, 3, "1", 1.0, True])
+def test_scorings_other_than_1_or_2_are_refused_naming_the_key(value):
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    with pytest.raises(ValueError, match=r"reward\.reward_kwargs\.scorings=.*set 1 .* or 2"):
+        load_reward_manager(_config({"type": "rules", "seed": 0}, scorings=value), tokenizer=None)
+
+
+def test_noisy_grader_with_one_scoring_keeps_the_truth():
+    """One scoring of a noisy grader: the point score follows its flipped verdict, truth_score and truth_verdicts
+    are the rules grader's, and no reference is invented."""
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    grader = {"type": "noisy", "flip_prob": 0.3, "seed": 0, "base": {"type": "rules", "seed": 0}}
+    worker = RewardLoopWorker(_config(grader, scorings=1))
+    rows = [{"question": f"Describe animal {i} in a few words.", "id": f"n-{i}", "rubrics": [
+        {"criterion": "Uses 3 to 5 words", "points": 2, "rule": WORDS_RULE}]} for i in range(12)]
+    texts = ["My cat is soft.", "Dogs bark at night and in the morning too."] * 6
+    out = worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, rows, texts)))
+    infos = [o["reward_extra_info"] for o in out]
+    assert [info["truth_score"] for info in infos] == [1.0, 0.0] * 6
+    assert [json.loads(info["truth_verdicts"]) for info in infos] == [
+        {"met": [1], "points": [2.0]}, {"met": [0], "points": [2.0]}] * 6
+    assert not any("reference_score" in info or "reference_verdicts" in info for info in infos)
+    for o, info in zip(out, infos):
+        (verdict,) = json.loads(info["point_verdicts"])
+        assert verdict["source"] == "noisy:rule" and o["reward_score"] == (1.0 if verdict["outcome"] == "met" else 0.0)
+    # the same nonces draw the same flips as the point scoring of two scorings
+    two = RewardLoopWorker(_config(grader, scorings=2))
+    again = two.loop.run_until_complete(two.compute_score_batch(_batch(two.input_tokenizer, rows, texts)))
+    assert [o["reward_score"] for o in again] == [o["reward_score"] for o in out]
+
+
+def test_calls_metric_leaves_out_padding_rows_and_reads_top_level_counts():
+    """verl's padding copies are not grader calls; the colocated path's top-level arrays count the same."""
+    info = {"unparsed": 1, "judged": 4, "scorings": 2}
+    tags = [{}, {}, {"is_padding": True}]
+    assert grading_metrics({"extra_fields": [{"reward_extra_info": info}] * 3}, tags) == {
+        UNPARSED_RATIO_METRIC: 0.25, CALLS_METRIC: 4.0}
+    top = {"unparsed": np.array([1, 0]), "judged": np.array([2, 2]), "scorings": np.array([1, 1])}
+    assert grading_metrics(top) == {UNPARSED_RATIO_METRIC: 0.25, CALLS_METRIC: 2.0}
+    # another reward manager's batch: no counts, no metric
+    assert grading_metrics({"extra_fields": [{"reward_extra_info": {"acc": 1.0}}] * 2}) == {}
+    # the layout the trainers read from TransferQueue: per-sample extra_fields in a TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    data = tu.list_of_dict_to_tensordict([{"rm_scores": torch.zeros(3), "extra_fields": {"reward_extra_info": {
+        "unparsed": 0, "judged": 2, "scorings": 1}}} for _ in range(5)])
+    assert grading_metrics(data) == {UNPARSED_RATIO_METRIC: 0.0, CALLS_METRIC: 5.0}

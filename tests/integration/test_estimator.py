@@ -415,3 +415,33 @@ def test_the_sketch_pass_skips_tied_groups_unless_the_reward_takes_a_kl_penalty(
     every = Batch(keys=list(range(4)), partition_id="train", fields=None, extra_info={})
     SetGRPOTrainer._compute_sketches(fake, every)
     assert every.fields is None
+
+
+def test_graded_sync_trainer_logs_the_grading_metrics_then_runs_verls_advantage_step(monkeypatch):
+    """The GRPO baseline's trainer mode: verl's sync trainer, registered under graded_sync, whose advantage step
+    first logs the batch's grader calls (responses x scorings, padding left out) and unparsed ratio."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
+
+    from setgrpo_verl.integration import trainer as trainer_module
+    from setgrpo_verl.integration.reward_manager import CALLS_METRIC, UNPARSED_RATIO_METRIC
+    from setgrpo_verl.integration.trainer import GradedSyncTrainer
+
+    assert get_trainer_cls("graded_sync") is GradedSyncTrainer and issubclass(GradedSyncTrainer, PPOTrainerSync)
+    info = {"unparsed": 0, "judged": 2, "scorings": 1}
+    stored = {"extra_fields": [{"reward_extra_info": info}] * 5}
+    monkeypatch.setattr(trainer_module.tq, "kv_batch_get", lambda **kw: {k: stored[k] for k in kw["select_fields"]})
+    verl_steps = []
+    monkeypatch.setattr(PPOTrainerSync, "_compute_advantage", lambda self, batch, metrics: verl_steps.append(batch)
+                        or batch)
+    batch = SimpleNamespace(keys=list(range(5)), partition_id="train", fields=None,
+                            tags=[{}] * 4 + [{"is_padding": True}])
+    trainer = GradedSyncTrainer.__new__(GradedSyncTrainer)
+    trainer.trainer_mode = "graded_sync"
+    metrics = {}
+    assert trainer._compute_advantage(batch, metrics) is batch and verl_steps == [batch]
+    assert metrics == {CALLS_METRIC: 4.0, UNPARSED_RATIO_METRIC: 0.0}
+    assert trainer.trainer_mode == "sync"  # what verl's base class branches on
+    with pytest.raises(ValueError, match="GradedSyncTrainer needs trainer.v1.trainer_mode=graded_sync, got 'sync'"):
+        trainer.trainer_mode = "sync"

@@ -109,11 +109,13 @@ def test_every_recipe_composes(compositions, monkeypatch):
         if mode != "train":  # the pre-Ray check passes (train needs the record file the calibrate run writes)
             check_run_config(cfg)
         if mode == "grpo":
-            assert cfg.algorithm.adv_estimator == "grpo" and cfg.trainer.v1.trainer_mode == "sync"
+            assert cfg.algorithm.adv_estimator == "grpo" and cfg.trainer.v1.trainer_mode == "graded_sync"
+            assert cfg.reward.reward_kwargs.scorings == 1  # GRPO reads no reference score
             assert "setgrpo" not in cfg.algorithm and "--config-path" not in argv  # verl's stock config
             assert ("+hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.config.SetGRPOConfigCheck"
                     in argv)  # with the check before Ray
             continue
+        assert "scorings" not in cfg.reward.reward_kwargs  # SetGRPO: the default two
         assert cfg.algorithm.adv_estimator == "setgrpo" and cfg.trainer.v1.trainer_mode == "setgrpo"
         setgrpo = setgrpo_config_from(cfg.algorithm)
         assert (setgrpo.alpha, setgrpo.beta, setgrpo.delta) == (0.05, 0.08, 0.05)
@@ -135,7 +137,8 @@ def test_calibrate_validates_first_only_when_asked(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_baseline_settings_identical_to_setgrpo(compositions):
-    """Apart from the estimator, trainer mode and run names, the baseline composes to the same config."""
+    """Apart from the estimator, trainer mode, scorings per response and run names, the baseline composes to the
+    same config."""
 
     def plain(cfg):
         d = OmegaConf.to_container(cfg, resolve=False)
@@ -144,6 +147,7 @@ def test_grpo_baseline_settings_identical_to_setgrpo(compositions):
             d["trainer"].pop(k)
         d["trainer"]["v1"].pop("trainer_mode")
         d["trainer"]["v1"].pop("setgrpo", None)
+        d["reward"]["reward_kwargs"].pop("scorings", None)
         return d
 
     for recipe in RECIPES:

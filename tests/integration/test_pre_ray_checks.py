@@ -66,6 +66,12 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job",
     ((LOCAL, "algorithm.setgrpo.recovery_grid=0"), "algorithm.setgrpo.recovery_grid=0 must be an integer >= 1"),
     ((LOCAL, "+reward.reward_kwargs.reference_score_key=r2"), "the reference-score key is set once, as "
                                                               "algorithm.setgrpo.reference_score_key"),
+    # calibration and training both read r' of the second scoring
+    ((LOCAL, CAL_ONLY, "+reward.reward_kwargs.scorings=1"),
+     "reward.reward_kwargs.scorings=1: SetGRPO needs the reference score r' of a second scoring"),
+    ((LOCAL, "+reward.reward_kwargs.scorings=1"), "set reward.reward_kwargs.scorings=2 or leave it unset"),
+    ((LOCAL, "+reward.reward_kwargs.scorings=3"), "reward.reward_kwargs.scorings=3: set 1 (the point score alone, "
+                                                  "the GRPO baseline) or 2"),
     ((LOCAL, *SKETCH_4, "trainer.n_gpus_per_node=1"),
      "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 9 responses that each of the 1 actor "
      "rank(s) gets in a training step (data.train_batch_size=3)"),
@@ -390,3 +396,21 @@ def test_the_command_line_and_the_run_build_the_settings_in_one_place():
         assert str(exc.value).startswith(message), str(exc.value)
     with pytest.raises(ValueError, match=r"^algorithm\.setgrpo\.calibration\.on_infeasible='ignore': choose one"):
         SetGRPOConfig(calibration=SetGRPOCalibrationConfig(on_infeasible="ignore"))
+
+
+def test_one_scoring_is_refused_by_the_callback_before_ray_and_admitted_for_grpo():
+    """The Hydra callback stops a SetGRPO run with one scoring per response; the GRPO stage's overrides (one scoring,
+    the graded sync trainer) pass the same check, and a bad value stops it too."""
+    from setgrpo_verl.integration.config import SetGRPOConfigCheck
+
+    with pytest.raises(SystemExit, match="setgrpo_verl config error: reward.reward_kwargs.scorings=1: SetGRPO needs"):
+        SetGRPOConfigCheck().on_job_start(_compose(LOCAL, CAL_ONLY, "+reward.reward_kwargs.scorings=1"))
+    grpo = [o for o in launch.stage_overrides("grpo", "/tmp/run") if "scorings" in o or "trainer_mode" in o]
+    assert grpo == ["+reward.reward_kwargs.scorings=1", "trainer.v1.trainer_mode=graded_sync"]
+    cfg = _compose(LOCAL, "reward.reward_manager.name=setgrpo_dual", *grpo, config="ppo_trainer")
+    assert check_run_config(cfg) is None
+    assert (cfg.reward.reward_kwargs.scorings, cfg.trainer.v1.trainer_mode) == (1, "graded_sync")
+    bad = _compose(LOCAL, "reward.reward_manager.name=setgrpo_dual", "+reward.reward_kwargs.scorings=0",
+                   config="ppo_trainer")
+    with pytest.raises(ValueError, match=r"reward\.reward_kwargs\.scorings=0: set 1"):
+        check_run_config(bad)

@@ -85,6 +85,9 @@ def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
         assert f"hydra.run.dir={(run / stage / 'hydra').resolve()}" in cmd
     assert grpo[grpo.index("--config-name") + 1] == "ppo_trainer" and "algorithm.adv_estimator=grpo" in grpo
     assert not any(a.startswith("algorithm.setgrpo") for a in grpo)
+    # GRPO reads the point score alone: one grader call per response, counted by the graded sync trainer
+    assert [a for a in grpo if "scorings" in a or "trainer_mode" in a] == ["+reward.reward_kwargs.scorings=1",
+                                                                           "trainer.v1.trainer_mode=graded_sync"]
     # the quickstart calibrates and trains in one verl process: no record_path, the record goes to calibration/
     assert setgrpo[setgrpo.index("--config-name") + 1] == "setgrpo_trainer" and "algorithm.setgrpo.alpha=0.3" in setgrpo
     record = (run / "calibration" / "record.json").resolve()
@@ -96,6 +99,11 @@ def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
     assert cli.main(["train", "--run-dir", str(run), "--dry-run"]) == 0
     (train,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines() if line[0] != "[")
     assert f"algorithm.setgrpo.record_path={record}" in train
+    # SetGRPO's stages keep the default two scorings (their check before Ray refuses one)
+    assert not any("scorings" in a or "trainer_mode" in a for a in (*setgrpo, *calibrate, *train))
+    assert cli.main(["train", "--run-dir", str(run), "--dry-run", "--estimator", "grpo"]) == 0
+    (baseline,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines() if line[0] != "[")
+    assert "+reward.reward_kwargs.scorings=1" in baseline and "trainer.v1.trainer_mode=graded_sync" in baseline
 
 
 @pytest.mark.parametrize("flags, needle", [

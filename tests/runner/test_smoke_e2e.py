@@ -73,7 +73,15 @@ def test_run_directory_is_complete(smoke_run):
         assert all(key in m for m in setgrpo), key
     # verl's entropy comes from its own old-log-prob pass, which the default fused old-log-prob + sketch pass replaces
     assert all("actor/entropy" in m for m in grpo) and not any("actor/entropy" in m for m in setgrpo)
-    assert not any(k.startswith("setgrpo/") for m in grpo for k in m)
+    # the baseline's graded sync trainer logs the grading metrics and nothing else of SetGRPO's; it calls the grader
+    # once per response (3 groups of K a step), SetGRPO twice
+    assert {k for m in grpo for k in m if k.startswith("setgrpo/")} == {"setgrpo/grading/calls_per_step",
+                                                                       "setgrpo/grading/unparsed_ratio"}
+    from omegaconf import OmegaConf
+
+    k = OmegaConf.load(run / "train_grpo" / "hydra" / ".hydra" / "config.yaml").actor_rollout_ref.rollout.n
+    assert [m["setgrpo/grading/calls_per_step"] for m in grpo] == [3.0 * k] * 2
+    assert [m["setgrpo/grading/calls_per_step"] for m in setgrpo] == [2 * 3.0 * k] * 2
     groups = [json.loads(line) for line in (run / "train_setgrpo" / "groups.jsonl").read_text().splitlines()]
     assert len(groups) == 2 * 3
     for m in setgrpo:  # per-step ratio == share of that step's groups with status accepted
