@@ -168,7 +168,9 @@ def test_trainer_advantage_and_calibration_reads_on_transfer_queue(ray_cluster):
 
     data = tq.kv_batch_get(keys=batch.keys, partition_id="train",
                            select_fields=["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY])
-    point, reference, gram, truth, _, incomplete = calibration_groups(data, "reference_score", k=K)
+    groups = calibration_groups(data, "reference_score", k=K)
+    point, reference, gram, truth, incomplete = (groups.point, groups.reference, groups.gram, groups.truth,
+                                                 groups.incomplete)
     assert not incomplete
     assert truth is None  # a grader without a known truth
     torch.testing.assert_close(point, expected.point_scores)
