@@ -534,10 +534,10 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
     setgrpo = setgrpo_config_from(config.algorithm)
     setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
-    _check_reward(config, needs_reference=True)
     check_trainer_settings(config, setgrpo)
     check_sketch_micro_batch(config, setgrpo)
     check_sketch_support(config, setgrpo.sketch.to_sketch_config())
+    _check_reward(config, needs_reference=True)
     check_calibration_disjoint(config)
     if setgrpo.record_path:
         path = os.path.expanduser(setgrpo.record_path)
