@@ -125,8 +125,26 @@ def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]
     return rows
 
 
+class _SyncMode:
+    """A trainer registered under its own name (``registered_mode``) that verl's base class sees as ``sync``: the base
+    class branches on ``trainer_mode == "sync"`` (replay buffer, refill, checkpoint restore), and both trainers here
+    are sync trainers. Setting any mode other than ``registered_mode`` raises ValueError."""
+
+    registered_mode: str
+
+    @property
+    def trainer_mode(self) -> str:
+        return "sync"
+
+    @trainer_mode.setter
+    def trainer_mode(self, value: str) -> None:
+        if value != self.registered_mode:
+            raise ValueError(f"{type(self).__name__} needs trainer.v1.trainer_mode={self.registered_mode}, "
+                             f"got {value!r}")
+
+
 @register_trainer(GRADED_SYNC_NAME)
-class GradedSyncTrainer(PPOTrainerSync):
+class GradedSyncTrainer(_SyncMode, PPOTrainerSync):
     """verl's sync PPO trainer (``trainer.v1.trainer_mode=graded_sync``) that also logs the grading metrics of the
     ``setgrpo_dual`` reward manager (:func:`~setgrpo_verl.integration.reward_manager.grading_metrics`:
     ``setgrpo/grading/unparsed_ratio``, ``setgrpo/grading/calls_per_step``; docs/cli.md#metrics) at every step.
@@ -140,14 +158,7 @@ class GradedSyncTrainer(PPOTrainerSync):
         ValueError: ``trainer.v1.trainer_mode`` is not ``graded_sync``.
     """
 
-    @property
-    def trainer_mode(self) -> str:
-        return "sync"
-
-    @trainer_mode.setter
-    def trainer_mode(self, value: str) -> None:
-        if value != GRADED_SYNC_NAME:
-            raise ValueError(f"GradedSyncTrainer needs trainer.v1.trainer_mode={GRADED_SYNC_NAME}, got {value!r}")
+    registered_mode = GRADED_SYNC_NAME
 
     def _compute_advantage(self, batch, metrics: dict):
         fields = ["extra_fields"] + [k for k in GRADING_COUNT_KEYS if batch.fields and k in batch.fields]
@@ -157,7 +168,7 @@ class GradedSyncTrainer(PPOTrainerSync):
 
 
 @register_trainer(SETGRPO_NAME)
-class SetGRPOTrainer(CalibrationPhase, PPOTrainerSync):
+class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
     """verl sync PPO trainer with SetGRPO calibration, sketches and gated advantages (see module docstring).
 
     Raises (at construction):
@@ -165,16 +176,7 @@ class SetGRPOTrainer(CalibrationPhase, PPOTrainerSync):
             or the ``algorithm.setgrpo`` block is missing / invalid.
     """
 
-    # verl's base class branches on ``trainer_mode == "sync"`` (replay buffer, refill, checkpoint restore):
-    # SetGRPO is a sync trainer, so that is what the base class sees.
-    @property
-    def trainer_mode(self) -> str:
-        return "sync"
-
-    @trainer_mode.setter
-    def trainer_mode(self, value: str) -> None:
-        if value != SETGRPO_NAME:
-            raise ValueError(f"SetGRPOTrainer needs trainer.v1.trainer_mode={SETGRPO_NAME}, got {value!r}")
+    registered_mode = SETGRPO_NAME
 
     def __init__(self, config):
         self.setgrpo: SetGRPOConfig = check_run_config(config)

@@ -209,18 +209,24 @@ def test_judge_token_budget_and_chat_template_kwargs_are_grader_keys():
     assert manager.identity == grader_identity(config)
 
 
-def test_noisy_grader_puts_the_truth_into_reward_extra_info():
-    """A noisy grader around the rules grader: r and r' follow their flipped verdicts, ``truth_score`` is the
-    rules grader's score of the decoded response (docs/validation.md#noisy-grader)."""
+def _noisy_rules_scores(**config):
+    """The reward loop's output and its reward_extra_info for 12 one-rule rubrics (met, unmet alternately) under a
+    noisy grader (flip 0.3) around the rules grader; ``config`` goes to :func:`_config` (e.g. ``scorings=1``)."""
     from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 
     grader = {"type": "noisy", "flip_prob": 0.3, "seed": 0, "base": {"type": "rules", "seed": 0}}
-    worker = RewardLoopWorker(_config(grader))
+    worker = RewardLoopWorker(_config(grader, **config))
     rows = [{"question": f"Describe animal {i} in a few words.", "id": f"n-{i}", "rubrics": [
         {"criterion": "Uses 3 to 5 words", "points": 2, "rule": WORDS_RULE}]} for i in range(12)]
     texts = ["My cat is soft.", "Dogs bark at night and in the morning too."] * 6
     out = worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, rows, texts)))
-    infos = [o["reward_extra_info"] for o in out]
+    return out, [o["reward_extra_info"] for o in out]
+
+
+def test_noisy_grader_puts_the_truth_into_reward_extra_info():
+    """A noisy grader around the rules grader: r and r' follow their flipped verdicts, ``truth_score`` is the
+    rules grader's score of the decoded response (docs/validation.md#noisy-grader)."""
+    out, infos = _noisy_rules_scores()
     assert [info["truth_score"] for info in infos] == [1.0, 0.0] * 6
     # the noise-free verdicts behind truth_score, with the criteria points, for the calibration's shards
     assert [json.loads(info["truth_verdicts"]) for info in infos] == [
@@ -320,15 +326,7 @@ def test_scorings_other_than_1_or_2_are_refused_naming_the_key(value):
 def test_noisy_grader_with_one_scoring_keeps_the_truth():
     """One scoring of a noisy grader: the point score follows its flipped verdict, truth_score and truth_verdicts
     are the rules grader's, and no reference is invented."""
-    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
-
-    grader = {"type": "noisy", "flip_prob": 0.3, "seed": 0, "base": {"type": "rules", "seed": 0}}
-    worker = RewardLoopWorker(_config(grader, scorings=1))
-    rows = [{"question": f"Describe animal {i} in a few words.", "id": f"n-{i}", "rubrics": [
-        {"criterion": "Uses 3 to 5 words", "points": 2, "rule": WORDS_RULE}]} for i in range(12)]
-    texts = ["My cat is soft.", "Dogs bark at night and in the morning too."] * 6
-    out = worker.loop.run_until_complete(worker.compute_score_batch(_batch(worker.input_tokenizer, rows, texts)))
-    infos = [o["reward_extra_info"] for o in out]
+    out, infos = _noisy_rules_scores(scorings=1)
     assert [info["truth_score"] for info in infos] == [1.0, 0.0] * 6
     assert [json.loads(info["truth_verdicts"]) for info in infos] == [
         {"met": [1], "points": [2.0]}, {"met": [0], "points": [2.0]}] * 6
@@ -337,8 +335,7 @@ def test_noisy_grader_with_one_scoring_keeps_the_truth():
         (verdict,) = json.loads(info["point_verdicts"])
         assert verdict["source"] == "noisy:rule" and o["reward_score"] == (1.0 if verdict["outcome"] == "met" else 0.0)
     # the same nonces draw the same flips as the point scoring of two scorings
-    two = RewardLoopWorker(_config(grader, scorings=2))
-    again = two.loop.run_until_complete(two.compute_score_batch(_batch(two.input_tokenizer, rows, texts)))
+    again, _ = _noisy_rules_scores(scorings=2)
     assert [o["reward_score"] for o in again] == [o["reward_score"] for o in out]
 
 
