@@ -52,6 +52,7 @@ from setgrpo_verl.core import (
     CoefficientSets,
     OnlineRiskMonitor,
     calibrate,
+    conformal_radius,
     degenerate_groups,
     grpo_coefficients,
     projections,
@@ -177,12 +178,14 @@ class Arm:
     """A training arm: how many scorings a training step pays for, and its coefficients from a batch.
 
     ``coefficients(batch, state) -> (a [S, G, K], accepted [S, G] bool or None)``; ``state`` holds the arm's
-    calibration (records, widths) and running monitors.
+    calibration (records, widths) and running monitors; ``record`` is the key of the calibration it uses in
+    ``state`` (None for an arm without one).
     """
 
     name: str
     scorings: int
     coefficients: Callable
+    record: str | None = None
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -280,15 +283,15 @@ def make_arms() -> dict[str, Arm]:
 
     return {a.name: a for a in [
         Arm("grpo", 1, grpo), Arm("grpo_mean2", 2, grpo_mean2), Arm("drgrpo", 1, drgrpo), Arm("oracle", 0, oracle),
-        Arm("range_grpo", 1, range_grpo),
-        Arm("setgrpo_paper", 2, gated("paper")), Arm("setgrpo", 2, gated("default")),
-        Arm("setgrpo_loose", 2, gated("loose")),
-        Arm("setgrpo_mean2", 2, gated("mean2", mean2=True)),
-        Arm("setgrpo_online", 2, online),
-        Arm("setgrpo_mean2_paper", 2, gated("mean2_paper", mean2=True)),
-        Arm("setgrpo_mean2_wide", 2, gated("mean2_wide", mean2=True)),
-        Arm("setgrpo_soft", 1, soft("loose", mean2=False)),
-        Arm("setgrpo_soft_mean2", 2, soft("mean2", mean2=True, scale_key="mean2/soft_scale")),
+        Arm("range_grpo", 1, range_grpo, "range_q"),
+        Arm("setgrpo_paper", 2, gated("paper"), "paper"), Arm("setgrpo", 2, gated("default"), "default"),
+        Arm("setgrpo_loose", 2, gated("loose"), "loose"),
+        Arm("setgrpo_mean2", 2, gated("mean2", mean2=True), "mean2"),
+        Arm("setgrpo_online", 2, online, "loose"),
+        Arm("setgrpo_mean2_paper", 2, gated("mean2_paper", mean2=True), "mean2_paper"),
+        Arm("setgrpo_mean2_wide", 2, gated("mean2_wide", mean2=True), "mean2_wide"),
+        Arm("setgrpo_soft", 1, soft("loose", mean2=False), "loose"),
+        Arm("setgrpo_soft_mean2", 2, soft("mean2", mean2=True, scale_key="mean2/soft_scale"), "mean2"),
     ]}
 
 
@@ -310,23 +313,28 @@ def calibrate_levels(point, reference, gram, levels: dict) -> CalibrationRecord:
     return calibrate(point, reference, gram, settings)
 
 
+def range_half_width(point: torch.Tensor, reference: torch.Tensor) -> float:
+    """Range-GRPO's half-width: the split-conformal (1 - alpha) quantile (core's ``conformal_radius``, alpha of
+    ``LOOSE_LEVELS``) of the responses' ``|point - reference|`` (``[G, K]`` each), so a range covers a re-scoring."""
+    return conformal_radius((point - reference).abs().flatten(), LOOSE_LEVELS["alpha"])
+
+
 def calibrate_arms(data: Batch) -> tuple[dict, dict]:
     """The records and widths the arms use, and their calibration grader calls per record."""
     p0, p1, p2, gram = (_flat(x) for x in (*data.scores, data.gram))
     mean2 = (p0 + p1) / 2
+    default = {k: PRODUCT_DEFAULT[k] for k in PAPER_LEVELS}
     state = {"paper": calibrate_levels(p0, p1, gram, PAPER_LEVELS),
-             "default": calibrate_levels(p0, p1, gram, {k: PRODUCT_DEFAULT[k] for k in PAPER_LEVELS}),
              "loose": calibrate_levels(p0, p1, gram, LOOSE_LEVELS),
              "mean2": calibrate_levels(mean2, p2, gram, LOOSE_LEVELS),
              "mean2_paper": calibrate_levels(mean2, p2, gram, PAPER_LEVELS),
              "mean2_wide": calibrate_levels(mean2, p2, gram, WIDE_LEVELS)}
+    state["default"] = state["paper"] if default == PAPER_LEVELS else calibrate_levels(p0, p1, gram, default)
     live = ~degenerate_groups(mean2)
     state["mean2/soft_scale"] = float(soft_weights(mean2[live], gram[live], state["mean2"]).mean())
-    resid = (p0 - p1).abs().flatten().sort().values
-    n = resid.numel()
-    state["range_q"] = float(resid[min(n - 1, math.ceil((n + 1) * (1 - LOOSE_LEVELS["alpha"])) - 1)])
+    state["range_q"] = range_half_width(p0, p1)
     calls = {"paper": 2, "default": 2, "loose": 2, "mean2": 3, "mean2_paper": 3, "mean2_wide": 3, "range_q": 2}
-    return state, {key: c * n for key, c in calls.items()}
+    return state, {key: c * p0.numel() for key, c in calls.items()}
 
 
 # --------------------------------------------------------------------------------------------------- training
@@ -481,8 +489,7 @@ def real_geometry(shard_dir: Path, batches_per_step: int = 1) -> dict[str, float
     cal = {k: torch.cat([s[k] for s in shards[:half]]) for k in ("point", "reference", "gram")}
     records = {"setgrpo_paper": calibrate_levels(cal["point"], cal["reference"], cal["gram"], PAPER_LEVELS),
                "setgrpo_loose": calibrate_levels(cal["point"], cal["reference"], cal["gram"], LOOSE_LEVELS)}
-    resid = (cal["point"] - cal["reference"]).abs().flatten().sort().values
-    q = float(resid[min(resid.numel() - 1, math.ceil((resid.numel() + 1) * (1 - LOOSE_LEVELS["alpha"])) - 1)])
+    q = range_half_width(cal["point"], cal["reference"])
     arms = {"grpo": lambda s: grpo_coefficients(s["point"]),
             "grpo_mean2": lambda s: grpo_coefficients((s["point"] + s["reference"]) / 2),
             "drgrpo": lambda s: grpo_coefficients(s["point"], norm_by_std=False),
@@ -524,10 +531,7 @@ def run(*, flips, ks, graders, seeds, steps, groups, calib_groups, lr, arms=None
                 curves = train(world, chosen, state, k=k, seeds=seeds, steps=steps, groups=groups, lr=lr, rate=rate)
                 cell = analyse(curves, flip=flip, k=k, grader=grader)
                 for row in cell:
-                    key = {"setgrpo_paper": "paper", "setgrpo": "default", "setgrpo_loose": "loose",
-                           "setgrpo_mean2": "mean2", "range_grpo": "range_q", "setgrpo_online": "loose",
-                           "setgrpo_soft": "loose", "setgrpo_mean2_paper": "mean2_paper",
-                           "setgrpo_mean2_wide": "mean2_wide", "setgrpo_soft_mean2": "mean2"}.get(row["arm"])
+                    key = chosen[row["arm"]].record
                     row["calibration_grader_calls"] = calib_calls.get(key, 0) if key else 0
                     row["training_grader_calls_per_step"] = row["scorings"] * groups * k
                     rec = state.get(key) if key and key != "range_q" else None
