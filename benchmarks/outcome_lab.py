@@ -56,6 +56,7 @@ from setgrpo_verl.core import (
     degenerate_groups,
     grpo_coefficients,
     projections,
+    reliability_weights,
     set_shape,
     setgrpo_coefficients,
 )
@@ -262,6 +263,19 @@ def make_arms() -> dict[str, Arm]:
             return a, w > 0
         return arm
 
+    def reliability(step_size_only=False):
+        """GRPO on the mean of the two scorings, each group scaled by its reliability weight (core's
+        ``reliability_weights``, pooled over each stream's step). ``step_size_only`` spreads the same total weight
+        evenly over the step's live groups: a control that separates the weighting from the smaller step."""
+        def arm(b, st):
+            m = (b.scores[0] + b.scores[1]) / 2
+            w = torch.stack([reliability_weights(b.scores[0][s], b.scores[1][s])[0] for s in range(m.shape[0])])
+            if step_size_only:
+                live = (~degenerate_groups(_flat(m))).reshape(w.shape).double()
+                w = live * w.sum(-1, keepdim=True) / live.sum(-1, keepdim=True).clamp_min(1)
+            return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], (w > 0 if not step_size_only else None)
+        return arm
+
     def online(b, st):
         """Rolling calibration: the record is refitted every ``ONLINE_EVERY`` steps on the last ``ONLINE_WINDOW``
         groups of the stream's own training steps (point, reference, Gram at the policies that drew them)."""
@@ -292,6 +306,8 @@ def make_arms() -> dict[str, Arm]:
         Arm("setgrpo_mean2_wide", 2, gated("mean2_wide", mean2=True), "mean2_wide"),
         Arm("setgrpo_soft", 1, soft("loose", mean2=False), "loose"),
         Arm("setgrpo_soft_mean2", 2, soft("mean2", mean2=True, scale_key="mean2/soft_scale"), "mean2"),
+        Arm("setgrpo_reliability", 2, reliability()),
+        Arm("grpo_mean2_stepsize", 2, reliability(step_size_only=True)),
     ]}
 
 

@@ -8,6 +8,7 @@ Public API::
     calibrate(point, reference, gram, settings, *, split_seed, metadata, ...) -> CalibrationRecord (.settings)
     setgrpo_coefficients(point, gram, record, *, ablation=None) -> SetGRPOResult
     OnlineRiskMonitor(record).update(result, reference, gram)   -> metrics dict
+    reliability_coefficients(point [G,K], reference [G,K])      -> [G,K] (the reliability-weighted variant)
 
 Building blocks (for diagnostics and tests): ``degenerate_groups``, ``coverage_risk_split``, ``set_shape``,
 ``nonconformity_scores``, ``conformal_radius``, ``CoefficientSets``, ``safe_anchor``,
@@ -56,6 +57,7 @@ from ._shards import (
     write_calibration,
     write_shard,
 )
+from ._reliability import reliability_coefficients, reliability_weights
 from ._reversal import reference_coefficients, reversal_events
 from ._sequential import anytime_upper_bound, risk_evidence
 from ._settings import ABLATIONS, COVERAGE_GROUPS, ON_INFEASIBLE, VARIANTS, CalibrationSettings
@@ -88,5 +90,5 @@ __all__ = [
     "projections", "prompt_fingerprint", "question_key", "recovery_ratios", "required_accepted_groups", "safe_anchor", "select_threshold", "set_shape",
     "setgrpo_coefficients", "coverage_risk_split", "check_identity", "SHARD_DIR", "CalibrationShard", "TornShardError", "in_part",
     "load_shards", "parse_part", "pilot_source", "read_shard", "record_from_shards", "shard_identity", "shard_name", "shard_start_source", "shard_versions", "write_calibration",
-    "write_shard",
+    "write_shard", "reliability_coefficients", "reliability_weights",
 ]

@@ -30,6 +30,9 @@ from .support import check_attention_kernels, check_sketch_support, check_traine
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
 SETGRPO_NAME = "setgrpo"
+#: ``algorithm.setgrpo.variant``: the paper's calibrated method, or reliability weighting (docs/algorithm.md#9).
+PAPER_VARIANT, RELIABILITY_VARIANT = "paper", "reliability"
+SETGRPO_VARIANTS = (PAPER_VARIANT, RELIABILITY_VARIANT)
 
 #: The override that switches verl's v1 trainer to the SetGRPO trainer mode.
 TRAINER_MODE_OVERRIDE = f"trainer.v1.trainer_mode={SETGRPO_NAME}"
@@ -169,6 +172,10 @@ class SetGRPOConfig(BaseConfig):
         ValueError: a value outside its admissible range, naming the key and the range.
     """
 
+    variant: str = _field("paper", "paper: JRSC + GGSR + SRGO, a calibrated record and gradient sketches (the paper's "
+                                   "method); reliability: GRPO on the mean of the two scorings, each group weighted by "
+                                   "the share of its spread that is signal, with no calibration, record or sketches "
+                                   "(docs/algorithm.md#9-reliability-weighting)")
     alpha: float = _field(0.05, "miscoverage of the joint coefficient set: P(T(r') in C) >= 1 - alpha (docs/algorithm.md#2-jrsc)")
     beta: float = _field(0.08, "bound on the conditional reversal risk of accepted updates (docs/algorithm.md#4-srgo)")
     delta: float = _field(0.05, "failure probability of the risk bound (Clopper-Pearson; Bonferroni over "
@@ -211,6 +218,19 @@ class SetGRPOConfig(BaseConfig):
                                            factory=SetGRPOMonitorConfig)
 
     def __post_init__(self):
+        if self.variant not in SETGRPO_VARIANTS:
+            raise ValueError(f"algorithm.setgrpo.variant={self.variant!r}: choose one of {SETGRPO_VARIANTS}")
+        if self.variant == RELIABILITY_VARIANT:
+            # the keys of the calibrated method: with reliability weighting nothing would read them
+            paper_only = {"record_path": self.record_path, "ablation": self.ablation, "fixed_tau": self.fixed_tau,
+                          "tau_start": self.tau_start, "tau_start_pilot": self.tau_start_pilot}
+            cal = self.calibration
+            only = cal.get("only", False) if isinstance(cal, Mapping) else cal.only
+            paper_only["calibration.only"] = only or None
+            set_keys = [f"algorithm.setgrpo.{k}={v}" for k, v in paper_only.items() if v is not None]
+            if set_keys:
+                raise ValueError(f"{', '.join(set_keys)}: the reliability variant has no calibration, record or "
+                                 "threshold; remove the key(s), or set algorithm.setgrpo.variant=paper")
         # the settings' one validation (core's CalibrationSettings), so that a bad block fails at composition; rho = 0
         # is refused again by check_run_config for the GRPO map (it needs algorithm.norm_adv_by_std_in_grpo)
         self.calibration_settings(norm_by_std=False)
@@ -534,6 +554,11 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
     setgrpo = setgrpo_config_from(config.algorithm)
     setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
+    if setgrpo.variant == RELIABILITY_VARIANT:  # no calibration, record or sketches: only the reference is needed
+        _check_reward(config, needs_reference=True)
+        check_resume(config, setgrpo)
+        check_attention_kernels(config)
+        return setgrpo
     check_trainer_settings(config, setgrpo)
     check_sketch_micro_batch(config, setgrpo)
     check_sketch_support(config, setgrpo.sketch.to_sketch_config())

@@ -19,7 +19,8 @@ import torch
 
 from verl.trainer.ppo.core_algos import register_adv_est
 
-from setgrpo_verl.core import CalibrationRecord, degenerate_groups, setgrpo_coefficients
+from setgrpo_verl.core import (CalibrationRecord, degenerate_groups, reliability_coefficients, reliability_weights,
+                               setgrpo_coefficients)
 
 from .config import SETGRPO_NAME, TRAINER_MODE_OVERRIDE
 from .groups import complete_group_rows, group_gram
@@ -173,6 +174,75 @@ def setgrpo_step(
     metrics["setgrpo/timing_s/gram"] = t1 - t0
     return SetGRPOStep(advantages=advantages, coefficients=coefficients, groups=groups, point_scores=point, gram=gram,
                        result=result, metrics=metrics)
+
+
+@dataclass
+class ReliabilityStep:
+    """One advantage computation of the ``reliability`` variant (docs/algorithm.md#9-reliability-weighting).
+
+    Attributes:
+        advantages: float32 [B, T] response-level coefficient times ``response_mask``.
+        coefficients: float64 [B] the coefficient of every row (0 for degenerate groups and incomplete groups).
+        groups: int64 [G, K] batch row of response k of complete group g.
+        weights: float64 [G] the groups' reliability weights in [0, 1].
+        metrics: ``setgrpo/*`` diagnostics (floats) for verl's tracker.
+    """
+
+    advantages: torch.Tensor
+    coefficients: torch.Tensor
+    groups: torch.Tensor
+    weights: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def reliability_step(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any,
+                     reference_scores: torch.Tensor, k: int, *, norm_by_std: bool = True,
+                     eps: float = 1e-6) -> ReliabilityStep:
+    """Advantages of the ``reliability`` variant: GRPO on the mean of the two scorings, each group weighted by the
+    share of its spread that is signal (docs/algorithm.md#9-reliability-weighting). No record, no sketches.
+
+    Args:
+        token_level_rewards: float [B, T] verl's token-level rewards of the first scoring (``rm_scores``).
+        response_mask: [B, T] response-token mask.
+        index: B uids (``non_tensor_batch["uid"]``).
+        reference_scores: float [B] the second, independent scoring of the same responses.
+        k: responses per group (``actor_rollout_ref.rollout.n``); a group with fewer is left out (coefficient 0).
+        norm_by_std, eps: verl's ``algorithm.norm_adv_by_std_in_grpo`` and GRPO's epsilon.
+
+    Returns:
+        :class:`ReliabilityStep`. Metrics: ``setgrpo/accepted_ratio`` (groups with a weight above 0),
+        ``setgrpo/reliability/weight_mean`` (over non-degenerate groups), ``setgrpo/reliability/noise_var``
+        (reward units squared), ``setgrpo/degenerate_ratio`` and ``setgrpo/incomplete_ratio``.
+
+    Raises:
+        ValueError: shapes that disagree, or no complete group (see :func:`setgrpo_step`).
+    """
+    b = token_level_rewards.shape[0]
+    if token_level_rewards.shape != response_mask.shape or token_level_rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
+                         f"{tuple(response_mask.shape)} must both be [B, T]")
+    ref = torch.as_tensor(reference_scores).detach().to(dtype=torch.float64, device="cpu").reshape(-1)
+    if ref.shape[0] != b:
+        raise ValueError(f"reference_scores have {ref.shape[0]} entries but the batch has {b} rows")
+    groups, incomplete = _complete_groups(index, response_mask, k)
+    point = token_level_rewards.detach().to(dtype=torch.float64, device="cpu").sum(dim=-1)[groups]
+    reference = ref[groups]
+    weights, noise_var = reliability_weights(point, reference)
+    live = ~degenerate_groups((point + reference) / 2)
+    coef_groups = reliability_coefficients(point, reference, norm_by_std, eps)
+    coefficients = torch.zeros(b, dtype=torch.float64)
+    coefficients[groups.reshape(-1)] = coef_groups.reshape(-1)
+    mask = response_mask.to(dtype=torch.float32)
+    advantages = coefficients.to(device=mask.device, dtype=torch.float32).unsqueeze(-1) * mask
+    metrics = {
+        "setgrpo/accepted_ratio": float((weights > 0).double().mean()),
+        "setgrpo/reliability/weight_mean": float(weights[live].mean()) if bool(live.any()) else 0.0,
+        "setgrpo/reliability/noise_var": noise_var,
+        "setgrpo/degenerate_ratio": float((~live).double().mean()),
+        INCOMPLETE_RATIO_METRIC: len(incomplete) / (groups.shape[0] + len(incomplete)),
+    }
+    return ReliabilityStep(advantages=advantages, coefficients=coefficients, groups=groups, weights=weights,
+                           metrics=metrics)
 
 
 @register_adv_est(SETGRPO_NAME)

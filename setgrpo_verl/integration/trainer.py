@@ -56,8 +56,9 @@ from setgrpo_verl.core import DEGENERATE_RTOL, SHARD_DIR, CalibrationRecord, Onl
 
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
 from .calibration import CalibrationPhase
-from .config import GRADED_SYNC_NAME, SETGRPO_NAME, SetGRPOConfig, check_record, check_run_config, run_identity
-from .estimator import SetGRPOStep, setgrpo_step
+from .config import (GRADED_SYNC_NAME, RELIABILITY_VARIANT, SETGRPO_NAME, SetGRPOConfig, check_record,
+                     check_run_config, run_identity)
+from .estimator import SetGRPOStep, reliability_step, setgrpo_step
 from .groups import rows_to_sketch
 from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
                      write_state)
@@ -198,6 +199,11 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
                 self.role_worker_mapping[role] = ray.remote(SetGRPOActorRolloutRefWorker)
 
     # ------------------------------------------------------------------ record
+    @property
+    def _reliability(self) -> bool:
+        """The ``reliability`` variant: no calibration, record or sketches."""
+        return self.setgrpo.variant == RELIABILITY_VARIANT
+
     def _run_identity(self) -> dict[str, Any]:
         return run_identity(self.config, self.setgrpo)
 
@@ -228,6 +234,12 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
         """
         super().on_train_begin()
         resumed = self.global_steps > 1  # verl's fit() counts from the checkpoint's step + 1
+        if self._reliability:  # no calibration and no record (docs/algorithm.md#9-reliability-weighting)
+            if resumed:
+                folder = resume_folder(self.config)
+                if folder is not None:
+                    self._restore_setgrpo_state(folder, None)
+            return
         self.record, loaded = self._load_or_calibrate(resumed=resumed)
         if self.record is None:  # a part of a sharded calibration: its shards are written, there is no record
             raise _CalibrationDone(os.path.join(os.path.dirname(os.path.abspath(self._record_out())), SHARD_DIR))
@@ -408,6 +420,8 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
         assert len(output) == len(batch)
 
     def _compute_old_log_prob(self, batch, metrics: dict):
+        if self._reliability:  # no sketches: verl's own pass
+            return super()._compute_old_log_prob(batch, metrics)
         rollout_corr = self.config.algorithm.get("rollout_correction", None)
         bypass = bool(rollout_corr and rollout_corr.get("bypass_mode", False))
         fused = self.setgrpo.sketch.fuse_old_log_prob and not bypass
@@ -429,15 +443,15 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
         in place of its ``compute_advantage_for_multi_trajectories``, after reading the sketches, the sketched rows
         and the reference scores; tests/integration/test_estimator.py fingerprints the original."""
         key = self.setgrpo.reference_score_key
-        fields = list(_ADV_FIELDS) + [SKETCH_KEY, "extra_fields"]
+        fields = list(_ADV_FIELDS) + ["extra_fields"] + ([] if self._reliability else [SKETCH_KEY])
         fields += [k for k in (key, *GRADING_COUNT_KEYS) if batch.fields and k in batch.fields]
-        fields += sketch_rows_field(batch)
+        fields += [] if self._reliability else sketch_rows_field(batch)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        sketches = dense_sketches(data.pop(SKETCH_KEY))
-        sketched = sketched_rows(data)
+        sketches = None if self._reliability else dense_sketches(data.pop(SKETCH_KEY))
+        sketched = None if self._reliability else sketched_rows(data)
         if sketched is not None:
             data.pop(SKETCH_ROWS_KEY)
-        reference = reference_scores_from(data, key) if self.monitor is not None else None
+        reference = reference_scores_from(data, key) if self.monitor is not None or self._reliability else None
         metrics.update(grading_metrics(data, batch.tags))
         for k in ("extra_fields", key, *GRADING_COUNT_KEYS):
             if k in data.keys():
@@ -463,12 +477,20 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
             data, is_metrics = compute_rollout_correction_and_add_to_batch(data, rollout_corr_config)
             metrics.update(is_metrics)
 
-        step = compute_setgrpo_advantage(data, sketches, self.record, reference_scores=reference, monitor=self.monitor,
-                                         ablation=self.setgrpo.ablation, seed=self.setgrpo.seed + self.global_steps,
-                                         sketched=sketched)
-        metrics.update(step.metrics)
-        self._accepted_groups = int(torch.as_tensor(step.result.accepted).sum())
-        if self.setgrpo.group_log:
+        if self._reliability:
+            step = reliability_step(data.batch["token_level_rewards"], data.batch["response_mask"],
+                                    data.non_tensor_batch["uid"], reference, int(self.config.actor_rollout_ref.rollout.n),
+                                    norm_by_std=bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True)))
+            data.batch["advantages"] = data.batch["returns"] = step.advantages
+            metrics.update(step.metrics)
+            self._accepted_groups = int((step.weights > 0).sum())
+        else:
+            step = compute_setgrpo_advantage(data, sketches, self.record, reference_scores=reference,
+                                             monitor=self.monitor, ablation=self.setgrpo.ablation,
+                                             seed=self.setgrpo.seed + self.global_steps, sketched=sketched)
+            metrics.update(step.metrics)
+            self._accepted_groups = int(torch.as_tensor(step.result.accepted).sum())
+        if self.setgrpo.group_log and not self._reliability:
             with open(os.path.expanduser(self.setgrpo.group_log), "a", encoding="utf-8") as fh:
                 for row in _group_log_rows(step, self.global_steps):
                     fh.write(json.dumps(row) + "\n")

@@ -445,3 +445,31 @@ def test_graded_sync_trainer_logs_the_grading_metrics_then_runs_verls_advantage_
     assert trainer.trainer_mode == "sync"  # what verl's base class branches on
     with pytest.raises(ValueError, match="GradedSyncTrainer needs trainer.v1.trainer_mode=graded_sync, got 'sync'"):
         trainer.trainer_mode = "sync"
+
+
+def test_reliability_step_is_the_core_weighting_of_the_mean_scattered_to_rows():
+    """The reliability variant on the trainer's path: the core library's coefficients on the grouped rows, zero on
+    padding rows and outside each response; with the reference equal to the point, verl's GRPO."""
+    from setgrpo_verl.core import reliability_coefficients
+    from setgrpo_verl.integration.estimator import reliability_step
+
+    rewards, mask, uids, _, scores, reference = _batch()
+    step = reliability_step(rewards, mask, uids, reference, K)
+    groups, _, _ = complete_group_rows(uids, mask, K)
+    expected = torch.zeros(len(uids), dtype=torch.float64)
+    expected[groups.reshape(-1)] = reliability_coefficients(scores.double()[groups], reference[groups]).reshape(-1)
+    torch.testing.assert_close(step.advantages, expected.float()[:, None] * mask.float(), rtol=0, atol=1e-6)
+    # degeneracy is judged on the mean of the scorings: group 0's point is constant, its reference is not
+    assert step.metrics["setgrpo/degenerate_ratio"] == 0
+    assert 0 < step.metrics["setgrpo/reliability/noise_var"] < 0.01  # reference noise sd 0.05: 0.05^2 / 2
+    assert 0 < step.metrics["setgrpo/reliability/weight_mean"] <= 1
+    # a grader without noise: verl's GRPO on the point scores, every non-degenerate group trained
+    same = reliability_step(rewards, mask, uids, scores.double(), K)
+    grpo = compute_advantage(_data(rewards.clone(), mask, uids), adv_estimator=AdvantageEstimator.GRPO,
+                             norm_adv_by_std_in_grpo=True)
+    real = torch.from_numpy(np.array([not u.startswith("pad") for u in uids]))
+    torch.testing.assert_close(same.advantages[real], grpo.batch["advantages"][real], rtol=1e-5, atol=1e-5)
+    assert same.metrics["setgrpo/accepted_ratio"] == pytest.approx(5 / 6)
+    assert same.metrics["setgrpo/degenerate_ratio"] == pytest.approx(1 / 6)
+    with pytest.raises(ValueError, match="reference_scores have 3 entries"):
+        reliability_step(rewards, mask, uids, reference[:3], K)

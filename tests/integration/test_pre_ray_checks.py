@@ -60,6 +60,15 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job",
      "grader temperature 0 (reward.reward_kwargs.grader.temperature, --judge-temperature): SetGRPO calibrates a "
      "stochastic grader"),
     ((LOCAL, "algorithm.setgrpo.rho=0"), "algorithm.setgrpo.rho=0.0 must be > 0"),
+    ((LOCAL, "algorithm.setgrpo.variant=reliabilty"), "algorithm.setgrpo.variant='reliabilty': choose one of "
+                                                      "('paper', 'reliability')"),
+    # the reliability variant has no record or threshold: a key of the calibrated method would be ignored
+    ((LOCAL, "algorithm.setgrpo.variant=reliability", "algorithm.setgrpo.ablation=spherical_set"),
+     "algorithm.setgrpo.ablation=spherical_set: the reliability variant has no calibration, record or threshold"),
+    ((LOCAL, "algorithm.setgrpo.variant=reliability", "algorithm.setgrpo.calibration.only=true"),
+     "algorithm.setgrpo.calibration.only=True: the reliability variant"),
+    ((LOCAL, "algorithm.setgrpo.variant=reliability", "+reward.reward_kwargs.scorings=1"),
+     "set reward.reward_kwargs.scorings=2 or leave it unset"),
     ((LOCAL, "algorithm.setgrpo.tau_grid=[0.5,0.2]"), "algorithm.setgrpo.tau_grid=[0.5, 0.2] must be non-empty, "
                                                        "strictly increasing and strictly inside (-1, 1)"),
     ((LOCAL, "algorithm.setgrpo.tau_grid=[0.0,1.0]"), "strictly inside (-1, 1)"),
@@ -102,6 +111,12 @@ def test_check_before_ray_refuses(overrides, message):
     with pytest.raises(ValueError) as exc:
         check_run_config(cfg)
     assert message in str(exc.value), str(exc.value)
+
+
+def test_reliability_variant_skips_the_sketch_and_record_checks():
+    """No sketch pass runs: a sketch micro-batch that would not divide a rank's batch is not its concern."""
+    cfg = _compose(LOCAL, "algorithm.setgrpo.variant=reliability", *SKETCH_4, "trainer.n_gpus_per_node=1")
+    assert check_run_config(cfg).variant == "reliability"
 
 
 def test_rho_zero_is_admissible_for_dr_grpo():

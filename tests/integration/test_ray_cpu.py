@@ -176,3 +176,34 @@ def test_trainer_advantage_and_calibration_reads_on_transfer_queue(ray_cluster):
     torch.testing.assert_close(point, expected.point_scores)
     torch.testing.assert_close(gram, expected.gram)
     assert reference.shape == point.shape and not torch.equal(reference, point)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_reliability_variant_reads_the_reference_and_no_sketch(ray_cluster):
+    import transfer_queue as tq
+
+    from setgrpo_verl.integration.estimator import reliability_step
+
+    tq.init()
+    batch, fields = _put_rollouts(tq)
+    trainer = SetGRPOTrainer.__new__(SetGRPOTrainer)  # only the per-step glue: no GPUs, no rollout servers
+    trainer.config = OmegaConf.create({
+        "algorithm": {"adv_estimator": "setgrpo", "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False,
+                      "gamma": 1.0, "lam": 1.0, "setgrpo": {"variant": "reliability"}},
+        "actor_rollout_ref": {"rollout": {"n": K}},
+    })
+    trainer.setgrpo = setgrpo_config_from(trainer.config.algorithm)
+    trainer.record, trainer.monitor, trainer.global_steps = None, None, 1
+    metrics = {}
+    trainer._compute_advantage(batch, metrics)
+
+    out = tq.kv_batch_get(keys=batch.keys, partition_id="train", select_fields=["advantages"])
+    rewards = torch.nested.as_nested_tensor([f["rm_scores"] for f in fields], layout=torch.jagged).to_padded_tensor(0.0)
+    mask = torch.nested.as_nested_tensor([f["response_mask"] for f in fields], layout=torch.jagged).to_padded_tensor(0)
+    reference = torch.tensor([f["extra_fields"]["reward_extra_info"]["reference_score"] for f in fields])
+    expected = reliability_step(rewards, mask, [f["uid"] for f in fields], reference, K)
+    for i, adv in enumerate(out["advantages"].unbind()):
+        torch.testing.assert_close(adv, expected.advantages[i, : adv.numel()], rtol=0, atol=1e-6)
+    assert metrics["setgrpo/reliability/noise_var"] == pytest.approx(expected.metrics["setgrpo/reliability/noise_var"])
+    assert trainer._accepted_groups == int((expected.weights > 0).sum()) > 0

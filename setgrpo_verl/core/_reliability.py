@@ -1,0 +1,70 @@
+"""Reliability-weighted GRPO on the mean of two scorings (docs/algorithm.md#9-reliability-weighting)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_scores
+from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients
+
+__all__ = ["reliability_weights", "reliability_coefficients"]
+
+
+def reliability_weights(point: torch.Tensor, reference: torch.Tensor,
+                        rtol: float = DEGENERATE_RTOL) -> tuple[torch.Tensor, float]:
+    """Per-group weights ``w_g = sqrt(max(0, 1 - s2_noise / s2_g))`` of GRPO on the mean of two scorings.
+
+    Implements docs/algorithm.md#9-reliability-weighting. With ``m = (point + reference) / 2`` and
+    ``d = point - reference``, ``s2_noise = mean(d^2) / 4`` over every response of the batch (the pooled estimate
+    of the grader noise variance of ``m``) and ``s2_g`` the unbiased variance of ``m`` within group g. Under
+    additive noise independent between the two scorings, with mean zero and one variance for the batch's
+    responses, ``s2_noise`` is unbiased for that variance and ``E[s2_g] = tau2_g + s2_noise`` with ``tau2_g`` the
+    group's true-reward variance, so ``w_g^2`` estimates the share of the group's observed spread that is signal.
+    A group whose spread is all noise gets weight 0; a noiseless grader (``reference == point``) gives weight 1
+    everywhere, i.e. plain GRPO. This is a plug-in estimate, not a certificate: no coverage or reversal-risk
+    guarantee is claimed (docs/algorithm.md#92-what-it-guarantees).
+
+    Args:
+        point: ``[G, K]`` float first scoring of every response (reward units).
+        reference: ``[G, K]`` float second, independent scoring of the same responses.
+        rtol: degeneracy tolerance of :func:`degenerate_groups`, applied to the mean of the two scorings.
+
+    Returns:
+        ``(weights, noise_var)``: ``[G]`` float64 weights in [0, 1] (0 for degenerate groups) and the pooled
+        noise variance of the mean (float, reward units squared).
+
+    Raises:
+        ValueError: wrong shapes, K < 2, or non-finite scores (see :func:`degenerate_groups`), or ``point`` and
+            ``reference`` of different shapes.
+    """
+    check_scores(point, "point")
+    check_scores(reference, "reference")
+    if point.shape != reference.shape:
+        raise ValueError(f"point {tuple(point.shape)} and reference {tuple(reference.shape)} must have one [G, K] "
+                         "shape: score the same responses twice")
+    p, r = point.to(torch.float64), reference.to(torch.float64)
+    mean = (p + r) / 2
+    noise_var = float((p - r).square().mean() / 4)
+    spread = mean.var(dim=-1, unbiased=True)
+    live = ~degenerate_groups(mean, rtol) & (spread > 0)
+    share = torch.where(live, 1.0 - noise_var / torch.where(live, spread, torch.ones_like(spread)),
+                        torch.zeros_like(spread))
+    return share.clamp(0.0, 1.0).sqrt(), noise_var
+
+
+def reliability_coefficients(point: torch.Tensor, reference: torch.Tensor, norm_by_std: bool = True,
+                             eps: float = 1e-6, rtol: float = DEGENERATE_RTOL) -> torch.Tensor:
+    """``[G, K]`` float64 coefficients ``w_g T((point + reference) / 2)``: GRPO on the mean of two scorings, each
+    group scaled by its :func:`reliability_weights` (docs/algorithm.md#9-reliability-weighting).
+
+    Args:
+        point, reference: ``[G, K]`` float two independent scorings of the same responses.
+        norm_by_std, eps: as :func:`grpo_coefficients` (verl's ``norm_adv_by_std_in_grpo`` and epsilon).
+        rtol: degeneracy tolerance (see :func:`degenerate_groups`).
+
+    Raises:
+        ValueError: see :func:`reliability_weights`.
+    """
+    weights, _ = reliability_weights(point, reference, rtol)
+    mean = (point.to(torch.float64) + reference.to(torch.float64)) / 2
+    return grpo_coefficients(mean, norm_by_std, eps) * weights[:, None]
