@@ -206,8 +206,15 @@ def stage_commands(args: argparse.Namespace, plan: Plan, stages: list[str],
     return commands
 
 
+#: What a dry run says of the GPU environment checks: the command line's runs use verl's CPU backend, which skips them.
+NOT_RUN_GPU_CHECKS = ("[setgrpo-verl] checks: the GPU environment checks (CUDA available, NVIDIA driver R580 or newer "
+                      "for torch's CUDA 13.0, flash-attn loads) were not run: these commands run verl's CPU backend, "
+                      "which does not use them (docs/verl_integration.md#gpu-requirements)")
+
+
 def dry_run_text(commands: list[tuple[str, list[str]]], lifecycle=None) -> str:
-    """``--dry-run``'s text: the run directory's plan (what each directory would get) and the verl command lines."""
+    """``--dry-run``'s text: the run directory's plan (what each directory would get), a line saying that the GPU
+    environment checks were not run (:data:`NOT_RUN_GPU_CHECKS`), and the verl command lines."""
     lines = [] if lifecycle is None else [lifecycle.text()]
     if lifecycle is not None:
         from .runlock import holder
@@ -219,6 +226,8 @@ def dry_run_text(commands: list[tuple[str, list[str]]], lifecycle=None) -> str:
         if refused:
             lines.append(f"[setgrpo-verl] plan: the command would stop before writing anything: "
                          f"{lifecycle.run_dir / refused[0].name} {refused[0].reason}")
+    if commands:
+        lines.append(NOT_RUN_GPU_CHECKS)
     return "\n".join(lines + [" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands])
 
 
