@@ -22,8 +22,8 @@ from verl.trainer.config.algorithm import AlgoConfig
 from setgrpo_verl.core import ABLATIONS, DEFAULT_TAU_GRID, CalibrationRecord, CalibrationSettings, parse_part
 from setgrpo_verl.sketch import SketchConfig
 
-from .gpu_env import gpu_check, has_nvidia_driver
-from .judge_access import JUDGE_KEY_ENV, loopback_judge_error, pass_judge_key
+from .gpu_env import check_driver_gpus
+from .judge_access import check_judge_access, pass_judge_key
 from .prompts import check_calibration_disjoint, read_prompt_identities
 from .resume import check_resume
 from .reward_config import (REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_SCORE_KEY, grader_config, grader_identity,
@@ -481,7 +481,7 @@ def _check_reward(config: Any, *, needs_reference: bool) -> None:
         grader_identity(config)
     except ValueError as exc:
         raise ValueError(f"reward.reward_kwargs.grader: {exc}") from None
-    _check_judge_access(grader_config(config), int(config.trainer.get("nnodes", 1) or 1))
+    check_judge_access(grader_config(config), int(config.trainer.get("nnodes", 1) or 1))
     reference_score_key(config)
     count = scorings(config)  # a value other than 1 and 2 is refused in every trainer mode
     if needs_reference and count == 1:
@@ -489,33 +489,6 @@ def _check_reward(config: Any, *, needs_reference: bool) -> None:
                          "scoring (calibration fits the coefficient set and the risk gate on it, and the online "
                          f"monitor reads it during training); set {SCORINGS_KEY}=2 or leave it unset (1 is for the "
                          "GRPO baseline)")
-
-
-def _check_judge_access(grader: Mapping[str, Any], nnodes: int) -> None:
-    """An HTTP judge every reward worker can reach, with its key kept out of the config (the key reaches the
-    workers through Ray's runtime environment: :mod:`setgrpo_verl.integration.judge_access`)."""
-    if grader.get("api_key") is not None:
-        raise ValueError(
-            "reward.reward_kwargs.grader.api_key: a key in the config is printed with verl's config and kept in the "
-            f"command line; remove it and export {JUDGE_KEY_ENV} where main_ppo starts (it reaches every reward "
-            "worker through Ray's runtime environment, docs/verl_integration.md#the-judge-on-a-cluster)"
-        )
-    if str(grader.get("type", "")) == "openai":
-        error = loopback_judge_error(grader.get("base_url"), nnodes)
-        if error:
-            raise ValueError(error)
-
-
-def _check_environment(config: Any) -> None:
-    """The attention kernel's package and, on a machine with an NVIDIA driver, what verl's GPU path needs of this
-    process (:func:`setgrpo_verl.integration.gpu_env.gpu_check`, flash-attn imported, no kernel run: the driver
-    would hold a CUDA context for the whole run); the actor workers check their own GPUs when they start."""
-    check_attention_kernels(config)
-    if has_nvidia_driver():
-        error = gpu_check(config.actor_rollout_ref.model, where="the driver (where main_ppo starts)",
-                          run_kernel=False, device=config.trainer.get("device", None))
-        if error:
-            raise ValueError(error)
 
 
 def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
@@ -539,12 +512,11 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run
             (:func:`check_record`), or training data holding one of its calibration prompts
             (:func:`check_training_data`); for any trainer mode, an actor ``attn_implementation`` whose kernel
-            package is not importable (:func:`~setgrpo_verl.integration.support.check_attention_kernels`); on a
-            machine with an NVIDIA driver, CUDA unavailable to torch, a driver older than torch's CUDA needs, or
-            flash-attn that does not import (:func:`~setgrpo_verl.integration.gpu_env.gpu_check`); with the
-            ``setgrpo_dual`` reward manager, a grader ``api_key`` in the config or an HTTP judge on a loopback
-            address with ``trainer.nnodes > 1``; for SetGRPO, ``trainer.use_v1=false``, an actor strategy other
-            than fsdp / fsdp2 or a sketch token budget below one full-length sequence
+            package is not importable (:func:`~setgrpo_verl.integration.support.check_attention_kernels`) and, with
+            an NVIDIA driver here, a GPU environment verl cannot run in (:func:`~.gpu_env.check_driver_gpus`); with
+            ``setgrpo_dual``, a judge a reward worker could not use (:func:`~.judge_access.check_judge_access`); for
+            SetGRPO, ``trainer.use_v1=false``, an actor strategy other than fsdp / fsdp2 or a sketch token budget
+            below one full-length sequence
             (:func:`~setgrpo_verl.integration.support.check_trainer_settings`).
     """
     estimator = config.algorithm.adv_estimator
@@ -562,7 +534,8 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
         )
     if trainer_mode != SETGRPO_NAME:
         _check_reward(config, needs_reference=False)
-        _check_environment(config)
+        check_attention_kernels(config)
+        check_driver_gpus(config)
         return None
     if config.actor_rollout_ref.rollout.n < 2:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
@@ -584,7 +557,8 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             prompt_key = str(config.data.get("prompt_key", "prompt"))
             check_training_data(record, config.data.train_files, prompt_key=prompt_key)
     check_resume(config, setgrpo)
-    _check_environment(config)  # the environment last: a wrong setting is named before a missing package
+    check_attention_kernels(config)  # the environment last: a wrong setting is named before a missing package
+    check_driver_gpus(config)
     return setgrpo
 
 

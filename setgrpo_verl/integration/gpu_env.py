@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["DRIVER_FOR_CUDA", "GpuEnvironment", "gpu_check", "flash_attn_load_error",
+__all__ = ["DRIVER_FOR_CUDA", "GpuEnvironment", "check_driver_gpus", "gpu_check", "flash_attn_load_error",
            "gpu_environment_error", "has_nvidia_driver", "needs_flash_attn", "nvidia_driver_version",
            "read_gpu_environment", "skipped"]
 
@@ -181,3 +181,22 @@ def gpu_check(model_config: Any, *, where: str, run_kernel: bool, device: Option
         return None
     env = read_gpu_environment(flash_attn=needs_flash_attn(model_config), run_kernel=run_kernel)
     return gpu_environment_error(env, where=where)
+
+
+def check_driver_gpus(config: Any) -> None:
+    """The check before Ray of the process where ``main_ppo`` starts: on a machine with an NVIDIA driver loaded,
+    :func:`gpu_check` with flash-attn imported but no kernel run (the driver would hold a CUDA context for the whole
+    run); elsewhere nothing (the actor workers check their own GPUs when they start).
+
+    Args:
+        config: the composed verl config (``actor_rollout_ref.model``, ``trainer.device``).
+
+    Raises:
+        ValueError: :func:`gpu_environment_error`'s message.
+    """
+    if not has_nvidia_driver():
+        return
+    error = gpu_check(_get(config, "actor_rollout_ref.model"), where="the driver (where main_ppo starts)",
+                      run_kernel=False, device=_get(config, "trainer.device"))
+    if error:
+        raise ValueError(error)

@@ -19,7 +19,7 @@ import os
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
-__all__ = ["JUDGE_KEY_ENV", "is_loopback_host", "loopback_judge_error", "pass_judge_key", "runtime_env_with_judge_key"]
+__all__ = ["JUDGE_KEY_ENV", "check_judge_access", "is_loopback_host", "loopback_judge_error", "pass_judge_key", "runtime_env_with_judge_key"]
 
 #: The environment variable the HTTP judge reads its key from (``setgrpo_verl.grading.http_judge``).
 JUDGE_KEY_ENV = "OPENAI_API_KEY"
@@ -64,6 +64,30 @@ def loopback_judge_error(base_url: Optional[str], nnodes: int) -> Optional[str]:
             "verl places reward workers on every node, and those off the judge's node cannot reach it there; "
             "serve the judge on an address every node reaches (e.g. http://<judge host>:8000/v1, JUDGE_BASE_URL in "
             "the recipes)")
+
+
+def check_judge_access(grader: Mapping[str, Any], nnodes: int) -> None:
+    """Refuse, before Ray, a judge some reward worker could not use: a grader ``api_key`` in the config (printed with
+    verl's config and kept in the command line; the key reaches the workers through :func:`pass_judge_key`) and an
+    HTTP judge on a loopback address with ``nnodes > 1`` (:func:`loopback_judge_error`).
+
+    Args:
+        grader: the grader config (``reward.reward_kwargs.grader``).
+        nnodes: ``trainer.nnodes``.
+
+    Raises:
+        ValueError: naming the key or the URL and the fix.
+    """
+    if grader.get("api_key") is not None:
+        raise ValueError(
+            "reward.reward_kwargs.grader.api_key: a key in the config is printed with verl's config and kept in the "
+            f"command line; remove it and export {JUDGE_KEY_ENV} where main_ppo starts (it reaches every reward "
+            "worker through Ray's runtime environment, docs/verl_integration.md#the-judge-on-a-cluster)"
+        )
+    if str(grader.get("type", "")) == "openai":
+        error = loopback_judge_error(grader.get("base_url"), nnodes)
+        if error:
+            raise ValueError(error)
 
 
 def pass_judge_key(grader: Mapping[str, Any], environ: Optional[dict] = None) -> bool:

@@ -115,21 +115,18 @@ def test_the_cpu_backend_skips_the_check(monkeypatch):
 
 
 def test_the_driver_checks_before_ray_when_it_has_an_nvidia_driver(monkeypatch):
-    from setgrpo_verl.integration import config as config_module
-
     old = GpuEnvironment("2.11.0+cu130", "13.0", False, "550.54.15")
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
     monkeypatch.setattr(gpu_env, "read_gpu_environment", lambda **kw: old)
     cfg = OmegaConf.create({"actor_rollout_ref": {"model": {"override_config": {}}}, "trainer": {"device": "cuda"}})
-    monkeypatch.setattr(config_module, "has_nvidia_driver", lambda: False)
-    monkeypatch.setattr(config_module, "check_attention_kernels", lambda config: None)
-    config_module._check_environment(cfg)  # no NVIDIA driver on the driver's machine: its workers check
-    monkeypatch.setattr(config_module, "has_nvidia_driver", lambda: True)
+    monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: False)
+    gpu_env.check_driver_gpus(cfg)  # no NVIDIA driver on the driver's machine: its workers check
+    monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: True)
     with pytest.raises(ValueError, match="the driver \\(where main_ppo starts\\): the NVIDIA driver 550.54.15 is "
                                          "older than R580"):
-        config_module._check_environment(cfg)
+        gpu_env.check_driver_gpus(cfg)
     cfg.trainer.device = "cpu"
-    config_module._check_environment(cfg)
+    gpu_env.check_driver_gpus(cfg)
 
 
 def test_the_actor_worker_checks_before_any_model_loads(monkeypatch):

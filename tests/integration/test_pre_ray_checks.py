@@ -127,6 +127,23 @@ def test_a_loopback_judge_serves_one_node_and_fsdp2_is_a_sketch_backend():
     assert check_run_config(_compose(LOCAL, CAL_ONLY, "actor_rollout_ref.actor.strategy=fsdp2")) is not None
 
 
+@pytest.mark.parametrize("config", ["setgrpo_trainer", "ppo_trainer"])
+def test_a_driver_with_an_nvidia_driver_checks_its_gpu_environment(monkeypatch, config):
+    """Every trainer mode: torch 2.11's CUDA 13.0 on a driver of the R550 branch sees no GPU."""
+    from setgrpo_verl.integration import gpu_env
+
+    cfg = _compose(LOCAL, CAL_ONLY) if config == "setgrpo_trainer" else _compose(LOCAL, config=config)
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.setattr(gpu_env, "read_gpu_environment", lambda **kw: gpu_env.GpuEnvironment(
+        "2.11.0+cu130", "13.0", False, "550.54.15"))
+    monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: False)
+    check_run_config(cfg)  # no NVIDIA driver on the driver's machine: the workers check their GPUs
+    monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: True)
+    with pytest.raises(ValueError, match=r"the driver \(where main_ppo starts\): the NVIDIA driver 550.54.15 is older "
+                                         r"than R580, which CUDA 13.0"):
+        check_run_config(cfg)
+
+
 def test_rho_zero_is_admissible_for_dr_grpo():
     cfg = _compose(LOCAL, "algorithm.setgrpo.rho=0", "algorithm.norm_adv_by_std_in_grpo=false", CAL_ONLY)
     setgrpo = check_run_config(cfg)
