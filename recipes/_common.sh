@@ -11,13 +11,19 @@
 #   RUN_ROOT          checkpoints and calibration records ($HOME/setgrpo_runs)
 #   NNODES            nodes (1);  N_GPUS_PER_NODE  GPUs per node (8)
 #   REWARD_MANAGER    verl reward-manager name of the dual (point + reference) rubric grader (setgrpo_dual)
-#   JUDGE_BASE_URL    OpenAI-compatible endpoint of the rubric judge, e.g. a vLLM server (http://127.0.0.1:8000/v1)
-#   JUDGE_MODEL       judge model name served there (Qwen/Qwen3-8B); the key is read from OPENAI_API_KEY
+#   JUDGE_BASE_URL    OpenAI-compatible endpoint of the rubric judge, e.g. a vLLM server (http://<judge host>:8000/v1);
+#                     required, no default: the trainer takes every GPU of its nodes, so the judge runs elsewhere, and
+#                     with NNODES > 1 a loopback URL (localhost, 127.0.0.1) is refused before Ray
+#   JUDGE_MODEL       judge model name served there (Qwen/Qwen3-8B); the key is read from OPENAI_API_KEY where the
+#                     recipe starts and reaches every reward worker through Ray's runtime environment (never the
+#                     command line, the logs or the record)
 #   JUDGE_TEMPERATURE judge sampling temperature (1.0: the stochastic grader SetGRPO calibrates)
 #   JUDGE_CONTEXT     the judge server's context in tokens (32768; vLLM's --max-model-len): every response is cut to
 #                     JUDGE_CONTEXT - 1024 UTF-8 bytes, an upper bound on its tokens, before the judge reads it, so
 #                     that no request (response, question, criterion and verdict) outgrows the judge's context
-#   LOGGER            verl trainer.logger list ('["console","wandb"]')
+#   LOGGER            verl trainer.logger list; default '["console","file","tensorboard"]' (metrics.jsonl and
+#                     tensorboard/ in the run's directory, $RUN_ROOT/<run>), plus "wandb" when WANDB_API_KEY is set
+#                     or `wandb login` stored a key in ~/.netrc; set LOGGER to ask for wandb (or anything else)
 #   SKETCH_TOKENS_PER_GPU  token budget of the sketch pass's micro-batches (6144 = one full-length sequence)
 #   RECORD            calibration record (default: $RUN_ROOT/<model>-setgrpo-calibrate/setgrpo_calibration.json)
 # Runs: <model>-setgrpo-calibrate (record only), <model>-setgrpo (training), <model>-grpo (baseline), in $RUN_ROOT.
@@ -33,12 +39,22 @@ RUN_ROOT=${RUN_ROOT:-$HOME/setgrpo_runs}
 NNODES=${NNODES:-1}
 N_GPUS_PER_NODE=${N_GPUS_PER_NODE:-8}
 REWARD_MANAGER=${REWARD_MANAGER:-setgrpo_dual}
-LOGGER=${LOGGER:-'["console","wandb"]'}
-JUDGE_BASE_URL=${JUDGE_BASE_URL:-http://127.0.0.1:8000/v1}
+LOGGER=${LOGGER:-}
+JUDGE_BASE_URL=${JUDGE_BASE_URL:-}
 JUDGE_MODEL=${JUDGE_MODEL:-Qwen/Qwen3-8B}
 JUDGE_TEMPERATURE=${JUDGE_TEMPERATURE:-1.0}
 JUDGE_CONTEXT=${JUDGE_CONTEXT:-32768}
 SKETCH_TOKENS_PER_GPU=${SKETCH_TOKENS_PER_GPU:-6144}
+
+# The default logger list: what runs anywhere, plus wandb when a key is present (wandb.init fails without one, in
+# verl's TaskRunner, after the models and vLLM are up).
+_default_logger() {
+    if [ -n "${WANDB_API_KEY:-}" ] || grep -qs "api.wandb.ai" "$HOME/.netrc"; then
+        echo '["console","file","tensorboard","wandb"]'
+    else
+        echo '["console","file","tensorboard"]'
+    fi
+}
 
 # Table 3 settings shared by SetGRPO and the GRPO baseline.
 _table3_args() {
@@ -99,8 +115,26 @@ run_recipe() {
     [ "$mode" = train ] && experiment="${MODEL_TAG}-setgrpo"
     [ "$mode" = calibrate ] && experiment="${MODEL_TAG}-setgrpo-calibrate"
     local record=${RECORD:-$RUN_ROOT/${MODEL_TAG}-setgrpo-calibrate/setgrpo_calibration.json}
+    case "$mode" in
+        calibrate|train|grpo) ;;
+        *)
+            echo "usage: $0 {calibrate|train|grpo} [hydra overrides...]" >&2
+            exit 2
+            ;;
+    esac
+    if [ -z "$JUDGE_BASE_URL" ]; then
+        echo "$0: set JUDGE_BASE_URL to the rubric judge's OpenAI-compatible endpoint, e.g." \
+             "JUDGE_BASE_URL=http://<judge host>:8000/v1 (recipes/_common.sh)" >&2
+        exit 2
+    fi
+    LOGGER=${LOGGER:-$(_default_logger)}
     local -a args
     mapfile -t args < <(_table3_args)
+    # verl's file and tensorboard loggers write into the run's directory, on whichever node verl's TaskRunner runs
+    # (the Ray runtime environment reaches every node; verl's file logger does not create the folder)
+    mkdir -p "$RUN_ROOT/$experiment"
+    args+=("+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=$RUN_ROOT/$experiment/metrics.jsonl"
+           "+ray_kwargs.ray_init.runtime_env.env_vars.TENSORBOARD_DIR=$RUN_ROOT/$experiment/tensorboard")
     # shared by the calibrate and train runs (setgrpo_trainer already selects the estimator and trainer mode):
     # the paper's levels and the sketch budget
     local -a setgrpo_args=(
@@ -148,10 +182,6 @@ run_recipe() {
                 trainer.experiment_name="$experiment" \
                 trainer.default_local_dir="$RUN_ROOT/$experiment" \
                 "$@"
-            ;;
-        *)
-            echo "usage: $0 {calibrate|train|grpo} [hydra overrides...]" >&2
-            exit 2
             ;;
     esac
 }

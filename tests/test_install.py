@@ -122,3 +122,30 @@ def test_only_pure_python_wheels_pass_as_local_builds(tmp_path: Path):
     bare.mkdir(parents=True)
     (bare / "METADATA").write_text("Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n")
     assert "no WHEEL" in native_build_reason(md.PathDistribution(bare))
+
+
+#: verl's published vLLM image for verl 0.9.x: the target of its docker/Dockerfile.stable.vllm (release/v0.9.0).
+VERL_IMAGE = "verlai/verl:vllm024.dev2"
+
+
+def test_the_dockerfile_builds_on_verls_image_under_the_constraints():
+    text = (REPO / "docker" / "Dockerfile").read_text()
+    assert f"ARG BASE_IMAGE={VERL_IMAGE}\nFROM ${{BASE_IMAGE}}" in text
+    assert "pip install --no-cache-dir -c docker/constraints-gpu.txt '.[gpu]'" in text
+    # flash-attn is the image's own build: the image fails to build when it does not load its CUDA extension
+    assert "import flash_attn, flash_attn_2_cuda" in text
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "runs"} <= set(ignored)
+
+
+def test_the_gpu_install_steps_are_documented():
+    """flash-attn is an install step of its own (not in the gpu extra), and the driver requirement is stated."""
+    import re
+
+    doc = (REPO / "docs" / "verl_integration.md").read_text()
+    section = doc[doc.index("### Installing on a GPU cluster"):doc.index("### Refused before Ray")]
+    for needle in ("pip install -c docker/constraints-gpu.txt -e '.[gpu]'",
+                   "pip install -c docker/constraints-gpu.txt --no-build-isolation flash-attn==2.8.3",
+                   VERL_IMAGE, "R580", "CUDA 13.0", "CPython 3.10 to 3.12"):
+        assert needle in section, needle
+    assert re.search(r"flash_attn-2\.8\.3\+cu130torch2\.11-cp312-cp312-linux_x86_64\.whl", section)

@@ -91,12 +91,17 @@ def _extra_requirements(requires: list[str], extra: str) -> list[Requirement]:
     return [r for r in reqs if r.marker is not None and r.marker.evaluate({"extra": extra})]
 
 
+def _wheel_metadata(wheel: Path):
+    name = f"setgrpo_verl-{wheel.name.split('-')[1]}.dist-info/METADATA"
+    return email.message_from_bytes(zipfile.ZipFile(wheel).read(name))
+
+
 def test_gpu_extra_installs_the_set_verl_is_tested_with(wheel):
-    """The gpu extra is verl 0.9.1's vllm extra plus its fsdp extra (flash-attn as verl's own uv source, the prebuilt
-    wheel), read against the installed verl's metadata: a verl upgrade that moves a pin fails here."""
+    """The gpu extra is verl 0.9.1's vllm extra plus its fsdp extra except flash-attn (a source build on PyPI: an
+    install step of its own), read against the installed verl's metadata: a verl upgrade that moves a pin fails here."""
     from setgrpo_verl.integration.support import verl_extra_requirements
 
-    metadata = email.message_from_bytes(zipfile.ZipFile(wheel).read(f"setgrpo_verl-{wheel.name.split('-')[1]}.dist-info/METADATA"))
+    metadata = _wheel_metadata(wheel)
     cluster = {"extra": "gpu", "python_version": "3.12", "platform_system": "Linux", "platform_machine": "x86_64"}
     gpu = {r.name: r for r in map(Requirement, metadata.get_all("Requires-Dist"))
            if r.marker is not None and r.marker.evaluate(cluster)}
@@ -108,16 +113,36 @@ def test_gpu_extra_installs_the_set_verl_is_tested_with(wheel):
     # verl's fsdp extra, item by item: through verl's own extras (verl-core, vllm's torch set, cupy) or pinned here
     through_verl = {r.name for extra in ("vllm", "cupy-cu130") for r in verl_extra_requirements(extra)}
     fsdp = {r.name: r for r in verl_extra_requirements("fsdp")}
-    assert set(fsdp) - through_verl == set(gpu), (set(fsdp) - through_verl, set(gpu))
-    for name in set(fsdp) - through_verl - {"flash-attn"}:
+    assert set(fsdp) - through_verl - {"flash-attn"} == set(gpu), (set(fsdp) - through_verl, set(gpu))
+    for name in gpu:
         assert str(gpu[name].specifier) == str(fsdp[name].specifier), name
-    # flash-attn: verl's pinned version, built for verl's torch minor and cupy's CUDA 13.0, CPython 3.12 only
-    flash = gpu["flash-attn"]
-    wheel_name = flash.url.rsplit("/", 1)[-1]
-    version = fsdp["flash-attn"].specifier
-    assert wheel_name.startswith(f"flash_attn-{str(version).lstrip('=')}+cu130torch{VERL_VLLM_PINS['torch'][2:6]}-")
-    assert wheel_name.endswith("-cp312-cp312-linux_x86_64.whl") and wheel_name.split("-")[1] in version
-    assert not flash.marker.evaluate({**cluster, "python_version": "3.11"})
+
+
+def test_the_metadata_is_pypi_legal_and_matches_verls_python(wheel):
+    """PyPI refuses direct-URL requirements; verl 0.9.1 installs on CPython 3.10 to 3.12; the license ships."""
+    metadata = _wheel_metadata(wheel)
+    requirements = [Requirement(r) for r in metadata.get_all("Requires-Dist")]
+    assert [str(r) for r in requirements if r.url] == []
+    assert "flash-attn" not in {r.name for r in requirements}
+    assert metadata["Requires-Python"] == md.metadata("verl")["Requires-Python"] == "<3.13,>=3.10"
+    assert metadata["License-Expression"] == "Apache-2.0"
+    names = zipfile.ZipFile(wheel).namelist()
+    (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    text = zipfile.ZipFile(wheel).read(license_file).decode()
+    assert text == (REPO / "LICENSE").read_text() and "Apache License" in text and "Version 2.0, January 2004" in text
+
+
+def test_the_constraints_pin_verls_gpu_set():
+    """docker/constraints-gpu.txt holds every version pinned by verl 0.9.1's vllm and fsdp extras, flash-attn included,
+    and verl itself: pip then keeps the install on the set verl tests."""
+    from setgrpo_verl.integration.support import verl_extra_requirements
+
+    lines = [line.split("#")[0].strip() for line in (REPO / "docker" / "constraints-gpu.txt").read_text().splitlines()]
+    constraints = {r.name: str(r.specifier) for r in map(Requirement, filter(None, lines))}
+    pinned = {r.name: str(r.specifier) for extra in ("vllm", "fsdp") for r in verl_extra_requirements(extra)
+              if str(r.specifier).startswith("==")}
+    assert constraints == {**pinned, "verl": "==0.9.1"}
+    assert constraints["flash-attn"] == "==2.8.3" and constraints["torch"] == VERL_VLLM_PINS["torch"]
 
 
 _WHERE = ("import json, importlib.resources as r, setgrpo_verl, hydra_plugins.setgrpo_verl_searchpath as p; "

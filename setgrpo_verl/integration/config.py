@@ -9,7 +9,6 @@ Every key's meaning and default is documented in the YAML file; this module only
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -22,10 +21,13 @@ from verl.trainer.config.algorithm import AlgoConfig
 from setgrpo_verl.core import ABLATIONS, DEFAULT_TAU_GRID, CalibrationRecord, CalibrationSettings, parse_part
 from setgrpo_verl.sketch import SketchConfig
 
+from .gpu_env import check_driver_gpus
+from .judge_access import check_judge_access, pass_judge_key
 from .prompts import check_calibration_disjoint, read_prompt_identities
 from .resume import check_resume
-from .reward_config import (REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_SCORE_KEY, grader_identity, reference_score_key,
-                            scorings)
+from .reward_config import (REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_SCORE_KEY, grader_config, grader_identity,
+                            reference_score_key, scorings)
+from .micro_batch import check_sketch_micro_batch
 from .support import check_attention_kernels, check_sketch_support, check_trainer_settings
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
@@ -43,9 +45,8 @@ GRADED_SYNC_NAME = "graded_sync"
 
 __all__ = [
     "ABLATIONS", "GRADED_SYNC_NAME", "SETGRPO_NAME", "TRAINER_MODE_OVERRIDE", "TRUTH_SCORE_KEY", "SetGRPOAlgoConfig",
-    "SetGRPOConfig", "SetGRPOConfigCheck", "check_record", "check_run_config", "check_sketch_micro_batch",
-    "check_training_data", "field_doc", "padded_batch_multiple", "render_yaml", "run_identity", "setgrpo_config_from",
-    "sketch_micro_batch_error",
+    "PAPER_VARIANT", "RELIABILITY_VARIANT", "SETGRPO_VARIANTS", "SetGRPOConfig", "SetGRPOConfigCheck", "check_record",
+    "check_run_config", "check_training_data", "field_doc", "render_yaml", "run_identity", "setgrpo_config_from",
 ]
 
 
@@ -399,95 +400,6 @@ def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
     )
 
 
-def sketch_micro_batch_error(*, k: int, prompts: Mapping[str, int], ranks: int, micro: int,
-                             source: str, multiple: int = 1) -> Optional[str]:
-    """Why a fixed sketch micro-batch cannot split the batches a rank sees, or None (docs/sketch.md).
-
-    verl's ``prepare_micro_batches`` (used by the sketch pass) needs every rank's share of a batch to be a multiple
-    of the micro-batch size; a batch of ``p`` prompts is ``p * k`` responses, padded by verl's ``_balance_batch``
-    up to a multiple of ``multiple`` (:func:`padded_batch_multiple`), over ``ranks`` data-parallel ranks,
-    ``ceil(responses / ranks)`` on the fullest rank when they do not split evenly.
-
-    Args:
-        k: responses per prompt (``actor_rollout_ref.rollout.n``).
-        prompts: a description of each batch (e.g. ``"a training step (data.train_batch_size=4)"``) -> its prompts.
-        ranks: data-parallel actor ranks.
-        micro: the fixed micro-batch size, in responses per rank.
-        source: the key that set ``micro`` (named in the message).
-        multiple: verl pads every batch to a multiple of this many responses (1: no padding).
-
-    Returns:
-        None when every batch splits evenly, else the message naming the batch, the sizes and the fix.
-    """
-    for what, count in prompts.items():
-        if count < 1:
-            continue
-        responses = -(-int(count) * int(k) // multiple) * multiple
-        per_rank = -(-responses // ranks)  # the fullest rank's share
-        if per_rank % micro:
-            fits = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
-            padded = f", padded to {responses}" if responses != count * k else ""
-            return (f"{source}={micro} does not divide the {per_rank} responses that each of the {ranks} actor "
-                    f"rank(s) gets in {what} ({count} prompts x actor_rollout_ref.rollout.n={k}{padded}): verl's "
-                    f"micro-batching needs equal chunks; use a divisor of {per_rank} (e.g. {fits}), null, or batch "
-                    "sizes that are multiples of it")
-    return None
-
-
-def padded_batch_multiple(*, ranks: int, mini_batch_prompts: int, k: int) -> int:
-    """The multiple of responses verl 0.9.1's ``_balance_batch`` pads every batch to with copies tagged
-    ``is_padding`` (``PPOTrainer._get_required_batch_multiple`` without a critic): ``lcm(ranks,
-    actor.ppo_mini_batch_size * k)``."""
-    return math.lcm(int(ranks), int(mini_batch_prompts) * int(k))
-
-
-def check_sketch_micro_batch(config: Any, setgrpo: SetGRPOConfig) -> None:
-    """Refuse, before Ray, a fixed micro-batch of the sketch pass that does not divide the batches a rank sees.
-
-    The sketch pass uses ``algorithm.setgrpo.sketch.micro_batch_size_per_gpu`` or, when neither it nor
-    ``max_token_len_per_gpu`` is set and verl's dynamic batching is off, the actor's
-    ``actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu`` (docs/sketch.md). The batches are a training
-    step (``data.train_batch_size`` prompts; not for a calibration-only run) and, when the run calibrates, the
-    calibration batches (``calibration.batch_size`` prompts and the last, smaller one of ``calibration.num_prompts``).
-
-    Raises:
-        ValueError: naming the micro-batch key, the batch and the sizes (:func:`sketch_micro_batch_error`).
-    """
-    sketch = setgrpo.sketch
-    if sketch.max_token_len_per_gpu is not None:
-        return
-    micro, source = sketch.micro_batch_size_per_gpu, "algorithm.setgrpo.sketch.micro_batch_size_per_gpu"
-    arr = config.actor_rollout_ref
-    if micro is None:
-        if arr.actor.get("use_dynamic_bsz", False):
-            return
-        micro = arr.rollout.get("log_prob_micro_batch_size_per_gpu", None)
-        source = ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu (the sketch pass's micro-batch when "
-                  "algorithm.setgrpo.sketch.micro_batch_size_per_gpu is null)")
-        if micro is None:
-            return
-    ranks = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
-    ranks //= max(1, int(arr.actor.get("ulysses_sequence_parallel_size", 1) or 1))
-    train = int(config.data.train_batch_size)
-    batches: dict[str, int] = {}
-    if not setgrpo.calibration.only:
-        batches[f"a training step (data.train_batch_size={train})"] = train
-    if not setgrpo.record_path:
-        cal = setgrpo.calibration
-        size = int(cal.batch_size or train)
-        batches[f"a calibration batch (algorithm.setgrpo.calibration.batch_size={size})"] = min(size, cal.num_prompts)
-        if cal.num_prompts > size and cal.num_prompts % size:
-            batches[f"the last calibration batch ({cal.num_prompts} calibration prompts in batches of {size})"] = (
-                cal.num_prompts % size)
-    # verl refuses a mini-batch larger than a step's prompts; at most those are padded to
-    mini = min(int(arr.actor.get("ppo_mini_batch_size", train) or train), train)
-    multiple = padded_batch_multiple(ranks=max(ranks, 1), k=int(arr.rollout.n), mini_batch_prompts=mini)
-    error = sketch_micro_batch_error(k=int(arr.rollout.n), prompts=batches, ranks=max(ranks, 1), micro=int(micro),
-                                     source=source, multiple=multiple)
-    if error:
-        raise ValueError(error)
-
-
 def _check_reward(config: Any, *, needs_reference: bool) -> None:
     """The dual-reward manager's grader, reference-score key and scorings, as verl's reward worker will read them;
     ``needs_reference``: the run reads the reference score (SetGRPO), so one scoring per response is refused."""
@@ -499,6 +411,7 @@ def _check_reward(config: Any, *, needs_reference: bool) -> None:
         grader_identity(config)
     except ValueError as exc:
         raise ValueError(f"reward.reward_kwargs.grader: {exc}") from None
+    check_judge_access(grader_config(config), int(config.trainer.get("nnodes", 1) or 1))
     reference_score_key(config)
     count = scorings(config)  # a value other than 1 and 2 is refused in every trainer mode
     if needs_reference and count == 1:
@@ -529,8 +442,11 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run
             (:func:`check_record`), or training data holding one of its calibration prompts
             (:func:`check_training_data`); for any trainer mode, an actor ``attn_implementation`` whose kernel
-            package is not importable (:func:`~setgrpo_verl.integration.support.check_attention_kernels`); for
-            SetGRPO, ``trainer.use_v1=false`` or a sketch token budget below one full-length sequence
+            package is not importable (:func:`~setgrpo_verl.integration.support.check_attention_kernels`) and, with
+            an NVIDIA driver here, a GPU environment verl cannot run in (:func:`~.gpu_env.check_driver_gpus`); with
+            ``setgrpo_dual``, a judge a reward worker could not use (:func:`~.judge_access.check_judge_access`); for
+            SetGRPO, ``trainer.use_v1=false``, an actor strategy other than fsdp / fsdp2 or a sketch token budget
+            below one full-length sequence
             (:func:`~setgrpo_verl.integration.support.check_trainer_settings`).
     """
     estimator = config.algorithm.adv_estimator
@@ -549,6 +465,7 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
     if trainer_mode != SETGRPO_NAME:
         _check_reward(config, needs_reference=False)
         check_attention_kernels(config)
+        check_driver_gpus(config)
         return None
     if config.actor_rollout_ref.rollout.n < 2:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
@@ -558,6 +475,7 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
         _check_reward(config, needs_reference=True)
         check_resume(config, setgrpo)
         check_attention_kernels(config)
+        check_driver_gpus(config)
         return setgrpo
     check_trainer_settings(config, setgrpo)
     check_sketch_micro_batch(config, setgrpo)
@@ -576,6 +494,7 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             check_training_data(record, config.data.train_files, prompt_key=prompt_key)
     check_resume(config, setgrpo)
     check_attention_kernels(config)  # the environment last: a wrong setting is named before a missing package
+    check_driver_gpus(config)
     return setgrpo
 
 
@@ -598,7 +517,9 @@ def check_training_data(record: CalibrationRecord, train_files: Any, *, prompt_k
 
 class SetGRPOConfigCheck(Callback):
     """Hydra callback (``hydra.callbacks.setgrpo_check`` in ``setgrpo_trainer.yaml``): runs
-    :func:`check_run_config` when ``main_ppo`` starts, before Ray and the workers are launched.
+    :func:`check_run_config` when ``main_ppo`` starts, before Ray and the workers are launched; then, for an HTTP
+    judge, passes ``OPENAI_API_KEY`` to the Ray workers through the job's runtime environment
+    (:func:`setgrpo_verl.integration.judge_access.pass_judge_key`).
 
     Raises:
         SystemExit: with the :func:`check_run_config` message (Hydra 1.3 turns ordinary exceptions raised by
@@ -610,3 +531,6 @@ class SetGRPOConfigCheck(Callback):
             check_run_config(config)
         except ValueError as exc:
             raise SystemExit(f"setgrpo_verl config error: {exc}") from exc
+        manager = config.get("reward", {}).get("reward_manager", {}) or {}
+        if str(manager.get("name", "")) == REWARD_MANAGER_NAME:
+            pass_judge_key(grader_config(config))  # the judge's key to every Ray worker, outside the config

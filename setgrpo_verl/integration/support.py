@@ -40,7 +40,8 @@ from setgrpo_verl.sketch import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["check_sketch_support", "check_sketch_settings", "build_meta_policy", "verl_monkey_patched",
-           "check_attention_kernels", "attention_kernel_error", "check_trainer_settings", "verl_extra_requirements"]
+           "check_attention_kernels", "attention_kernel_error", "check_trainer_settings", "verl_extra_requirements",
+           "SKETCH_STRATEGIES"]
 
 #: Modules whose classes verl 0.9.1's ``apply_monkey_patch`` patches besides the model's own modeling module.
 _PATCHED_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5",
@@ -354,9 +355,9 @@ def attention_kernel_error(attn_implementation: str, *, default: bool = False) -
         if _importable(module):
             return None
         if distribution == "flash-attn":
-            source = (f"{_verl_pin(distribution)}, from verl 0.9.1's fsdp extra: setgrpo-verl's gpu extra "
-                      "(pip install -e '.[gpu]') installs its prebuilt wheel on CPython 3.12 / Linux x86_64; "
-                      "elsewhere install a flash-attn 2.8.3 build for this torch and CUDA")
+            source = (f"{_verl_pin(distribution)}, from verl 0.9.1's fsdp extra: an install step of its own, "
+                      "verl's prebuilt wheel or `pip install --no-build-isolation flash-attn==2.8.3` "
+                      "(docs/verl_integration.md#installing-on-a-gpu-cluster)")
         else:
             source = ("FlashAttention-3, built from flash-attention's hopper/ folder; in no extra of verl or "
                       "setgrpo-verl")
@@ -403,6 +404,13 @@ def _warn_linear_attention_kernels(config: Any, module: torch.nn.Module) -> None
     )
 
 
+#: ``actor_rollout_ref.actor.strategy`` values whose engine the sketch pass runs on (verl's FSDPEngine).
+SKETCH_STRATEGIES = ("fsdp", "fsdp2")
+#: verl 0.9.1's other training engines, by strategy (mindspeed is Megatron on Ascend: strategy megatron).
+_OTHER_BACKENDS = {"megatron": "Megatron-LM (or MindSpeed)", "veomni": "VeOmni", "torchtitan": "TorchTitan",
+                   "automodel": "NeMo AutoModel", "fsdp_turbo": "verl's fsdp_turbo engine"}
+
+
 def check_trainer_settings(config: Any, setgrpo: Any) -> None:
     """Refuse, before Ray, the verl settings under which a SetGRPO run would stop after Ray started
     (docs/verl_integration.md#gpu-runs-of-the-recipes).
@@ -413,7 +421,9 @@ def check_trainer_settings(config: Any, setgrpo: Any) -> None:
 
     Raises:
         ValueError: ``trainer.use_v1=false`` (``main_ppo`` then runs verl's v0 trainer, whose workers have no
-            sketch RPC); a token budget of the sketch pass's dynamic micro-batches below
+            sketch RPC); an ``actor_rollout_ref.actor.strategy`` other than :data:`SKETCH_STRATEGIES` (megatron,
+            veomni, torchtitan, automodel, mindspeed's megatron, fsdp_turbo: the sketch pass hooks verl's FSDP
+            engine); a token budget of the sketch pass's dynamic micro-batches below
             ``data.max_prompt_length + data.max_response_length`` (verl's ``rearrange_micro_batches`` asserts
             ``max_token_len >= max_seq_len`` on every rank, after the calibration rollouts).
     """
@@ -421,6 +431,14 @@ def check_trainer_settings(config: Any, setgrpo: Any) -> None:
         raise ValueError(
             "trainer.use_v1=false: main_ppo then runs verl's v0 trainer, whose workers have no SetGRPO sketch RPC "
             "and which ignores trainer.v1.trainer_mode=setgrpo; set trainer.use_v1=true"
+        )
+    strategy = str(_get(config, "actor_rollout_ref.actor.strategy", "fsdp"))
+    if strategy not in SKETCH_STRATEGIES:
+        other = _OTHER_BACKENDS.get(strategy, f"verl's {strategy!r} engine")
+        raise ValueError(
+            f"actor_rollout_ref.actor.strategy={strategy}: the SetGRPO sketch pass runs on verl's FSDP engine only "
+            f"(strategy fsdp or fsdp2), not on {other}, and would stop at the first sketch, after the calibration "
+            "rollouts; use model_engine=dp with actor_rollout_ref.actor.strategy=fsdp2 (or fsdp)"
         )
     sketch = setgrpo.sketch
     budget, key = sketch.max_token_len_per_gpu, "algorithm.setgrpo.sketch.max_token_len_per_gpu"

@@ -63,7 +63,8 @@ from .groups import rows_to_sketch
 from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
                      write_state)
 from .reward_manager import GRADING_COUNT_KEYS, grading_metrics
-from .worker import SKETCH_CONFIG_KEY, SKETCH_KEY, SKETCH_ROWS_KEY, SetGRPOActorRolloutRefWorker
+from .worker import (SKETCH_CONFIG_KEY, SKETCH_KEY, SKETCH_ROWS_KEY, CheckedActorRolloutRefWorker,
+                     SetGRPOActorRolloutRefWorker)
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,17 @@ def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]
 class _SyncMode:
     """A trainer registered under its own name (``registered_mode``) that verl's base class sees as ``sync``: the base
     class branches on ``trainer_mode == "sync"`` (replay buffer, refill, checkpoint restore), and both trainers here
-    are sync trainers. Setting any mode other than ``registered_mode`` raises ValueError."""
+    are sync trainers. Setting any mode other than ``registered_mode`` raises ValueError. Its actor workers are
+    ``actor_worker``, which check their GPU environment before any model loads."""
 
     registered_mode: str
+    actor_worker: type = CheckedActorRolloutRefWorker
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        for role in _ACTOR_ROLES:
+            if role in self.role_worker_mapping:
+                self.role_worker_mapping[role] = ray.remote(self.actor_worker)
 
     @property
     def trainer_mode(self) -> str:
@@ -178,6 +187,7 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
     """
 
     registered_mode = SETGRPO_NAME
+    actor_worker = SetGRPOActorRolloutRefWorker
 
     def __init__(self, config):
         self.setgrpo: SetGRPOConfig = check_run_config(config)
@@ -190,13 +200,6 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
         super().__init__(config)
         if self.use_critic:
             raise ValueError("SetGRPO is critic-free (outcome-level estimator): remove the critic configuration")
-
-    # ------------------------------------------------------------------ workers
-    def _init_resource_pool_mgr(self):
-        super()._init_resource_pool_mgr()
-        for role in _ACTOR_ROLES:
-            if role in self.role_worker_mapping:
-                self.role_worker_mapping[role] = ray.remote(SetGRPOActorRolloutRefWorker)
 
     # ------------------------------------------------------------------ record
     @property
@@ -372,7 +375,8 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
                 manager.compute_rm_score = compute
             else:
                 del manager.compute_rm_score  # the class's method again
-        batch.fields = list(dict.fromkeys([*(batch.fields or []), "rm_scores", *written]))
+        if batch.fields is not None:  # None selects every field, the ones just written included
+            batch.fields = list(dict.fromkeys([*batch.fields, "rm_scores", *written]))
         return batch
 
     def _compute_sketches(self, batch, fused: bool = False) -> None:
@@ -510,11 +514,14 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
 
     def _update_actor(self, batch, metrics: dict):
         """verl's actor update, skipped when no group was accepted: every coefficient is zero, so no optimizer step
-        runs (AdamW's weight decay would otherwise still move the parameters) and ``actor/update_skipped`` is 1."""
+        runs (AdamW's weight decay would otherwise still move the parameters) and ``actor/update_skipped`` is 1. The
+        learning-rate scheduler still takes its step, as verl's update would, so that warmup and decay follow the
+        step count (``actor/lr`` is logged as on an update)."""
         skipped = self._accepted_groups == 0
         metrics["actor/update_skipped"] = float(skipped)
         if skipped:
             logger.warning("SetGRPO step %d: no group accepted, no optimizer step", self.global_steps)
+            metrics["actor/lr"] = float(self.actor_rollout_wg.step_lr_scheduler()[0])
             return batch
         return super()._update_actor(batch, metrics)
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from typing import Any, Optional
 
 import torch
 from tensordict import TensorDict
 
-from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.seqlen_balancing import restore_dynamic_batch
@@ -45,6 +46,8 @@ from setgrpo_verl.sketch import (
     raise_on_every_rank,
     token_weights,
 )
+
+from .gpu_env import gpu_check
 
 logger = logging.getLogger(__name__)
 
@@ -373,9 +376,27 @@ def sketch_and_log_probs(
     return sketches, log_probs
 
 
-class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
-    """verl's hybrid actor/rollout/ref worker plus the ``compute_sketches`` and ``compute_log_prob_and_sketches``
-    RPCs (docs/algorithm.md#5-sketches)."""
+class CheckedActorRolloutRefWorker(ActorRolloutRefWorker):
+    """verl's hybrid actor/rollout/ref worker that checks its GPU environment when it starts, before any model loads
+    (:func:`setgrpo_verl.integration.gpu_env.gpu_check`: CUDA available, the driver new enough for torch's CUDA,
+    flash-attn importing and running one kernel when the policy loads with it; docs/verl_integration.md#gpu-requirements).
+    The CPU backend skips the check. The actor worker of both trainer modes of this package.
+
+    Raises (at construction):
+        RuntimeError: the first thing wrong, naming the node, the rank and the fix.
+    """
+
+    def __init__(self, config, role: str, *args: Any, **kwargs: Any):
+        super().__init__(config, role, *args, **kwargs)  # verl's Worker setup picks this rank's GPU; loads nothing
+        error = gpu_check(config.get("model", None), run_kernel=True,
+                          where=f"actor worker ({role}) rank {self.rank} on {socket.gethostname()}")
+        if error:
+            raise RuntimeError(error)
+
+
+class SetGRPOActorRolloutRefWorker(CheckedActorRolloutRefWorker):
+    """verl's hybrid actor/rollout/ref worker plus the ``compute_sketches``, ``compute_log_prob_and_sketches`` and
+    ``step_lr_scheduler`` RPCs (docs/algorithm.md#5-sketches)."""
 
     def _sketch_engine(self):
         if self.actor is None:
@@ -427,6 +448,19 @@ class SetGRPOActorRolloutRefWorker(ActorRolloutRefWorker):
         if not self._sketch_engine().is_mp_src_rank_with_outputs():
             return None
         return TensorDict({SKETCH_KEY: sketches, "old_log_probs": log_probs}, batch_size=[sketches.shape[0]])
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def step_lr_scheduler(self) -> float:
+        """Advance the actor's learning-rate scheduler by one step without an optimizer step: what verl's
+        ``update_actor`` does after its last mini-batch, for a training step that updates nothing (every group
+        rejected), so that warmup and decay stay on the step count (docs/verl_integration.md#trainer-mode).
+
+        Returns:
+            The learning rate of the first parameter group after the step (what verl logs as ``actor/lr``).
+        """
+        if self.actor is None:
+            raise RuntimeError("step_lr_scheduler needs the actor role (role must contain 'actor')")
+        return float(self.actor.engine.lr_scheduler_step())
 
     def _sketch(self, data: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
         engine = self._sketch_engine()

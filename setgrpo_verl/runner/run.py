@@ -35,7 +35,7 @@ def _sketch_batches(values: dict[str, Any], command: str, trains: bool) -> dict[
 
 
 def _padding_multiple(values: dict[str, Any], ranks: int) -> int:
-    from ..integration.config import padded_batch_multiple
+    from ..integration.micro_batch import padded_batch_multiple
 
     mini = values.get("actor_rollout_ref.actor.ppo_mini_batch_size") or values.get("data.train_batch_size", 1)
     return padded_batch_multiple(ranks=ranks, mini_batch_prompts=int(mini),
@@ -51,7 +51,7 @@ def _micro_batch_size(values: dict[str, Any], ranks: int, max_responses: int = 1
     Raises:
         LaunchError: the batches cannot be split evenly over ``ranks``.
     """
-    from ..integration.config import sketch_micro_batch_error
+    from ..integration.micro_batch import sketch_micro_batch_error
     from ..rundir import LaunchError
 
     k = int(values.get("actor_rollout_ref.rollout.n", 8))
@@ -147,7 +147,7 @@ def make_plan(args: argparse.Namespace, values: dict[str, Any]) -> Plan:
         LaunchError: a bad flag, model directory, setting or micro-batch size.
     """
     from . import launch
-    from ..integration.config import sketch_micro_batch_error
+    from ..integration.micro_batch import sketch_micro_batch_error
 
     values = dict(values)
     seed = int(values.get("data.seed", 1))
@@ -206,8 +206,15 @@ def stage_commands(args: argparse.Namespace, plan: Plan, stages: list[str],
     return commands
 
 
+#: What a dry run says of the GPU environment checks: the command line's runs use verl's CPU backend, which skips them.
+NOT_RUN_GPU_CHECKS = ("[setgrpo-verl] checks: the GPU environment checks (CUDA available, NVIDIA driver R580 or newer "
+                      "for torch's CUDA 13.0, flash-attn loads) were not run: these commands run verl's CPU backend, "
+                      "which does not use them (docs/verl_integration.md#gpu-requirements)")
+
+
 def dry_run_text(commands: list[tuple[str, list[str]]], lifecycle=None) -> str:
-    """``--dry-run``'s text: the run directory's plan (what each directory would get) and the verl command lines."""
+    """``--dry-run``'s text: the run directory's plan (what each directory would get), a line saying that the GPU
+    environment checks were not run (:data:`NOT_RUN_GPU_CHECKS`), and the verl command lines."""
     lines = [] if lifecycle is None else [lifecycle.text()]
     if lifecycle is not None:
         from .runlock import holder
@@ -219,6 +226,8 @@ def dry_run_text(commands: list[tuple[str, list[str]]], lifecycle=None) -> str:
         if refused:
             lines.append(f"[setgrpo-verl] plan: the command would stop before writing anything: "
                          f"{lifecycle.run_dir / refused[0].name} {refused[0].reason}")
+    if commands:
+        lines.append(NOT_RUN_GPU_CHECKS)
     return "\n".join(lines + [" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands])
 
 

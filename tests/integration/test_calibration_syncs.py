@@ -185,6 +185,12 @@ def test_a_reward_computed_in_the_trainer_process_brings_its_extra_keys(monkeypa
     assert batch.fields == ["prompts", "responses", "rm_scores", "setgrpo_reference_score"]
     assert "setgrpo_reference_score" in store and "rm_scores" in store
     assert "compute_rm_score" not in vars(trainer.reward_loop_manager)
+    # verl's fields=None means every field: the next RPCs (old log-prob, sketches) still read input_ids and the rest
+    store.pop("rm_scores"), store.pop("setgrpo_reference_score")
+    batch = KVBatchMeta(keys=["a", "b"], tags=[{}, {}], partition_id="train", fields=None)
+    batch = trainer._compute_reward_colocate(batch, metrics={})
+    assert batch.fields is None
+    assert "setgrpo_reference_score" in store and "rm_scores" in store
 
 
 class _Stop(Exception):

@@ -25,6 +25,7 @@ from setgrpo_verl.integration.config import SetGRPOAlgoConfig, SetGRPOConfig, ch
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith(("_", "prepare")))
 MODES = ("calibrate", "train", "grpo")
+JUDGE = "http://judge.internal:8000/v1"  # the recipes have no default judge URL
 CONFIG_DIR = str(REPO / "hydra_configs")  # the YAML sources (installed as the package setgrpo_verl.hydra_configs)
 TABLE3 = {  # the paper's Table 3, as verl keys
     "actor_rollout_ref.rollout.n": 8,
@@ -52,7 +53,7 @@ def _compose(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def _recipe_argv(recipe: Path, mode: str, tmp: Path, *extra: str) -> list[str]:
+def _recipe_argv(recipe: Path, mode: str, tmp: Path, *extra: str, environ: dict | None = None) -> list[str]:
     """The exact arguments a recipe passes to `python -m verl.trainer.main_ppo` (captured by a python shim)."""
     shim, captured = tmp / "python", tmp / f"{recipe.stem}-{mode}.args"
     shim.write_text(
@@ -62,7 +63,10 @@ def _recipe_argv(recipe: Path, mode: str, tmp: Path, *extra: str) -> list[str]:
         f'exec "{sys.executable}" "$@"\n'
     )
     shim.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(shim), "SHIM_OUT": str(captured), "HOME": str(tmp)}
+    env = {"JUDGE_BASE_URL": JUDGE, "RUN_ROOT": str(tmp / "runs"), **os.environ, "PYTHON": str(shim),
+           "SHIM_OUT": str(captured), "HOME": str(tmp)}
+    env.pop("WANDB_API_KEY", None)
+    env.update(environ or {})
     subprocess.run(["bash", str(recipe), mode, *extra], env=env, check=True, capture_output=True, timeout=120)
     return captured.read_text().split("\0")[:-1]
 
@@ -145,6 +149,7 @@ def test_grpo_baseline_settings_identical_to_setgrpo(compositions):
         d["algorithm"] = {k: v for k, v in d["algorithm"].items() if k not in ("setgrpo", "_target_", "adv_estimator")}
         for k in ("experiment_name", "default_local_dir"):
             d["trainer"].pop(k)
+        d["ray_kwargs"]["ray_init"]["runtime_env"].pop("env_vars")  # the loggers' files in the run's directory
         d["trainer"]["v1"].pop("trainer_mode")
         d["trainer"]["v1"].pop("setgrpo", None)
         d["reward"]["reward_kwargs"].pop("scorings", None)
@@ -265,6 +270,52 @@ def test_sketch_defaults_are_exactly_sketch_config():
     code, out, _ = _compose(["--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer",
                              "algorithm.setgrpo.sketch.copies=8"])
     assert setgrpo_config_from(OmegaConf.create(out).algorithm).sketch.to_sketch_config().copies == 8
+
+
+def test_no_default_judge_url(tmp_path):
+    shim = tmp_path / "python"
+    shim.write_text("#!/usr/bin/env bash\nexit 0\n")
+    shim.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "JUDGE_BASE_URL"}
+    proc = subprocess.run(["bash", str(RECIPES[0]), "train"], env={**env, "PYTHON": str(shim), "HOME": str(tmp_path)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "set JUDGE_BASE_URL" in proc.stderr, proc.stderr
+
+
+def test_loggers_run_anywhere_and_wandb_only_when_asked_or_keyed(tmp_path):
+    """verl's wandb.init fails without a key, minutes in: the default is console + file + tensorboard, the files in
+    the run's directory; wandb is added when a key is present, and LOGGER is taken as given."""
+    def logger(argv):
+        return next(a.split("=", 1)[1] for a in argv if a.startswith("trainer.logger="))
+
+    recipe = REPO / "recipes" / "qwen3_4b.sh"
+    argv = _recipe_argv(recipe, "train", tmp_path)
+    assert logger(argv) == '["console","file","tensorboard"]'
+    run = tmp_path / "runs" / "qwen3-4b-setgrpo"
+    assert f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={run}/metrics.jsonl" in argv
+    assert f"+ray_kwargs.ray_init.runtime_env.env_vars.TENSORBOARD_DIR={run}/tensorboard" in argv
+    assert run.is_dir()  # verl's file logger opens the file without creating its folder
+    assert logger(_recipe_argv(recipe, "grpo", tmp_path, environ={"WANDB_API_KEY": "k"})).endswith(',"wandb"]')
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")  # `wandb login`
+    assert logger(_recipe_argv(recipe, "train", tmp_path)).endswith(',"wandb"]')
+    assert logger(_recipe_argv(recipe, "train", tmp_path, environ={"LOGGER": '["console"]'})) == '["console"]'
+
+
+def test_several_nodes_refuse_a_loopback_judge_before_ray(tmp_path, monkeypatch):
+    from setgrpo_verl.integration import support
+
+    monkeypatch.setattr(support, "build_meta_policy", lambda model_cfg: None)  # hub models, offline
+    spec = importlib.machinery.ModuleSpec("flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(__spec__=spec))
+    for url, refused in (("http://127.0.0.1:8000/v1", True), (JUDGE, False)):
+        argv = _recipe_argv(RECIPES[0], "calibrate", tmp_path, environ={"NNODES": "2", "JUDGE_BASE_URL": url})
+        code, out, err = _compose(argv)
+        assert code == 0, err[-3000:]
+        if refused:
+            with pytest.raises(ValueError, match="is a loopback address, but trainer.nnodes=2"):
+                check_run_config(OmegaConf.create(out))
+        else:
+            check_run_config(OmegaConf.create(out))
 
 
 def test_the_judge_context_sets_the_response_cut(tmp_path, monkeypatch):

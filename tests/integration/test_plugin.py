@@ -93,6 +93,15 @@ def test_trainer_mode_looks_like_sync_to_verl_and_uses_the_sketch_worker():
     actor = trainer.role_worker_mapping[Role.ActorRollout]
     assert isinstance(actor, ray.actor.ActorClass)
     assert actor.__ray_metadata__.modified_class.__mro__[1] is SetGRPOActorRolloutRefWorker
+    # the GRPO baseline's trainer mode: verl's worker that checks its GPU environment before any model loads
+    from setgrpo_verl.integration.trainer import GradedSyncTrainer
+    from setgrpo_verl.integration.worker import CheckedActorRolloutRefWorker
+
+    graded = GradedSyncTrainer.__new__(GradedSyncTrainer)
+    graded.config = _trainer_config()
+    graded._init_resource_pool_mgr()
+    actor = graded.role_worker_mapping[Role.ActorRollout]
+    assert actor.__ray_metadata__.modified_class.__mro__[1] is CheckedActorRolloutRefWorker
 
 
 def _record_trainer(tmp_path, **setgrpo):

@@ -27,6 +27,7 @@ SKETCH_4 = ("actor_rollout_ref.rollout.n=3", "data.train_batch_size=3", "algorit
 TABLE3_LENGTHS = ("data.max_prompt_length=2048", "data.max_response_length=4096")
 CAL_ONLY = "algorithm.setgrpo.calibration.only=true"
 OPENAI_TYPO = "+reward.reward_kwargs.grader={type:openai,base_url:'http://127.0.0.1:9/v1',model:m,max_token:2048}"
+OPENAI_JUDGE = "+reward.reward_kwargs.grader={type:openai,base_url:'http://127.0.0.1:9/v1',model:m}"
 
 
 EAGER = "+actor_rollout_ref.model.override_config.attn_implementation=eager"  # what CPU runs set
@@ -104,6 +105,21 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job",
       "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096"),
      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (the sketch pass's token budget when "
      "algorithm.setgrpo.sketch.max_token_len_per_gpu is null)=4096 is below one full-length sequence"),
+    # verl places reward workers on every node: a loopback judge serves one of them
+    ((OPENAI_JUDGE, CAL_ONLY, "trainer.nnodes=2"),
+     "reward.reward_kwargs.grader.base_url=http://127.0.0.1:9/v1 is a loopback address, but trainer.nnodes=2"),
+    ((OPENAI_JUDGE.replace("127.0.0.1", "localhost"), CAL_ONLY, "trainer.nnodes=2"), "is a loopback address"),
+    ((OPENAI_JUDGE.replace("127.0.0.1", "0.0.0.0"), CAL_ONLY, "trainer.nnodes=3"), "is a loopback address"),
+    ((OPENAI_JUDGE.replace("'http://127.0.0.1:9/v1'", "'http://[::1]:9/v1'"), CAL_ONLY, "trainer.nnodes=2"),
+     "is a loopback address"),
+    # a key in the config lands in verl's printed config and the command line
+    ((OPENAI_JUDGE.replace("model:m", "model:m,api_key:sk-x"), CAL_ONLY),
+     "reward.reward_kwargs.grader.api_key: a key in the config is printed with verl's config"),
+    # the sketch pass hooks verl's FSDP engine: any other training engine stops at the first sketch
+    *[((LOCAL, CAL_ONLY, f"actor_rollout_ref.actor.strategy={strategy}"),
+       f"actor_rollout_ref.actor.strategy={strategy}: the SetGRPO sketch pass runs on verl's FSDP engine only")
+      for strategy in ("megatron", "veomni", "torchtitan", "automodel", "fsdp_turbo")],
+    ((LOCAL, CAL_ONLY, "model_engine=megatron"), "actor_rollout_ref.actor.strategy=megatron"),
 ])
 def test_check_before_ray_refuses(overrides, message):
     """Each of these passed the pre-Ray check and failed later, after Ray and the models had started."""
@@ -117,6 +133,30 @@ def test_reliability_variant_skips_the_sketch_and_record_checks():
     """No sketch pass runs: a sketch micro-batch that would not divide a rank's batch is not its concern."""
     cfg = _compose(LOCAL, "algorithm.setgrpo.variant=reliability", *SKETCH_4, "trainer.n_gpus_per_node=1")
     assert check_run_config(cfg).variant == "reliability"
+
+
+def test_a_loopback_judge_serves_one_node_and_fsdp2_is_a_sketch_backend():
+    assert check_run_config(_compose(OPENAI_JUDGE, CAL_ONLY)) is not None
+    assert check_run_config(_compose(OPENAI_JUDGE.replace("127.0.0.1", "judge.internal"), CAL_ONLY,
+                                     "trainer.nnodes=2")) is not None
+    assert check_run_config(_compose(LOCAL, CAL_ONLY, "actor_rollout_ref.actor.strategy=fsdp2")) is not None
+
+
+@pytest.mark.parametrize("config", ["setgrpo_trainer", "ppo_trainer"])
+def test_a_driver_with_an_nvidia_driver_checks_its_gpu_environment(monkeypatch, config):
+    """Every trainer mode: torch 2.11's CUDA 13.0 on a driver of the R550 branch sees no GPU."""
+    from setgrpo_verl.integration import gpu_env
+
+    cfg = _compose(LOCAL, CAL_ONLY) if config == "setgrpo_trainer" else _compose(LOCAL, config=config)
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.setattr(gpu_env, "read_gpu_environment", lambda **kw: gpu_env.GpuEnvironment(
+        "2.11.0+cu130", "13.0", False, "550.54.15"))
+    monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: False)
+    check_run_config(cfg)  # no NVIDIA driver on the driver's machine: the workers check their GPUs
+    monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: True)
+    with pytest.raises(ValueError, match=r"the driver \(where main_ppo starts\): the NVIDIA driver 550.54.15 is older "
+                                         r"than R580, which CUDA 13.0"):
+        check_run_config(cfg)
 
 
 def test_rho_zero_is_admissible_for_dr_grpo():
@@ -254,7 +294,8 @@ def test_default_attention_without_its_package_is_refused_naming_package_and_ext
     text = str(exc.value)
     assert text.startswith("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2 "
                            "(verl's default) needs the package flash_attn")
-    for needle in (FLASH_PIN, "verl 0.9.1's fsdp extra", "pip install -e '.[gpu]'",
+    for needle in (FLASH_PIN, "verl 0.9.1's fsdp extra", "pip install --no-build-isolation flash-attn==2.8.3",
+                   "docs/verl_integration.md#installing-on-a-gpu-cluster",
                    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"):
         assert needle in text, (needle, text)
     _package(monkeypatch, "flash_attn", present=True)

@@ -72,6 +72,9 @@ def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
     out = capsys.readouterr().out.strip().splitlines()
     plan, lines = [x for x in out if x.startswith("[setgrpo-verl] plan:")], [x for x in out if not x.startswith("[")]
     assert len(lines) == 2 and not run.exists()
+    # the CPU backend's runs: the GPU environment checks are not run, and the dry run says so
+    (checks,) = [x for x in out if x.startswith("[setgrpo-verl] checks:")]
+    assert "GPU environment checks" in checks and "were not run" in checks and "R580" in checks
     assert [p.split(f"{run}/")[1] for p in plan] == [f"{d}/ (absent): create, written by this command" for d in
                                                      ("data", "calibration", "train_setgrpo", "train_grpo", "report")]
     setgrpo, grpo = (shlex.split(line) for line in lines)

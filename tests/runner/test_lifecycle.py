@@ -355,7 +355,8 @@ def test_the_default_profile_saves_checkpoints_to_resume_from():
 def test_the_default_sketch_micro_batch_fits_the_last_calibration_batch_as_verl_pads_it(tmp_path):
     from omegaconf import OmegaConf
 
-    from setgrpo_verl.integration.config import check_sketch_micro_batch, setgrpo_config_from, sketch_micro_batch_error
+    from setgrpo_verl.integration.config import setgrpo_config_from
+    from setgrpo_verl.integration.micro_batch import check_sketch_micro_batch, sketch_micro_batch_error
 
     args = cli.build_parser().parse_args(["calibrate", "--run-dir", str(tmp_path / "run"), "--calib-groups", "50"])
     values = cli._plan(args).values
