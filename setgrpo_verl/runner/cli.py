@@ -83,7 +83,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "data.max_prompt_length": 96,
         "data.max_response_length": 24,
         # sized for the risk test: 96 groups leave about 48 risk groups, enough for a threshold to certify at
-        # these levels in nearly every calibration (benchmarks/bench_quickstart_certifies.py); three batches
+        # these levels in most calibrations (README: the estimate and its interval); three batches
         # rolled out together keep the one weight sync of a single chunk
         "algorithm.setgrpo.calibration.num_prompts": 96,
         "algorithm.setgrpo.calibration.batch_size": 32,
