@@ -1,43 +1,47 @@
-"""How often a finished run's calibration certifies a threshold: bootstrap of its calibration groups.
+"""How often a fresh run certifies a threshold: a posterior-predictive estimate, with its interval, from one run.
 
-Reads ``<run-dir>/calibration/paired_scores.npz`` (point and reference scores and Gram matrices of every
-calibration group) and ``record.json`` (the levels, grid, rho and split seed), and draws ``--resamples``
-bootstrap sets of the non-degenerate share of ``--groups`` groups (default: as many as the run calibrated on; the
-degenerate groups, which calibration drops, are left out). Each set is stratified by the
-run's own split: its coverage part is drawn with replacement from the run's coverage groups and its risk part from
-the run's risk groups, in the positions where re-calibration puts them, so no group (or copy of one) is in both
-parts, as no group is in a real calibration. Each set is re-calibrated with the record's settings (its levels,
-grid, SRGO procedure and start threshold, the run's risk fraction, no coverage cap; ``on_infeasible="reject_all"``)
-and the sets whose record selects a
-threshold are counted (docs/record.md#threshold-grid-srgo). The last line is ``quickstart certifies in R of N
-resamples``.
+Reads ``<run-dir>/calibration/record.json`` and ``paired_scores.npz``. Every risk group of the run has an outcome
+at each threshold of the grid: not accepted, accepted, or accepted and reversed (:func:`group_outcomes`,
+recomputed with the record's radius and checked against the record's counts). A fresh run's risk groups are a new
+sample from the population of such outcomes, whose shares are unknown. Their posterior given the run's groups is a
+Dirichlet with one count per group (the Bayesian bootstrap); it carries the uncertainty of the acceptance and
+reversal rates of every threshold jointly. For each of ``--draws`` posterior draws, ``--runs`` fresh runs of the
+run's number of risk groups are drawn from it (multinomial) and tested with the record's SRGO procedure
+(:func:`certifies`); the share that certifies is that draw's probability that a fresh run certifies
+(:func:`fresh_run_certify`). The estimate is the mean over the draws (the posterior-predictive probability), the
+interval the 5 % and 95 % quantiles of the draws (a 90 % credible interval). The coverage radius ``q_alpha`` is
+held at the run's: a fresh run's coverage groups move it, and every acceptance with it, a spread this estimate
+leaves out.
 
-    python benchmarks/bench_quickstart_certifies.py --run-dir runs/quickstart [--resamples 200] [--groups 96]
+Resampling the run's own groups instead (a bootstrap) estimates how often that run's data would certify: the
+fresh-run rate only if the observed reversal rate were the true one. A run that certified by a small margin had a
+low reversal rate by chance, and its bootstrap says it certifies nearly always.
 
-``--groups`` larger than the run's own count estimates what a larger calibration set of the same policy and
-grader would give, before paying for it.
+    python benchmarks/bench_quickstart_certifies.py --run-dir runs/quickstart [--draws 400] [--runs 400] [--groups 192]
+
+``--groups`` (default: the run's) sizes the fresh runs' calibration, to estimate what a larger calibration of the
+same policy and grader would give before paying for it. The last line is ``fresh runs certify with probability P
+(90% interval LO-HI)``. docs/benchmarks.md quotes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from setgrpo_verl.core import CalibrationRecord, calibrate, coverage_risk_split, degenerate_groups
-
-
-def certified(paired: dict[str, torch.Tensor], record: CalibrationRecord, rows: np.ndarray,
-              risk_fraction: float) -> bool:
-    """Whether re-calibrating on the groups ``rows`` (int64 indices, repeats allowed) with the record's settings, the
-    run's risk fraction and no coverage cap selects a threshold."""
-    settings = record.settings.replace(on_infeasible="reject_all", risk_fraction=risk_fraction, coverage_groups=None)
-    rec = calibrate(paired["point"][rows], paired["reference"][rows], paired["gram"][rows], settings,
-                    split_seed=record.split_seed, degenerate_rtol=record.degenerate_rtol)
-    return rec.tau_sel is not None
+from setgrpo_verl.core import (
+    CalibrationRecord,
+    clopper_pearson_upper,
+    coverage_risk_split,
+    degenerate_groups,
+    reversal_events,
+    setgrpo_coefficients,
+)
 
 
 def run_split(point: torch.Tensor, record: CalibrationRecord) -> tuple[np.ndarray, np.ndarray]:
@@ -60,24 +64,85 @@ def run_split(point: torch.Tensor, record: CalibrationRecord) -> tuple[np.ndarra
     return live[cov].numpy(), live[risk].numpy()
 
 
-def stratified_rows(coverage: np.ndarray, risk: np.ndarray, n: int, split_seed: int, risk_fraction: float,
-                    rng: np.random.Generator) -> np.ndarray:
-    """``n`` group indices (int64 [n]) whose re-calibration split (:func:`coverage_risk_split` with ``split_seed``,
-    ``risk_fraction`` and no coverage cap; the rows are all non-degenerate) puts draws with replacement from
-    ``coverage`` at its coverage positions and from ``risk`` at its risk positions."""
-    cov_pos, risk_pos = coverage_risk_split(n, split_seed=split_seed, risk_fraction=risk_fraction,
-                                            coverage_groups=None)
-    rows = np.empty(n, dtype=np.int64)
-    rows[cov_pos.numpy()] = rng.choice(coverage, size=cov_pos.numel(), replace=True)
-    rows[risk_pos.numpy()] = rng.choice(risk, size=risk_pos.numel(), replace=True)
-    return rows
+def group_outcomes(paired: dict[str, torch.Tensor], record: CalibrationRecord,
+                   risk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(accepted, reversed)``, bool ``[n_risk, m]``: whether each risk group is accepted, and reverses, at each of
+    the grid's m thresholds, with the record's radius (what calibration counted, group by group).
+
+    Raises:
+        SystemExit: a record of an ablation (the outcomes are the paper variant's), or outcomes whose sums are not
+            the record's counts ``n_accepted`` / ``n_reversals``.
+    """
+    s = record.settings
+    if s.ablation is not None:
+        raise SystemExit(f"the record is of the {s.ablation!r} ablation; this estimate covers the paper variant")
+    point, gram, reference = paired["point"][risk], paired["gram"][risk], paired["reference"][risk]
+    accepted, reversed_ = [], []
+    for tau in s.tau_grid:  # the record's radius, tau fixed: the groups calibration accepted at tau
+        at_tau = dataclasses.replace(record, settings=s.replace(ablation="fixed_threshold", fixed_tau=tau),
+                                     tau_sel=tau)
+        res = setgrpo_coefficients(point, gram, at_tau)
+        accepted.append(res.accepted.numpy())
+        reversed_.append(reversal_events(res.coefficients, gram, reference, res.accepted, norm_by_std=s.norm_by_std,
+                                         eps=s.eps, degenerate_rtol=record.degenerate_rtol).numpy())
+    accepted, reversed_ = np.stack(accepted, 1), np.stack(reversed_, 1)
+    counts = (tuple(int(x) for x in accepted.sum(0)), tuple(int(x) for x in reversed_.sum(0)))
+    if counts != (tuple(record.n_accepted), tuple(record.n_reversals)):
+        raise SystemExit(f"recomputed counts N={counts[0]}, F={counts[1]} differ from the record's "
+                         f"N={record.n_accepted}, F={record.n_reversals}: pass the run's own calibration directory")
+    return accepted, reversed_
+
+
+def certifies(n_accepted: np.ndarray, n_reversals: np.ndarray, *, beta: float, delta: float, procedure: str,
+              start_index: int | None = None) -> np.ndarray:
+    """Whether SRGO certifies a threshold (``threshold_tests(...).index is not None``, docs/algorithm.md#4-srgo),
+    for many runs at once.
+
+    Args:
+        n_accepted, n_reversals: int ``[..., m]`` counts N_j, F_j of each run.
+        beta, delta, procedure, start_index: the record's (``start_index``: the fixed sequence's first threshold).
+
+    Returns:
+        bool ``[...]``: Bonferroni, some threshold's Clopper-Pearson bound at ``1 - delta / m`` is ``<= beta`` with
+        ``N_j > 0``; fixed sequence, the start's bound at ``1 - delta`` is.
+    """
+    m = n_accepted.shape[-1]
+    level = delta / m if procedure == "bonferroni" else delta
+    passes = (n_accepted > 0) & (clopper_pearson_upper(n_reversals, n_accepted, 1.0 - level) <= beta)
+    return passes.any(-1) if procedure == "bonferroni" else passes[..., start_index]
+
+
+def fresh_run_certify(accepted: np.ndarray, reversed_: np.ndarray, n_risk: int, test, *, draws: int, runs: int,
+                      rng: np.random.Generator) -> np.ndarray:
+    """Posterior draws of the probability that a fresh run certifies (module docstring).
+
+    Args:
+        accepted, reversed_: bool ``[n, m]`` outcomes of the run's n risk groups (:func:`group_outcomes`).
+        n_risk: risk groups of a fresh run.
+        test: ``test(n_accepted, n_reversals) -> bool[...]``, e.g. :func:`certifies` with the record's levels.
+        draws: posterior draws of the outcome shares (Dirichlet, one count per group).
+        runs: fresh runs simulated per draw.
+        rng: the random generator.
+
+    Returns:
+        float64 ``[draws]``: each draw's share of certifying fresh runs.
+    """
+    acc, rev = accepted.astype(np.int64), (accepted & reversed_).astype(np.int64)
+    out = np.empty(draws)
+    for d in range(draws):
+        shares = rng.dirichlet(np.ones(acc.shape[0]))
+        picks = rng.multinomial(n_risk, shares, size=runs)  # [runs, n]: copies of each group in each fresh run
+        out[d] = test(picks @ acc, picks @ rev).mean()
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, required=True)
-    parser.add_argument("--resamples", type=int, default=200)
-    parser.add_argument("--groups", type=int, default=None, help="groups per resample (default: the run's)")
+    parser.add_argument("--draws", type=int, default=400, help="posterior draws of the outcome shares")
+    parser.add_argument("--runs", type=int, default=400, help="fresh runs simulated per draw")
+    parser.add_argument("--groups", type=int, default=None, help="calibration groups of a fresh run (default: the "
+                        "run's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     calibration = args.run_dir / "calibration"
@@ -86,22 +151,26 @@ def main() -> None:
         paired = {k: torch.from_numpy(np.asarray(z[k], dtype=np.float64)) for k in ("point", "reference", "gram")}
     total = paired["point"].shape[0]
     groups = args.groups or total
-    coverage, risk = run_split(paired["point"], record)
-    live = round(groups * (coverage.size + risk.size) / total)  # the run's share of non-degenerate groups
-    risk_fraction = risk.size / (coverage.size + risk.size)  # the run's own, whatever its settings were
-    rng = np.random.default_rng(args.seed)
+    _, risk = run_split(paired["point"], record)
+    accepted, reversed_ = group_outcomes(paired, record, risk)
+    n_risk = round(groups * risk.size / total)  # the run's share of risk groups
+    s = record.settings
+    start = None if s.srgo_procedure == "bonferroni" else list(s.tau_grid).index(s.tau_start)
+
+    def test(n_acc, n_rev):
+        return certifies(n_acc, n_rev, beta=s.beta, delta=s.delta, procedure=s.srgo_procedure, start_index=start)
+
     t0 = time.perf_counter()
-    hits = sum(certified(paired, record, stratified_rows(coverage, risk, live, record.split_seed, risk_fraction, rng),
-                         risk_fraction)
-               for _ in range(args.resamples))
-    elapsed = time.perf_counter() - t0
-    levels = record.settings
-    print(f"run: {args.run_dir} ({total} calibration groups, K={record.K}; alpha={levels.alpha}, beta={levels.beta}, "
-          f"delta={levels.delta}, {len(levels.tau_grid)} thresholds); the run itself "
-          f"{'certified tau_sel=' + format(record.tau_sel, 'g') if record.tau_sel is not None else 'certified none'}")
-    print(f"{args.resamples} resamples of {groups} groups ({live} non-degenerate) with replacement, stratified by "
-          f"the run's coverage/risk split, in {elapsed:.1f} s")
-    print(f"quickstart certifies in {hits} of {args.resamples} resamples")
+    probs = fresh_run_certify(accepted, reversed_, n_risk, test, draws=args.draws, runs=args.runs,
+                              rng=np.random.default_rng(args.seed))
+    lo, hi = np.quantile(probs, [0.05, 0.95])
+    print(f"run: {args.run_dir} ({total} calibration groups, {risk.size} risk groups, K={record.K}; alpha={s.alpha}, "
+          f"beta={s.beta}, delta={s.delta}, {len(s.tau_grid)} thresholds, {s.srgo_procedure}); the run itself "
+          f"{'certified tau_sel=' + format(record.tau_sel, 'g') if record.tau_sel is not None else 'certified none'}"
+          f" (N={list(record.n_accepted)}, F={list(record.n_reversals)})")
+    print(f"{args.draws} posterior draws x {args.runs} fresh runs of {groups} groups ({n_risk} risk groups), radius "
+          f"q_alpha={record.q_alpha:.4g} held, in {time.perf_counter() - t0:.1f} s")
+    print(f"fresh runs certify with probability {probs.mean():.2f} (90% interval {lo:.2f}-{hi:.2f})")
 
 
 if __name__ == "__main__":

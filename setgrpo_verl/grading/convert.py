@@ -101,7 +101,10 @@ def read_rubric_rows(path: str | os.PathLike, *, duplicate_criteria: str = "erro
 
     Rows in the RubricHub_v1 release layout (``prompt``, ``Rubrics``, criteria ``tags``, no id) are accepted and
     come back in our layout (:func:`~.rubrichub.release_row`: ``question`` from the user turn, ``prompt`` kept,
-    ``rubrics``, a derived ``id``); their rule-tagged criteria are checked by code.
+    ``rubrics``, a derived ``id``); their rule-tagged criteria are checked by code. Rows in verl's RL layout (the
+    rubric in ``reward_model.ground_truth``, such as our own ``data/train.parquet``) come back in our layout too
+    (:func:`~.rubrichub.verl_row`: the question from the last user turn, ``prompt`` kept, the row's own or a stable
+    derived id); a ground truth that is not a rubric is refused, naming the row.
 
     Args:
         path: the file.

@@ -336,7 +336,8 @@ def _as_verdict(v) -> Verdict:
 _JUDGE_KEYS = {
     "local_hf": {"model_path", "temperature", "batch_size", "max_question_tokens", "max_response_tokens"},
     "openai": {"base_url", "model", "api_key", "temperature", "max_tokens", "chat_template_kwargs", "max_concurrency",
-               "timeout", "max_retries", "parse_retries", "max_unparsed_ratio", "max_response_tokens"},
+               "timeout", "max_retries", "parse_retries", "max_unparsed_ratio", "max_response_tokens",
+               "rate_limit_wait"},
 }
 
 
@@ -366,8 +367,8 @@ def build_grader(config: Mapping[str, Any] | None):
         ``batch_size``, ``max_question_tokens``, ``max_response_tokens`` (see :class:`LocalHFJudge`);
       * ``openai``: ``base_url``, ``model`` (required), ``api_key``, ``temperature``, ``max_tokens`` (token budget
         per verdict; raise it for a reasoning judge), ``chat_template_kwargs`` (e.g. ``{enable_thinking: false}``),
-        ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries``, ``max_response_tokens`` (responses
-        cut to fit the judge's context; see :class:`OpenAIJudge`) and
+        ``max_concurrency``, ``timeout``, ``max_retries``, ``parse_retries``, ``rate_limit_wait``,
+        ``max_response_tokens`` (responses cut to fit the judge's context; see :class:`OpenAIJudge`) and
         ``max_unparsed_ratio`` (default 0: any unparsed verdict stops; see :class:`RubricGrader`);
       * ``function``: ``path``, ``name`` (default ``compute_score``), ``kwargs``;
       * ``rules``: no judge (every criterion must carry a rule);

@@ -1,7 +1,11 @@
 """The HTTP judge: any OpenAI-compatible chat-completions server (vLLM, SGLang, a hosted API).
 
 :class:`OpenAIJudge` is async with a concurrency limit; timeout and retries with exponential backoff on
-408/409/429/5xx and connection errors are the ``openai`` client's own (``max_retries``, honours ``Retry-After``); an
+408/409/429/5xx and connection errors are the ``openai`` client's own (``max_retries``, honours ``Retry-After``). A
+request still refused with HTTP 429 after those retries lowers the requests in flight of its event loop
+(:class:`~.inflight.InFlightLimit`) and is sent again, until it has waited ``rate_limit_wait`` seconds in all
+(docs/grading.md#requests-in-flight). A timeout is reported as a slow judge, naming ``timeout``, never as an
+unreachable one; an
 HTTP 200 whose body is not a chat completion (an HTML page, an empty body, an ``{"error": ...}`` payload, no choices)
 is a transport failure too, retried with the same budget and backoff, never read as an answer. The reply is read by
 :func:`~.protocol.read_reply` (every OpenAI-compatible shape; tool calls and refusals are errors) and its verdict by
@@ -25,6 +29,7 @@ import os
 import re
 from typing import Any, Sequence
 
+from .inflight import InFlightLimit, rate_limited_error, too_slow_error
 from .protocol import (
     SAID_CHARS,
     JudgeRequest,
@@ -40,9 +45,8 @@ from .types import GradingError, Verdict
 
 __all__ = ["JudgeContextError", "OpenAIJudge", "cut_to_tokens"]
 
-#: HTTP statuses the ``openai`` client retries (with backoff); any other 4xx is final.
-_RETRIED_STATUSES = (408, 409, 429)
-#: How OpenAI-compatible servers word a request longer than the model's context (vLLM, SGLang, OpenAI).
+#: HTTP statuses the ``openai`` client retries (with backoff); any other 4xx is final (429 is handled apart).
+_RETRIED_STATUSES = (408, 409)
 _CONTEXT_WORDS = re.compile(r"context length|context window|max_model_len|maximum input length|prompt is too long|"
                             r"too many tokens|input is too long", re.IGNORECASE)
 _CONTEXT_TOKENS = re.compile(r"(?:context length|context window)[^0-9]{0,20}(\d+)", re.IGNORECASE)
@@ -72,6 +76,11 @@ def cut_to_tokens(text: str, limit: int | None) -> str:
         return text
     data = text.encode("utf-8")
     return text if len(data) <= limit else data[:limit].decode("utf-8", errors="ignore")
+
+
+def _backoff(attempt: int) -> float:
+    """Seconds before retry ``attempt`` (>= 1): the ``openai`` client's schedule, 0.5 s doubling, at most 8 s."""
+    return min(0.5 * 2 ** (attempt - 1), 8.0)
 
 
 def _completion_choice(body: str) -> tuple[dict | None, str]:
@@ -124,13 +133,19 @@ class OpenAIJudge:
             (e.g. 2048), or thinking switched off with ``chat_template_kwargs``.
         chat_template_kwargs: sent as the request's ``chat_template_kwargs`` (vLLM / SGLang pass them to the chat
             template), e.g. ``{"enable_thinking": False}`` for Qwen3; ``None`` sends nothing. Enters the identity.
-        max_concurrency: at most this many requests in flight (per event loop).
-        timeout: seconds per request attempt (``openai`` client timeout).
+        max_concurrency: at most this many requests in flight per event loop, i.e. per verl reward worker (a run
+            sends up to ``reward.num_workers`` times as many); fewer while the judge answers HTTP 429
+            (:class:`~.inflight.InFlightLimit`).
+        timeout: seconds per request attempt (``openai`` client timeout); a request waits at most about
+            ``timeout * (max_retries + 1)`` plus backoff before it fails as too slow.
         max_retries: retries per request on timeouts, connection errors, 408/409/429/5xx, with the client's
             exponential backoff (0.5 s doubling, at most 8 s, ``Retry-After`` honoured); separately, as many
             retries (same backoff) for HTTP 200 bodies that are not a chat completion.
         parse_retries: how many times an unparseable answer is re-asked (with seed + attempt); after that the
             verdict is ``unparsed`` (what the grader does with it: its ``max_unparsed_ratio``).
+        rate_limit_wait: the longest a request keeps being sent again, in seconds from its first HTTP 429 refusal
+            that outlasted the client's retries, while its event loop lowers its requests in flight; then it fails,
+            naming ``max_concurrency``.
         max_response_tokens: every response is cut to at most this many tokens before it is sent
             (:func:`cut_to_tokens`; enters the identity); None sends responses whole. Set it from the judge's
             context: context minus ``max_tokens`` minus room for the prompt template, the question and the
@@ -158,10 +173,12 @@ class OpenAIJudge:
         max_retries: int = 4,
         parse_retries: int = 2,
         max_response_tokens: int | None = None,
+        rate_limit_wait: float = 300.0,
     ):
-        if max_concurrency < 1 or timeout <= 0 or max_retries < 0 or parse_retries < 0 or int(max_tokens) < 1:
-            raise ValueError("need max_tokens >= 1, max_concurrency >= 1, timeout > 0, max_retries >= 0 and "
-                             "parse_retries >= 0")
+        if (max_concurrency < 1 or timeout <= 0 or max_retries < 0 or parse_retries < 0 or int(max_tokens) < 1
+                or not rate_limit_wait >= 0):
+            raise ValueError("need max_tokens >= 1, max_concurrency >= 1, timeout > 0, max_retries >= 0, "
+                             "parse_retries >= 0 and rate_limit_wait >= 0")
         if max_response_tokens is not None and (isinstance(max_response_tokens, bool) or int(max_response_tokens) < 1):
             raise ValueError(f"max_response_tokens must be an integer >= 1 or null, got {max_response_tokens!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
@@ -178,7 +195,9 @@ class OpenAIJudge:
         self.max_retries = int(max_retries)
         self.parse_retries = int(parse_retries)
         self.max_response_tokens = None if max_response_tokens is None else int(max_response_tokens)
-        self._clients: dict[int, tuple[Any, Any, asyncio.Semaphore]] = {}  # id(loop) -> (loop, client, semaphore)
+        self.rate_limit_wait = float(rate_limit_wait)
+        self.answered = 0  # requests the server answered, for the message of a later timeout
+        self._clients: dict[int, tuple[Any, Any, InFlightLimit]] = {}  # id(loop) -> (loop, client, in-flight limit)
 
     @property
     def identity(self) -> dict:
@@ -210,7 +229,7 @@ class OpenAIJudge:
             client = AsyncOpenAI(
                 base_url=self.base_url, api_key=self.api_key, timeout=self.timeout, max_retries=self.max_retries
             )
-            entry = (loop, client, asyncio.Semaphore(self.max_concurrency))
+            entry = (loop, client, InFlightLimit(self.max_concurrency))
             self._clients[id(loop)] = entry
         return entry[1], entry[2]
 
@@ -226,22 +245,12 @@ class OpenAIJudge:
         """
         import openai
 
-        client, semaphore = self._client()
-        extra = {"chat_template_kwargs": self.chat_template_kwargs} if self.chat_template_kwargs else None
         url, status, body, what = f"{self.base_url.rstrip('/')}/chat/completions", None, "", ""
         for attempt in range(self.max_retries + 1):
             if attempt:
-                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+                await asyncio.sleep(_backoff(attempt))
             try:
-                async with semaphore:
-                    raw = await client.chat.completions.with_raw_response.create(
-                        model=self.model,
-                        messages=messages,
-                        temperature=self.temperature,
-                        max_tokens=self.max_tokens,
-                        seed=seed,
-                        extra_body=extra,
-                    )
+                raw = await self._send(messages, seed)
             except openai.APIStatusError as exc:
                 if exc.status_code in _RETRIED_STATUSES or exc.status_code >= 500:
                     raise self._failed(exc, "the server answered with an error: check the model name and the "
@@ -251,11 +260,14 @@ class OpenAIJudge:
                     f"repeating the request cannot change (not retried): {_server_message(exc)}; check the model "
                     "name, the API key and the server's log"
                 ) from exc
+            except openai.APITimeoutError as exc:
+                raise too_slow_error(self, type(exc).__name__) from exc
             except openai.APIError as exc:
                 hint = ("the server cannot be reached: start the OpenAI-compatible server or fix the base URL "
                         "(it ends in /v1)" if isinstance(exc, openai.APIConnectionError) else
                         "the server answered with an error: check the model name and the server's log")
                 raise self._failed(exc, hint) from exc
+            self.answered += 1
             response = raw.http_response
             url, status, body = str(response.url), response.status_code, response.text
             choice, what = _completion_choice(body)
@@ -266,6 +278,41 @@ class OpenAIJudge:
             f"starts {body[:SAID_CHARS]!r}. Check that the URL is the server's OpenAI-compatible /v1 endpoint (no "
             "proxy error page in between) and that the server is healthy"
         )
+
+    async def _send(self, messages: list[dict], seed: int):
+        """One request through the ``openai`` client (its retries included) under the event loop's in-flight limit;
+        a request the judge still refuses with HTTP 429 lowers the limit and is sent again, up to
+        ``rate_limit_wait`` seconds after the first such refusal (docs/grading.md#requests-in-flight).
+
+        Raises:
+            GradingError: HTTP 429 beyond ``rate_limit_wait`` (:func:`~.inflight.rate_limited_error`).
+            openai.APIError: any other failure of the client, for :meth:`_complete` to name.
+        """
+        import openai
+
+        client, in_flight = self._client()
+        extra = {"chat_template_kwargs": self.chat_template_kwargs} if self.chat_template_kwargs else None
+        loop = asyncio.get_running_loop()
+        first_refusal, rounds = None, 0
+        while True:
+            sent_under = await in_flight.acquire()
+            outcome = "failed"
+            try:
+                raw = await client.chat.completions.with_raw_response.create(
+                    model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens,
+                    seed=seed, extra_body=extra)
+                outcome = "answered"
+                return raw
+            except openai.RateLimitError as exc:
+                outcome = "refused"
+                first_refusal = loop.time() if first_refusal is None else first_refusal
+                if loop.time() - first_refusal >= self.rate_limit_wait:
+                    raise rate_limited_error(self, _server_message(exc), loop.time() - first_refusal,
+                                             in_flight.limit) from exc
+            finally:
+                await in_flight.release(sent_under, outcome)
+            rounds += 1
+            await asyncio.sleep(_backoff(rounds))
 
     def _failed(self, exc: Exception, hint: str) -> GradingError:
         return GradingError(

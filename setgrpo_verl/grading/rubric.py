@@ -108,7 +108,8 @@ class Rubric:
         A row in the RubricHub_v1 release layout (``prompt`` chat messages, ``Rubrics`` or ``reward_model.rubrics``,
         criteria with ``tags``, no id) is read through :func:`~.rubrichub.release_row` first; a criterion whose
         ``tags.verifier`` is ``rule`` becomes a rule criterion (:func:`~.rubrichub.rule_from_tags`), never a judged
-        one.
+        one. A row in verl's RL layout (the rubric in ``reward_model.ground_truth``) is read through
+        :func:`~.rubrichub.verl_row` the same way.
 
         Checks: the row is a mapping (or its JSON string); ``question`` is a non-blank string; ``id`` (optional) is a
         string or integer; ``rubrics`` is a non-empty list (or its JSON string); every criterion is a mapping whose

@@ -19,6 +19,20 @@ The release (one parquet/JSONL file per domain) has no ``question`` and no ``id`
 * a missing id becomes ``rubrichub-<16 hex digits>``, the sha256 of the prompt messages and the criteria (null
   fields left out), so the same row gets the same id in every file, JSONL or parquet, and every run.
 
+verl's RL layout (what verl's preprocessing scripts and our own converters write) carries the rubric in
+``reward_model.ground_truth`` instead::
+
+    {"data_source": "rubrichub", "prompt": [{"role": "system", ...}, {"role": "user", ...}],
+     "reward_model": {"style": "rubric", "ground_truth": "<a RubricHub row, or its criteria list, as JSON>"},
+     "extra_info": {"index": 3, "id": "r-17", "split": "train"}}
+
+:func:`verl_row` turns such a row into ``{question, id, prompt, rubrics}``: the question is the ground truth's own
+``question``, else the last user turn of ``prompt`` (the whole ``prompt``, a system turn included, is kept for the
+policy's chat); the id is the row's own (``extra_info.id``, the ground truth's ``id`` or the row's ``id``), else
+``<data_source>:<split>:<extra_info.index>`` (the index restarts at 0 in every split, so it is qualified by both),
+else none (:meth:`~.rubric.Rubric.from_row` then derives it from the question). A ground truth that is not a
+rubric (a math answer, an empty string) is refused.
+
 A criterion's ``tags`` select its verifier (:func:`rule_from_tags`): ``verifier: llm`` (or no ``verifier``) is judged;
 ``verifier: rule`` names a checker function, which runs as the equivalent if-verifiable checker
 (:data:`SUPPORTED_FUNCTIONS`); a function without one is refused, naming it and listing the supported ones -- a rule
@@ -35,7 +49,8 @@ from typing import Any, Mapping
 
 from .rules import registry
 
-__all__ = ["EQUIVALENT_FUNCTIONS", "is_release_row", "release_row", "rule_from_tags", "supported_functions"]
+__all__ = ["EQUIVALENT_FUNCTIONS", "is_release_row", "is_verl_row", "release_row", "rule_from_tags",
+           "supported_functions", "verl_row"]
 
 #: RubricHub rule functions whose name is not an if-verifiable class name, with the equivalent if-verifiable check:
 #: ``function -> (rule id, fixed kwargs)``. A parameter that the function fixes must, when the row gives it, equal
@@ -122,20 +137,104 @@ def is_release_row(row: Mapping[str, Any]) -> bool:
     return ("rubrics" not in row and has_release_rubrics) or ("question" not in row and "prompt" in row)
 
 
+def is_verl_row(row: Mapping[str, Any]) -> bool:
+    """True for a row in verl's RL layout: ``reward_model.ground_truth`` present, and no criteria anywhere else
+    (``rubrics``, ``Rubrics``, ``reward_model.rubrics``: those make it a row of ours or of the RubricHub release)."""
+    reward_model = row.get("reward_model")
+    return (isinstance(reward_model, Mapping) and "ground_truth" in reward_model and "rubrics" not in reward_model
+            and "rubrics" not in row and "Rubrics" not in row)
+
+
 def _as_list(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (str, bytes, Mapping)) else value
 
 
-def release_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A RubricHub_v1 release row as ``{question, id, prompt, rubrics, ...}`` (module docstring,
-    docs/grading.md#rubric-rows); other fields are kept. A row already in our layout comes back unchanged (as a new
-    dict).
+def _ground_truth_rubric(truth: Any) -> dict[str, Any]:
+    """A verl row's ``reward_model.ground_truth`` as a rubric row: a mapping with ``rubrics`` (or ``Rubrics``), or a
+    bare list of criteria, either possibly as JSON text.
 
     Raises:
-        ValueError: ``prompt`` has no user turn or several (give a ``question`` then), or ``Rubrics`` and
-            ``reward_model.rubrics`` disagree. The field names are in the message; :meth:`Rubric.from_row` adds
-            the location.
+        ValueError: the ground truth is anything else (the message quotes its start).
     """
+    value = _as_list(truth)
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    value = _as_list(value)
+    if isinstance(value, Mapping) and ("rubrics" in value or "Rubrics" in value):
+        out = dict(value)
+        if "rubrics" not in out:
+            out["rubrics"] = out.pop("Rubrics")
+        return out
+    if isinstance(value, list) and value:
+        return {"rubrics": value}
+    shown = repr(truth if not isinstance(truth, (str, bytes)) or len(truth) <= 80 else truth[:80] + "...")
+    raise ValueError(
+        f"reward_model.ground_truth is not a rubric ({type(truth).__name__} {shown}); SetGRPO grades every response "
+        "against a rubric, so ground_truth holds a RubricHub row {question, id, rubrics} or its list of "
+        "{criterion, points} criteria (as JSON text or as a struct); write rows with "
+        "setgrpo_verl.grading.convert_rubric_file, or leave this row out")
+
+
+def _last_user_turn(prompt: Any) -> str | None:
+    """The content of the last user message of a chat ``prompt``, or None when it has none."""
+    turns = _as_list(prompt)
+    if not isinstance(turns, list):
+        return None
+    users = [m for m in turns if isinstance(m, Mapping) and m.get("role") == "user"]
+    return users[-1].get("content") if users else None
+
+
+def _verl_row_id(row: Mapping[str, Any], rubric: Mapping[str, Any]) -> Any:
+    """A verl row's own id (``extra_info.id``, the rubric's ``id``, the row's ``id``), else its qualified
+    ``extra_info.index``, else None (module docstring)."""
+    extra = row.get("extra_info") if isinstance(row.get("extra_info"), Mapping) else {}
+    for value in (extra.get("id"), rubric.get("id"), row.get("id")):
+        if value is not None:
+            return value
+    index = _plain_number(extra.get("index"))
+    if index is None:
+        return None
+    return f"{row.get('data_source') or 'verl'}:{extra.get('split') or 'data'}:{index}"
+
+
+def verl_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A verl RL row (:func:`is_verl_row`) as ``{question, id, prompt, rubrics, ...}`` (module docstring,
+    docs/grading.md#rubric-rows); the ground truth's other fields are kept.
+
+    Raises:
+        ValueError: the ground truth is not a rubric, or the row has neither a question in its ground truth nor a
+            user turn in ``prompt``. :meth:`Rubric.from_row` adds the location.
+    """
+    out = _ground_truth_rubric(row["reward_model"]["ground_truth"])
+    if out.get("question") is None:
+        question = _last_user_turn(row.get("prompt"))
+        if question is None:
+            raise ValueError("prompt has no user turn and reward_model.ground_truth no question, so there is no "
+                             "question for the judge to read; give the prompt a user turn")
+        out["question"] = question
+    if row.get("prompt") is not None:
+        out["prompt"] = _as_list(row["prompt"])
+    out["id"] = _verl_row_id(row, out)
+    if out["id"] is None:
+        out.pop("id")
+    return out
+
+
+def release_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A RubricHub_v1 release row, or a verl RL row (:func:`verl_row`), as ``{question, id, prompt, rubrics, ...}``
+    (module docstring, docs/grading.md#rubric-rows); other fields are kept. A row already in our layout comes back
+    unchanged (as a new dict).
+
+    Raises:
+        ValueError: ``prompt`` has no user turn or several (give a ``question`` then), ``Rubrics`` and
+            ``reward_model.rubrics`` disagree, or a verl row's ground truth is not a rubric. The field names are in
+            the message; :meth:`Rubric.from_row` adds the location.
+    """
+    if is_verl_row(row):
+        return verl_row(row)
     out = dict(row)
     if not is_release_row(row):
         return out

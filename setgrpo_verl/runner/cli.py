@@ -83,7 +83,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "data.max_prompt_length": 96,
         "data.max_response_length": 24,
         # sized for the risk test: 96 groups leave about 48 risk groups, enough for a threshold to certify at
-        # these levels in nearly every calibration (benchmarks/bench_quickstart_certifies.py); three batches
+        # these levels in most calibrations (README: the estimate and its interval); three batches
         # rolled out together keep the one weight sync of a single chunk
         "algorithm.setgrpo.calibration.num_prompts": 96,
         "algorithm.setgrpo.calibration.batch_size": 32,
@@ -223,6 +223,10 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
                    help="--judge openai: chat_template_kwargs sent with every request, e.g. "
                    "'{\"enable_thinking\": false}' to switch a Qwen3 judge's thinking off "
                    "[reward.reward_kwargs.grader.chat_template_kwargs]")
+    g.add_argument("--judge-max-concurrency", type=int, default=None, metavar="N",
+                   help="--judge openai: at most N requests in flight per reward worker (default 32; fewer while the "
+                   "judge answers HTTP 429; docs/grading.md#requests-in-flight) "
+                   "[reward.reward_kwargs.grader.max_concurrency]")
     g.add_argument("--actor-ranks", type=int, default=1, help="FSDP2 actor ranks on this machine (gloo)")
     from .launch import CPU_PRECISIONS
 
@@ -326,10 +330,14 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise LaunchError(f"--actor-ranks {args.actor_ranks}: need at least one actor rank")
     if args.judge == "openai" and not (args.judge_base_url and args.judge_model):
         raise LaunchError("--judge openai needs --judge-base-url and --judge-model")
-    if args.judge != "openai" and (args.judge_max_tokens is not None or args.judge_chat_template_kwargs):
-        raise LaunchError("--judge-max-tokens and --judge-chat-template-kwargs apply to --judge openai only")
-    if args.judge_max_tokens is not None and args.judge_max_tokens < 1:
-        raise LaunchError(f"--judge-max-tokens {args.judge_max_tokens}: must be a positive integer")
+    if args.judge != "openai" and (args.judge_max_tokens is not None or args.judge_chat_template_kwargs
+                                   or args.judge_max_concurrency is not None):
+        raise LaunchError("--judge-max-tokens, --judge-chat-template-kwargs and --judge-max-concurrency apply to "
+                          "--judge openai only")
+    for flag, value in (("--judge-max-tokens", args.judge_max_tokens),
+                        ("--judge-max-concurrency", args.judge_max_concurrency)):
+        if value is not None and value < 1:
+            raise LaunchError(f"{flag} {value}: must be a positive integer")
     if args.judge_max_response_tokens is not None:
         if args.judge not in ("openai", "local"):
             raise LaunchError("--judge-max-response-tokens applies to --judge openai or local only")

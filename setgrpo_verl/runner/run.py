@@ -97,6 +97,8 @@ def _base_grader(args: argparse.Namespace, seed: int) -> dict[str, Any]:
             grader["max_tokens"] = args.judge_max_tokens
         if args.judge_chat_template_kwargs:
             grader["chat_template_kwargs"] = dict(args.judge_chat_template_kwargs)
+        if args.judge_max_concurrency is not None:
+            grader["max_concurrency"] = args.judge_max_concurrency
     if args.judge_max_response_tokens is not None:
         grader["max_response_tokens"] = args.judge_max_response_tokens
     grader["temperature"] = 1.0 if args.judge_temperature is None else args.judge_temperature

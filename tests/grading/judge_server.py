@@ -21,7 +21,9 @@ route, so a thinking judge with a large enough budget gives exactly the plain ju
 
 The routes of :data:`SHAPES` (``/shape-content-parts/v1``, ...) give the plain route's verdict in another reply shape
 of OpenAI-compatible servers. The route ``/ctx-<N>/v1`` is a judge whose context holds ``N`` characters: a longer
-user message gets vLLM's HTTP 400 "maximum context length"; a marker ``[[lang:<code>]]`` in the criterion makes the judge answer in that language
+user message gets vLLM's HTTP 400 "maximum context length"; the route ``/limit-<N>/v1`` is a judge that allows ``N``
+requests in flight (each held 20 ms) and refuses the surplus with HTTP 429 and ``Retry-After: 0.05``, as a hosted
+judge's concurrency limit does (``refused`` counts them, ``peak`` is the most requests in flight); a marker ``[[lang:<code>]]`` in the criterion makes the judge answer in that language
 (:data:`ANSWERS`).
 """
 
@@ -63,6 +65,8 @@ class JudgeServer:
         self.attempts: collections.Counter = collections.Counter()
         self.in_flight = 0
         self.completed = 0
+        self.refused = 0
+        self.peak = 0
         self.app = FastAPI()
         self.requests: list[dict] = []  # every request body, in arrival order
         self.app.post("/v1/chat/completions")(self._chat)
@@ -97,7 +101,8 @@ class JudgeServer:
         body = await request.json()
         self.requests.append(body)
         context = re.fullmatch(r"ctx-(\d+)", flavour or "")
-        if context:
+        limit = re.fullmatch(r"limit-(\d+)", flavour or "")
+        if context or limit:
             flavour = None
         if flavour not in (None, "reasoning-parser-on", "reasoning-parser-off") and flavour not in SHAPES:
             return JSONResponse({"error": {"message": f"no route {flavour}"}}, status_code=404)
@@ -114,7 +119,14 @@ class JudgeServer:
         self.attempts[criterion] += 1
         attempt = self.attempts[criterion]
         self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
         try:
+            if limit:
+                await asyncio.sleep(0.02)
+                if self.in_flight > int(limit.group(1)):
+                    self.refused += 1
+                    return JSONResponse({"error": {"message": "Too many concurrent requests"}}, status_code=429,
+                                        headers={"retry-after": "0.05"})
             if "[[slow]]" in criterion:
                 for _ in range(600):
                     if await request.is_disconnected():

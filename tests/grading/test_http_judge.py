@@ -86,7 +86,7 @@ def test_slow_request_hits_timeout_and_nothing_hangs(server):
         judge = _judge(server, timeout=0.5, max_retries=1)
         t0 = time.perf_counter()
         try:
-            with pytest.raises(GradingError, match="failed after 1 retries"):
+            with pytest.raises(GradingError, match="did not answer within timeout=0.5 s, in 2 attempts"):
                 await judge.ajudge([JudgeRequest(Q, R, "[[slow]] criterion")], [1])
         finally:
             await judge.aclose()
@@ -96,6 +96,72 @@ def test_slow_request_hits_timeout_and_nothing_hangs(server):
     assert elapsed < 15  # two attempts of 0.5 s plus backoff: bounded, not the server's 30 s
     assert server.attempts["[[slow]] criterion"] == 2  # first try + 1 retry
     assert server.wait_idle()  # the server saw both connections closed by the client
+
+
+def test_a_slow_judge_is_named_slow_with_its_timeout_not_unreachable(server):
+    crit = "The response names a colour."
+    server.judge.p_yes([JudgeRequest(Q, R, crit)])  # warm the server's P(yes) cache
+
+    async def body():
+        judge = _judge(server, timeout=0.5, max_retries=0)
+        try:
+            answered = await judge.ajudge([JudgeRequest(Q, R, crit)] * 3, [1, 2, 3])
+            with pytest.raises(GradingError) as info:
+                await judge.ajudge([JudgeRequest(Q, R, "[[slow]] too slow")], [4])
+            return answered, str(info.value)
+        finally:
+            await judge.aclose()
+
+    answered, message = _run(body)
+    assert len(answered) == 3
+    assert "did not answer within timeout=0.5 s, in 1 attempts" in message
+    assert "answered 3 requests before" in message and "slow or overloaded rather than unreachable" in message
+    assert "reward.reward_kwargs.grader.timeout" in message and "--judge-max-concurrency" in message
+    assert "cannot be reached" not in message and "model name" not in message
+    assert server.wait_idle()
+
+
+# ------------------------------------------------------------------ a judge with a concurrency limit (HTTP 429)
+def test_a_judge_that_allows_fewer_requests_in_flight_is_met_by_sending_fewer(server):
+    crits = [f"The response names colour number {i}." for i in range(6)]
+    server.judge.p_yes([JudgeRequest(Q, R, c) for c in crits])  # warm the server's P(yes) cache
+    requests = [JudgeRequest(Q, R, crits[i % 6]) for i in range(48)]
+    seeds = list(range(48))
+
+    async def verdicts(base_url):
+        judge = OpenAIJudge(base_url, "smollm2-135m-judge", timeout=120.0, max_retries=1, max_concurrency=16)
+        try:
+            return [v.outcome for v in await judge.ajudge(requests, seeds)]
+        finally:
+            await judge.aclose()
+
+    unlimited = asyncio.run(verdicts(server.base_url))
+    server.refused = server.peak = 0
+    limited = asyncio.run(verdicts(server.base_url.replace("/v1", "/limit-3/v1")))
+    assert server.refused > 0  # the judge did refuse the surplus: 16 in flight against its 3
+    assert limited == unlimited  # every request answered, with the verdicts of an unlimited judge
+    assert server.wait_idle()
+
+
+def test_persistent_429_fails_after_rate_limit_wait_naming_max_concurrency(server):
+    async def body():
+        judge = OpenAIJudge(server.base_url.replace("/v1", "/limit-0/v1"), "smollm2-135m-judge", timeout=120.0,
+                            max_retries=0, max_concurrency=8, rate_limit_wait=2.0)
+        try:
+            await judge.ajudge([JudgeRequest(Q, R, f"c{i}") for i in range(8)], list(range(8)))
+        finally:
+            await judge.aclose()
+
+    server.refused = 0
+    with pytest.raises(GradingError) as info:
+        _run(body)
+    message = str(info.value)
+    assert "kept refusing requests with HTTP 429" in message and "Too many concurrent requests" in message
+    assert "from max_concurrency=8 to 1" in message  # lowered all the way before giving up
+    assert "reward.reward_kwargs.grader.max_concurrency, CLI --judge-max-concurrency" in message
+    assert "rate_limit_wait=2 s" in message and "model name" not in message
+    assert server.refused > 8  # requests were sent again after their first refusal
+    assert server.wait_idle()
 
 
 @pytest.mark.parametrize("code", [429, 500])

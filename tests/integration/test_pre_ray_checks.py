@@ -17,7 +17,8 @@ import verl.trainer.main_ppo as main_ppo
 
 from setgrpo_verl.runner import launch
 from setgrpo_verl.core import CalibrationSettings
-from setgrpo_verl.integration.config import check_run_config, sketch_micro_batch_error
+from setgrpo_verl.integration.config import check_run_config
+from setgrpo_verl.integration.micro_batch import sketch_micro_batch_error
 from setgrpo_verl.models import embedded_model_dir
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hydra_configs")  # the YAML sources

@@ -356,3 +356,16 @@ def test_judge_max_response_tokens_flag_sets_the_graders_cut(capsys, tmp_path):
     err = _fail(capsys, ["calibrate", "--run-dir", str(run), "--dry-run", "--judge", "local",
                          "--judge-max-response-tokens", "0"])
     assert "--judge-max-response-tokens 0: must be a positive integer" in err
+
+
+def test_judge_max_concurrency_flag_sets_the_requests_in_flight_per_reward_worker(capsys, tmp_path):
+    run = tmp_path / "run"
+    openai = ["--judge", "openai", "--judge-base-url", "http://127.0.0.1:9/v1", "--judge-model", "m"]
+    assert cli.main(["calibrate", "--run-dir", str(run), "--dry-run", *openai, "--judge-max-concurrency", "4"]) == 0
+    assert "max_concurrency:4" in capsys.readouterr().out
+    assert cli.main(["calibrate", "--run-dir", str(run), "--dry-run", *openai]) == 0
+    assert "max_concurrency:" not in capsys.readouterr().out  # unset: the grader's own default
+    err = _fail(capsys, ["calibrate", "--run-dir", str(run), "--dry-run", "--judge-max-concurrency", "4"])
+    assert "--judge-max-concurrency apply to --judge openai only" in err
+    err = _fail(capsys, ["calibrate", "--run-dir", str(run), "--dry-run", *openai, "--judge-max-concurrency", "0"])
+    assert "--judge-max-concurrency 0: must be a positive integer" in err
