@@ -25,8 +25,8 @@ from .gpu_env import check_driver_gpus
 from .judge_access import check_judge_access, pass_judge_key
 from .prompts import check_calibration_disjoint, read_prompt_identities
 from .resume import check_resume
-from .reward_config import (REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_SCORE_KEY, grader_config, grader_identity,
-                            reference_score_key, scorings)
+from .reward_config import (POINT_KEY, REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_SCORE_KEY, grader_config,
+                            grader_identity, point_mode, reference_score_key, scorings)
 from .micro_batch import check_sketch_micro_batch
 from .support import check_attention_kernels, check_sketch_support, check_trainer_settings
 
@@ -413,6 +413,11 @@ def _check_reward(config: Any, *, needs_reference: bool) -> None:
         raise ValueError(f"reward.reward_kwargs.grader: {exc}") from None
     check_judge_access(grader_config(config), int(config.trainer.get("nnodes", 1) or 1))
     reference_score_key(config)
+    mode = point_mode(config)  # a value other than first and mean, or mean with one scoring, in every trainer mode
+    if needs_reference and mode == "mean":
+        raise ValueError(f"{POINT_KEY}=mean: SetGRPO reads the two scorings apart (the point r and the reference r'); "
+                         f"remove the key (it is for the GRPO baseline on the mean of two scorings), or use "
+                         "algorithm.setgrpo.variant=reliability, which trains on the mean itself")
     count = scorings(config)  # a value other than 1 and 2 is refused in every trainer mode
     if needs_reference and count == 1:
         raise ValueError(f"{SCORINGS_KEY}=1: SetGRPO needs the reference score r' of a second "

@@ -15,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..grading import grader_identity as _grader_identity
 
 __all__ = [
+    "POINT_KEY",
+    "POINT_MODES",
     "REFERENCE_SCORE_KEY",
     "REWARD_MANAGER_NAME",
     "SCORINGS_KEY",
@@ -22,6 +24,7 @@ __all__ = [
     "TRUTH_VERDICTS_KEY",
     "grader_config",
     "grader_identity",
+    "point_mode",
     "reference_score_key",
     "scorings",
 ]
@@ -33,6 +36,10 @@ REFERENCE_SCORE_KEY = "reference_score"
 #: Config key of the scorings per response (1: the point score alone, the GRPO baseline; 2: point and reference, the
 #: default, which SetGRPO needs), read by :func:`scorings`.
 SCORINGS_KEY = "reward.reward_kwargs.scorings"
+#: Config key of what the point score r is with two scorings, read by :func:`point_mode`: ``first`` (the first
+#: scoring, the default, which SetGRPO reads) or ``mean`` (the mean of the two: the ``grpo_mean2`` baseline).
+POINT_KEY = "reward.reward_kwargs.point"
+POINT_MODES = ("first", "mean")
 #: ``reward_extra_info`` key of the noise-free score, present when the grader knows it
 #: (docs/validation.md#noisy-grader); the calibration stage stores it as ``truth`` in ``paired_scores.npz``.
 TRUTH_SCORE_KEY = "truth_score"
@@ -124,3 +131,21 @@ def scorings(config: Any) -> int:
         raise ValueError(f"{SCORINGS_KEY}={value!r}: set 1 (the point score alone, the GRPO baseline) or 2 (point and "
                          "reference scores, the default, which SetGRPO's calibration and training read)")
     return int(value)
+
+
+def point_mode(config: Any) -> str:
+    """What the reward manager returns as the point score r: ``reward.reward_kwargs.point``, ``first`` (the default:
+    the first scoring) or ``mean`` (the mean of the two scorings, for GRPO on it; docs/verl_integration.md#reward-manager).
+
+    Raises:
+        ValueError: another value, or ``mean`` with one scoring (the message names the keys).
+    """
+    value = _get(_get(_get(config, "reward"), "reward_kwargs"), "point")
+    if value is None:
+        return "first"
+    if value not in POINT_MODES:
+        raise ValueError(f"{POINT_KEY}={value!r}: set first (the first scoring, the default) or mean (the mean of the "
+                         "two scorings)")
+    if value == "mean" and scorings(config) == 1:
+        raise ValueError(f"{POINT_KEY}=mean averages two scorings, but {SCORINGS_KEY}=1: set {SCORINGS_KEY}=2")
+    return str(value)

@@ -6,7 +6,9 @@ verl's reward loop (``verl.experimental.reward_loop``) resolves ``reward.reward_
 ``reward.reward_kwargs.scorings`` times (:func:`~.reward_config.scorings`: 2, the default, or 1) with the same
 grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-notation):
 
-* ``reward_score`` = the point score r (verl puts it on the last response token of ``rm_scores``);
+* ``reward_score`` = the point score r (verl puts it on the last response token of ``rm_scores``): the first
+  scoring, or with ``reward.reward_kwargs.point=mean`` (:func:`~.reward_config.point_mode`) the mean of the two, for
+  verl's GRPO on the mean of two scorings (SetGRPO refuses it: it reads the two scorings apart);
 * ``reward_extra_info`` (one value per response; the same keys for every response of a run) carries
   ``score`` (= r), ``point_verdicts`` (JSON list of per-criterion verdicts), ``unparsed`` (number of unparsed judge
   verdicts in all scorings), ``judged`` (number of judge verdicts in all scorings) and ``scorings`` (grader calls
@@ -32,6 +34,7 @@ Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
       num_workers: 1                 # each reward worker builds its own grader (a local judge loads a model)
       reward_kwargs:
         scorings: 2                  # 1: the point score alone (the GRPO baseline; SetGRPO refuses it)
+        point: first                 # mean: the mean of the two scorings is r (GRPO on it; SetGRPO refuses it)
         grader: {type: local_hf, temperature: 1.0, seed: 0}      # see setgrpo_verl.grading.build_grader
         # or {type: openai, base_url: http://127.0.0.1:8000/v1, model: Qwen/Qwen3-8B, max_concurrency: 64,
         #     chat_template_kwargs: {enable_thinking: false}}   # a reasoning judge: thinking off, or instead
@@ -68,6 +71,7 @@ from .reward_config import (
     TRUTH_VERDICTS_KEY,
     grader_config,
     grader_identity,
+    point_mode,
     reference_score_key,
     scorings,
 )
@@ -217,6 +221,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
         self.grader_cfg = grader_config(config)
         self.reference_key = reference_score_key(config)
         self.scorings = scorings(config)
+        self.point_mode = point_mode(config)
         key = json.dumps([self.grader_cfg, self.scorings], sort_keys=True, default=str)
         scorer = self._scorers.get(key)
         if scorer is None:
@@ -274,6 +279,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
         )
         scores = await self.scorer.ascore([grading_item])
         point = float(scores.point[0])
+        if self.point_mode == "mean":  # GRPO on the mean of the two scorings (the grpo_mean2 baseline)
+            point = (point + float(scores.reference[0])) / 2
         metrics = scores.metrics(prefix="")
         extra: dict[str, Any] = {
             "score": point,

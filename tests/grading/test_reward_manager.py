@@ -16,7 +16,7 @@ from setgrpo_verl.integration.reward_manager import CALLS_METRIC, UNPARSED_RATIO
 GRADER = {"type": "local_hf", "temperature": 1.0, "max_question_tokens": 96, "max_response_tokens": 96, "seed": 0}
 
 
-def _config(grader=GRADER, scorings=None):
+def _config(grader=GRADER, scorings=None, point=None):
     import importlib.resources
 
     from setgrpo_verl.models import embedded_model_dir
@@ -30,6 +30,8 @@ def _config(grader=GRADER, scorings=None):
         reward.reward_kwargs = {"grader": grader}
     if scorings is not None:
         reward.reward_kwargs.scorings = scorings
+    if point is not None:
+        reward.reward_kwargs.point = point
     return OmegaConf.create({
         "actor_rollout_ref": {"model": {"path": str(embedded_model_dir()), "tokenizer_path": None}},
         "reward": reward,
@@ -237,6 +239,27 @@ def test_noisy_grader_puts_the_truth_into_reward_extra_info():
             assert verdict["source"] == "noisy:rule" and score == (1.0 if verdict["outcome"] == "met" else 0.0)
     flips = sum(o["reward_score"] != info["truth_score"] for o, info in zip(out, infos))
     assert 0 < flips < 12  # 12 verdicts at flip_prob 0.3: some flipped, not all
+
+
+def test_point_mean_returns_the_mean_of_the_two_scorings_as_the_reward():
+    """``reward.reward_kwargs.point=mean``: verl's GRPO trains on (r + r') / 2 (the grpo_mean2 baseline); the same
+    flips as the default, since the point mode changes no grader call."""
+    out, infos = _noisy_rules_scores(point="mean")
+    first, _ = _noisy_rules_scores()
+    for o, f, info in zip(out, first, infos):
+        assert o["reward_score"] == (f["reward_score"] + info["reference_score"]) / 2 == info["score"]
+    assert {o["reward_score"] for o in out} - {0.0, 1.0}  # some scorings disagree: a half-way mean
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"point": "median"}, r"reward\.reward_kwargs\.point='median': set first .* or mean"),
+    ({"point": "mean", "scorings": 1}, r"point=mean averages two scorings, but reward\.reward_kwargs\.scorings=1"),
+])
+def test_point_modes_other_than_first_and_mean_are_refused(kwargs, message):
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    with pytest.raises(ValueError, match=message):
+        load_reward_manager(_config({"type": "rules", "seed": 0}, **kwargs), tokenizer=None)
 
 
 def test_sample_nonce_names_step_row_and_session():

@@ -69,6 +69,7 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job",
      "algorithm.setgrpo.ablation=spherical_set: the reliability variant has no calibration, record or threshold"),
     ((LOCAL, "algorithm.setgrpo.variant=reliability", "algorithm.setgrpo.calibration.only=true"),
      "algorithm.setgrpo.calibration.only=True: the reliability variant"),
+    ((LOCAL, "+reward.reward_kwargs.point=mean"), "reward.reward_kwargs.point=mean: SetGRPO reads the two scorings apart"),
     ((LOCAL, "algorithm.setgrpo.variant=reliability", "+reward.reward_kwargs.scorings=1"),
      "set reward.reward_kwargs.scorings=2 or leave it unset"),
     ((LOCAL, "algorithm.setgrpo.tau_grid=[0.5,0.2]"), "algorithm.setgrpo.tau_grid=[0.5, 0.2] must be non-empty, "
