@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
+from ..atomic import atomic_file
 from ._api import calibrate
 from ._record import CalibrationRecord, check_identity, differing_versions, pilot_start
 from ._settings import CalibrationSettings
@@ -157,8 +158,8 @@ def _array_sha256(array: np.ndarray) -> str:
 
 
 def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
-    """Write ``shard`` into ``directory`` as :func:`shard_name` atomically (a temporary file, then a rename) and
-    return its path.
+    """Write ``shard`` into ``directory`` as :func:`shard_name`, whole or not at all
+    (:func:`setgrpo_verl.atomic.atomic_file`), and return its path.
 
     The file is a compressed ``.npz`` of the arrays (float64; ``prompt_index`` int64, ``truth_verdicts`` int8),
     a ``meta`` JSON string
@@ -180,13 +181,9 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
                        "tau_start_source": dict(shard.tau_start_source),
                        "arrays": {k: _array_sha256(v) for k, v in arrays.items()}}, sort_keys=True)
     path = directory / shard_name(shard.index)
-    tmp = directory / f".{path.name}.tmp"
-    with open(tmp, "wb") as fh:
+    with atomic_file(path) as fh:
         np.savez_compressed(fh, meta=np.array(meta),
                             content_sha256=np.array(hashlib.sha256(meta.encode()).hexdigest()), **arrays)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
     return path
 
 
@@ -454,11 +451,13 @@ def shard_start_source(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
 
 def write_calibration(record: CalibrationRecord, paired: dict[str, np.ndarray], record_path: str | os.PathLike) -> None:
     """Write ``paired_scores.npz`` (:func:`record_from_shards`'s paired scores and dropped-group counts) next to
-    ``record_path``, then the record: a record next to its paired scores means the calibration finished."""
+    ``record_path``, then the record, each whole or not at all (:func:`setgrpo_verl.atomic.atomic_file`): a record
+    next to its paired scores means the calibration finished."""
     folder = Path(record_path).resolve().parent
     folder.mkdir(parents=True, exist_ok=True)
-    np.savez(folder / "paired_scores.npz", **{name: paired[name] for name in _FLOATS + (
-        "dropped_incomplete", "dropped_no_response") if name in paired})
+    with atomic_file(folder / "paired_scores.npz") as fh:
+        np.savez(fh, **{name: paired[name] for name in _FLOATS + ("dropped_incomplete", "dropped_no_response")
+                        if name in paired})
     record.to_json(record_path)
 
 

@@ -11,6 +11,7 @@ prompts' fingerprints.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from verl.trainer.ppo.utils import create_rl_dataset
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 
+from setgrpo_verl.atomic import replace_durably
 from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, degenerate_groups, in_part,
                                load_shards, package_versions, pilot_source, prompt_fingerprint, record_from_shards,
                                shard_identity, shard_name, shard_start_source, shard_versions, write_calibration,
@@ -411,8 +413,7 @@ class CalibrationPhase:
         part, parts = self.setgrpo.calibration.part()
         for index in range(len(batches)):  # this part's writes that did not reach their rename (another part's
             if in_part(index, part, parts):  # writes into the same folder are left alone)
-                stale = os.path.join(shard_dir, f".{shard_name(index)}.tmp")
-                if os.path.isfile(stale):
+                for stale in glob.glob(os.path.join(glob.escape(shard_dir), f".{shard_name(index)}*.tmp")):
                     os.remove(stale)
         if not any(n.endswith(".npz") for n in os.listdir(shard_dir)):
             return {}
@@ -425,7 +426,7 @@ class CalibrationPhase:
             aside = _free_name(f"{path}.torn")
             logger.warning("SetGRPO calibration: %s cannot be read whole (a write cut off): renamed to %s, its batch "
                            "is calibrated again", path, os.path.basename(aside))
-            os.replace(path, aside)
+            replace_durably(path, aside)
         for index, shard in shards.items():
             if index >= len(batches) or list(shard.prompts) != self._calibration_prompts[
                     index * identity["prompts"]["batch_size"]:][:len(batches[index][0])]:

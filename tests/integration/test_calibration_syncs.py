@@ -233,7 +233,9 @@ def test_a_torn_shard_is_refused_on_resume_and_calibrated_again(tmp_path, monkey
     torn = tmp_path / "shards" / "batch_000001.npz"
     cut = torn.read_bytes()[:300]
     torn.write_bytes(cut)  # cut off mid-file
-    (tmp_path / "shards" / ".batch_000002.npz.tmp").write_bytes(b"half")  # a write that did not reach its rename
+    shards = tmp_path / "shards"
+    (shards / ".batch_000002.npz.5d41402abc4b2a76.tmp").write_bytes(b"half")  # a write that did not reach its rename
+    (shards / ".batch_000002.npz.tmp").write_bytes(b"half")  # ... as an earlier version named it
     (tmp_path / "shards" / "batch_000001.npz.torn").write_bytes(b"set aside by an earlier resume")
     _, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
     assert events.count("rollout") == 2  # batches 1 (torn) and 2
@@ -246,7 +248,8 @@ def test_a_torn_shard_is_refused_on_resume_and_calibrated_again(tmp_path, monkey
 def test_a_part_leaves_the_temporary_files_of_another_parts_batches_alone(tmp_path, monkeypatch):
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "batch_000000.npz").write_bytes(b"")  # not read: only its name makes the folder a resume
-    own, other = tmp_path / "shards" / ".batch_000001.npz.tmp", tmp_path / "shards" / ".batch_000002.npz.tmp"
+    own, other = (tmp_path / "shards" / ".batch_000001.npz.5d41402abc4b2a76.tmp",
+                  tmp_path / "shards" / ".batch_000002.npz.7d793037a0760186.tmp")
     own.write_bytes(b"this part's write, cut off")
     other.write_bytes(b"part 0/2 writing now")
     record, events = _calibrate(tmp_path, monkeypatch, batches=4, per_batch=4, only=True, shard="1/2")
