@@ -223,6 +223,36 @@ def test_merge_never_overwrites_a_calibrations_paired_scores(tmp_path):
     assert not (tmp_path / "out" / "record.json").exists()
 
 
+def test_merge_out_is_a_directory_argument(tmp_path, capsys):
+    from setgrpo_verl.runner import cli
+
+    _write(tmp_path / "run", _shards())
+    (tmp_path / "afile").write_text("x")
+    assert cli.main(["merge-calibration", str(tmp_path / "run"), "--out", str(tmp_path / "afile")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {tmp_path / 'afile'} is an existing file, not a directory")
+    assert "Traceback" not in err
+    assert (tmp_path / "afile").read_text() == "x"
+    assert cli.main(["merge-calibration", str(tmp_path / "run"), "--out", str(tmp_path / "o" / "record.json")]) == 2
+    assert f"names a file, but --out is the directory the merge writes record.json and paired_scores.npz into: give " \
+           f"--out {tmp_path / 'o'}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(LaunchError, match=r"afile/sub: the directory cannot be created \(Not a directory"):
+        merge_calibration([tmp_path / "run"], tmp_path / "afile" / "sub")
+
+
+def test_a_merge_writes_under_its_out_directorys_lock(tmp_path):
+    from setgrpo_verl.runner.runlock import run_dir_lock
+
+    _write(tmp_path / "run", _shards())
+    with run_dir_lock(tmp_path / "out", ["setgrpo-verl", "merge-calibration", "other"]):
+        with pytest.raises(LaunchError, match=r"out is in use by another command \(pid .*merge-calibration other"):
+            merge_calibration([tmp_path / "run"], tmp_path / "out")
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["LOCK"]
+    merge_calibration([tmp_path / "run"], tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["LOCK", "paired_scores.npz", "record.json"]
+
+
 def test_a_merged_record_names_the_versions_that_calibrated_not_the_merging_machines(tmp_path):
     calibrating = {"setgrpo-verl": "0.1.0", "torch": "2.11.0", "scipy": "1.14.1", "verl": "0.9.1"}
     newer = {**calibrating, "torch": "2.13.0"}  # the newest shard's versions are the record's
