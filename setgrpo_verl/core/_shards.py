@@ -187,12 +187,19 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
     return path
 
 
+def _torn(path: Path, exc: BaseException) -> TornShardError:
+    return TornShardError(f"calibration shard {path} cannot be read whole ({type(exc).__name__}: {exc}): a write "
+                          "that was cut off or a partial copy; its batch is calibrated again")
+
+
 def read_shard(path: str | os.PathLike) -> CalibrationShard:
     """Read and check one shard file (:func:`write_shard`).
 
     Raises:
-        TornShardError: the file cannot be read whole (cut off mid-write, or not an ``.npz``).
-        PermissionError, FileNotFoundError, IsADirectoryError: the file system refused the read (not a torn file).
+        TornShardError: the file's bytes cannot be decoded (cut off mid-write, a partial copy, not an ``.npz``).
+        OSError: the file system failed the read (an error with an ``errno``: ``EIO``, ``ESTALE`` on network
+            storage, ``EACCES``, ``ENOENT``, ...), the file named; the shard may be whole, so it is never taken for
+            a torn one.
         ValueError: naming the file and the field: a content hash that does not match (``content_sha256``: the
             metadata was edited; an array's name: that array was changed), a missing or unexpected field, or
             shapes that do not fit together.
@@ -201,11 +208,14 @@ def read_shard(path: str | os.PathLike) -> CalibrationShard:
     try:
         with np.load(path, allow_pickle=False) as z:
             data = {name: z[name] for name in z.files}
-    except (PermissionError, FileNotFoundError, IsADirectoryError):
-        raise  # the file system refused the read: the shard may be whole, so it is not set aside as torn
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile, zlib.error) as exc:
-        raise TornShardError(f"calibration shard {path} cannot be read whole ({type(exc).__name__}: {exc}): a write "
-                             "that was cut off or a partial copy; its batch is calibrated again") from None
+    except OSError as exc:
+        if exc.errno is None:  # a decoder's error about the bytes, not the file system's
+            raise _torn(path, exc) from None
+        raise OSError(exc.errno, f"calibration shard {path} could not be read ({exc.strerror}): the file system "
+                      "failed, the file may be whole and is kept as it is; check the storage, then run the command "
+                      "again") from exc
+    except (zipfile.BadZipFile, EOFError, ValueError, KeyError, zipfile.LargeZipFile, zlib.error) as exc:
+        raise _torn(path, exc) from None
     for name in ("meta", "content_sha256"):
         if name not in data:
             raise ValueError(f"calibration shard {path}: field {name} is missing: not a shard this package wrote")
@@ -275,6 +285,7 @@ def load_shards(directory: str | os.PathLike, identity: dict | None = None, *,
 
     Raises:
         TornShardError: a torn file with ``torn="refuse"``.
+        OSError: a file the file system failed to read (never skipped as torn; see :func:`read_shard`).
         ValueError: a shard that does not read (see :func:`read_shard`) or whose identity differs from ``identity``
             (naming the file and the first differing field).
     """

@@ -283,7 +283,8 @@ class CalibrationPhase:
 
         Batches that already have a shard (a stopped calibration, resumed) are not rolled out again: their shards
         are checked against this run's identity (refused, naming the file and field, when another run wrote them)
-        and a torn file is renamed ``*.torn`` and its batch calibrated again. With ``trainer.resume_mode=disable``
+        and a torn file is renamed ``*.torn`` and its batch calibrated again; a shard the file system fails to read
+        (an I/O error) stops the calibration, naming the file. With ``trainer.resume_mode=disable``
         existing shards are refused. With ``calibration.shard=I/N`` (N > 1) only every N-th batch from I is
         calibrated and no record is written (``setgrpo-verl merge-calibration`` builds it from all parts). Otherwise
         the record is built from the complete shard set read back from disk
@@ -407,6 +408,7 @@ class CalibrationPhase:
                 holding other prompts than their batch, or that the record would refuse with the new shards'
                 ``provenance`` (another major.minor of setgrpo-verl or verl, another ``tau_start`` source:
                 :func:`~setgrpo_verl.core.shard_versions`, :func:`~setgrpo_verl.core.shard_start_source`).
+            OSError: a shard the file system failed to read (:func:`~setgrpo_verl.core.read_shard`), file named.
         """
         if not os.path.isdir(shard_dir):
             return {}

@@ -9,6 +9,7 @@ once per chunk after the first (none within a chunk), plus once to wake the roll
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -243,6 +244,26 @@ def test_a_torn_shard_is_refused_on_resume_and_calibrated_again(tmp_path, monkey
     assert (tmp_path / "shards" / "batch_000001.npz.torn.1").read_bytes() == cut
     assert sorted(p.name for p in (tmp_path / "shards").glob("*.npz")) == [f"batch_{b:06d}.npz" for b in range(3)]
     assert not list((tmp_path / "shards").glob(".*.tmp"))
+
+
+def test_a_shard_the_file_system_fails_to_read_stops_the_resume_and_is_kept(tmp_path, monkeypatch):
+    import errno
+    import zipfile
+
+    with pytest.raises(_Stop):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, fake=_stopping(after=2))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "shards").iterdir()}
+
+    def eio(self, *args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with monkeypatch.context() as m:
+        m.setattr(zipfile.ZipExtFile, "read", eio)
+        with pytest.raises(OSError, match=r"batch_000000.npz could not be read \(Input/output error\)"):
+            _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "shards").iterdir()} == before  # nothing set aside
+    _, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
+    assert events.count("rollout") == 1  # once the storage answers, only the batch without a shard
 
 
 def test_a_part_leaves_the_temporary_files_of_another_parts_batches_alone(tmp_path, monkeypatch):
