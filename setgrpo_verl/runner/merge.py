@@ -58,8 +58,11 @@ def check_out(out: str | os.PathLike) -> Path:
                           "record.json and paired_scores.npz into; choose a new directory")
     for name in OUTPUTS:
         if (out / name).exists():
-            raise LaunchError(f"{out / name} exists: a merge writes a new record and its paired scores, and never "
-                              "overwrites a calibration's files; choose another --out")
+            alone = ("" if name == "record.json" or (out / "record.json").exists() else
+                     " (without record.json: a calibration or merge that stopped before its record; delete it to "
+                     "merge into this directory)")
+            raise LaunchError(f"{out / name} exists{alone}: a merge writes a new record and its paired scores, and "
+                              "never overwrites a calibration's files; choose another --out")
     return out
 
 

@@ -261,7 +261,8 @@ def test_merge_never_overwrites_a_calibrations_paired_scores(tmp_path):
     _write(tmp_path / "run", _shards())
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "paired_scores.npz").write_bytes(b"kept")
-    with pytest.raises(LaunchError, match=r"out/paired_scores.npz exists: .*never overwrites"):
+    with pytest.raises(LaunchError, match=r"out/paired_scores.npz exists \(without record.json: a calibration or "
+                                          r"merge that stopped before its record; delete it .*never overwrites"):
         merge_calibration([tmp_path / "run"], tmp_path / "out")
     assert (tmp_path / "out" / "paired_scores.npz").read_bytes() == b"kept"
     assert not (tmp_path / "out" / "record.json").exists()
