@@ -12,6 +12,7 @@ Layout
 * ``setgrpo_verl.report``      - PNG plots and tables from verl's metrics files and the record.
 * ``setgrpo_verl.models``      - the embedded SmolLM2-135M-Instruct (the local judge's and the CPU runs' model).
 * ``setgrpo_verl.rundir``      - a run directory's layout and markers (read by the runner and the report).
+* ``setgrpo_verl.atomic``      - whole-file writes that are never seen half done (every file written whole).
 """
 
 __version__ = "0.1.0"

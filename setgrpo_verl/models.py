@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .atomic import replace_durably
+
 __all__ = ["EMBEDDED_MODEL_NAME", "INSTALL_COMMAND", "cache_dir", "embedded_gguf_path", "embedded_model_dir",
            "load_causal_lm"]
 
@@ -142,7 +144,7 @@ def embedded_model_dir() -> Path:
             tmp.chmod(0o755)
             if target.exists():  # a foreign, incomplete directory (no config.json): replace it
                 shutil.rmtree(target)
-            os.replace(tmp, target)
+            replace_durably(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

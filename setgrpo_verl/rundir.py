@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .atomic import write_atomic
+
 __all__ = ["COMPLETE", "FAILED", "STAGES", "LaunchError", "complete_seconds", "latest_checkpoint_step", "mark_complete"]
 
 #: Marker written last into a finished stage directory; its absence means "incomplete".
@@ -42,7 +44,7 @@ def mark_complete(path: str | os.PathLike, seconds: float | None = None, note: s
     """Write ``<path>/COMPLETE`` (last, once the directory's work is finished): ``<seconds> s`` or ``- s`` where
     the directory's own time is not known, then ``note``."""
     head = "-" if seconds is None else f"{seconds:.1f}"
-    Path(path, COMPLETE).write_text(f"{head} s{' ' + note if note else ''}\n")
+    write_atomic(Path(path, COMPLETE), f"{head} s{' ' + note if note else ''}\n")
 
 
 def complete_seconds(path: str | os.PathLike) -> float | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import atomic_file
 from ._grpo import DEGENERATE_RTOL
 from ._settings import COVERAGE_GROUPS, CalibrationSettings
 from ._srgo import infeasible_text, threshold_tests
@@ -311,12 +312,10 @@ class CalibrationRecord:
         return d
 
     def to_json(self, path: str | os.PathLike) -> None:
-        """Write the record as indented JSON (atomically: a temp file renamed into place)."""
-        tmp = f"{os.fspath(path)}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
+        """Write the record as indented JSON, whole or not at all (:func:`setgrpo_verl.atomic.atomic_file`)."""
+        with atomic_file(path, "w") as fh:
             json.dump(self.to_dict(), fh, indent=2, ensure_ascii=False)
             fh.write("\n")
-        os.replace(tmp, path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CalibrationRecord:

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
+from ..atomic import atomic_file
 from ._api import calibrate
 from ._record import CalibrationRecord, check_identity, differing_versions, pilot_start
 from ._settings import CalibrationSettings
@@ -157,8 +158,8 @@ def _array_sha256(array: np.ndarray) -> str:
 
 
 def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
-    """Write ``shard`` into ``directory`` as :func:`shard_name` atomically (a temporary file, then a rename) and
-    return its path.
+    """Write ``shard`` into ``directory`` as :func:`shard_name`, whole or not at all
+    (:func:`setgrpo_verl.atomic.atomic_file`), and return its path.
 
     The file is a compressed ``.npz`` of the arrays (float64; ``prompt_index`` int64, ``truth_verdicts`` int8),
     a ``meta`` JSON string
@@ -180,22 +181,25 @@ def write_shard(directory: str | os.PathLike, shard: CalibrationShard) -> Path:
                        "tau_start_source": dict(shard.tau_start_source),
                        "arrays": {k: _array_sha256(v) for k, v in arrays.items()}}, sort_keys=True)
     path = directory / shard_name(shard.index)
-    tmp = directory / f".{path.name}.tmp"
-    with open(tmp, "wb") as fh:
+    with atomic_file(path) as fh:
         np.savez_compressed(fh, meta=np.array(meta),
                             content_sha256=np.array(hashlib.sha256(meta.encode()).hexdigest()), **arrays)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
     return path
+
+
+def _torn(path: Path, exc: BaseException) -> TornShardError:
+    return TornShardError(f"calibration shard {path} cannot be read whole ({type(exc).__name__}: {exc}): a write "
+                          "that was cut off or a partial copy; its batch is calibrated again")
 
 
 def read_shard(path: str | os.PathLike) -> CalibrationShard:
     """Read and check one shard file (:func:`write_shard`).
 
     Raises:
-        TornShardError: the file cannot be read whole (cut off mid-write, or not an ``.npz``).
-        PermissionError, FileNotFoundError, IsADirectoryError: the file system refused the read (not a torn file).
+        TornShardError: the file's bytes cannot be decoded (cut off mid-write, a partial copy, not an ``.npz``).
+        OSError: the file system failed the read (an error with an ``errno``: ``EIO``, ``ESTALE`` on network
+            storage, ``EACCES``, ``ENOENT``, ...), the file named; the shard may be whole, so it is never taken for
+            a torn one.
         ValueError: naming the file and the field: a content hash that does not match (``content_sha256``: the
             metadata was edited; an array's name: that array was changed), a missing or unexpected field, or
             shapes that do not fit together.
@@ -204,11 +208,14 @@ def read_shard(path: str | os.PathLike) -> CalibrationShard:
     try:
         with np.load(path, allow_pickle=False) as z:
             data = {name: z[name] for name in z.files}
-    except (PermissionError, FileNotFoundError, IsADirectoryError):
-        raise  # the file system refused the read: the shard may be whole, so it is not set aside as torn
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile, zlib.error) as exc:
-        raise TornShardError(f"calibration shard {path} cannot be read whole ({type(exc).__name__}: {exc}): a write "
-                             "that was cut off or a partial copy; its batch is calibrated again") from None
+    except OSError as exc:
+        if exc.errno is None:  # a decoder's error about the bytes, not the file system's
+            raise _torn(path, exc) from None
+        raise OSError(exc.errno, f"calibration shard {path} could not be read ({exc.strerror}): the file system "
+                      "failed, the file may be whole and is kept as it is; check the storage, then run the command "
+                      "again") from exc
+    except (zipfile.BadZipFile, EOFError, ValueError, KeyError, zipfile.LargeZipFile, zlib.error) as exc:
+        raise _torn(path, exc) from None
     for name in ("meta", "content_sha256"):
         if name not in data:
             raise ValueError(f"calibration shard {path}: field {name} is missing: not a shard this package wrote")
@@ -278,6 +285,7 @@ def load_shards(directory: str | os.PathLike, identity: dict | None = None, *,
 
     Raises:
         TornShardError: a torn file with ``torn="refuse"``.
+        OSError: a file the file system failed to read (never skipped as torn; see :func:`read_shard`).
         ValueError: a shard that does not read (see :func:`read_shard`) or whose identity differs from ``identity``
             (naming the file and the first differing field).
     """
@@ -454,11 +462,13 @@ def shard_start_source(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
 
 def write_calibration(record: CalibrationRecord, paired: dict[str, np.ndarray], record_path: str | os.PathLike) -> None:
     """Write ``paired_scores.npz`` (:func:`record_from_shards`'s paired scores and dropped-group counts) next to
-    ``record_path``, then the record: a record next to its paired scores means the calibration finished."""
+    ``record_path``, then the record, each whole or not at all (:func:`setgrpo_verl.atomic.atomic_file`): a record
+    next to its paired scores means the calibration finished."""
     folder = Path(record_path).resolve().parent
     folder.mkdir(parents=True, exist_ok=True)
-    np.savez(folder / "paired_scores.npz", **{name: paired[name] for name in _FLOATS + (
-        "dropped_incomplete", "dropped_no_response") if name in paired})
+    with atomic_file(folder / "paired_scores.npz") as fh:
+        np.savez(fh, **{name: paired[name] for name in _FLOATS + ("dropped_incomplete", "dropped_no_response")
+                        if name in paired})
     record.to_json(record_path)
 
 

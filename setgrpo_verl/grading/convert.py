@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..core import question_key
+from ..atomic import atomic_file
 from .rubric import Criterion, Rubric, RubricRowError, Rule
 from .rubrichub import release_row
 from .rules import NLTK_DATA_RULES, rule_description
@@ -289,12 +290,14 @@ def validate_verl_rows(rows: Iterable[Mapping[str, Any]], *, source: str = "verl
 
 
 def write_verl_parquet(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
-    """Write verl RL rows to a parquet file (parent directories created); returns the path."""
+    """Write verl RL rows to a parquet file, whole or not at all (:func:`setgrpo_verl.atomic.atomic_file`; parent
+    directories created); returns the path."""
     import pandas as pd
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(list(rows)).to_parquet(p, index=False)
+    with atomic_file(p) as fh:
+        pd.DataFrame(list(rows)).to_parquet(fh, index=False)
     return p
 
 

@@ -11,6 +11,7 @@ prompts' fingerprints.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from verl.trainer.ppo.utils import create_rl_dataset
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 
+from setgrpo_verl.atomic import replace_durably
 from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, degenerate_groups, in_part,
                                load_shards, package_versions, pilot_source, prompt_fingerprint, record_from_shards,
                                shard_identity, shard_name, shard_start_source, shard_versions, write_calibration,
@@ -281,7 +283,8 @@ class CalibrationPhase:
 
         Batches that already have a shard (a stopped calibration, resumed) are not rolled out again: their shards
         are checked against this run's identity (refused, naming the file and field, when another run wrote them)
-        and a torn file is renamed ``*.torn`` and its batch calibrated again. With ``trainer.resume_mode=disable``
+        and a torn file is renamed ``*.torn`` and its batch calibrated again; a shard the file system fails to read
+        (an I/O error) stops the calibration, naming the file. With ``trainer.resume_mode=disable``
         existing shards are refused. With ``calibration.shard=I/N`` (N > 1) only every N-th batch from I is
         calibrated and no record is written (``setgrpo-verl merge-calibration`` builds it from all parts). Otherwise
         the record is built from the complete shard set read back from disk
@@ -405,14 +408,14 @@ class CalibrationPhase:
                 holding other prompts than their batch, or that the record would refuse with the new shards'
                 ``provenance`` (another major.minor of setgrpo-verl or verl, another ``tau_start`` source:
                 :func:`~setgrpo_verl.core.shard_versions`, :func:`~setgrpo_verl.core.shard_start_source`).
+            OSError: a shard the file system failed to read (:func:`~setgrpo_verl.core.read_shard`), file named.
         """
         if not os.path.isdir(shard_dir):
             return {}
         part, parts = self.setgrpo.calibration.part()
         for index in range(len(batches)):  # this part's writes that did not reach their rename (another part's
             if in_part(index, part, parts):  # writes into the same folder are left alone)
-                stale = os.path.join(shard_dir, f".{shard_name(index)}.tmp")
-                if os.path.isfile(stale):
+                for stale in glob.glob(os.path.join(glob.escape(shard_dir), f".{shard_name(index)}*.tmp")):
                     os.remove(stale)
         if not any(n.endswith(".npz") for n in os.listdir(shard_dir)):
             return {}
@@ -425,7 +428,7 @@ class CalibrationPhase:
             aside = _free_name(f"{path}.torn")
             logger.warning("SetGRPO calibration: %s cannot be read whole (a write cut off): renamed to %s, its batch "
                            "is calibrated again", path, os.path.basename(aside))
-            os.replace(path, aside)
+            replace_durably(path, aside)
         for index, shard in shards.items():
             if index >= len(batches) or list(shard.prompts) != self._calibration_prompts[
                     index * identity["prompts"]["batch_size"]:][:len(batches[index][0])]:

@@ -19,6 +19,8 @@ import json
 import os
 from typing import Any, Optional
 
+from ..atomic import write_atomic
+
 __all__ = [
     "STATE_FILE",
     "check_resume",
@@ -102,10 +104,7 @@ def write_state(folder: str, *, step: int, record_sha256: str, monitor: Optional
     path = os.path.join(folder, STATE_FILE)
     state = {"version": _STATE_VERSION, "step": int(step), "record_sha256": record_sha256, "monitor": monitor,
              "group_log_bytes": group_log_bytes}
-    with open(path + ".tmp", "w", encoding="utf-8") as fh:
-        json.dump(state, fh, indent=2)
-        fh.write("\n")
-    os.replace(path + ".tmp", path)
+    write_atomic(path, json.dumps(state, indent=2) + "\n")
     return path
 
 

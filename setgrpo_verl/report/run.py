@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_file, write_atomic
+
 __all__ = ["ReportError", "format_table4", "inspect_record", "load_metrics", "make_report"]
 
 _COLORS = {"setgrpo": "tab:blue", "grpo": "tab:gray"}
@@ -217,7 +219,8 @@ def plot_risk_vs_threshold(record, path: Path) -> None:
     ax2.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
     ax2.set_title(f"Retained updates (Table 4: N={record.N}, F={record.F}, U={record.U:.3f})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as fh:
+        fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
 
 
@@ -283,7 +286,8 @@ def plot_coverage(curve, record, setgrpo_rows: list[dict], path: Path) -> None:
     ax2.legend(fontsize=8, loc="lower right")
     ax2.set_title("Coverage during SetGRPO training (reference scores)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as fh:
+        fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
 
 
@@ -317,7 +321,8 @@ def plot_training_dynamics(runs: dict[str, list[dict]], path: Path) -> None:
             ax.legend(fontsize=8)
     fig.suptitle("Training dynamics (paper Figure 3)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as fh:
+        fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
 
 
@@ -357,7 +362,8 @@ def plot_projections(groups: list[dict], tau_sel: float | None, path: Path) -> N
     fig.suptitle(f"Projection diagnostics (paper Figure 6): {len(live)} groups with projections (calibration + "
                  f"training){f'; {null} null-anchor rejections have none' if null else ''}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as fh:
+        fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
 
 
@@ -416,7 +422,7 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200) -> str:
     label = policy_label(record)
     table = format_table4(record, label)
     guarantees = _guarantees(record, calib / "paired_scores.npz", resplits)
-    (out / "table4.txt").write_text(table + "\n\n" + "\n".join(guarantees) + "\n")
+    write_atomic(out / "table4.txt", table + "\n\n" + "\n".join(guarantees) + "\n")
 
     lines = ["Table 4 row (frozen calibration record):", table, "",
              f"alpha={record.settings.alpha} beta={record.settings.beta} delta={record.settings.delta}; "
@@ -442,6 +448,6 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200) -> str:
                          f"mean step time {np.nanmean(_series(rows, 'timing_s/step')):.1f} s")
     lines += ["", f"plots: {', '.join(str(out / f) for f in files)}"]
     text = "\n".join(lines)
-    (out / "summary.txt").write_text(text + "\n")
-    (out / COMPLETE).write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) + "\n")
+    write_atomic(out / "summary.txt", text + "\n")
+    write_atomic(out / COMPLETE, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) + "\n")
     return text

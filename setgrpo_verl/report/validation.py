@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..atomic import atomic_file, write_atomic
 from ..core import coverage_band, risk_share_floor
 
 __all__ = ["plot_validation", "summary_table", "write_validation"]
@@ -144,7 +145,8 @@ def plot_validation(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    with atomic_file(path) as fh:
+        fig.savefig(fh, format="png", dpi=110)
     plt.close(fig)
     return path
 
@@ -161,11 +163,11 @@ def write_validation(result: Any, out_dir: str | os.PathLike) -> dict[str, Path]
     (out / "records").mkdir(parents=True, exist_ok=True)
     for (s, method), record in result.records.items():
         record.to_json(out / "records" / f"split{s}_{method}.json")
-    with open(out / "groups.jsonl", "w", encoding="utf-8") as fh:
+    with atomic_file(out / "groups.jsonl", "w") as fh:
         for row in result.rows:
             fh.write(json.dumps(row) + "\n")
     path = out / "validation.json"
-    path.write_text(json.dumps(_finite(result.report), indent=1) + "\n", encoding="utf-8")
+    write_atomic(path, json.dumps(_finite(result.report), indent=1) + "\n")
     png = plot_validation(result.report, out / "validation.png")
     return {"json": path, "png": png, "groups": out / "groups.jsonl", "records": out / "records"}
 

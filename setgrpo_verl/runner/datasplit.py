@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .lifecycle import dir_state
+from ..atomic import write_atomic
 from ..rundir import LaunchError, mark_complete
 
 __all__ = ["DEFAULT_DATA", "SPLIT_FILE", "check_split_flags", "existing_split", "split_data",
@@ -152,7 +153,7 @@ def write_data(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> dict[str
     paths = {name: write_verl_parquet(split[name], out / f"{name}.parquet") for name in ("calibration", "train")}
     meta = {**split.get("settings", {}), "source": split["source"], "duplicates_removed": split.get("duplicates", 0),
             "ids": {name: _split_ids(split[name]) for name in ("calibration", "train")}}
-    (out / SPLIT_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    write_atomic(out / SPLIT_FILE, json.dumps(meta, indent=1) + "\n")
     mark_complete(out)
     return paths
 

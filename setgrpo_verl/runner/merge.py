@@ -16,8 +16,9 @@ from typing import Sequence
 from ..core import (SHARD_DIR, CalibrationRecord, CalibrationSettings, TornShardError, load_shards, pilot_source,
                    record_from_shards, shard_name, write_calibration)
 from ..rundir import LaunchError
+from .runlock import run_dir_lock
 
-__all__ = ["merge_calibration", "shard_dirs"]
+__all__ = ["OUTPUTS", "check_out", "merge_calibration", "shard_dirs"]
 
 
 def shard_dirs(dirs: Sequence[str | os.PathLike]) -> list[Path]:
@@ -36,10 +37,40 @@ def shard_dirs(dirs: Sequence[str | os.PathLike]) -> list[Path]:
     return out
 
 
+#: What a merge writes into ``--out``.
+OUTPUTS = ("record.json", "paired_scores.npz")
+
+
+def check_out(out: str | os.PathLike) -> Path:
+    """``--out`` as the directory a merge writes :data:`OUTPUTS` into; returns it as a Path.
+
+    Raises:
+        LaunchError: ``out`` names a file (an existing file, or a name ending in ``.json`` or ``.npz`` such as
+            ``X/record.json``: give ``X``), or it holds a record or paired scores already (a merge never
+            overwrites a calibration's files).
+    """
+    out = Path(out)
+    if out.suffix in (".json", ".npz"):
+        raise LaunchError(f"--out {out} names a file, but --out is the directory the merge writes record.json and "
+                          f"paired_scores.npz into: give --out {out.parent}")
+    if out.exists() and not out.is_dir():
+        raise LaunchError(f"--out {out} is an existing file, not a directory: --out is the directory the merge writes "
+                          "record.json and paired_scores.npz into; choose a new directory")
+    for name in OUTPUTS:
+        if (out / name).exists():
+            alone = ("" if name == "record.json" or (out / "record.json").exists() else
+                     " (without record.json: a calibration or merge that stopped before its record; delete it to "
+                     "merge into this directory)")
+            raise LaunchError(f"{out / name} exists{alone}: a merge writes a new record and its paired scores, and "
+                              "never overwrites a calibration's files; choose another --out")
+    return out
+
+
 def merge_calibration(dirs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
                       pilot: str | os.PathLike | None = None) -> CalibrationRecord:
     """Build the record of a sharded calibration from its parts' shard directories and write ``<out>/record.json``
-    and ``<out>/paired_scores.npz`` (the paired scores first, as the trainer writes them).
+    and ``<out>/paired_scores.npz`` (the paired scores first, as the trainer writes them), holding ``out``'s lock
+    (:func:`setgrpo_verl.runner.runlock.run_dir_lock`) while it writes.
 
     Args:
         dirs: the parts' calibration directories (or their ``shards/``).
@@ -52,16 +83,13 @@ def merge_calibration(dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
         The record written.
 
     Raises:
-        LaunchError: no shards, a torn shard (rerun its part with ``--resume``), shards of different runs or
-            settings (file and field named), overlapping or missing batches, an existing record or paired scores in
-            ``out``, shards of different setgrpo-verl or verl versions, or a
-            pilot that does not give this calibration's ``tau_start``.
+        LaunchError: ``out`` that :func:`check_out` refuses or that cannot be created, another command holding its
+            lock, no shards, a torn shard (rerun its part with ``--resume``), a shard the file system could not
+            read (file and error named), shards of different runs or settings (file and field named), overlapping
+            or missing batches, shards of different setgrpo-verl or verl versions, or a pilot that does not give
+            this calibration's ``tau_start``.
     """
-    out = Path(out)
-    for name in ("record.json", "paired_scores.npz"):
-        if (out / name).exists():
-            raise LaunchError(f"{out / name} exists: a merge writes a new record and its paired scores, and never "
-                              "overwrites a calibration's files; choose another --out")
+    out = check_out(out)
     sources = []
     try:
         for d in shard_dirs(dirs):
@@ -76,7 +104,14 @@ def merge_calibration(dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
         record, paired = record_from_shards(sources, tau_start_source=source)
     except TornShardError as exc:
         raise LaunchError(f"{exc}; rerun that part with --resume to calibrate its batch again") from None
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         raise LaunchError(str(exc)) from None
-    write_calibration(record, paired, out / "record.json")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"--out {out}: the directory cannot be created ({exc.strerror}: {exc.filename}); choose "
+                          "another --out") from None
+    with run_dir_lock(out):
+        check_out(out)  # again under the lock: another merge into out may have finished meanwhile
+        write_calibration(record, paired, out / "record.json")
     return record

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .lifecycle import RunPlan, calibration_shards, plan_run
+from ..atomic import write_atomic
 from ..rundir import FAILED, STAGES, LaunchError, latest_checkpoint_step, mark_complete
 
 __all__ = ["run_stage", "stage_writes"]
@@ -131,7 +132,7 @@ def _announce(stage: str, stage_dir: Path, command: Sequence[str], env: Mapping[
     """Write the stage's ``command.sh`` and print how it starts; returns the path of its ``main_ppo.log``."""
     shown_env = {k: env[k] for k in ("VERL_PLATFORM", "VERL_FILE_LOGGER_PATH") if k in env}
     line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown_env.items()), *map(shlex.quote, command)])
-    (stage_dir / "command.sh").write_text("#!/usr/bin/env bash\n" + line + "\n")
+    write_atomic(stage_dir / "command.sh", "#!/usr/bin/env bash\n" + line + "\n")
     log_path = stage_dir / "main_ppo.log"
     start = ("resuming after its checkpoint of step " + str(resumed_from) if resumed_from is not None
              else "continuing the calibration from its shards with" if continued else "starting")
@@ -185,17 +186,17 @@ def _check_exit(stage: str, stage_dir: Path, calibration: Path, child, status: i
     if child.stop_reason is not None:
         reason = (f"{child.stop_reason}; main_ppo and the Ray instance it started were stopped after {elapsed:.0f} s "
                   f"instead of waiting on the lost workers; {where}")
-        (stage_dir / FAILED).write_text(reason + "\n")
+        write_atomic(stage_dir / FAILED, reason + "\n")
         raise LaunchError(f"{stage}: {reason} (full log: {log_path})")
     if child.stopped_by is not None:
         reason = (f"stopped by {child.stopped_by.name} after {elapsed:.0f} s; main_ppo and the Ray instance it started "
                   f"were stopped; {where}")
-        (stage_dir / FAILED).write_text(reason + "\n")
+        write_atomic(stage_dir / FAILED, reason + "\n")
         print(f"[setgrpo-verl] {stage}: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(128 + int(child.stopped_by))
     if status != 0:
         reason = _last_error(tail)
-        (stage_dir / FAILED).write_text(f"main_ppo exited with status {status} after {elapsed:.0f} s: {reason}\n")
+        write_atomic(stage_dir / FAILED, f"main_ppo exited with status {status} after {elapsed:.0f} s: {reason}\n")
         if not verbose:  # the log was not shown: its end says what went wrong
             sys.stderr.write("".join(t + "\n" for t in tail[-15:]))
         raise LaunchError(f"{stage}: verl's main_ppo exited with status {status}: {reason} (full log: {log_path})")
@@ -210,7 +211,7 @@ def _keep_history(metrics: Path, history: Sequence[bytes]) -> None:
     present = set(current.splitlines(keepends=True))
     missing = [line for line in history if line not in present]
     if missing:
-        metrics.write_bytes(b"".join(missing) + current)
+        write_atomic(metrics, b"".join(missing) + current)
 
 
 def _worker_deaths(line: str) -> str | None:

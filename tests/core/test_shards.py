@@ -4,6 +4,7 @@ file and the field, and the record of a shard set depends on the set only (merge
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -107,8 +108,11 @@ def test_changed_content_is_refused_naming_the_file_and_field(tmp_path):
     meta["index"] = 1
     data["meta"] = np.array(json.dumps(meta, sort_keys=True))
     np.savez(path, **data)
-    with pytest.raises(ValueError, match=rf"{path.name}: field content_sha256"):
+    with pytest.raises(ValueError, match=rf"{path.name}: field content_sha256") as caught:
         read_shard(path)
+    assert not isinstance(caught.value, TornShardError)  # refused, never set aside and calibrated again
+    with pytest.raises(ValueError, match="field content_sha256"):
+        load_shards(tmp_path, torn="skip")
 
 
 def test_a_torn_shard_is_never_read_as_data(tmp_path):
@@ -122,6 +126,46 @@ def test_a_torn_shard_is_never_read_as_data(tmp_path):
     assert sorted(shards) == [0] and torn == [paths[1]]
     with pytest.raises(TornShardError):
         load_shards(tmp_path)
+
+
+def _fail_reads(monkeypatch, err: int) -> None:
+    """Every read of a member of a zip (an .npz) fails with the file system's error ``err``, as on a flaky disk."""
+    import zipfile
+
+    def fail(self, *args):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", fail)
+
+
+def test_a_file_system_error_is_not_a_torn_shard_and_names_the_file(tmp_path, monkeypatch):
+    import builtins
+    import errno
+
+    paths = _write(tmp_path, _shards()[:2])
+    _fail_reads(monkeypatch, errno.EIO)  # fails mid-read, after the zip's directory was read
+    with pytest.raises(OSError, match=rf"calibration shard {paths[0]} could not be read \(Input/output error\): the "
+                                      "file system failed") as caught:
+        read_shard(paths[0])
+    assert caught.value.errno == errno.EIO and not isinstance(caught.value, TornShardError)
+    with pytest.raises(OSError, match=paths[0].name):
+        load_shards(tmp_path, torn="skip")  # never skipped (and calibrated again) as torn
+    with pytest.raises(LaunchError, match=rf"{paths[0].name} could not be read \(Input/output error\)"):
+        merge_calibration([tmp_path], tmp_path / "out")
+    monkeypatch.undo()
+    real_open = builtins.open
+
+    def stale(file, *args, **kwargs):  # a network file system's stale handle at open
+        if str(file) == str(paths[1]):
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", stale)
+    with pytest.raises(OSError, match=rf"{paths[1].name} could not be read \(Stale file handle\)") as caught:
+        load_shards(tmp_path, torn="skip")
+    assert caught.value.errno == errno.ESTALE
+    monkeypatch.undo()
+    assert [read_shard(p).index for p in paths] == [0, 1]  # both whole once the storage answers
 
 
 def test_another_runs_shard_is_refused_naming_file_and_field(tmp_path):
@@ -217,10 +261,41 @@ def test_merge_never_overwrites_a_calibrations_paired_scores(tmp_path):
     _write(tmp_path / "run", _shards())
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "paired_scores.npz").write_bytes(b"kept")
-    with pytest.raises(LaunchError, match=r"out/paired_scores.npz exists: .*never overwrites"):
+    with pytest.raises(LaunchError, match=r"out/paired_scores.npz exists \(without record.json: a calibration or "
+                                          r"merge that stopped before its record; delete it .*never overwrites"):
         merge_calibration([tmp_path / "run"], tmp_path / "out")
     assert (tmp_path / "out" / "paired_scores.npz").read_bytes() == b"kept"
     assert not (tmp_path / "out" / "record.json").exists()
+
+
+def test_merge_out_is_a_directory_argument(tmp_path, capsys):
+    from setgrpo_verl.runner import cli
+
+    _write(tmp_path / "run", _shards())
+    (tmp_path / "afile").write_text("x")
+    assert cli.main(["merge-calibration", str(tmp_path / "run"), "--out", str(tmp_path / "afile")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {tmp_path / 'afile'} is an existing file, not a directory")
+    assert "Traceback" not in err
+    assert (tmp_path / "afile").read_text() == "x"
+    assert cli.main(["merge-calibration", str(tmp_path / "run"), "--out", str(tmp_path / "o" / "record.json")]) == 2
+    assert f"names a file, but --out is the directory the merge writes record.json and paired_scores.npz into: give " \
+           f"--out {tmp_path / 'o'}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(LaunchError, match=r"afile/sub: the directory cannot be created \(Not a directory"):
+        merge_calibration([tmp_path / "run"], tmp_path / "afile" / "sub")
+
+
+def test_a_merge_writes_under_its_out_directorys_lock(tmp_path):
+    from setgrpo_verl.runner.runlock import run_dir_lock
+
+    _write(tmp_path / "run", _shards())
+    with run_dir_lock(tmp_path / "out", ["setgrpo-verl", "merge-calibration", "other"]):
+        with pytest.raises(LaunchError, match=r"out is in use by another command \(pid .*merge-calibration other"):
+            merge_calibration([tmp_path / "run"], tmp_path / "out")
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["LOCK"]
+    merge_calibration([tmp_path / "run"], tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["LOCK", "paired_scores.npz", "record.json"]
 
 
 def test_a_merged_record_names_the_versions_that_calibrated_not_the_merging_machines(tmp_path):

@@ -9,6 +9,7 @@ once per chunk after the first (none within a chunk), plus once to wake the roll
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -239,7 +240,9 @@ def test_a_torn_shard_is_refused_on_resume_and_calibrated_again(tmp_path, monkey
     torn = tmp_path / "shards" / "batch_000001.npz"
     cut = torn.read_bytes()[:300]
     torn.write_bytes(cut)  # cut off mid-file
-    (tmp_path / "shards" / ".batch_000002.npz.tmp").write_bytes(b"half")  # a write that did not reach its rename
+    shards = tmp_path / "shards"
+    (shards / ".batch_000002.npz.5d41402abc4b2a76.tmp").write_bytes(b"half")  # a write that did not reach its rename
+    (shards / ".batch_000002.npz.tmp").write_bytes(b"half")  # ... as an earlier version named it
     (tmp_path / "shards" / "batch_000001.npz.torn").write_bytes(b"set aside by an earlier resume")
     _, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
     assert events.count("rollout") == 2  # batches 1 (torn) and 2
@@ -249,10 +252,31 @@ def test_a_torn_shard_is_refused_on_resume_and_calibrated_again(tmp_path, monkey
     assert not list((tmp_path / "shards").glob(".*.tmp"))
 
 
+def test_a_shard_the_file_system_fails_to_read_stops_the_resume_and_is_kept(tmp_path, monkeypatch):
+    import errno
+    import zipfile
+
+    with pytest.raises(_Stop):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True, fake=_stopping(after=2))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "shards").iterdir()}
+
+    def eio(self, *args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with monkeypatch.context() as m:
+        m.setattr(zipfile.ZipExtFile, "read", eio)
+        with pytest.raises(OSError, match=r"batch_000000.npz could not be read \(Input/output error\)"):
+            _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "shards").iterdir()} == before  # nothing set aside
+    _, events = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=8, only=True)
+    assert events.count("rollout") == 1  # once the storage answers, only the batch without a shard
+
+
 def test_a_part_leaves_the_temporary_files_of_another_parts_batches_alone(tmp_path, monkeypatch):
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "batch_000000.npz").write_bytes(b"")  # not read: only its name makes the folder a resume
-    own, other = tmp_path / "shards" / ".batch_000001.npz.tmp", tmp_path / "shards" / ".batch_000002.npz.tmp"
+    own, other = (tmp_path / "shards" / ".batch_000001.npz.5d41402abc4b2a76.tmp",
+                  tmp_path / "shards" / ".batch_000002.npz.7d793037a0760186.tmp")
     own.write_bytes(b"this part's write, cut off")
     other.write_bytes(b"part 0/2 writing now")
     record, events = _calibrate(tmp_path, monkeypatch, batches=4, per_batch=4, only=True, shard="1/2")

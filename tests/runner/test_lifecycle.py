@@ -9,7 +9,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -282,38 +281,66 @@ def test_a_second_command_on_a_locked_run_directory_is_refused_with_the_holder(t
     assert (run / "calibration" / "work.txt").is_file() and holder(run) is None
 
 
-def test_a_stale_lock_of_a_dead_process_is_recognised(tmp_path, capsys):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    run = tmp_path / "run"
-    run.mkdir()
+#: A command in its own process: takes the lock, says "held" (or the error), waits for a line on stdin, releases.
+_HOLD = """
+import sys
+from setgrpo_verl.runner.runlock import run_dir_lock
+from setgrpo_verl.rundir import LaunchError
+try:
+    with run_dir_lock(sys.argv[1], ["setgrpo-verl", sys.argv[2]]):
+        print("held", flush=True)
+        sys.stdin.readline()
+except LaunchError as exc:
+    print("refused:", exc, flush=True)
+"""
+
+
+def _command(run, name):
+    return subprocess.Popen([sys.executable, "-c", _HOLD, str(run), name], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def test_two_processes_never_hold_the_lock_at_once_and_a_dead_holders_lock_is_free(tmp_path):
+    import signal
     import socket
 
-    (run / LOCK_FILE).write_text(json.dumps({"pid": dead.pid, "process_start": "1", "host": socket.gethostname(),
-                                             "command": "setgrpo-verl calibrate", "started": "earlier"}))
-    with run_dir_lock(run, ["setgrpo-verl", "report"]):
-        assert holder(run)["command"] == "setgrpo-verl report"
-    assert f"removing a stale lock (pid {dead.pid}" in capsys.readouterr().err
-    # a live pid whose process started at another time (a reused pid) is stale too
-    (run / LOCK_FILE).write_text(json.dumps({"pid": os.getpid(), "process_start": "-1", "host": socket.gethostname()}))
-    with run_dir_lock(run):
-        pass
-    assert "stale lock" in capsys.readouterr().err
-
-
-def test_a_lock_file_being_written_is_held_and_an_old_unreadable_one_is_stale(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    (run / LOCK_FILE).write_text("")  # another command created it with O_EXCL and has not written it yet
-    with pytest.raises(LaunchError, match="being locked by another command"):
-        with run_dir_lock(run):
-            pass
-    assert (run / LOCK_FILE).read_text() == ""
-    old = time.time() - 60
-    os.utime(run / LOCK_FILE, (old, old))  # a holder that died while writing it
-    with run_dir_lock(run):
-        pass
-    assert "removing a stale lock (unreadable" in capsys.readouterr().err
+    # the lock file of a command that crashed: a holder named, but no process holds the lock
+    (run / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": socket.gethostname(), "command": "setgrpo-verl crashed",
+                                             "started": "earlier"}))
+    assert holder(run) is None
+    first = _command(run, "first")
+    assert first.stdout.readline() == "held\n"
+    assert "previous command (pid 1" in first.stderr.readline()
+    second = _command(run, "second")
+    out, _ = second.communicate(timeout=60)
+    assert out.startswith(f"refused: {run} is in use by another command (pid {first.pid}")
+    assert "`setgrpo-verl first`" in out
+    assert holder(run)["pid"] == first.pid
+    first.communicate("\n", timeout=60)
+    assert first.returncode == 0 and holder(run) is None and (run / LOCK_FILE).read_text() == ""
+    # a holder killed inside the lock: its lock goes with its process, the next command takes it
+    third = _command(run, "third")
+    assert third.stdout.readline() == "held\n"
+    third.send_signal(signal.SIGKILL)
+    third.wait(timeout=60)
+    assert holder(run) is None
+    fourth = _command(run, "fourth")
+    assert fourth.stdout.readline() == "held\n"
+    _, err = fourth.communicate("\n", timeout=60)
+    assert f"previous command (pid {third.pid} on {socket.gethostname()}, `setgrpo-verl third`" in err
+
+
+def test_the_lock_file_is_never_deleted_so_two_takers_lock_one_file(tmp_path):
+    run = tmp_path / "run"
+    with run_dir_lock(run, ["setgrpo-verl", "a"]):
+        inode = (run / LOCK_FILE).stat().st_ino
+        with pytest.raises(LaunchError, match="in use by another command"):  # another open file, same process
+            with run_dir_lock(run, ["setgrpo-verl", "b"]):
+                pass
+    assert (run / LOCK_FILE).stat().st_ino == inode and holder(run) is None
 
 
 def test_earlier_data_splits_and_written_records_count_as_finished(tmp_path):
