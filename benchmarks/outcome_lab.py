@@ -56,6 +56,7 @@ from setgrpo_verl.core import (
     degenerate_groups,
     grpo_coefficients,
     projections,
+    reliability_coefficients,
     reliability_weights,
     set_shape,
     setgrpo_coefficients,
@@ -466,7 +467,7 @@ def markdown(rows: list[dict], arms: list[str] | None = None) -> str:
 
 
 def plot(rows: list[dict], path: Path, cells=(("flip", 0.1, 4), ("flip", 0.2, 4), ("flip", 0.2, 8)),
-         arms=("oracle", "grpo_mean2", "grpo", "setgrpo_mean2_wide", "setgrpo_paper")) -> None:
+         arms=("oracle", "grpo_mean2", "grpo", "setgrpo_reliability", "setgrpo_paper")) -> None:
     """docs/outcome.md's figure: mean expected truth reward against steps, one panel per (grader, flip, K) cell."""
     import matplotlib
 
@@ -513,7 +514,8 @@ def real_geometry(shard_dir: Path, batches_per_step: int = 1) -> dict[str, float
             **{name: (lambda s, r=rec: setgrpo_coefficients(s["point"], s["gram"], r).coefficients)
                for name, rec in records.items()},
             "setgrpo_soft": lambda s: grpo_coefficients(s["point"]) * soft_weights(
-                s["point"], s["gram"], records["setgrpo_loose"])[:, None]}
+                s["point"], s["gram"], records["setgrpo_loose"])[:, None],
+            "setgrpo_reliability": lambda s: reliability_coefficients(s["point"], s["reference"])}
     cos = {name: [] for name in arms}
     trained = {name: [] for name in arms}
     for s in shards[half:]:

@@ -69,7 +69,7 @@ def test_soft_weights_are_one_without_uncertainty_and_shrink_with_it(lab):
 
 def test_oracle_beats_grpo_at_flip_0_3(lab):
     rows = lab.run(flips=[0.3], ks=[4], graders=["flip"], seeds=8, steps=150, groups=32, calib_groups=300,
-                   lr=lab.LR, arms=["grpo", "oracle"], verbose=False)
+                   lr=lab.LR, arms=["grpo", "oracle", "setgrpo_reliability"], verbose=False)
     oracle = next(r for r in rows if r["arm"] == "oracle")
     mean, half = oracle["paired"]["grpo"]
     assert mean - half > 0.0, oracle
@@ -110,6 +110,26 @@ def test_outcome_doc_quotes_the_committed_run():
         assert float(pmh) == pytest.approx(r["paired"]["grpo_mean2"][1], abs=6e-4)
         assert float(pc) == pytest.approx(r["paired_calls"]["grpo_mean2"][0], abs=6e-4)
         assert float(pch) == pytest.approx(r["paired_calls"]["grpo_mean2"][1], abs=6e-4)
+
+
+def test_reliability_weighting_is_more_than_a_smaller_step_and_only_ties_grpo_mean2():
+    """The committed run's reading in docs/outcome.md#reliability-weighting: the per-group weights beat the same total
+    weight spread evenly in every flip-grader cell at flip <= 0.2, and the arm is level with grpo_mean2 there (no
+    paired band wholly above or below 0.01)."""
+    rows = {(r["grader"], r["flip"], r["K"], r["arm"]): r for r in _rows()}
+    for flip in (0.05, 0.1, 0.2):
+        for k in (4, 8):
+            rel, ctrl = rows[("flip", flip, k, "setgrpo_reliability")], rows[("flip", flip, k, "grpo_mean2_stepsize")]
+            assert rel["gain"] - ctrl["gain"] > 0.005, (flip, k)
+            mean, half = rel["paired"]["grpo_mean2"]
+            assert abs(mean) < 0.01 and mean - half < 0 < mean + half, (flip, k)
+    # the learning-rate runs: the shared arms are the same computation as the earlier sensitivity runs'
+    for scale in ("3", "0.33"):
+        new = json.loads((RESULTS / f"reliability_lr_x{scale}.json").read_text())["rows"]
+        old = {(r["flip"], r["arm"]): r["gain"] for r in json.loads((RESULTS / f"lr_x{scale}.json").read_text())["rows"]}
+        for r in new:
+            if (r["flip"], r["arm"]) in old:
+                assert r["gain"] == pytest.approx(old[(r["flip"], r["arm"])], abs=1e-12)
 
 
 def test_real_geometry_instrument_reproduces(lab):

@@ -32,7 +32,8 @@ from .support import check_attention_kernels, check_sketch_support, check_traine
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
 SETGRPO_NAME = "setgrpo"
-#: ``algorithm.setgrpo.variant``: the paper's calibrated method, or reliability weighting (docs/algorithm.md#9).
+#: ``algorithm.setgrpo.variant``: the paper's calibrated method, or reliability weighting
+#: (docs/algorithm.md#9-reliability-weighting).
 PAPER_VARIANT, RELIABILITY_VARIANT = "paper", "reliability"
 SETGRPO_VARIANTS = (PAPER_VARIANT, RELIABILITY_VARIANT)
 
