@@ -209,6 +209,19 @@ class CalibrationRecord:
         return (f"no risk-feasible threshold: {why}, so this record accepts no group and SetGRPO updates nothing; "
                 "more calibration groups or a larger beta may certify one")
 
+    def start_text(self) -> str | None:
+        """Where a fixed sequence's ``tau_start`` came from and what its certificate assumes of it
+        (docs/record.md#fields); None for Bonferroni, which has no start."""
+        s, src = self.settings, self.tau_start_source
+        if s.srgo_procedure == "bonferroni":
+            return None
+        if src.get("kind") == "pilot":
+            return (f"tau_start={s.tau_start:.2f} is the tau_sel of pilot record {src['record_sha256'][:12]}, "
+                    "checked to share no prompt with this calibration")
+        return (f"tau_start={s.tau_start:.2f} was set by the user: the certificate assumes it was fixed before the "
+                "calibration data were seen, which nothing in the record can show (a start chosen from these groups "
+                "voids the guarantee, docs/algorithm.md#43-where-the-start-comes-from)")
+
     def tests_lines(self) -> list[str]:
         """SRGO's tests as lines of text (docs/algorithm.md#4-srgo): the procedure, where the start came from, and one
         line per test of a fixed sequence in the order run (threshold, N, F, p-value against its level, passed or
@@ -229,6 +242,8 @@ class CalibrationRecord:
             passed = [f"{s.tau_grid[j]:.2f}" for j in self.test_order
                       if self.n_accepted[j] > 0 and self.ucb[j] <= s.beta]
             return lines + [f"  certified thresholds: {', '.join(passed) if passed else 'none'}"]
+        if self.tau_start_source.get("kind") != "pilot":  # the pilot is named in the head line
+            lines.append(f"  {self.start_text()}")
         for j, level in zip(self.test_order, self.test_levels):
             ok = self.n_accepted[j] > 0 and self.ucb[j] <= s.beta
             lines.append(f"  tau={s.tau_grid[j]:.2f}: N={self.n_accepted[j]}, F={self.n_reversals[j]}, "
@@ -482,11 +497,18 @@ def pilot_start(pilot: CalibrationRecord, tau_grid, *, calibration_prompts=()) -
         ``(tau_start, {"kind": "pilot", "record_sha256": <pilot content hash>})`` for :func:`calibrate`.
 
     Raises:
-        ValueError: a pilot without a selected threshold, a start off ``tau_grid``, or shared prompts (named).
+        ValueError: a pilot without a selected threshold, a pilot that lists no calibration prompts (its
+            disjointness cannot be checked), a start off ``tau_grid``, or shared prompts (named).
     """
     if pilot.tau_sel is None:
         raise ValueError("the pilot record selected no threshold (reject-all), so it gives no start for the fixed "
                          "sequence; set tau_start yourself or calibrate the pilot on more groups")
+    if not pilot.calibration_prompts:
+        raise ValueError(f"the pilot record lists no calibration prompts, so nothing shows that they are disjoint "
+                         f"from this calibration's: it cannot serve as a pilot; to start from its tau_sel="
+                         f"{pilot.tau_sel} anyway, give that as your own start (tau_start={pilot.tau_sel} without "
+                         "a pilot; the record then says the start was set by the user, and its certificate assumes "
+                         "the start was fixed before the calibration data were seen)")
     grid = [float(t) for t in tau_grid]
     if float(pilot.tau_sel) not in grid:
         raise ValueError(f"the pilot record's tau_sel={pilot.tau_sel} is not on this calibration's tau_grid {grid}")

@@ -331,6 +331,10 @@ class CalibrationPhase:
                       "tau_start_source": source or ({"kind": "user"} if fixed else {})}
         done = self._existing_shards(shard_dir, identity, batches, provenance)
         part, parts = cfg.calibration.part()
+        if part >= len(batches):  # check_run_config counts calibration.num_prompts; the files held fewer rows
+            raise ValueError(f"algorithm.setgrpo.calibration.shard={cfg.calibration.shard}: part {part} holds no "
+                             f"batch, since the calibration prompts make {len(batches)} batch(es): split it into at "
+                             f"most {len(batches)} parts")
         todo = [b for b in range(len(batches)) if in_part(b, part, parts) and b not in done]
         logger.warning("SetGRPO calibration: %d batches of %d prompts in part %d/%d, %d with a shard already, %d to "
                        "calibrate; shards in %s", len(batches), len(self._calibration_prompts), part, parts,

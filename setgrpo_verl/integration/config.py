@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from hydra.experimental.callback import Callback
 
@@ -23,10 +23,10 @@ from setgrpo_verl.sketch import SketchConfig
 
 from .gpu_env import check_driver_gpus
 from .judge_access import check_judge_access, pass_judge_key
-from .prompts import check_calibration_disjoint, read_prompt_identities
+from .prompts import check_calibration_disjoint, check_start_pilot, read_prompt_identities
 from .resume import check_resume
-from .reward_config import (POINT_KEY, REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_SCORE_KEY, grader_config,
-                            grader_identity, point_mode, reference_score_key, scorings)
+from .reward_config import (POINT_KEY, REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_SCORE_KEY, check_filter_groups,
+                            grader_config, grader_identity, point_mode, reference_score_key, scorings)
 from .micro_batch import check_sketch_micro_batch
 from .support import check_attention_kernels, check_sketch_support, check_trainer_settings
 
@@ -46,8 +46,9 @@ GRADED_SYNC_NAME = "graded_sync"
 
 __all__ = [
     "ABLATIONS", "GRADED_SYNC_NAME", "SETGRPO_NAME", "TRAINER_MODE_OVERRIDE", "TRUTH_SCORE_KEY", "SetGRPOAlgoConfig",
-    "PAPER_VARIANT", "RELIABILITY_VARIANT", "SETGRPO_VARIANTS", "SetGRPOConfig", "SetGRPOConfigCheck", "check_record",
-    "check_run_config", "check_training_data", "field_doc", "render_yaml", "run_identity", "setgrpo_config_from",
+    "PAPER_VARIANT", "RELIABILITY_VARIANT", "SETGRPO_VARIANTS", "SetGRPOConfig", "SetGRPOConfigCheck",
+    "check_calibration_part", "check_record", "check_run_config", "check_training_data",
+    "field_doc", "render_yaml", "run_identity", "setgrpo_config_from",
 ]
 
 
@@ -427,11 +428,16 @@ def _check_reward(config: Any, *, needs_reference: bool) -> None:
                          "GRPO baseline)")
 
 
-def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
+def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict]] = None,
+                     environment: bool = True) -> Optional[SetGRPOConfig]:
     """Fail fast on a run config that mixes SetGRPO and verl settings inconsistently (before Ray starts).
 
     Args:
         config: the composed verl config (``main_ppo``'s).
+        calibration_prompts: the :func:`setgrpo_verl.core.prompt_fingerprint` list of the prompts the run will
+            calibrate on, when they are known before the files are written (the command line's split); None =
+            every row of the files the calibration samples.
+        environment: False leaves out the GPU checks: the installed kernel packages and the driver (a dry run).
 
     Returns:
         The validated :class:`SetGRPOConfig` when the run uses SetGRPO, else None.
@@ -447,7 +453,12 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             micro-batch that does not divide a rank's batch (:func:`check_sketch_micro_batch`), or an
             ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run
             (:func:`check_record`), or training data holding one of its calibration prompts
-            (:func:`check_training_data`); for any trainer mode, an actor ``attn_implementation`` whose kernel
+            (:func:`check_training_data`); for a run that calibrates, a ``calibration.shard`` part that holds no
+            batch (:func:`check_calibration_part`) or a ``tau_start_pilot`` that is no pilot of these prompts
+            (:func:`~.prompts.check_start_pilot`); DAPO group filtering (``algorithm.filter_groups``) in a calibration run
+            or on a metric the reward manager does not emit
+            (:func:`~setgrpo_verl.integration.reward_config.check_filter_groups`); for any trainer mode, unless
+            ``environment`` is False, an actor ``attn_implementation`` whose kernel
             package is not importable (:func:`~setgrpo_verl.integration.support.check_attention_kernels`) and, with
             an NVIDIA driver here, a GPU environment verl cannot run in (:func:`~.gpu_env.check_driver_gpus`); with
             ``setgrpo_dual``, a judge a reward worker could not use (:func:`~.judge_access.check_judge_access`); for
@@ -470,8 +481,10 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
         )
     if trainer_mode != SETGRPO_NAME:
         _check_reward(config, needs_reference=False)
-        check_attention_kernels(config)
-        check_driver_gpus(config)
+        check_filter_groups(config, setgrpo=False, calibration_only=False)
+        if environment:
+            check_attention_kernels(config)
+            check_driver_gpus(config)
         return None
     if config.actor_rollout_ref.rollout.n < 2:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
@@ -479,15 +492,21 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
     setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
     if setgrpo.variant == RELIABILITY_VARIANT:  # no calibration, record or sketches: only the reference is needed
         _check_reward(config, needs_reference=True)
+        check_filter_groups(config, setgrpo=False, calibration_only=False)  # no record whose groups it could skew
         check_resume(config, setgrpo)
-        check_attention_kernels(config)
-        check_driver_gpus(config)
+        if environment:
+            check_attention_kernels(config)
+            check_driver_gpus(config)
         return setgrpo
     check_trainer_settings(config, setgrpo)
     check_sketch_micro_batch(config, setgrpo)
     check_sketch_support(config, setgrpo.sketch.to_sketch_config())
     _check_reward(config, needs_reference=True)
+    check_filter_groups(config, setgrpo=True, calibration_only=setgrpo.calibration.only and not setgrpo.record_path)
     check_calibration_disjoint(config)
+    if not setgrpo.record_path:
+        check_calibration_part(config, setgrpo)
+        check_start_pilot(config, setgrpo, calibration_prompts)
     if setgrpo.record_path:
         path = os.path.expanduser(setgrpo.record_path)
         if not os.path.isfile(path):
@@ -499,9 +518,34 @@ def check_run_config(config: Any) -> Optional[SetGRPOConfig]:
             prompt_key = str(config.data.get("prompt_key", "prompt"))
             check_training_data(record, config.data.train_files, prompt_key=prompt_key)
     check_resume(config, setgrpo)
-    check_attention_kernels(config)  # the environment last: a wrong setting is named before a missing package
-    check_driver_gpus(config)
+    if environment:  # the environment last: a wrong setting is named before a missing package
+        check_attention_kernels(config)
+        check_driver_gpus(config)
     return setgrpo
+
+
+def check_calibration_part(config: Any, setgrpo: SetGRPOConfig) -> None:
+    """Refuse, before Ray, a ``calibration.shard`` part that holds no calibration batch
+    (docs/record.md#calibration-shards).
+
+    The calibration has ``ceil(num_prompts / batch_size)`` batches (``batch_size``: ``calibration.batch_size``, else
+    ``data.train_batch_size``) and part I of N takes batches I, I + N, ...; a part with none would start verl,
+    calibrate nothing and end complete.
+
+    Raises:
+        ValueError: naming the part, how many batches the calibration has and the fixes.
+    """
+    cal = setgrpo.calibration
+    index, parts = cal.part()
+    size = int(cal.batch_size or config.data.train_batch_size)
+    batches = -(-int(cal.num_prompts) // size)
+    if index < batches:
+        return
+    raise ValueError(
+        f"algorithm.setgrpo.calibration.shard={cal.shard} (--shard): part {index} holds no batch, since the "
+        f"calibration has {batches} batch(es) ({cal.num_prompts} prompts in batches of {size}) and part I of N takes "
+        f"batches I, I+N, ...: split it into at most {batches} parts (shard=I/{batches}) or use smaller calibration "
+        "batches (calibration.batch_size, --calib-batch-size)")
 
 
 def check_training_data(record: CalibrationRecord, train_files: Any, *, prompt_key: str = "prompt") -> None:

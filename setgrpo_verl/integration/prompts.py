@@ -13,7 +13,8 @@ import json
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["check_calibration_disjoint", "prompt_identity", "read_prompt_identities"]
+__all__ = ["calibration_fingerprints", "check_calibration_disjoint", "check_start_pilot", "prompt_fingerprints",
+           "prompt_identity", "read_prompt_identities"]
 
 
 def _as_mapping(value: Any) -> Mapping | None:
@@ -74,6 +75,33 @@ def read_prompt_identities(files: str | os.PathLike | Sequence[str | os.PathLike
     Raises:
         ValueError: a file that is not readable parquet (the message names it).
     """
+    for prompt_id, question, _ in _read_identities(files, prompt_key):
+        yield prompt_id, question
+
+
+def prompt_fingerprints(rows: Iterable[Mapping[str, Any]], *, prompt_key: str = "prompt") -> list[dict[str, str]]:
+    """The record's :func:`setgrpo_verl.core.prompt_fingerprint` of each verl RL row (a mapping with
+    ``reward_model``, ``extra_info`` and ``prompt_key``), as the calibration computes them (docs/record.md#fields)."""
+    from setgrpo_verl.core import prompt_fingerprint
+
+    return [prompt_fingerprint(*prompt_identity(r.get("reward_model"), r.get("extra_info"), r.get(prompt_key)))
+            for r in rows]
+
+
+def calibration_fingerprints(files: str | os.PathLike | Sequence[str | os.PathLike], *,
+                             prompt_key: str = "prompt") -> list[dict[str, str]]:
+    """:func:`prompt_fingerprints` of every row of verl RL parquet file(s) (missing files are skipped).
+
+    Raises:
+        ValueError: a file that is not readable parquet (the message names it).
+    """
+    from setgrpo_verl.core import prompt_fingerprint
+
+    return [prompt_fingerprint(*identity) for identity in _read_identities(files, prompt_key)]
+
+
+def _read_identities(files: Any, prompt_key: str) -> Iterable[tuple[str | None, str | None, Any]]:
+    """:func:`prompt_identity` of every row of the readable files (arguments: :func:`read_prompt_identities`)."""
     import pyarrow.parquet as pq
 
     paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
@@ -91,8 +119,7 @@ def read_prompt_identities(files: str | os.PathLike | Sequence[str | os.PathLike
         ei = table.column("extra_info").to_pylist() if "extra_info" in columns else [None] * n
         pr = table.column(prompt_key).to_pylist() if prompt_key in columns else [None] * n
         for reward_model, extra_info, prompt in zip(rm, ei, pr):
-            prompt_id, question, _ = prompt_identity(reward_model, extra_info, prompt)
-            yield prompt_id, question
+            yield prompt_identity(reward_model, extra_info, prompt)
 
 
 def _files(value: Any) -> list[str]:
@@ -146,3 +173,41 @@ def check_calibration_disjoint(config: Any) -> None:
             f"data.train_files shares {len(shared)} prompt(s) with algorithm.setgrpo.calibration.files, the first "
             f"{prompt_id!r} ({' '.join(str(question).split())[:80]!r}); calibration prompts must stay out of "
             f"training (their groups certify the guarantees for fresh prompts): {fix}")
+
+
+def check_start_pilot(config: Any, setgrpo: Any, calibration_prompts: Sequence[dict] | None = None) -> dict | None:
+    """The ``tau_start_source`` of the run's pilot record (``algorithm.setgrpo.tau_start_pilot``), checked before
+    Ray as the calibration checks it again before its first rollout (docs/algorithm.md#43-where-the-start-comes-from).
+
+    Args:
+        config: the composed verl config of a run that calibrates.
+        setgrpo: its validated ``algorithm.setgrpo`` block (:class:`~.config.SetGRPOConfig`).
+        calibration_prompts: the fingerprints of the prompts it calibrates on; None = every row of the files the
+            calibration samples (``calibration.files``, else ``data.train_files``), so that a pilot sharing a
+            prompt with those files is refused even where the calibration draws only some of their rows.
+
+    Returns:
+        None without a pilot, else ``{"kind": "pilot", "record_sha256": ...}``.
+
+    Raises:
+        ValueError: a missing or invalid pilot file, or what :func:`setgrpo_verl.core.pilot_source` refuses (a
+            reject-all pilot, one that lists no calibration prompts, shared prompts, another start), each
+            prefixed with the key and the file.
+    """
+    if not setgrpo.tau_start_pilot:
+        return None
+    name = f"algorithm.setgrpo.tau_start_pilot={setgrpo.tau_start_pilot}"
+    path = os.path.expanduser(setgrpo.tau_start_pilot)
+    if not os.path.isfile(path):
+        raise ValueError(f"{name}: no such file; pass a record calibrated on other prompts, or give tau_start alone")
+    if calibration_prompts is None:
+        cal = setgrpo.calibration
+        files = cal.files if cal.files is not None else config.data.train_files
+        calibration_prompts = calibration_fingerprints(files, prompt_key=str(config.data.get("prompt_key", "prompt")))
+    from setgrpo_verl.core import CalibrationRecord, pilot_source
+
+    settings = setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
+    try:
+        return pilot_source(CalibrationRecord.from_json(path), settings, calibration_prompts)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None

@@ -22,6 +22,8 @@ __all__ = [
     "SCORINGS_KEY",
     "TRUTH_SCORE_KEY",
     "TRUTH_VERDICTS_KEY",
+    "check_filter_groups",
+    "filter_metrics",
     "grader_config",
     "grader_identity",
     "point_mode",
@@ -149,3 +151,67 @@ def point_mode(config: Any) -> str:
     if value == "mean" and scorings(config) == 1:
         raise ValueError(f"{POINT_KEY}=mean averages two scorings, but {SCORINGS_KEY}=1: set {SCORINGS_KEY}=2")
     return str(value)
+
+
+#: verl's DAPO filter metric that reads the canonical reward (``rm_scores``, the point score r) instead of a
+#: ``reward_extra_info`` key (``verl.trainer.ppo.v1.replay_buffer.FILTER_GROUPS_REWARD_METRIC``).
+CANONICAL_REWARD_METRIC = "reward"
+
+
+def filter_metrics(config: Any) -> tuple[str, ...]:
+    """The names ``algorithm.filter_groups.metric`` can take with the ``setgrpo_dual`` manager: verl's canonical
+    ``reward`` and the numeric ``reward_extra_info`` keys the manager emits for every response of this config
+    (reward_manager.py's module docstring): the point score first, then the reference score and the judges'
+    disagreement (two scorings), the noise-free score (a ``noisy`` grader) and the counts.
+
+    Raises:
+        ValueError: what :func:`scorings`, :func:`reference_score_key` or :func:`grader_config` refuse.
+    """
+    names = [CANONICAL_REWARD_METRIC, "score"]
+    if scorings(config) == 2:
+        names += [reference_score_key(config), "judged_disagreement"]
+    if grader_config(config).get("type") == "noisy":
+        names.append(TRUTH_SCORE_KEY)
+    return tuple(names + ["unparsed", "judged", "scorings"])
+
+
+def check_filter_groups(config: Any, *, setgrpo: bool, calibration_only: bool) -> None:
+    """Refuse, before Ray, verl's DAPO group filter (``algorithm.filter_groups``) where it cannot run or would void
+    the record's guarantees (docs/verl_integration.md#dapo-group-filtering).
+
+    Args:
+        config: the composed verl config (the metric is checked for the ``setgrpo_dual`` reward manager).
+        setgrpo: the run trains with SetGRPO's estimator (the record's guarantees apply to its groups).
+        calibration_only: the run calibrates and trains nothing (``algorithm.setgrpo.calibration.only``).
+
+    Raises:
+        ValueError: filtering in a calibration-only run (selecting groups by their scores breaks the
+            exchangeability the record rests on; calibration never filters); a metric the manager does not emit
+            (naming those it emits); for SetGRPO, a metric other than the point score (it would select the
+            training groups by their reference or noise-free scores, which the record does not describe).
+    """
+    block = _get(_get(config, "algorithm"), "filter_groups")
+    if not _get(block, "enable"):
+        return
+    if calibration_only:
+        raise ValueError(
+            "algorithm.filter_groups.enable=true in a calibration run: DAPO's filter drops groups by their scores, "
+            "so the calibration groups would no longer be exchangeable with training groups and the record would "
+            "certify nothing; calibration never filters: leave algorithm.filter_groups off here and set it on the "
+            "training run, where it drops groups with one point score (docs/verl_integration.md#dapo-group-filtering)")
+    if str(_get(_get(_get(config, "reward"), "reward_manager"), "name")) != REWARD_MANAGER_NAME:
+        return  # another manager's keys are its own
+    metric = _get(block, "metric")
+    names = filter_metrics(config)
+    if metric not in names:
+        raise ValueError(
+            f"algorithm.filter_groups.metric={metric!r}: the {REWARD_MANAGER_NAME} reward manager does not emit it "
+            f"(verl's DAPO recipes set 'acc' for their math reward); it emits {', '.join(names)}: set "
+            f"algorithm.filter_groups.metric={CANONICAL_REWARD_METRIC} (the point score) or turn the filter off")
+    if setgrpo and metric not in (CANONICAL_REWARD_METRIC, "score"):
+        raise ValueError(
+            f"algorithm.filter_groups.metric={metric!r} selects SetGRPO's training groups by something other than "
+            "their point scores, unlike the calibration groups, so the record's coverage and risk bounds would not "
+            f"describe them: set algorithm.filter_groups.metric={CANONICAL_REWARD_METRIC} or score (both the point "
+            "score r; that filter drops groups whose point scores are all equal, which are degenerate and left "
+            "out of calibration too)")

@@ -427,7 +427,7 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200) -> str:
     lines = ["Table 4 row (frozen calibration record):", table, "",
              f"alpha={record.settings.alpha} beta={record.settings.beta} delta={record.settings.delta}; "
              f"{record.selection_text()}",
-             *guarantees, ""]
+             *([record.start_text()] if record.start_text() else []), *guarantees, ""]
     if runs["setgrpo"]:
         lines.append("SetGRPO per step: accepted-group ratio, mean recovery ratio, reward (point), entropy")
         lines.append(f"{'step':>4} {'accepted':>9} {'recovery':>9} {'reward':>8} {'entropy':>8} {'online cov':>10}")

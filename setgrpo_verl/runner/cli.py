@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .run import (Plan, dir_plan, dry_run_text, hold_lock, make_plan, make_split, record_path, run_stages,
-                  stage_commands, start, train_prompts)
+from .run import (Plan, check_before_ray, dir_plan, dry_run_text, hold_lock, make_plan, make_split, record_path,
+                  run_stages, stage_commands, start, train_prompts)
 
 __all__ = ["FLAGS", "HANDLERS", "PROFILES", "build_parser", "main", "overrides_from_args"]
 
@@ -387,8 +387,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> str | None:
     check_calibration_size(plan.values)
     split = make_split(args, plan)
     lifecycle = dir_plan(args, ["data", "calibration"], split=split)
+    check_before_ray(args, commands, lifecycle, split)
     if args.dry_run:
-        return dry_run_text(commands, lifecycle)
+        return dry_run_text(commands, lifecycle, judge=args.judge)
     start(args, plan, lifecycle, split)
     run_stages(args, commands, lifecycle)
     return None
@@ -408,8 +409,9 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
     commands = stage_commands(args, plan, [first] + (["grpo"] if args.baseline else []), record_path(args.run_dir))
     if split is not None:
         check_training_steps(plan.values, args.overrides, train_prompts(args.run_dir, split))
+    check_before_ray(args, commands, lifecycle, split)
     if args.dry_run:
-        return dry_run_text(commands, lifecycle)
+        return dry_run_text(commands, lifecycle, judge=args.judge)
     start(args, plan, lifecycle, split)
     lifecycle.prepare("report")  # an old report describes the stages about to be run again
     run_stages(args, commands, lifecycle)
@@ -431,20 +433,19 @@ def _cmd_train(args: argparse.Namespace) -> str | None:
     commands = stage_commands(args, plan, [stage], record)
     reads = ("data",) + (("calibration",) if stage == "train" and args.record is None else ())
     lifecycle = dir_plan(args, [STAGES[stage]], reads=reads)
-    if not args.dry_run:
-        lifecycle.check()
-    elif any(d.action == "refuse" for d in lifecycle.dirs):
-        return dry_run_text(commands, lifecycle)  # its plan lines say where the run would stop
-    # a dry run makes the checks a started run would make, and fails as it would
-    datasplit.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
-    preflight.check_training_steps(plan.values, args.overrides, train_prompts(run_dir, None))
-    if stage == "train":
-        if not Path(record).is_file():
-            raise LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
-                              f"{run_dir}` first or pass --record")
-        preflight.check_training_prompts(record, run_dir)
+
+    def check_data() -> None:  # after the directories' check: it reads them
+        datasplit.check_split_flags(run_dir, data=args.data, calib_groups=args.calib_groups)
+        preflight.check_training_steps(plan.values, args.overrides, train_prompts(run_dir, None))
+        if stage == "train":
+            if not Path(record).is_file():
+                raise LaunchError(f"calibration record {record} not found: run `setgrpo-verl calibrate --run-dir "
+                                  f"{run_dir}` first or pass --record")
+            preflight.check_training_prompts(record, run_dir)
+
+    check_before_ray(args, commands, lifecycle, None, checks=(check_data,))
     if args.dry_run:
-        return dry_run_text(commands, lifecycle)
+        return dry_run_text(commands, lifecycle, judge=args.judge)
     start(args, plan, lifecycle, None)
     run_stages(args, commands, lifecycle)
     return None
@@ -460,9 +461,9 @@ def _cmd_validate(args: argparse.Namespace) -> str | None:
     _check_validate(args, plan.values)
     if args.analysis_only:
         lifecycle = dir_plan(args, ["validation"], reads=("calibration",))
+        check_before_ray(args, [], lifecycle, None)
         if args.dry_run:
             return dry_run_text([], lifecycle)
-        lifecycle.check()
         return _analyse(args, plan.values, lifecycle)
     commands = stage_commands(args, plan, ["calibrate"], record_path(args.run_dir))
     warning = check_validation_size(plan.values, args.holdout_fraction)
@@ -470,8 +471,9 @@ def _cmd_validate(args: argparse.Namespace) -> str | None:
         print(f"[setgrpo-verl] warning: {warning}", flush=True)
     split = make_split(args, plan)
     lifecycle = dir_plan(args, ["data", "calibration", "validation"], split=split)
+    check_before_ray(args, commands, lifecycle, split)
     if args.dry_run:
-        return dry_run_text(commands, lifecycle)
+        return dry_run_text(commands, lifecycle, judge=args.judge)
     start(args, plan, lifecycle, split)
     if lifecycle.action("calibration") == "replace":
         lifecycle.prepare("validation")  # its results were made from the calibration about to be replaced

@@ -12,8 +12,8 @@ from typing import Any, Mapping, Sequence
 from .console import override_value
 from ..rundir import LaunchError
 
-__all__ = ["calibration_minimums", "check_calibration_size", "check_training_prompts", "check_training_steps",
-           "check_validation_size", "probe_judge", "requested_settings"]
+__all__ = ["calibration_minimums", "check_calibration_size", "check_stage_configs", "check_training_prompts",
+           "check_training_steps", "check_validation_size", "probe_judge", "requested_settings"]
 
 #: The command-line flag of each ``algorithm.setgrpo`` key that has one.
 _FLAGS = {"alpha": "--alpha", "beta": "--beta", "delta": "--delta", "tau_grid": "--tau-grid", "rho": "--rho",
@@ -207,3 +207,35 @@ def check_training_steps(values: Mapping[str, Any], overrides: Sequence[str], tr
         f"{per_epoch * epochs} steps: lower --steps to {per_epoch * epochs}"
         + (f", raise trainer.total_epochs to {need}" if need else "")
         + " or give more training prompts")
+
+
+def check_stage_configs(commands: Sequence[tuple[str, Sequence[str]]], *,
+                        calibration_prompts: Sequence[dict] | None = None, environment: bool = True) -> None:
+    """The check that verl's ``main_ppo`` runs before Ray (:func:`setgrpo_verl.integration.config.check_run_config`,
+    through the Hydra callback), made on each stage's config as Hydra composes it from the stage's command line,
+    before anything is written (docs/cli.md#run-directory).
+
+    Args:
+        commands: ``(stage, argv)`` of each ``python -m verl.trainer.main_ppo --config-name NAME overrides...``.
+        calibration_prompts: fingerprints of the calibration prompts about to be written (the data split), for the
+            checks that read them; None = the run directory's files.
+        environment: False (a dry run) leaves out the GPU kernel packages.
+
+    Raises:
+        LaunchError: a config Hydra cannot compose, or what ``check_run_config`` refuses, naming the stage.
+    """
+    from hydra import compose, initialize_config_module
+
+    from ..integration.config import check_run_config
+
+    for stage, argv in commands:
+        at = list(argv).index("--config-name")
+        try:
+            with initialize_config_module("verl.trainer.config", version_base=None):
+                config = compose(argv[at + 1], overrides=list(argv[at + 2:]))
+        except Exception as exc:  # Hydra's ConfigCompositionException / OmegaConf's errors name the override
+            raise LaunchError(f"verl cannot compose the {stage} stage's config: {exc}") from None
+        try:
+            check_run_config(config, calibration_prompts=calibration_prompts, environment=environment)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None

@@ -14,10 +14,10 @@ import math
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["Plan", "dir_plan", "dry_run_text", "grader_config", "hold_lock", "make_plan", "make_split",
-           "record_path", "run_stages", "stage_commands", "start", "train_prompts", "write_split"]
+__all__ = ["Plan", "check_before_ray", "dir_plan", "dry_run_text", "grader_config", "hold_lock", "make_plan",
+           "make_split", "record_path", "run_stages", "stage_commands", "start", "train_prompts", "write_split"]
 
 
 def _sketch_batches(values: dict[str, Any], command: str, trains: bool) -> dict[str, int]:
@@ -214,9 +214,39 @@ NOT_RUN_GPU_CHECKS = ("[setgrpo-verl] checks: the GPU environment checks (CUDA a
                       "which does not use them (docs/verl_integration.md#gpu-requirements)")
 
 
-def dry_run_text(commands: list[tuple[str, list[str]]], lifecycle=None) -> str:
+def check_before_ray(args: argparse.Namespace, commands: list[tuple[str, list[str]]], lifecycle,
+                     split: dict[str, Any] | None, checks: tuple[Callable[[], None], ...] = ()) -> None:
+    """Every local check the command makes before verl's Ray starts, the same for a dry run (docs/cli.md#run-directory):
+    the run directory's plan, the command's own ``checks`` (which may read the directories), then ``main_ppo``'s
+    own check on each stage's composed config
+    (:func:`~setgrpo_verl.runner.preflight.check_stage_configs`). A dry run leaves out the GPU environment checks; the
+    judge probe, a network request, is :func:`start`'s.
+
+    Raises:
+        LaunchError: the first check that fails; a dry run prints its plan and commands first.
+    """
+    from .preflight import check_stage_configs
+
+    try:
+        lifecycle.check()
+        for check in checks:
+            check()
+        prompts = None
+        if split is not None:
+            from ..integration.prompts import prompt_fingerprints
+
+            prompts = prompt_fingerprints(split["calibration"])
+        check_stage_configs(commands, calibration_prompts=prompts, environment=not args.dry_run)
+    except Exception:
+        if args.dry_run:  # what it would have done, then why it would not
+            print(dry_run_text(commands, lifecycle), flush=True)
+        raise
+
+
+def dry_run_text(commands: list[tuple[str, list[str]]], lifecycle=None, *, judge: str | None = None) -> str:
     """``--dry-run``'s text: the run directory's plan (what each directory would get), a line saying that the GPU
-    environment checks were not run (:data:`NOT_RUN_GPU_CHECKS`), and the verl command lines."""
+    environment checks were not run (:data:`NOT_RUN_GPU_CHECKS`), the verl command lines and, given the command's
+    ``judge`` once every check passed, a line saying so and naming the judge probe that only the command makes."""
     lines = [] if lifecycle is None else [lifecycle.text()]
     if lifecycle is not None:
         from .runlock import holder
@@ -230,7 +260,12 @@ def dry_run_text(commands: list[tuple[str, list[str]]], lifecycle=None) -> str:
                          f"{lifecycle.run_dir / refused[0].name} {refused[0].reason}")
     if commands:
         lines.append(NOT_RUN_GPU_CHECKS)
-    return "\n".join(lines + [" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands])
+    lines += [" ".join(shlex.quote(c) for c in cmd) for _, cmd in commands]
+    if commands and judge is not None:
+        probe = (", except the judge probe (a request to --judge-base-url, which only the command makes)"
+                 if judge == "openai" else "")
+        lines.append(f"[setgrpo-verl] dry run: every other check the command makes before verl starts passed{probe}")
+    return "\n".join(lines)
 
 
 def make_split(args: argparse.Namespace, plan: Plan) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ from setgrpo_verl.core import (
     clopper_pearson_upper,
     content_sha256,
     pilot_start,
+    prompt_fingerprint,
     required_accepted_groups,
     reversal_events,
     risk_evidence,
@@ -171,6 +172,9 @@ def test_fixed_sequence_record_round_trips_and_its_check_rederives_the_tests(gro
     from setgrpo_verl.report import inspect_record
     shown = inspect_record(path)
     assert "fixed_sequence from tau_start=0.40 (set by the user)" in shown and "vs level 0.1 -> passed" in shown
+    # a start the record cannot check is shown with what its certificate assumes of it
+    assert ("tau_start=0.40 was set by the user: the certificate assumes it was fixed before the calibration data "
+            "were seen") in shown
     for edit, needle in ((dict(stopped_at=3), "stopped_at"), (dict(test_order=(3, 2, 1, 0)), "test_order"),
                          (dict(p_values=(0.5,) * 4), "p_values"),
                          (dict(settings=rec.settings.replace(tau_start=0.2)), "test_order"),
@@ -178,10 +182,17 @@ def test_fixed_sequence_record_round_trips_and_its_check_rederives_the_tests(gro
         with pytest.raises(ValueError, match=needle):
             dataclasses.replace(rec, **edit)
     # a pilot record on other groups gives the start and is named by its content hash
-    pilot = calibrate(*make_groups(800, k=5, dim=3, noise=0.15, seed=6),
-                      CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid, on_infeasible="reject_all"))
-    tau, source = pilot_start(pilot, grid)
+    pilot_settings = CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid, on_infeasible="reject_all")
+    others = [prompt_fingerprint(f"pilot-{i}", f"pilot question {i}", []) for i in range(800)]
+    pilot = calibrate(*make_groups(800, k=5, dim=3, noise=0.15, seed=6), pilot_settings,
+                      metadata={"calibration_prompts": others})
+    mine = [prompt_fingerprint(f"cal-{i}", f"calibration question {i}", []) for i in range(3)]
+    tau, source = pilot_start(pilot, grid, calibration_prompts=mine)
     assert tau == pilot.tau_sel and source == {"kind": "pilot", "record_sha256": content_sha256(pilot)}
+    # the same pilot without its prompts shows nothing about them: refused, its start offered as the user's
+    blind = calibrate(*make_groups(800, k=5, dim=3, noise=0.15, seed=6), pilot_settings)
+    with pytest.raises(ValueError, match=rf"lists no calibration prompts.*tau_start={blind.tau_sel} without a pilot"):
+        pilot_start(blind, grid, calibration_prompts=mine)
     from_pilot = calibrate(p, r, m,
                            CalibrationSettings(alpha=0.2, beta=0.2, delta=0.1, tau_grid=grid,
                                                srgo_procedure="fixed_sequence", tau_start=tau,

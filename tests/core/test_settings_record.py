@@ -125,7 +125,9 @@ def test_a_schema_4_record_loads_migrated_to_the_settings_it_was_calibrated_with
     assert old == dataclasses.replace(fresh, package_versions={})
     # it answers to the hash its file stores (resume state and pilot sources name it so) ...
     assert content_sha256(old) == stored["content_sha256"]
-    assert pilot_start(old, old.settings.tau_grid)[1] == {"kind": "pilot", "record_sha256": stored["content_sha256"]}
+    # ... and lists no calibration prompts, so it can be no pilot: its start would have to be given as the user's
+    with pytest.raises(ValueError, match=rf"lists no calibration prompts.*tau_start={old.tau_sel} without a pilot"):
+        pilot_start(old, old.settings.tau_grid)
     # ... while written again it is a schema-5 file with its own hash, which reads back equal
     old.to_json(tmp_path / "record.json")
     again = json.loads((tmp_path / "record.json").read_text())

@@ -122,6 +122,22 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job",
        f"actor_rollout_ref.actor.strategy={strategy}: the SetGRPO sketch pass runs on verl's FSDP engine only")
       for strategy in ("megatron", "veomni", "torchtitan", "automodel", "fsdp_turbo")],
     ((LOCAL, CAL_ONLY, "model_engine=megatron"), "actor_rollout_ref.actor.strategy=megatron"),
+    # a part of a sharded calibration that holds no batch would start verl, calibrate nothing and end complete
+    ((LOCAL, CAL_ONLY, "algorithm.setgrpo.calibration.num_prompts=12", "algorithm.setgrpo.calibration.batch_size=4",
+      "algorithm.setgrpo.calibration.shard=3/4"),
+     "algorithm.setgrpo.calibration.shard=3/4 (--shard): part 3 holds no batch, since the calibration has 3 "
+     "batch(es) (12 prompts in batches of 4)"),
+    # verl's DAPO recipes filter on 'acc', which the dual reward manager does not emit (verl fails after Ray)
+    ((LOCAL, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"),
+     "algorithm.filter_groups.metric='acc': the setgrpo_dual reward manager does not emit it (verl's DAPO recipes "
+     "set 'acc' for their math reward); it emits reward, score, reference_score, judged_disagreement, unparsed, "
+     "judged, scorings"),
+    # filtering selects groups by their scores: calibration groups would no longer be exchangeable
+    ((LOCAL, CAL_ONLY, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reward"),
+     "algorithm.filter_groups.enable=true in a calibration run"),
+    ((LOCAL, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reference_score"),
+     "algorithm.filter_groups.metric='reference_score' selects SetGRPO's training groups by something other than "
+     "their point scores"),
 ])
 def test_check_before_ray_refuses(overrides, message):
     """Each of these passed the pre-Ray check and failed later, after Ray and the models had started."""
@@ -472,3 +488,70 @@ def test_one_scoring_is_refused_by_the_callback_before_ray_and_admitted_for_grpo
                    config="ppo_trainer")
     with pytest.raises(ValueError, match=r"reward\.reward_kwargs\.scorings=0: set 1"):
         check_run_config(bad)
+
+
+def test_dapo_filter_metrics_are_the_ones_the_reward_manager_emits():
+    """The GRPO baseline (one scoring) may filter on any numeric key the manager emits, a noisy grader adds the
+    noise-free score, and SetGRPO's training filters on the point score."""
+    from setgrpo_verl.integration.reward_config import check_filter_groups, filter_metrics
+
+    grpo = ("reward.reward_manager.name=setgrpo_dual", "+reward.reward_kwargs.scorings=1",
+            "trainer.v1.trainer_mode=graded_sync", "algorithm.filter_groups.enable=true")
+    cfg = _compose(LOCAL, *grpo, "algorithm.filter_groups.metric=acc", config="ppo_trainer")
+    with pytest.raises(ValueError, match=r"it emits reward, score, unparsed, judged, scorings: set "
+                                         r"algorithm.filter_groups.metric=reward"):
+        check_run_config(cfg)
+    assert check_run_config(_compose(LOCAL, *grpo, "algorithm.filter_groups.metric=judged", config="ppo_trainer")) is None
+    noisy = _compose("+reward.reward_kwargs.grader={type:noisy,flip_prob:0.1,seed:0,base:{type:rules}}", CAL_ONLY)
+    assert filter_metrics(noisy) == ("reward", "score", "reference_score", "judged_disagreement", "truth_score",
+                                     "unparsed", "judged", "scorings")
+    for metric in ("reward", "score"):
+        check_filter_groups(_compose(LOCAL, "algorithm.filter_groups.enable=true",
+                                     f"algorithm.filter_groups.metric={metric}"), setgrpo=True, calibration_only=False)
+
+
+def test_a_pilot_of_the_same_prompts_is_refused_before_ray(tmp_path):
+    """tau_start_pilot is checked against the calibration files before Ray, as the calibration checks it again before
+    its first rollout: a pilot sharing a prompt, or one that lists none, is no pilot."""
+    from setgrpo_verl.core import calibrate, content_sha256
+    from setgrpo_verl.grading import rubrics_to_verl_rows, write_verl_parquet
+    from setgrpo_verl.integration.config import setgrpo_config_from
+    from setgrpo_verl.integration.prompts import calibration_fingerprints, check_start_pilot
+
+    from ..core.synthetic import make_groups
+
+    rows = [{"id": f"p{i}", "question": f"Question number {i}?", "rubrics": [{"criterion": "Is short.", "points": 1}]}
+            for i in range(8)]
+    calib = write_verl_parquet(rubrics_to_verl_rows(rows[:4]), tmp_path / "calibration.parquet")
+    grid = (0.0, 0.2, 0.4, 0.6)
+    settings = CalibrationSettings(alpha=0.5, beta=0.65, delta=0.2, tau_grid=grid, on_infeasible="reject_all")
+    groups = make_groups(200, k=4, seed=3)
+
+    def pilot(name: str, prompts: list[dict]) -> tuple[str, float]:
+        record = calibrate(*groups, settings, metadata={"calibration_prompts": prompts})
+        record.to_json(tmp_path / name)
+        return str(tmp_path / name), record.tau_sel
+
+    def config(path: str, tau: float):
+        return _compose(LOCAL, CAL_ONLY, f"algorithm.setgrpo.calibration.files={calib}", "algorithm.setgrpo.tau_grid="
+                        "[0.0,0.2,0.4,0.6]", "algorithm.setgrpo.srgo_procedure=fixed_sequence",
+                        f"algorithm.setgrpo.tau_start={tau}", f"algorithm.setgrpo.tau_start_pilot={path}")
+
+    same, tau = pilot("same.json", calibration_fingerprints(calib)[1:3])
+    with pytest.raises(ValueError, match=r"tau_start_pilot=.*same.json: 2 calibration prompt\(s\) were also the "
+                                         r"pilot's, the first 'p1'"):
+        check_run_config(config(same, tau))
+    blind, tau = pilot("blind.json", [])
+    with pytest.raises(ValueError, match=rf"blind.json: the pilot record lists no calibration prompts.*"
+                                         rf"tau_start={tau} without a pilot"):
+        check_run_config(config(blind, tau))
+    other = calibration_fingerprints(write_verl_parquet(rubrics_to_verl_rows(rows[4:]), tmp_path / "other.parquet"))
+    fine, tau = pilot("fine.json", other)
+    cfg = config(fine, tau)
+    from setgrpo_verl.core import CalibrationRecord
+
+    want = {"kind": "pilot", "record_sha256": content_sha256(CalibrationRecord.from_json(fine))}
+    assert check_start_pilot(cfg, setgrpo_config_from(cfg.algorithm)) == want
+    # the command line's split, known before its files are written, stands for the files
+    with pytest.raises(ValueError, match="were also the pilot's, the first 'p4'"):
+        check_run_config(cfg, calibration_prompts=other[:1])

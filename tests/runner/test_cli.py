@@ -99,12 +99,13 @@ def test_dry_run_prints_the_verl_commands(capsys, tmp_path):
     assert cli.main(["calibrate", "--run-dir", str(run), "--dry-run"]) == 0
     (calibrate,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines() if line[0] != "[")
     assert "algorithm.setgrpo.calibration.only=true" in calibrate
-    assert cli.main(["train", "--run-dir", str(run), "--dry-run"]) == 0
+    # train needs the calibration: its dry run fails as the command would, after printing the plan and command
+    assert cli.main(["train", "--run-dir", str(run), "--dry-run"]) == 2
     (train,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines() if line[0] != "[")
     assert f"algorithm.setgrpo.record_path={record}" in train
     # SetGRPO's stages keep the default two scorings (their check before Ray refuses one)
     assert not any("scorings" in a or "trainer_mode" in a for a in (*setgrpo, *calibrate, *train))
-    assert cli.main(["train", "--run-dir", str(run), "--dry-run", "--estimator", "grpo"]) == 0
+    assert cli.main(["train", "--run-dir", str(run), "--dry-run", "--estimator", "grpo"]) == 2
     (baseline,) = (shlex.split(line) for line in capsys.readouterr().out.strip().splitlines() if line[0] != "[")
     assert "+reward.reward_kwargs.scorings=1" in baseline and "trainer.v1.trainer_mode=graded_sync" in baseline
 
@@ -369,3 +370,77 @@ def test_judge_max_concurrency_flag_sets_the_requests_in_flight_per_reward_worke
     assert "--judge-max-concurrency apply to --judge openai only" in err
     err = _fail(capsys, ["calibrate", "--run-dir", str(run), "--dry-run", *openai, "--judge-max-concurrency", "0"])
     assert "--judge-max-concurrency 0: must be a positive integer" in err
+
+
+FIXED = "algorithm.setgrpo.srgo_procedure=fixed_sequence"
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    ((FIXED, "algorithm.setgrpo.tau_start=0.2"), "algorithm.setgrpo.tau_start=0.2 must be one of the thresholds of "
+                                                 "tau_grid [0.0, 0.3, 0.6] for srgo_procedure=fixed_sequence"),
+    (("algorithm.setgrpo.srgo_procedure=fixed-sequence", "algorithm.setgrpo.tau_start=0.3"),
+     "algorithm.setgrpo.srgo_procedure='fixed-sequence': choose one of ('bonferroni', 'fixed_sequence')"),
+    (("algorithm.setgrpo.srgo_procdure=fixed_sequence",), "verl cannot compose the calibrate stage's config"),
+    (("algorithm.setgrpo.tau_start=0.3",), "algorithm.setgrpo.tau_start=0.3 is for srgo_procedure=fixed_sequence "
+                                           "only"),
+    (("--calib-groups", "12", "--calib-batch-size", "4", "--shard", "3/4"),
+     "part 3 holds no batch, since the calibration has 3 batch(es) (12 prompts in batches of 4)"),
+])
+def test_dry_run_fails_where_the_command_would_and_neither_writes(capsys, tmp_path, overrides, needle):
+    """The dry run makes the check verl's main_ppo makes before Ray; the command makes it before writing anything."""
+    run = tmp_path / "run"
+    for dry in (["--dry-run"], []):
+        err = _fail(capsys, ["calibrate", "--profile", "smoke", "--run-dir", str(run), *dry, *overrides])
+        assert needle in err, err
+        assert not run.exists()
+
+
+def test_dry_run_of_an_interrupted_calibration_exits_2_after_its_plan(capsys, tmp_path):
+    from setgrpo_verl.models import embedded_model_dir
+    from setgrpo_verl.runner import launch
+
+    run = tmp_path / "run"
+    launch.write_data(run, launch.split_data(data=None, model_path=embedded_model_dir(), max_prompt_length=80,
+                                             calibration_prompts=12, seed=1))  # the split the command makes
+    (run / "calibration" / "shards").mkdir(parents=True)
+    (run / "calibration" / "shards" / "batch_000000.npz").write_bytes(b"x")
+    assert cli.main(["calibrate", "--profile", "smoke", "--run-dir", str(run), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert f"{run / 'calibration'} was interrupted after 1 calibration shard(s): pass --resume" in err, err
+    assert "the command would stop before writing anything" in out
+    assert [line for line in out.splitlines() if "verl.trainer.main_ppo" in line]
+
+
+def test_a_pilot_of_the_same_prompts_is_refused_before_anything_is_written(capsys, tmp_path):
+    """A pilot record that shares prompts with the split the command is about to write: refused by the dry run and
+    by the command, before verl starts."""
+    from setgrpo_verl.core import CalibrationSettings, calibrate, prompt_fingerprint
+
+    from ..core.synthetic import make_groups
+
+    rows = _rows(40)
+    pilot = calibrate(*make_groups(200, k=4, seed=3),
+                      CalibrationSettings(alpha=0.5, beta=0.65, delta=0.2, tau_grid=(0.0, 0.2, 0.4, 0.6),
+                                          on_infeasible="reject_all"),
+                      metadata={"calibration_prompts": [prompt_fingerprint(r["id"], r["question"], r["rubrics"])
+                                                        for r in rows]})
+    pilot.to_json(tmp_path / "pilot.json")
+    run = tmp_path / "run"
+    argv = ["calibrate", "--profile", "smoke", "--run-dir", str(run), "--data", _jsonl(tmp_path / "d.jsonl", rows),
+            FIXED, f"algorithm.setgrpo.tau_start={pilot.tau_sel}", f"algorithm.setgrpo.tau_start_pilot={tmp_path / 'pilot.json'}"]
+    for dry in (["--dry-run"], []):
+        err = _fail(capsys, argv + dry)
+        assert "12 calibration prompt(s) were also the pilot's" in err and "calibrate the pilot on disjoint" in err
+        assert not run.exists()
+
+
+def test_dry_run_says_which_checks_it_leaves_out(capsys, tmp_path):
+    run = str(tmp_path / "run")
+    assert cli.main(["calibrate", "--profile", "smoke", "--run-dir", run, "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "[setgrpo-verl] dry run: every other check the command makes before verl starts passed"
+    assert any(line.startswith("[setgrpo-verl] checks: the GPU environment checks") for line in out)
+    assert cli.main(["calibrate", "--profile", "smoke", "--run-dir", run, "--dry-run", "--judge", "openai",
+                     "--judge-base-url", "http://127.0.0.1:9/v1", "--judge-model", "m"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        "passed, except the judge probe (a request to --judge-base-url, which only the command makes)")

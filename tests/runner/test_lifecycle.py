@@ -194,9 +194,11 @@ def test_quickstart_resume_trains_with_the_kept_record(tmp_path, capsys):
                               calibration_prompts=12, seed=1)
     launch.write_data(run, split)
     _make(run, {"calibration": C, "train_setgrpo": P})
+    # this calibration has no record: the dry run makes the run's own check, which refuses it after the plan
     assert cli.main(["quickstart", "--run-dir", str(run), "--profile", "smoke", "--no-baseline", "--resume",
-                     "--dry-run"]) == 0
-    out = capsys.readouterr().out
+                     "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert "record.json: no such file" in err
     assert "calibration/ (complete): keep" in out and "train_setgrpo/ (partial): replace" in out
     (cmd,) = [line for line in out.splitlines() if not line.startswith("[")]
     assert f"algorithm.setgrpo.record_path={(run / 'calibration' / 'record.json').resolve()}" in cmd
