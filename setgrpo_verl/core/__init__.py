@@ -32,6 +32,7 @@ from ._jrsc import CoefficientSets, conformal_radius, min_calibration_groups, no
 from ._record import (
     SCHEMA_VERSION,
     CalibrationRecord,
+    IdentityWarning,
     RecordVersionWarning,
     check_identity,
     content_sha256,
@@ -83,7 +84,7 @@ __all__ = [
     "reversal_events", "risk_evidence", "threshold_tests", "calibration_groups_needed", "power_plan",
     "required_risk_groups", "risk_group_power", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",
     "CalibrationRecord", "CalibrationSettings", "CoefficientSets", "CoverageBand", "OnlineRiskMonitor",
-    "RecordVersionWarning", "Resplits", "SetGRPOResult",
+    "IdentityWarning", "RecordVersionWarning", "Resplits", "SetGRPOResult",
     "calibrate", "clopper_pearson_upper", "conformal_radius", "coverage_band", "guarantee_lines", "resplit",
     "risk_share_floor", "degenerate_groups", "grpo_coefficients",
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "package_versions", "path_point",

@@ -103,7 +103,7 @@ def shard_identity(*, k: int, settings: CalibrationSettings, split_seed: int, ru
         k: responses per group (``rollout.n``).
         settings: the calibration's settings, stored as :meth:`~setgrpo_verl.core.CalibrationSettings.to_dict`.
         split_seed: the coverage/risk split's seed.
-        run: the run identity: ``loss_agg_mode``, ``sketch``, ``grader`` and ``policy``.
+        run: the run identity: ``loss_agg_mode``, ``sketch``, ``grader``, ``policy`` and ``training``.
         prompts: every calibration prompt's fingerprint, in rollout order (all parts together).
         batch_size: prompts per calibration batch (a shard holds one batch).
 
@@ -384,7 +384,8 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
     if verdicts:
         paired["unparsed_verdicts"], paired["judged_verdicts"] = (np.float64(sum(v)) for v in zip(*verdicts))
     settings = CalibrationSettings.from_dict(identity["settings"])
-    run = {key: identity[key] for key in ("loss_agg_mode", "sketch", "grader", "policy")}
+    # shards written before schema 6 of the record have no training identity (named when checked against a run)
+    run = {key: identity.get(key, {}) for key in ("loss_agg_mode", "sketch", "grader", "policy", "training")}
     versions = shard_versions(sources)
     tau_start_source = shard_start_source(sources, tau_start_source)
     record = calibrate(
