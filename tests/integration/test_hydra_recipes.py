@@ -21,6 +21,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 import setgrpo_verl
 from setgrpo_verl.integration.config import SetGRPOAlgoConfig, SetGRPOConfig, check_run_config, setgrpo_config_from
+from setgrpo_verl.models import embedded_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith(("_", "prepare")))
@@ -262,7 +263,8 @@ def test_sketch_defaults_are_exactly_sketch_config():
     assert SetGRPOSketchConfig().to_sketch_config() == SketchConfig()
     assert {f.name for f in dataclasses.fields(SketchConfig)} <= {f.name for f in dataclasses.fields(SetGRPOSketchConfig)}
     code, out, _ = _compose(["--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer",
-                             "+reward.reward_kwargs.grader.type=rules"])
+                             "+reward.reward_kwargs.grader.type=rules",
+                             f"actor_rollout_ref.model.path={embedded_model_dir()}"])
     cfg = OmegaConf.create(out)
     setgrpo = setgrpo_config_from(cfg.algorithm)
     assert setgrpo.sketch.to_sketch_config() == SketchConfig()  # what the worker receives
