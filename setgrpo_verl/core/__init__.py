@@ -29,12 +29,11 @@ from ._bands import CoverageBand, Resplits, coverage_band, guarantee_lines, resp
 from ._ggsr import path_point, projections, recovery_ratios, safe_anchor
 from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients, grpo_jacobian
 from ._jrsc import CoefficientSets, conformal_radius, min_calibration_groups, nonconformity_scores, set_shape
+from ._identity import IdentityWarning, check_identity
 from ._record import (
     SCHEMA_VERSION,
     CalibrationRecord,
-    IdentityWarning,
     RecordVersionWarning,
-    check_identity,
     content_sha256,
     package_versions,
     pilot_start,

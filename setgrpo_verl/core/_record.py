@@ -16,6 +16,7 @@ import numpy as np
 
 from ..atomic import atomic_file
 from ._grpo import DEGENERATE_RTOL
+from ._identity import check_identity
 from ._settings import COVERAGE_GROUPS, CalibrationSettings
 from ._srgo import infeasible_text, threshold_tests
 
@@ -24,19 +25,11 @@ from ._srgo import infeasible_text, threshold_tests
 #: (``srgo_procedure``, ``tau_start`` and where it came from, the test order, levels, p-values and the stop);
 #: version 5 nests the settings the record was calibrated with as ``settings`` (a ``CalibrationSettings`` dict, with
 #: the split shares, ``fixed_tau`` and ``variant`` that the flat fields of versions 3 and 4 left out); version 6 adds
-#: ``training`` and the policy's content identity (:data:`IDENTITY_SINCE_6`).
+#: ``training`` and the policy's content identity (:data:`~._identity.IDENTITY_SINCE_6`).
 SCHEMA_VERSION = 6
 #: Older schemas that are still read, migrated on reading (:func:`_migrate`): a version-3 record is a Bonferroni
 #: record, its tests re-derived; versions 3 and 4 have flat settings fields; version 5 has no ``training``.
 _READABLE_OLD = (3, 4, 5)
-#: Run-identity keys added with schema 6 (docs/record.md#run-identity), by record field; None: every key of the
-#: field. A record or shard written before lacks them: each is named in an :class:`IdentityWarning`, not refused.
-IDENTITY_SINCE_6 = {"policy": ("weights", "weights_sha256", "tokenizer_sha256", "custom_chat_template_sha256",
-                               "chat_template_kwargs", "top_k", "repetition_penalty", "dtype"),
-                    "training": None}
-#: Identity keys that name, for people, what was calibrated, and are never compared: ``policy.model`` is the
-#: configured path (the weights are compared by ``policy.weights_sha256``).
-_INFORMATIVE = {"policy": ("model",)}
 #: The flat settings fields of schemas 3 and 4, now ``settings``' fields of the same names.
 _FLAT_SETTINGS = ("alpha", "beta", "delta", "rho", "tau_grid", "norm_by_std", "eps", "grid_size", "ablation",
                   "on_infeasible", "srgo_procedure", "tau_start")
@@ -51,9 +44,6 @@ _RECORDED = ("setgrpo-verl", "torch", "scipy", "verl")
 class RecordVersionWarning(UserWarning):
     """A record written by another major.minor version of setgrpo-verl or verl (read, but worth a look)."""
 
-
-class IdentityWarning(UserWarning):
-    """A record or shard written before some run-identity fields existed: those fields are not checked."""
 
 
 def package_versions() -> dict[str, str]:
@@ -402,77 +392,6 @@ class CalibrationRecord:
         except json.JSONDecodeError as exc:
             raise ValueError(f"calibration record {os.fspath(path)!r} is not valid JSON: {exc}") from None
         return cls.from_dict(data)
-
-
-def _since_6(name: str, key: str | None = None) -> bool:
-    """Whether identity field ``name`` (or its key ``key``) was added with schema 6."""
-    if name not in IDENTITY_SINCE_6:
-        return False
-    keys = IDENTITY_SINCE_6[name]
-    return keys is None or (key is not None and key in keys)
-
-
-def check_identity(stored: dict[str, Any], current: dict[str, Any], *, what: str, holder: str,
-                   fix: str | None = None, sources: dict[str, str] | None = None) -> None:
-    """The one compatibility check of stored calibration data (a record, a shard) against a run or another part
-    (docs/record.md#compatibility-with-a-run).
-
-    Args:
-        stored: field -> value as the data holds them (records: record fields; shards: the shard identity).
-        current: field -> value of the run (or part) they are compared with; each key of ``current`` is checked,
-            dict fields key by key in ``current``'s order (``policy.model``, the path, is never compared).
-        what: the data named in the message (``"calibration record"``, ``"calibration shard <file>"``).
-        holder: what the stored side is called in the message (``"record"``, ``"shard"``).
-        fix: what to do instead, in the message; default: recalibrate or run with the stored value.
-        sources: field (``"policy.top_k"``) -> the config key that sets it, named after the field.
-
-    Raises:
-        ValueError: naming the first mismatched field (for dict fields the first differing key, as
-            ``name.key``; a key the stored side lacks that predates schema 6 is named as written before that field
-            existed), the config key behind it, both values, why it matters and the fix.
-
-    Warns:
-        IdentityWarning: once, naming every schema-6 identity field (:data:`IDENTITY_SINCE_6`) the stored side
-            lacks: written before those fields existed, so they are not checked.
-    """
-    owner = f"{holder}'s"
-    sources = sources or {}
-    missing: list[str] = []
-    for name, value in current.items():
-        if name not in stored and _since_6(name):
-            missing.append(name)
-            continue
-        mine = stored.get(name)
-        if isinstance(mine, dict) and isinstance(value, dict):
-            skip = _INFORMATIVE.get(name, ())
-            for k in [k for k in [*value, *(k for k in mine if k not in value)] if k not in skip]:
-                if k not in mine and _since_6(name, k):
-                    missing.append(f"{name}.{k}")
-                    continue
-                rec, cur = mine.get(k), value.get(k)
-                if rec == cur:
-                    continue
-                why = ("the coverage and risk guarantees hold only for the grader that was calibrated"
-                       if name == "grader" else "the calibration was made under other settings")
-                # a key the stored side lacks was added after it was written: no setting of this run gives it
-                if k in mine:
-                    has, fix_k = f"{holder} has {rec!r}", f"recalibrate for this run or run with the {owner} {name}.{k}"
-                else:
-                    has, fix_k = f"{holder} has no {name}.{k} (written before that field existed)", \
-                        "recalibrate for this run"
-                source = f" ({sources[f'{name}.{k}']})" if f"{name}.{k}" in sources else ""
-                raise ValueError(f"{what} mismatch in {name}.{k}{source}: {has}, this run has {cur!r}; {why} - "
-                                 f"{fix or fix_k}")
-        elif mine != value:
-            source = f" ({sources[name]})" if name in sources else ""
-            raise ValueError(
-                f"{what} mismatch in {name}{source}: {holder} has {mine!r}, this run has {value!r}; "
-                f"{fix or f'recalibrate for this setting or run with the {owner} value'}"
-            )
-    if missing:
-        warnings.warn(f"{what} has no {', '.join(missing)}: it was written before these identity fields existed, so "
-                      "they are not checked against this run (docs/record.md#older-records); recalibrate to have "
-                      "them checked", IdentityWarning, stacklevel=3)
 
 
 def _content_hash(d: dict[str, Any]) -> str:

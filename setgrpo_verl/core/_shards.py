@@ -6,7 +6,7 @@ several jobs (each calibrates a deterministic part of the batches, :func:`in_par
 the complete shard set sorted by batch (:func:`record_from_shards`), the same record byte for byte however that
 set was reached. Every shard carries the run's identity (:func:`shard_identity`: policy, grader, sketch, K, levels
 and settings, the calibration prompt set) and a content hash; the identity is compared with
-:func:`~setgrpo_verl.core._record.check_identity`, the check a record gets against a run.
+:func:`~setgrpo_verl.core._identity.check_identity`, the check a record gets against a run.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 
 from ..atomic import atomic_file
 from ._api import calibrate
-from ._record import CalibrationRecord, check_identity, differing_versions, pilot_start
+from ._identity import check_identity
+from ._record import CalibrationRecord, differing_versions, pilot_start
 from ._settings import CalibrationSettings
 
 __all__ = ["SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
