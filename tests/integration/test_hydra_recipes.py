@@ -306,7 +306,10 @@ def test_loggers_run_anywhere_and_wandb_only_when_asked_or_keyed(tmp_path):
 def test_several_nodes_refuse_a_loopback_judge_before_ray(tmp_path, monkeypatch):
     from setgrpo_verl.integration import support
 
+    from setgrpo_verl.integration import config as config_module
+
     monkeypatch.setattr(support, "build_meta_policy", lambda model_cfg: None)  # hub models, offline
+    monkeypatch.setattr(config_module, "run_identity", lambda config, setgrpo: {})  # (their files: the same)
     spec = importlib.machinery.ModuleSpec("flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(__spec__=spec))
     for url, refused in (("http://127.0.0.1:8000/v1", True), (JUDGE, False)):
