@@ -29,11 +29,11 @@ from ._bands import CoverageBand, Resplits, coverage_band, guarantee_lines, resp
 from ._ggsr import path_point, projections, recovery_ratios, safe_anchor
 from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients, grpo_jacobian
 from ._jrsc import CoefficientSets, conformal_radius, min_calibration_groups, nonconformity_scores, set_shape
+from ._identity import IdentityWarning, check_identity
 from ._record import (
     SCHEMA_VERSION,
     CalibrationRecord,
     RecordVersionWarning,
-    check_identity,
     content_sha256,
     package_versions,
     pilot_start,
@@ -83,7 +83,7 @@ __all__ = [
     "reversal_events", "risk_evidence", "threshold_tests", "calibration_groups_needed", "power_plan",
     "required_risk_groups", "risk_group_power", "DEGENERATE_RTOL", "ON_INFEASIBLE", "SCHEMA_VERSION", "STATUSES",
     "CalibrationRecord", "CalibrationSettings", "CoefficientSets", "CoverageBand", "OnlineRiskMonitor",
-    "RecordVersionWarning", "Resplits", "SetGRPOResult",
+    "IdentityWarning", "RecordVersionWarning", "Resplits", "SetGRPOResult",
     "calibrate", "clopper_pearson_upper", "conformal_radius", "coverage_band", "guarantee_lines", "resplit",
     "risk_share_floor", "degenerate_groups", "grpo_coefficients",
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "package_versions", "path_point",

@@ -32,7 +32,7 @@ from ._srgo import infeasible_text, threshold_tests
 logger = logging.getLogger(__name__)
 
 STATUSES = ("accepted", "infeasible", "null_anchor", "degenerate", "discarded")
-_METADATA_KEYS = ("loss_agg_mode", "sketch", "grader", "policy", "calibration_prompts")
+_METADATA_KEYS = ("loss_agg_mode", "sketch", "grader", "policy", "training", "calibration_prompts")
 
 
 @dataclass(frozen=True)
@@ -220,6 +220,7 @@ def calibrate(
         K=k, coverage_risk_set=coverage, split_seed=int(split_seed),
         loss_agg_mode=str(metadata.get("loss_agg_mode", "token-mean")), sketch=dict(metadata.get("sketch", {})),
         grader=dict(metadata.get("grader", {})), policy=dict(metadata.get("policy", {})),
+        training=dict(metadata.get("training", {})),
         package_versions=package_versions(),
         created_at=created_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         degenerate_rtol=float(degenerate_rtol),

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..atomic import atomic_file
 from ._grpo import DEGENERATE_RTOL
+from ._identity import check_identity
 from ._settings import COVERAGE_GROUPS, CalibrationSettings
 from ._srgo import infeasible_text, threshold_tests
 
@@ -23,11 +24,12 @@ from ._srgo import infeasible_text, threshold_tests
 #: version 3 added ``calibration_prompts`` (what the record was calibrated on); version 4 the SRGO testing procedure
 #: (``srgo_procedure``, ``tau_start`` and where it came from, the test order, levels, p-values and the stop);
 #: version 5 nests the settings the record was calibrated with as ``settings`` (a ``CalibrationSettings`` dict, with
-#: the split shares, ``fixed_tau`` and ``variant`` that the flat fields of versions 3 and 4 left out).
-SCHEMA_VERSION = 5
+#: the split shares, ``fixed_tau`` and ``variant`` that the flat fields of versions 3 and 4 left out); version 6 adds
+#: ``training`` and the policy's content identity (:data:`~._identity.IDENTITY_SINCE_6`).
+SCHEMA_VERSION = 6
 #: Older schemas that are still read, migrated on reading (:func:`_migrate`): a version-3 record is a Bonferroni
-#: record, its tests re-derived; versions 3 and 4 have flat settings fields.
-_READABLE_OLD = (3, 4)
+#: record, its tests re-derived; versions 3 and 4 have flat settings fields; version 5 has no ``training``.
+_READABLE_OLD = (3, 4, 5)
 #: The flat settings fields of schemas 3 and 4, now ``settings``' fields of the same names.
 _FLAT_SETTINGS = ("alpha", "beta", "delta", "rho", "tau_grid", "norm_by_std", "eps", "grid_size", "ablation",
                   "on_infeasible", "srgo_procedure", "tau_start")
@@ -41,6 +43,7 @@ _RECORDED = ("setgrpo-verl", "torch", "scipy", "verl")
 
 class RecordVersionWarning(UserWarning):
     """A record written by another major.minor version of setgrpo-verl or verl (read, but worth a look)."""
+
 
 
 def package_versions() -> dict[str, str]:
@@ -106,6 +109,10 @@ class CalibrationRecord:
     ``settings`` is the :class:`~setgrpo_verl.core.CalibrationSettings` the record was calibrated with (levels,
     grid, ridge, coefficient map, ablation, procedure, split shares, variant); everything else is a result of the
     calibration or describes the run it was made for.
+    ``policy`` (what samples the responses: weights and tokenizer by content, chat template, sampling, rollout
+    dtype) and ``training`` (what the gradients are of: LoRA, compute precision) identify the run with ``grader``,
+    ``sketch`` and ``loss_agg_mode`` (docs/record.md#run-identity); ``policy.model`` is the configured path, never
+    compared.
     ``calibration_prompts`` names what the record was calibrated on: one :func:`prompt_fingerprint`
     (id, question hash, rubric hash) per calibration prompt, empty when the caller gave none;
     :meth:`check_disjoint` refuses training prompts among them.
@@ -139,6 +146,7 @@ class CalibrationRecord:
     sketch: dict = field(default_factory=dict)
     grader: dict = field(default_factory=dict)
     policy: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
     package_versions: dict = field(default_factory=dict)
     created_at: str = ""
     degenerate_rtol: float = DEGENERATE_RTOL
@@ -256,15 +264,19 @@ class CalibrationRecord:
                 "N": self.N, "F": self.F, "ECR": self.ecr, "U": self.U}
 
     # ----------------------------------------------------------------- compatibility
-    def check_compatible(self, **run: Any) -> None:
+    def check_compatible(self, *, sources: dict[str, str] | None = None, **run: Any) -> None:
         """Refuse to train with a record calibrated for a different run.
 
-        Keyword arguments name record fields (``K``, ``loss_agg_mode``, ``grader``, ``sketch``, ``policy``, ...)
-        or fields of its ``settings`` (``norm_by_std``, ``eps``, ``alpha``, ``ablation``, ...); each given value
-        must equal the record's. Dict fields are compared key by key, and the first differing key is named.
+        Keyword arguments name record fields (``K``, ``loss_agg_mode``, ``grader``, ``sketch``, ``policy``,
+        ``training``, ...) or fields of its ``settings`` (``norm_by_std``, ``eps``, ``alpha``, ``ablation``, ...);
+        each given value must equal the record's. Dict fields are compared key by key, and the first differing key
+        is named; ``sources`` maps a field (``"policy.top_k"``) to the config key that sets it, named with it.
 
         Raises:
             ValueError: naming the first mismatched field, both values, and the fix.
+
+        Warns:
+            IdentityWarning: the record lacks identity fields added since it was written (:func:`check_identity`).
         """
         own = {f.name for f in dataclasses.fields(self)} - {"settings"}
         setting = {f.name for f in dataclasses.fields(self.settings)}
@@ -272,7 +284,7 @@ class CalibrationRecord:
             if name not in own | setting:
                 raise ValueError(f"calibration record has no field {name!r}")
         stored = {name: getattr(self if name in own else self.settings, name) for name in run}
-        check_identity(stored, run, what="calibration record", holder="record")
+        check_identity(stored, run, what="calibration record", holder="record", sources=sources)
 
     def check_disjoint(self, prompts: Any, *, source: str = "the training data") -> None:
         """Refuse training prompts that the record was calibrated on (docs/record.md#compatibility-with-a-run).
@@ -397,45 +409,6 @@ class CalibrationRecord:
         return cls.from_dict(data)
 
 
-def check_identity(stored: dict[str, Any], current: dict[str, Any], *, what: str, holder: str,
-                   fix: str | None = None) -> None:
-    """The one compatibility check of stored calibration data (a record, a shard) against a run or another part.
-
-    Args:
-        stored: field -> value as the data holds them (records: record fields; shards: the shard identity).
-        current: field -> value of the run (or part) they are compared with; each key of ``current`` is checked.
-        what: the data named in the message (``"calibration record"``, ``"calibration shard <file>"``).
-        holder: what the stored side is called in the message (``"record"``, ``"shard"``).
-        fix: what to do instead, in the message; default: recalibrate or run with the stored value.
-
-    Raises:
-        ValueError: naming the first mismatched field (for dict fields the first differing key, as
-            ``name.key``; a key the stored side lacks is named as written before that field existed), both
-            values, why it matters and the fix.
-    """
-    owner = f"{holder}'s"
-    for name, value in current.items():
-        mine = stored.get(name)
-        if isinstance(mine, dict) and isinstance(value, dict):
-            diff = {k: (mine.get(k), value.get(k)) for k in set(mine) | set(value) if mine.get(k) != value.get(k)}
-            if diff:
-                k, (rec, cur) = sorted(diff.items())[0]
-                why = ("the coverage and risk guarantees hold only for the grader that was calibrated"
-                       if name == "grader" else "the calibration was made under other settings")
-                # a key the stored side lacks was added after it was written: no setting of this run gives it
-                if k in mine:
-                    has, fix_k = f"{holder} has {rec!r}", f"recalibrate for this run or run with the {owner} {name}.{k}"
-                else:
-                    has, fix_k = f"{holder} has no {name}.{k} (written before that field existed)", \
-                        "recalibrate for this run"
-                raise ValueError(f"{what} mismatch in {name}.{k}: {has}, this run has {cur!r}; {why} - {fix or fix_k}")
-        elif mine != value:
-            raise ValueError(
-                f"{what} mismatch in {name}: {holder} has {mine!r}, this run has {value!r}; "
-                f"{fix or f'recalibrate for this setting or run with the {owner} value'}"
-            )
-
-
 def _content_hash(d: dict[str, Any]) -> str:
     body = {k: v for k, v in d.items() if k != _HASH_KEY}
     return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
@@ -453,14 +426,24 @@ def content_sha256(record: CalibrationRecord) -> str:
 
 
 def _migrate(data: dict[str, Any]) -> dict[str, Any]:
-    """A schema-3 or -4 record dict (hash and summary removed) as schema 5 (docs/record.md#older-records).
+    """A schema-3, -4 or -5 record dict (hash and summary removed) as schema 6 (docs/record.md#older-records).
 
-    The flat settings fields become ``settings``; what they left out is filled in: ``variant`` is ``paper``,
-    ``fixed_tau`` is the ``fixed_threshold`` ablation's ``tau_sel``, and the split shares are the defaults
+    Schemas 3 and 4: the flat settings fields become ``settings``; what they left out is filled in: ``variant`` is
+    ``paper``, ``fixed_tau`` is the ``fixed_threshold`` ablation's ``tau_sel``, and the split shares are the defaults
     (``risk_fraction`` 0.5, ``coverage_groups`` 1,000) when they give the record's coverage/risk counts, else
     ``coverage_groups`` is the record's ``n_cov`` (which does). A schema-3 record is a Bonferroni record.
+    Schemas 3 to 5: ``training`` is empty (its keys, and the policy keys of schema 6, are named in a warning when
+    the record is checked against a run, :func:`check_identity`).
     """
     data = dict(data)
+    if data.get("schema_version") in (3, 4):
+        data = _migrate_flat_settings(data)
+    data.update(training={}, schema_version=SCHEMA_VERSION)
+    return data
+
+
+def _migrate_flat_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """Schema 3 or 4 -> schema 5 (see :func:`_migrate`)."""
     if data.get("schema_version") == 3:  # the paper's Bonferroni procedure; its tests are re-derived from the counts
         data.update(srgo_procedure="bonferroni", tau_start=None, tau_start_source={}, test_order=(),
                     test_levels=(), p_values=(), stopped_at=None)
@@ -477,7 +460,7 @@ def _migrate(data: dict[str, Any]) -> dict[str, Any]:
             cap = max(n_cov, 1)
     fixed = data.get("tau_sel") if settings["ablation"] == "fixed_threshold" else None
     settings.update(fixed_tau=fixed, risk_fraction=0.5, coverage_groups=cap, variant="paper")
-    data.update(settings=settings, schema_version=SCHEMA_VERSION)
+    data.update(settings=settings, schema_version=5)
     return data
 
 

@@ -6,7 +6,7 @@ several jobs (each calibrates a deterministic part of the batches, :func:`in_par
 the complete shard set sorted by batch (:func:`record_from_shards`), the same record byte for byte however that
 set was reached. Every shard carries the run's identity (:func:`shard_identity`: policy, grader, sketch, K, levels
 and settings, the calibration prompt set) and a content hash; the identity is compared with
-:func:`~setgrpo_verl.core._record.check_identity`, the check a record gets against a run.
+:func:`~setgrpo_verl.core._identity.check_identity`, the check a record gets against a run.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 
 from ..atomic import atomic_file
 from ._api import calibrate
-from ._record import CalibrationRecord, check_identity, differing_versions, pilot_start
+from ._identity import check_identity
+from ._record import CalibrationRecord, differing_versions, pilot_start
 from ._settings import CalibrationSettings
 
 __all__ = ["SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
@@ -103,7 +104,7 @@ def shard_identity(*, k: int, settings: CalibrationSettings, split_seed: int, ru
         k: responses per group (``rollout.n``).
         settings: the calibration's settings, stored as :meth:`~setgrpo_verl.core.CalibrationSettings.to_dict`.
         split_seed: the coverage/risk split's seed.
-        run: the run identity: ``loss_agg_mode``, ``sketch``, ``grader`` and ``policy``.
+        run: the run identity: ``loss_agg_mode``, ``sketch``, ``grader``, ``policy`` and ``training``.
         prompts: every calibration prompt's fingerprint, in rollout order (all parts together).
         batch_size: prompts per calibration batch (a shard holds one batch).
 
@@ -384,7 +385,8 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
     if verdicts:
         paired["unparsed_verdicts"], paired["judged_verdicts"] = (np.float64(sum(v)) for v in zip(*verdicts))
     settings = CalibrationSettings.from_dict(identity["settings"])
-    run = {key: identity[key] for key in ("loss_agg_mode", "sketch", "grader", "policy")}
+    # shards written before schema 6 of the record have no training identity (named when checked against a run)
+    run = {key: identity.get(key, {}) for key in ("loss_agg_mode", "sketch", "grader", "policy", "training")}
     versions = shard_versions(sources)
     tau_start_source = shard_start_source(sources, tau_start_source)
     record = calibrate(

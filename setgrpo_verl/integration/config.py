@@ -23,6 +23,7 @@ from setgrpo_verl.sketch import SketchConfig
 
 from .gpu_env import check_driver_gpus
 from .judge_access import check_judge_access, pass_judge_key
+from .identity import IDENTITY_SOURCES, run_identity
 from .prompts import check_calibration_disjoint, check_start_pilot, read_prompt_identities
 from .resume import check_resume
 from .reward_config import (POINT_KEY, REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_SCORE_KEY, check_filter_groups,
@@ -355,29 +356,6 @@ def setgrpo_config_from(algorithm_config: Any) -> SetGRPOConfig:
         raise ValueError(f"invalid algorithm.setgrpo block: {exc}") from exc
 
 
-def run_identity(config: Any, setgrpo: SetGRPOConfig) -> dict[str, Any]:
-    """The record fields that identify a run (docs/record.md#fields): loss aggregation, sketch, grader and policy.
-
-    One format for every run: ``grader`` is :func:`setgrpo_verl.integration.reward_config.grader_identity` for the
-    ``setgrpo_dual`` reward manager (``{"name": "reward_manager:<name>"}`` otherwise); ``policy`` is the model path
-    and the sampling settings that shape the responses (temperature, top_p, response length).
-    """
-    name = str(config.reward.reward_manager.name)
-    grader = grader_identity(config) if name == REWARD_MANAGER_NAME else {"name": f"reward_manager:{name}"}
-    rollout = config.actor_rollout_ref.rollout
-    return {
-        "loss_agg_mode": str(config.actor_rollout_ref.actor.loss_agg_mode),
-        "sketch": dataclasses.asdict(setgrpo.sketch.to_sketch_config()),
-        "grader": grader,
-        "policy": {
-            "model": str(config.actor_rollout_ref.model.path),
-            "temperature": float(rollout.temperature),
-            "top_p": float(rollout.top_p),
-            "response_length": int(config.data.max_response_length),
-        },
-    }
-
-
 def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
     """The one compatibility check of a calibration record against a run (docs/record.md#compatibility-with-a-run).
 
@@ -388,9 +366,14 @@ def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
 
     Raises:
         ValueError: naming the first field whose value differs: K, coefficient mode, alpha / beta / delta / rho,
-            ablation, loss aggregation, or a key of the sketch, grader or policy identity.
+            ablation, loss aggregation, or a key of the sketch, grader, policy or training identity (with the config
+            key that sets it), or policy files that cannot be read (:func:`~.identity.run_identity`).
+
+    Warns:
+        IdentityWarning: a record written before some identity fields existed, naming them (not checked).
     """
     record.check_compatible(
+        sources=IDENTITY_SOURCES,
         K=int(config.actor_rollout_ref.rollout.n),
         norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)),
         alpha=setgrpo.alpha,
@@ -452,8 +435,9 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
             :class:`setgrpo_verl.core.CalibrationSettings` validates them for ``calibrate``), a fixed sketch
             micro-batch that does not divide a rank's batch (:func:`check_sketch_micro_batch`), or an
             ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run
-            (:func:`check_record`), or training data holding one of its calibration prompts
-            (:func:`check_training_data`); for a run that calibrates, a ``calibration.shard`` part that holds no
+            (:func:`check_record`), a policy whose files the run identity cannot read
+            (:func:`~setgrpo_verl.integration.identity.run_identity`), or training data holding one of its
+            calibration prompts (:func:`check_training_data`); for a run that calibrates, a ``calibration.shard`` part that holds no
             batch (:func:`check_calibration_part`) or a ``tau_start_pilot`` that is no pilot of these prompts
             (:func:`~.prompts.check_start_pilot`); DAPO group filtering (``algorithm.filter_groups``) in a calibration run
             or on a metric the reward manager does not emit
@@ -517,6 +501,8 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
         if not setgrpo.calibration.only:
             prompt_key = str(config.data.get("prompt_key", "prompt"))
             check_training_data(record, config.data.train_files, prompt_key=prompt_key)
+    else:  # the identity calibration will record: the policy's files are read now, not after the first rollout
+        run_identity(config, setgrpo)
     check_resume(config, setgrpo)
     if environment:  # the environment last: a wrong setting is named before a missing package
         check_attention_kernels(config)

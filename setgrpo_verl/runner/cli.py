@@ -558,7 +558,8 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any], lifecycle) -> str
         result = run_validation(paired, levels=levels, n_splits=args.splits, holdout_fraction=args.holdout_fraction,
                                 first_seed=int(values.get("algorithm.setgrpo.calibration.split_seed") or 0),
                                 metadata={"loss_agg_mode": record.loss_agg_mode, "sketch": record.sketch,
-                                          "grader": record.grader, "policy": record.policy})
+                                          "grader": record.grader, "policy": record.policy,
+                                          "training": record.training})
     except (OSError, ValueError) as exc:
         raise LaunchError(f"validate: {exc}") from None
     result.report["analysis_seconds"] = round(time.perf_counter() - t0, 1)

@@ -102,7 +102,7 @@ def test_record_states_the_tolerance_and_validates_it(tmp_path):
     path = tmp_path / "record.json"
     rec.to_json(path)
     data = json.loads(path.read_text())
-    assert data["degenerate_rtol"] == DEGENERATE_RTOL and data["schema_version"] == SCHEMA_VERSION == 5
+    assert data["degenerate_rtol"] == DEGENERATE_RTOL and data["schema_version"] == SCHEMA_VERSION == 6
     assert CalibrationRecord.from_json(path) == rec
     # a record of the previous schema (no tolerance stated) is refused with the fix
     old = {k: v for k, v in data.items() if k != "degenerate_rtol"} | {"schema_version": 1}

@@ -166,7 +166,7 @@ def test_fixed_sequence_record_round_trips_and_its_check_rederives_the_tests(gro
     path = tmp_path / "record.json"
     rec.to_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 5 and data["test_order"] == list(rec.test_order)
+    assert data["schema_version"] == 6 and data["test_order"] == list(rec.test_order)
     assert CalibrationRecord.from_json(path) == rec
     assert "fixed_sequence from tau_start=0.40 (set by the user)" in "\n".join(rec.tests_lines())
     from setgrpo_verl.report import inspect_record

@@ -80,7 +80,7 @@ def test_another_major_minor_warns_naming_both_versions(record, tmp_path):
 def test_another_schema_or_shape_stays_an_error(record, tmp_path):
     data = record.to_dict()
     with pytest.raises(ValueError,
-                       match=r"schema_version is 2, this package reads 5 \(and 3, 4, migrated on reading\); recalibrate"):
+                       match=r"schema_version is 2, this package reads 6 \(and 3, 4, 5, migrated on reading\); recalibrate"):
         CalibrationRecord.from_dict({**data, "schema_version": 2})
     path = tmp_path / "list.json"
     path.write_text(json.dumps([data]))

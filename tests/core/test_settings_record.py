@@ -74,7 +74,7 @@ def groups():
 def test_calibrate_with_settings_gives_the_results_of_the_keyword_form(groups, case):
     settings, split_seed, want = BEFORE[case]
     rec = calibrate(*groups, settings, split_seed=split_seed)
-    assert rec.settings == settings and rec.schema_version == SCHEMA_VERSION == 5
+    assert rec.settings == settings and rec.schema_version == SCHEMA_VERSION == 6
     got = {name: getattr(rec, name) for name in want}
     floats = ("q_alpha", "ucb", "utility", "coverage_risk_set")
     assert {k: v for k, v in got.items() if k not in floats} == {k: v for k, v in want.items() if k not in floats}
@@ -115,7 +115,7 @@ def test_a_schema_4_record_loads_migrated_to_the_settings_it_was_calibrated_with
     stored = json.loads(SCHEMA_4.read_text())
     assert stored["schema_version"] == 4 and stored["alpha"] == 0.2 and "settings" not in stored
     old = CalibrationRecord.from_json(SCHEMA_4)
-    assert old.settings == SCHEMA_4_SETTINGS and old.schema_version == 5
+    assert old.settings == SCHEMA_4_SETTINGS and old.schema_version == 6
     want = BEFORE["fixed_sequence"][2]
     assert (old.n_cov, old.n_risk, old.n_accepted, old.n_reversals, old.tau_sel) == (
         want["n_cov"], want["n_risk"], want["n_accepted"], want["n_reversals"], want["tau_sel"])
@@ -128,10 +128,10 @@ def test_a_schema_4_record_loads_migrated_to_the_settings_it_was_calibrated_with
     # ... and lists no calibration prompts, so it can be no pilot: its start would have to be given as the user's
     with pytest.raises(ValueError, match=rf"lists no calibration prompts.*tau_start={old.tau_sel} without a pilot"):
         pilot_start(old, old.settings.tau_grid)
-    # ... while written again it is a schema-5 file with its own hash, which reads back equal
+    # ... while written again it is a schema-6 file with its own hash, which reads back equal
     old.to_json(tmp_path / "record.json")
     again = json.loads((tmp_path / "record.json").read_text())
-    assert again["schema_version"] == 5 and again["settings"] == SCHEMA_4_SETTINGS.to_dict()
+    assert again["schema_version"] == 6 and again["settings"] == SCHEMA_4_SETTINGS.to_dict()
     assert again["content_sha256"] != stored["content_sha256"] and "alpha" not in again
     assert CalibrationRecord.from_json(tmp_path / "record.json") == old
     # an edited old file is still refused

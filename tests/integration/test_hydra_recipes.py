@@ -21,6 +21,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 import setgrpo_verl
 from setgrpo_verl.integration.config import SetGRPOAlgoConfig, SetGRPOConfig, check_run_config, setgrpo_config_from
+from setgrpo_verl.models import embedded_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith(("_", "prepare")))
@@ -262,7 +263,8 @@ def test_sketch_defaults_are_exactly_sketch_config():
     assert SetGRPOSketchConfig().to_sketch_config() == SketchConfig()
     assert {f.name for f in dataclasses.fields(SketchConfig)} <= {f.name for f in dataclasses.fields(SetGRPOSketchConfig)}
     code, out, _ = _compose(["--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer",
-                             "+reward.reward_kwargs.grader.type=rules"])
+                             "+reward.reward_kwargs.grader.type=rules",
+                             f"actor_rollout_ref.model.path={embedded_model_dir()}"])
     cfg = OmegaConf.create(out)
     setgrpo = setgrpo_config_from(cfg.algorithm)
     assert setgrpo.sketch.to_sketch_config() == SketchConfig()  # what the worker receives
@@ -304,7 +306,10 @@ def test_loggers_run_anywhere_and_wandb_only_when_asked_or_keyed(tmp_path):
 def test_several_nodes_refuse_a_loopback_judge_before_ray(tmp_path, monkeypatch):
     from setgrpo_verl.integration import support
 
+    from setgrpo_verl.integration import config as config_module
+
     monkeypatch.setattr(support, "build_meta_policy", lambda model_cfg: None)  # hub models, offline
+    monkeypatch.setattr(config_module, "run_identity", lambda config, setgrpo: {})  # (their files: the same)
     spec = importlib.machinery.ModuleSpec("flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(__spec__=spec))
     for url, refused in (("http://127.0.0.1:8000/v1", True), (JUDGE, False)):

@@ -15,6 +15,7 @@ from verl.trainer.ppo.utils import Role
 
 from setgrpo_verl.integration.trainer import SetGRPOTrainer
 from setgrpo_verl.integration.worker import SetGRPOActorRolloutRefWorker
+from setgrpo_verl.models import embedded_model_dir
 
 _PROBE = """
 import json, verl
@@ -112,7 +113,7 @@ def _record_trainer(tmp_path, **setgrpo):
         "algorithm": {"adv_estimator": "setgrpo", "norm_adv_by_std_in_grpo": True,
                       "setgrpo": {"alpha": 0.1, "beta": 0.3, "delta": 0.1, "monitor": {"enable": True}, **setgrpo}},
         "actor_rollout_ref": {"rollout": {"n": 4, "temperature": 1.0, "top_p": 1.0},
-                              "actor": {"loss_agg_mode": "token-mean"}, "model": {"path": "Qwen/Qwen3-4B"}},
+                              "actor": {"loss_agg_mode": "token-mean"}, "model": {"path": str(embedded_model_dir())}},
         "data": {"max_response_length": 64},
         "reward": {"reward_manager": {"name": "setgrpo_dual"},
                    "reward_kwargs": {"grader": {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "judge"}}},
@@ -130,7 +131,11 @@ def test_trainer_loads_validates_and_never_overwrites_records(tmp_path):
     trainer = _record_trainer(tmp_path)
     identity = trainer._run_identity()
     assert identity["grader"]["name"].startswith("rubric+") and identity["grader"]["model"] == "judge"
-    assert identity["policy"] == {"model": "Qwen/Qwen3-4B", "temperature": 1.0, "top_p": 1.0, "response_length": 64}
+    policy = identity["policy"]
+    assert policy["model"] == str(embedded_model_dir()) and len(policy["weights_sha256"]) == 64
+    assert {k: policy[k] for k in ("temperature", "top_p", "top_k", "response_length", "dtype")} == {
+        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "response_length": 64, "dtype": "bfloat16"}
+    assert identity["training"]["lora_rank"] == 0 and identity["training"]["param_dtype"] == "bfloat16"
     path = tmp_path / "setgrpo_calibration.json"
     _record(metadata=identity).to_json(path)
 

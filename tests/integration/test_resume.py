@@ -22,6 +22,7 @@ from setgrpo_verl.core import CalibrationSettings, OnlineRiskMonitor, calibrate,
 from setgrpo_verl.integration.config import run_identity, setgrpo_config_from
 from setgrpo_verl.integration.resume import STATE_FILE, check_resume, read_history, read_state
 from setgrpo_verl.integration.trainer import SetGRPOTrainer
+from setgrpo_verl.models import embedded_model_dir
 
 from ..core.synthetic import make_groups
 
@@ -33,7 +34,7 @@ def _trainer(tmp_path, global_steps, **setgrpo):
                       "setgrpo": {"alpha": 0.1, "beta": 0.3, "delta": 0.1, "group_log": str(tmp_path / "groups.jsonl"),
                                   **setgrpo}},
         "actor_rollout_ref": {"rollout": {"n": 4, "temperature": 1.0, "top_p": 1.0},
-                              "actor": {"loss_agg_mode": "token-mean"}, "model": {"path": "/models/policy"}},
+                              "actor": {"loss_agg_mode": "token-mean"}, "model": {"path": str(embedded_model_dir())}},
         "data": {"max_response_length": 64},
         "reward": {"reward_manager": {"name": "setgrpo_dual"},
                    "reward_kwargs": {"grader": {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "j"}}},

@@ -160,7 +160,7 @@ def test_reject_all_record_leaves_the_policy_bit_identical(calibrated, tiny_mode
     reject_all = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]),
                            rec.settings.replace(beta=1e-4, on_infeasible="reject_all"),
                            metadata={"loss_agg_mode": rec.loss_agg_mode, "sketch": rec.sketch, "grader": rec.grader,
-                                     "policy": rec.policy})
+                                     "policy": rec.policy, "training": rec.training})
     assert reject_all.tau_sel is None
     reject_all.to_json(tmp_path / "reject_all.json")
     ckpt = tmp_path / "ckpt"

@@ -159,7 +159,8 @@ def test_stopped_train_resumes_like_an_uninterrupted_run(calibrated, tmp_path):
     refit = calibrate(torch.from_numpy(z["point"]), torch.from_numpy(z["reference"]), torch.from_numpy(z["gram"]),
                       original.settings, split_seed=original.split_seed + 1,
                       metadata={"loss_agg_mode": original.loss_agg_mode, "sketch": original.sketch,
-                                "grader": original.grader, "policy": original.policy})
+                                "grader": original.grader, "policy": original.policy,
+                                "training": original.training})
     refit.to_json(tmp_path / "refit.json")
     hashes = [r.to_dict()["content_sha256"] for r in (original, refit)]
     assert hashes[0] != hashes[1]
