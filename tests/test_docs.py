@@ -152,7 +152,7 @@ def test_the_readme_describes_the_quickstart_the_cli_runs():
     assert "The quickstart's levels (alpha {}, beta {}, delta {})".format(*levels) in text
     # the fresh-run certify probability is quoted with its interval and how it was made
     quoted = re.findall(r"(0\.\d\d) \((?:90% interval )?(0\.\d\d)-(\d\.\d\d)\)", text)
-    assert len(quoted) >= 3 and all(float(lo) <= float(p) <= float(hi) for p, lo, hi in quoted)
+    assert len(quoted) >= 1 and all(float(lo) <= float(p) <= float(hi) for p, lo, hi in quoted)
     assert "posterior-predictive" in text and "python benchmarks/bench_quickstart_certifies.py --run-dir RUN" in text
     assert "resamples" not in text
     bench = (REPO / "benchmarks" / "bench_quickstart_certifies.py").read_text()
