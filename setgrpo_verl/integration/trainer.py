@@ -127,6 +127,22 @@ def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]
     return rows
 
 
+def _reliability_log_rows(step: Any, point: torch.Tensor, global_step: int) -> list[dict[str, Any]]:
+    """The reliability variant's group-log rows, in the paper's row format: ``status`` is ``trained`` or
+    ``zero_weight``, ``weight`` the group's reliability weight, ``point`` the mean of the two scorings; the
+    recovery ratio and projections, which this variant does not compute, are null."""
+    rows = []
+    for g in range(step.groups.shape[0]):
+        w = float(step.weights[g])
+        rows.append({
+            "step": global_step, "group": g, "status": "trained" if w > 0 else "zero_weight", "accepted": w > 0,
+            "weight": w, "recovery_ratio": None, "m_full": None, "m_reward": None,
+            "point": [float(v) for v in point[g].tolist()],
+            "coefficients": [float(v) for v in step.coefficients[step.groups[g]].tolist()],
+        })
+    return rows
+
+
 class _SyncMode:
     """A trainer registered under its own name (``registered_mode``) that verl's base class sees as ``sync``: the base
     class branches on ``trainer_mode == "sync"`` (replay buffer, refill, checkpoint restore), and both trainers here
@@ -494,9 +510,15 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
                                              seed=self.setgrpo.seed + self.global_steps, sketched=sketched)
             metrics.update(step.metrics)
             self._accepted_groups = int(torch.as_tensor(step.result.accepted).sum())
-        if self.setgrpo.group_log and not self._reliability:
+        if self.setgrpo.group_log:
+            if self._reliability:
+                point = (data.batch["token_level_rewards"].sum(-1).double()[step.groups]
+                         + reference.double()[step.groups]) / 2
+                rows = _reliability_log_rows(step, point, self.global_steps)
+            else:
+                rows = _group_log_rows(step, self.global_steps)
             with open(os.path.expanduser(self.setgrpo.group_log), "a", encoding="utf-8") as fh:
-                for row in _group_log_rows(step, self.global_steps):
+                for row in rows:
                     fh.write(json.dumps(row) + "\n")
 
         out_fields = ["advantages", "returns"]

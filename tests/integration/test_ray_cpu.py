@@ -180,7 +180,7 @@ def test_trainer_advantage_and_calibration_reads_on_transfer_queue(ray_cluster):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_trainer_reliability_variant_reads_the_reference_and_no_sketch(ray_cluster):
+def test_trainer_reliability_variant_reads_the_reference_and_no_sketch(ray_cluster, tmp_path):
     import transfer_queue as tq
 
     from setgrpo_verl.integration.estimator import reliability_step
@@ -190,7 +190,8 @@ def test_trainer_reliability_variant_reads_the_reference_and_no_sketch(ray_clust
     trainer = SetGRPOTrainer.__new__(SetGRPOTrainer)  # only the per-step glue: no GPUs, no rollout servers
     trainer.config = OmegaConf.create({
         "algorithm": {"adv_estimator": "setgrpo", "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False,
-                      "gamma": 1.0, "lam": 1.0, "setgrpo": {"variant": "reliability"}},
+                      "gamma": 1.0, "lam": 1.0,
+                      "setgrpo": {"variant": "reliability", "group_log": str(tmp_path / "groups.jsonl")}},
         "actor_rollout_ref": {"rollout": {"n": K}},
     })
     trainer.setgrpo = setgrpo_config_from(trainer.config.algorithm)
@@ -207,3 +208,8 @@ def test_trainer_reliability_variant_reads_the_reference_and_no_sketch(ray_clust
         torch.testing.assert_close(adv, expected.advantages[i, : adv.numel()], rtol=0, atol=1e-6)
     assert metrics["setgrpo/reliability/noise_var"] == pytest.approx(expected.metrics["setgrpo/reliability/noise_var"])
     assert trainer._accepted_groups == int((expected.weights > 0).sum()) > 0
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
+    assert [r["weight"] for r in rows] == pytest.approx(expected.weights.tolist())
+    assert {r["status"] for r in rows} <= {"trained", "zero_weight"} and rows[0]["recovery_ratio"] is None
