@@ -475,6 +475,7 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
     setgrpo = setgrpo_config_from(config.algorithm)
     setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
     if setgrpo.variant == RELIABILITY_VARIANT:  # no calibration, record or sketches: only the reference is needed
+        check_trainer_settings(config, setgrpo, sketches=False)
         _check_reward(config, needs_reference=True)
         check_filter_groups(config, setgrpo=False, calibration_only=False)  # no record whose groups it could skew
         check_resume(config, setgrpo)

@@ -411,13 +411,14 @@ _OTHER_BACKENDS = {"megatron": "Megatron-LM (or MindSpeed)", "veomni": "VeOmni",
                    "automodel": "NeMo AutoModel", "fsdp_turbo": "verl's fsdp_turbo engine"}
 
 
-def check_trainer_settings(config: Any, setgrpo: Any) -> None:
+def check_trainer_settings(config: Any, setgrpo: Any, *, sketches: bool = True) -> None:
     """Refuse, before Ray, the verl settings under which a SetGRPO run would stop after Ray started
     (docs/verl_integration.md#gpu-runs-of-the-recipes).
 
     Args:
         config: the composed verl config (``main_ppo``'s) of a SetGRPO run.
         setgrpo: its :class:`~setgrpo_verl.integration.config.SetGRPOConfig`.
+        sketches: whether the run sketches (the ``paper`` variant); without, the sketch budget is not checked.
 
     Raises:
         ValueError: ``trainer.use_v1=false`` (``main_ppo`` then runs verl's v0 trainer, whose workers have no
@@ -435,11 +436,14 @@ def check_trainer_settings(config: Any, setgrpo: Any) -> None:
     strategy = str(_get(config, "actor_rollout_ref.actor.strategy", "fsdp"))
     if strategy not in SKETCH_STRATEGIES:
         other = _OTHER_BACKENDS.get(strategy, f"verl's {strategy!r} engine")
-        raise ValueError(
-            f"actor_rollout_ref.actor.strategy={strategy}: the SetGRPO sketch pass runs on verl's FSDP engine only "
-            f"(strategy fsdp or fsdp2), not on {other}, and would stop at the first sketch, after the calibration "
-            "rollouts; use model_engine=dp with actor_rollout_ref.actor.strategy=fsdp2 (or fsdp)"
-        )
+        why = ("the SetGRPO sketch pass runs on verl's FSDP engine only (strategy fsdp or fsdp2), not on "
+               f"{other}, and would stop at the first sketch, after the calibration rollouts" if sketches else
+               "the SetGRPO trainer mode's actor worker extends verl's FSDP engine worker only (strategy fsdp or "
+               f"fsdp2), not {other}")
+        raise ValueError(f"actor_rollout_ref.actor.strategy={strategy}: {why}; use model_engine=dp with "
+                         "actor_rollout_ref.actor.strategy=fsdp2 (or fsdp)")
+    if not sketches:
+        return
     sketch = setgrpo.sketch
     budget, key = sketch.max_token_len_per_gpu, "algorithm.setgrpo.sketch.max_token_len_per_gpu"
     if budget is None and sketch.micro_batch_size_per_gpu is None and bool(

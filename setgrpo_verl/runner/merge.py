@@ -111,7 +111,10 @@ def merge_calibration(dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
     except OSError as exc:
         raise LaunchError(f"--out {out}: the directory cannot be created ({exc.strerror}: {exc.filename}); choose "
                           "another --out") from None
-    with run_dir_lock(out):
+    # a run's calibration/ is guarded by its run directory's lock, which calibrate and train take: taking it here
+    # keeps a merge and a calibrate --overwrite of that run from writing or deleting calibration/ at once
+    guarded = out.parent if out.name == "calibration" or (out.parent / "LOCK").is_file() else out
+    with run_dir_lock(guarded):
         check_out(out)  # again under the lock: another merge into out may have finished meanwhile
         write_calibration(record, paired, out / "record.json")
     return record

@@ -298,6 +298,19 @@ def test_a_merge_writes_under_its_out_directorys_lock(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["LOCK", "paired_scores.npz", "record.json"]
 
 
+def test_a_merge_into_a_runs_calibration_takes_the_run_directorys_lock(tmp_path):
+    """calibrate and train lock <run-dir>/LOCK; a merge into <run-dir>/calibration takes that lock too, so a
+    calibrate --overwrite of the run cannot delete calibration/ under it."""
+    from setgrpo_verl.runner.runlock import run_dir_lock
+
+    _write(tmp_path / "part", _shards())
+    with run_dir_lock(tmp_path / "run", ["setgrpo-verl", "calibrate", "--overwrite"]):
+        with pytest.raises(LaunchError, match=r"run is in use by another command \(pid .*calibrate --overwrite"):
+            merge_calibration([tmp_path / "part"], tmp_path / "run" / "calibration")
+    merge_calibration([tmp_path / "part"], tmp_path / "run" / "calibration")
+    assert sorted(p.name for p in (tmp_path / "run" / "calibration").iterdir()) == ["paired_scores.npz", "record.json"]
+
+
 def test_a_merged_record_names_the_versions_that_calibrated_not_the_merging_machines(tmp_path):
     calibrating = {"setgrpo-verl": "0.1.0", "torch": "2.11.0", "scipy": "1.14.1", "verl": "0.9.1"}
     newer = {**calibrating, "torch": "2.13.0"}  # the newest shard's versions are the record's
