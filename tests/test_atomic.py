@@ -9,7 +9,6 @@ import re
 import stat
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import setgrpo_verl
