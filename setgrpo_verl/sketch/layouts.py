@@ -132,10 +132,10 @@ def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     step = chunk_rows(logits.shape[-1])
     if logits.shape[0] <= step or not logits.requires_grad:
         return _chunk_log_probs(logits, targets)
-    parts = [
-        checkpoint(_chunk_log_probs, logits[s : s + step], targets[s : s + step], use_reentrant=False)
-        for s in range(0, logits.shape[0], step)
-    ]
+    # split, not slicing: each slice's backward would write a zero-padded [n, V] gradient (quadratic in n), split's
+    # backward concatenates the chunks' gradients once
+    parts = [checkpoint(_chunk_log_probs, chunk, tgt, use_reentrant=False)
+             for chunk, tgt in zip(logits.split(step), targets.split(step))]
     return torch.cat(parts)
 
 

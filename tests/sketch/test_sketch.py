@@ -312,6 +312,36 @@ def test_float32_promotion_in_row_chunks_keeps_sketches_and_log_probs(monkeypatc
         torch.testing.assert_close(chunked.log_probs, whole.log_probs, rtol=1e-6, atol=1e-6)
 
 
+class _Ops(TorchDispatchMode):
+    """The names of the aten ops that run inside the mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_chunked_log_softmax_backward_is_linear_in_the_rows(monkeypatch):
+    """The log-softmax row chunks are split, not sliced: a slice's backward writes a zero-padded [n, V] gradient per
+    chunk (quadratic in n), split's backward one concatenation; the gradient is the unchunked one."""
+    from setgrpo_verl.sketch import chunks, layouts
+
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 4 * 96 * 3)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(30, 96, generator=g, requires_grad=True)
+    targets = torch.randint(0, 96, (30,), generator=g)
+    weights = torch.randn(30, generator=g)
+    with _Ops() as ops:
+        (layouts._token_log_probs(logits, targets) * weights).sum().backward()
+    assert not [n for n in ops.names if "slice_backward" in n]
+    chunked, logits.grad = logits.grad, None
+    (torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0] * weights).sum().backward()
+    torch.testing.assert_close(chunked, logits.grad, rtol=1e-6, atol=1e-6)
+
+
 class _VocabProducts(TorchDispatchMode):
     """The row counts of the matrix products whose left operand is vocabulary-wide (the LM head's output gradient)."""
 
