@@ -11,7 +11,9 @@ Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (
 * ``report``         PNG plots and a text summary from verl's metrics files and the record;
 * ``inspect-record`` a calibration record as the paper's Table 4 row;
 * ``merge-calibration`` one record from the shard directories of a calibration run as ``calibrate --shard I/N``
-                     parts (docs/record.md#calibration-shards).
+                     parts (docs/record.md#calibration-shards);
+* ``compare``        the outcome comparison: each arm and seed through ``main_ppo`` with held-out truth reward
+                     (:mod:`setgrpo_verl.runner.compare`).
 
 Flags are shorthands for keys of the one configuration (``algorithm.setgrpo.*``, whose ``--help`` texts come from
 its field docs, and a few of verl's keys); any further ``key=value`` argument is passed to verl's Hydra config as
@@ -30,125 +32,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .compare import add_parser as _add_compare, run_compare
+from .profiles import FLAGS, PROFILES, profile_help
 from .run import (Plan, check_before_ray, dir_plan, dry_run_text, hold_lock, make_plan, make_split, record_path,
                   run_stages, stage_commands, start, train_prompts)
 
 __all__ = ["FLAGS", "HANDLERS", "PROFILES", "build_parser", "main", "overrides_from_args"]
-
-
-def _float_list(text: str) -> list[float]:
-    try:
-        return [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
-
-
-#: Command-line flags and the config key each one sets: ``(flag, key, type, help)``; a help of None means the key's
-#: own field doc from :class:`setgrpo_verl.integration.config.SetGRPOConfig`.
-FLAGS: tuple[tuple[str, str, Callable[[str], Any], str | None], ...] = (
-    ("--alpha", "algorithm.setgrpo.alpha", float, None),
-    ("--beta", "algorithm.setgrpo.beta", float, None),
-    ("--delta", "algorithm.setgrpo.delta", float, None),
-    ("--tau-grid", "algorithm.setgrpo.tau_grid", _float_list, None),
-    ("--rho", "algorithm.setgrpo.rho", float, None),
-    ("--calib-groups", "algorithm.setgrpo.calibration.num_prompts", int, None),
-    ("--calib-batch-size", "algorithm.setgrpo.calibration.batch_size", int, None),
-    ("--split-seed", "algorithm.setgrpo.calibration.split_seed", int, None),
-    ("--on-infeasible", "algorithm.setgrpo.calibration.on_infeasible", str, None),
-    ("--ablation", "algorithm.setgrpo.ablation", str, None),
-    ("--fixed-tau", "algorithm.setgrpo.fixed_tau", float, None),
-    ("--rollout-n", "actor_rollout_ref.rollout.n", int, "K, responses per prompt (verl: actor_rollout_ref.rollout.n)"),
-    ("--groups-per-step", "data.train_batch_size", int, "prompts (groups) per training step (verl: data.train_batch_size)"),
-    ("--steps", "trainer.total_training_steps", int, "training steps (verl: trainer.total_training_steps)"),
-    ("--max-prompt-length", "data.max_prompt_length", int, "prompt tokens; longer prompts are dropped"),
-    ("--max-response-length", "data.max_response_length", int, "new tokens per response"),
-    ("--temperature", "actor_rollout_ref.rollout.temperature", float, "sampling temperature of the rollouts"),
-    ("--top-p", "actor_rollout_ref.rollout.top_p", float, "nucleus sampling of the rollouts"),
-    ("--lr", "actor_rollout_ref.actor.optim.lr", float, "actor learning rate (AdamW)"),
-    ("--clip-ratio", "actor_rollout_ref.actor.clip_ratio", float, "PPO clip ratio"),
-    ("--entropy-coeff", "actor_rollout_ref.actor.entropy_coeff", float, "entropy bonus"),
-    ("--loss-agg-mode", "actor_rollout_ref.actor.loss_agg_mode", str, "verl's loss aggregation (token-mean, ...)"),
-    ("--seed", "data.seed", int, "seed of the data split and verl's dataloader"),
-)
-
-#: Named presets: values of the keys above (and of verl keys without a flag). ``default`` is the quickstart on
-#: 2 CPU cores; ``smoke`` is the plumbing check of the end-to-end test; ``validate`` is ``setgrpo-verl validate`` on
-#: the composite validation rubrics at the tightest levels its 240 groups certify (docs/validation.md#profiles).
-#: Flags and ``key=value`` arguments win. Measured times of each profile: docs/benchmarks.md.
-PROFILES: dict[str, dict[str, Any]] = {
-    "default": {
-        "actor_rollout_ref.rollout.n": 4,
-        "data.train_batch_size": 4,
-        "trainer.total_training_steps": 3,
-        "data.max_prompt_length": 96,
-        "data.max_response_length": 24,
-        # sized for the risk test: 96 groups leave about 48 risk groups, enough for a threshold to certify at
-        # these levels in most calibrations (README: the estimate and its interval); three batches
-        # rolled out together keep the one weight sync of a single chunk
-        "algorithm.setgrpo.calibration.num_prompts": 96,
-        "algorithm.setgrpo.calibration.batch_size": 32,
-        "algorithm.setgrpo.calibration.chunk_batches": 3,
-        "algorithm.setgrpo.alpha": 0.5,
-        "algorithm.setgrpo.beta": 0.65,
-        "algorithm.setgrpo.delta": 0.2,
-        "algorithm.setgrpo.tau_grid": [0.0, 0.2, 0.4, 0.6],
-        # the embedded judge is so noisy that a run may still certify no threshold at beta 0.65: it then says so
-        # and trains no group instead of stopping
-        "algorithm.setgrpo.calibration.on_infeasible": "reject_all",
-        "actor_rollout_ref.actor.optim.lr": 1e-5,
-        # a checkpoint after every step (the latest kept), so that --resume continues an interrupted training
-        "trainer.save_freq": 1,
-        "trainer.max_actor_ckpt_to_keep": 1,
-    },
-    "smoke": {
-        "actor_rollout_ref.rollout.n": 3,
-        "data.train_batch_size": 3,
-        "trainer.total_training_steps": 2,
-        "data.max_prompt_length": 80,
-        "data.max_response_length": 12,
-        "algorithm.setgrpo.calibration.num_prompts": 12,
-        "algorithm.setgrpo.calibration.batch_size": 12,
-        "algorithm.setgrpo.alpha": 0.5,
-        "algorithm.setgrpo.beta": 0.95,
-        "algorithm.setgrpo.delta": 0.3,
-        "algorithm.setgrpo.tau_grid": [0.0, 0.3, 0.6],
-        "algorithm.setgrpo.calibration.on_infeasible": "reject_all",
-        "actor_rollout_ref.actor.optim.lr": 1e-5,
-    },
-    "validate": {
-        "actor_rollout_ref.rollout.n": 4,
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 128,
-        # the length at which the validation rubrics' instruction types were measured
-        "data.max_response_length": 48,
-        "algorithm.setgrpo.calibration.num_prompts": 240,
-        "algorithm.setgrpo.calibration.batch_size": 16,
-        # small sketch micro-batches bound the actor worker's peak memory, so that Ray's memory monitor does not
-        # kill it on a small shared machine
-        "algorithm.setgrpo.sketch.micro_batch_size_per_gpu": 4,
-        # the tightest levels that 240 groups certify in (nearly) every split (docs/validation.md#profiles)
-        "algorithm.setgrpo.alpha": 0.2,
-        "algorithm.setgrpo.beta": 0.3,
-        "algorithm.setgrpo.delta": 0.05,
-    },
-}
-#: ``validate`` at the paper's levels (alpha 0.05, beta 0.08, delta 0.05, the 20 default thresholds), sized from the
-#: sample-size plan of the validate profile's stage: 16,000 groups (needs ``--data`` with more rows than the
-#: embedded 3,000, docs/validation.md#profiles).
-PROFILES["paper"] = {
-    **PROFILES["validate"],
-    "algorithm.setgrpo.calibration.num_prompts": 16_000,
-    "algorithm.setgrpo.alpha": 0.05,
-    "algorithm.setgrpo.beta": 0.08,
-    "algorithm.setgrpo.delta": 0.05,
-}
-
-
-def _profile_levels(name: str) -> str:
-    """A profile's levels and calibration size for ``--help``, e.g. ``alpha 0.5, beta 0.65, delta 0.2, 96 groups``."""
-    values = PROFILES[name]
-    levels = ", ".join(f"{k} {values[f'algorithm.setgrpo.{k}']:g}" for k in ("alpha", "beta", "delta"))
-    return f"{levels}, {values['algorithm.setgrpo.calibration.num_prompts']:,} calibration groups"
 
 
 def _flag_help(key: str, text: str | None) -> str:
@@ -176,12 +65,7 @@ def _dest(flag: str) -> str:
 def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", judge: str = "local",
                      flip_prob: float | None = None) -> None:
     g = p.add_argument_group("inputs (defaults: embedded, offline)")
-    g.add_argument("--profile", choices=sorted(PROFILES), default=profile,
-                   help=f"preset sizes (default {profile}): 'default' (the quickstart on 2 CPU cores; "
-                   f"{_profile_levels('default')}), 'smoke' (a plumbing check; {_profile_levels('smoke')}), "
-                   f"'validate' (validate at the tightest levels it certifies in about 23 minutes on 2 CPU cores; "
-                   f"{_profile_levels('validate')}) or 'paper' (validate at the paper's levels, about 24 hours; "
-                   f"{_profile_levels('paper')})")
+    g.add_argument("--profile", choices=sorted(PROFILES), default=profile, help=profile_help(profile))
     g.add_argument("--model", default=None, help="local Hugging Face causal-LM directory of the policy (default: the "
                    "embedded SmolLM2-135M-Instruct) [actor_rollout_ref.model.path]")
     default_data = ("the composite validation rubrics shipped in the package with --judge rules, the default; "
@@ -310,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect-record", help="print a calibration record as the paper's Table 4 row")
     p.add_argument("record", type=Path, help="record.json, or a run directory holding calibration/record.json")
     p.add_argument("--thresholds", action="store_true", help="also print the per-threshold table (N_j, F_j, UCB_j, U_j)")
+    _add_compare(sub, _add_run_options)
     return parser
 
 
@@ -516,6 +401,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], str | None]] = {
     "report": _cmd_report,
     "inspect-record": _cmd_inspect_record,
     "merge-calibration": _cmd_merge_calibration,
+    "compare": run_compare,
 }
 
 

@@ -144,15 +144,25 @@ def _split_ids(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return [str(row["extra_info"]["id"]) for row in rows]
 
 
+#: The parts of a data split: ``heldout`` (validation prompts disjoint from both others) only where a command
+#: adds it (``setgrpo-verl compare``).
+_PARTS = ("calibration", "train", "heldout")
+
+
+def _parts(split: Mapping[str, Any]) -> tuple[str, ...]:
+    return tuple(name for name in _PARTS if name in split)
+
+
 def write_data(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> dict[str, Path]:
-    """Write :func:`split_data`'s rows as ``<run_dir>/data/{calibration,train}.parquet``, its settings and prompt
-    ids as ``data/split.json`` and then ``data/COMPLETE``; returns the two parquet paths."""
+    """Write :func:`split_data`'s rows as ``<run_dir>/data/{calibration,train}.parquet`` (and ``heldout.parquet``
+    where the split has held-out prompts), its settings and prompt ids as ``data/split.json`` and then
+    ``data/COMPLETE``; returns the parquet paths by part."""
     from ..grading import write_verl_parquet
 
     out = Path(run_dir) / "data"
-    paths = {name: write_verl_parquet(split[name], out / f"{name}.parquet") for name in ("calibration", "train")}
+    paths = {name: write_verl_parquet(split[name], out / f"{name}.parquet") for name in _parts(split)}
     meta = {**split.get("settings", {}), "source": split["source"], "duplicates_removed": split.get("duplicates", 0),
-            "ids": {name: _split_ids(split[name]) for name in ("calibration", "train")}}
+            "ids": {name: _split_ids(split[name]) for name in _parts(split)}}
     write_atomic(out / SPLIT_FILE, json.dumps(meta, indent=1) + "\n")
     mark_complete(out)
     return paths
@@ -176,8 +186,8 @@ def existing_split(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def split_matches(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> bool | None:
-    """Whether the run directory's finished data split holds exactly the prompts of ``split`` (same calibration and
-    training ids in the same order); None when it has no finished split, False when its ``split.json`` is
+    """Whether the run directory's finished data split holds exactly the prompts of ``split`` (the same ids of each
+    part in the same order, and no other part); None when it has no finished split, False when its ``split.json`` is
     unreadable."""
     try:
         old = existing_split(run_dir)
@@ -185,7 +195,7 @@ def split_matches(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> bool 
         return False
     if old is None:
         return None
-    return old.get("ids") == {name: _split_ids(split[name]) for name in ("calibration", "train")}
+    return old.get("ids") == {name: _split_ids(split[name]) for name in _parts(split)}
 
 
 def check_split_flags(run_dir: str | os.PathLike, *, data: str | os.PathLike | None, calib_groups: int | None) -> None:

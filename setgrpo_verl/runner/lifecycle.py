@@ -47,7 +47,7 @@ STATES = ("absent", "partial", "checkpointed", "complete")
 #: Actions of :func:`plan_run`, in the order the plan prints them.
 ACTIONS = ("create", "keep", "continue", "replace", "remove", "refuse")
 #: Directories rewritten whenever a command writes them: derived from the stages in seconds.
-_DERIVED = ("report",)
+_DERIVED = ("report", "outcome")
 
 
 #: What a finished ``data/`` holds (``split.json`` written last).
@@ -186,6 +186,7 @@ def plan_run(
     overwrite: bool = False,
     resume: bool = False,
     same_data: bool | None = None,
+    depends: Mapping[str, tuple[str, ...]] = DEPENDS,
 ) -> RunPlan:
     """Decide, for every directory a command touches, one action (see the module text); nothing is written.
 
@@ -208,16 +209,16 @@ def plan_run(
     if overwrite and resume:
         raise LaunchError("--resume keeps the run directory's finished work and --overwrite deletes it: pass one")
     run_dir = Path(run_dir)
-    unknown = [n for n in (*writes, *reads) if n not in DEPENDS]
+    unknown = [n for n in (*writes, *reads) if n not in depends]
     if unknown:
-        raise LaunchError(f"unknown run directory part(s) {unknown}; choose from {sorted(DEPENDS)}")
+        raise LaunchError(f"unknown run directory part(s) {unknown}; choose from {sorted(depends)}")
     decided: dict[str, DirPlan] = {}
     fresh: set[str] = set()  # written from nothing this time: everything derived from them is stale
 
-    for name in DEPENDS:  # inputs before what is made from them
+    for name in depends:  # inputs before what is made from them
         path = run_dir / name
         state = dir_state(path)
-        stale = [u for u in DEPENDS[name] if u in fresh]
+        stale = [u for u in depends[name] if u in fresh]
         if name in reads and name not in writes:
             if state != "complete":
                 decided[name] = DirPlan(name, state, "refuse",
@@ -269,4 +270,4 @@ def plan_run(
         decided[name] = DirPlan(name, state, action, reason)
         if action in ("create", "replace"):
             fresh.add(name)
-    return RunPlan(run_dir, tuple(decided[n] for n in DEPENDS if n in decided))
+    return RunPlan(run_dir, tuple(decided[n] for n in depends if n in decided))

@@ -177,7 +177,8 @@ def make_plan(args: argparse.Namespace, values: dict[str, Any]) -> Plan:
     if sketch_micro is None and values.get("algorithm.setgrpo.sketch.max_token_len_per_gpu") is None:
         sketch_micro = values["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"]
     if sketch_micro is not None and not (args.command == "train" and args.estimator == "grpo"):
-        trains = args.command == "quickstart" or (args.command == "train" and args.estimator == "setgrpo")
+        trains = (args.command in ("quickstart", "compare")
+                  or (args.command == "train" and args.estimator == "setgrpo"))
         error = sketch_micro_batch_error(k=int(values["actor_rollout_ref.rollout.n"]),
                                          prompts=_sketch_batches(values, args.command, trains), ranks=args.actor_ranks,
                                          micro=int(sketch_micro), source=source,
@@ -282,7 +283,7 @@ def make_split(args: argparse.Namespace, plan: Plan) -> dict[str, Any] | None:
                                 max_prompt_length=int(values["data.max_prompt_length"]),
                                 calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
                                 seed=plan.seed, rules_only=args.judge == "rules",
-                                default_data="validation" if args.command == "validate" else "ifbench",
+                                default_data="validation" if args.command in ("validate", "compare") else "ifbench",
                                 duplicate_criteria=args.duplicate_criteria)
 
 

@@ -45,6 +45,7 @@ def run_stage(
     plan: RunPlan | None = None,
     verbose: bool = False,
     stop_grace: float = 30.0,
+    directory: str | None = None,
 ) -> Path:
     """Run one verl command as a stage of ``run_dir``; returns the stage directory (docs/cli.md#run-directory).
 
@@ -63,7 +64,9 @@ def run_stage(
     without one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
     again, a continued one resumes from its latest verl checkpoint (``trainer.resume_mode=auto``, verl's default), a
     created or replaced one starts from an empty directory; a continued ``calibration/`` (shards, no record)
-    calibrates only the batches without a shard (docs/record.md#calibration-shards). ``calibrate_train`` marks
+    calibrates only the batches without a shard (docs/record.md#calibration-shards). ``directory`` names the stage's
+    part of ``plan`` (default the stage's own, :data:`~setgrpo_verl.rundir.STAGES`; ``compare`` runs each arm and seed
+    as a ``grpo`` or ``train`` stage in ``compare/<arm>_s<seed>``). ``calibrate_train`` marks
     ``calibration/`` complete as soon as its record exists, however the process ends, so that a resumed run trains
     with that record.
 
@@ -75,20 +78,21 @@ def run_stage(
         SystemExit: with status 128 + the signal number, after a stop signal stopped the stage.
     """
     run_dir = Path(run_dir)
+    directory = directory or STAGES[stage]
     if plan is None:
         plan = plan_run(run_dir, stage_writes(stage), overwrite=overwrite, resume=resume)
         plan.check()
-    if plan.action(STAGES[stage]) == "keep":
-        print(f"[setgrpo-verl] {stage}: {run_dir / STAGES[stage]} is complete, kept", flush=True)
-        return run_dir / STAGES[stage]
+    if plan.action(directory) == "keep":
+        print(f"[setgrpo-verl] {stage}: {run_dir / directory} is complete, kept", flush=True)
+        return run_dir / directory
     calibration = run_dir / STAGES["calibrate"]
     if stage == "calibrate_train":
         if plan.action("calibration") not in ("create", "replace", "continue"):
             raise LaunchError(f"{stage}: {calibration} is {plan['calibration'].state} and kept; run the train stage "
                               "with its record instead of calibrating again")
         plan.prepare("calibration")
-    stage_dir = plan.prepare(STAGES[stage])
-    continued = plan.action(STAGES[stage]) == "continue" or (stage == "calibrate_train"
+    stage_dir = plan.prepare(directory)
+    continued = plan.action(directory) == "continue" or (stage == "calibrate_train"
                                                              and plan.action("calibration") == "continue")
     resumed_from = latest_checkpoint_step(stage_dir) if continued else None
     env = _stage_env(env, stage_dir)

@@ -1,0 +1,206 @@
+"""The outcome comparison's analysis (``setgrpo-verl compare``, docs/outcome.md#through-verl-the-plan): held-out truth
+reward per arm and seed from each run's verl metrics file, its gain with paired t-bands over seeds, and a figure of
+held-out truth reward against steps, training grader calls and wall-clock time.
+
+Pure reading and arithmetic; nothing here runs verl.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .run import ReportError, load_metrics
+
+__all__ = ["ARM_ORDER", "CALLS_METRIC", "TRUTH_METRIC", "Curve", "outcome_line", "outcome_rows", "outcome_table",
+           "plot_outcome", "read_curve"]
+
+#: verl's validation metric of the held-out truth reward: ``_validate`` logs the mean of each numeric
+#: ``reward_extra_info`` key per data source as ``val-aux/<data_source>/<key>/mean@<n>``, and the noisy rules grader's
+#: noise-free score is ``truth_score``; one greedy response per prompt (verl's ``val_kwargs.n`` 1) gives ``mean@1``.
+TRUTH_METRIC = re.compile(r"^val-aux/(?P<source>.+)/truth_score/mean@1$")
+#: Training grader calls of a step, logged by both trainers.
+CALLS_METRIC = "setgrpo/grading/calls_per_step"
+#: Arms in the order the outcome line names them: the candidate, the baselines, the paper's procedure.
+ARM_ORDER = ("setgrpo_reliability", "grpo_mean2", "grpo", "setgrpo_paper")
+#: Arms every other arm is compared with, paired by seed.
+_BASELINES = ("grpo", "grpo_mean2")
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One run's held-out truth reward at its validated steps (``steps``: int [V], 0 first, ascending; ``truth``:
+    float [V] in [0, 1]) and what had been spent by then: training grader calls (``calls``: float [V]) and
+    wall-clock seconds of training steps and validations (``seconds``: float [V], 0 at step 0)."""
+
+    steps: np.ndarray
+    truth: np.ndarray
+    calls: np.ndarray
+    seconds: np.ndarray
+
+
+def read_curve(path: str | os.PathLike) -> Curve:
+    """The :class:`Curve` of one run's verl metrics file (``metrics.jsonl``; a step logged twice counts with its
+    last row, as after a resume).
+
+    Raises:
+        ReportError: no held-out truth reward (validation off, or a grader without a truth), none before the first
+            step, held-out prompts of several data sources, or a training step without its timing or grader calls.
+    """
+    path = Path(path)
+    truth: dict[int, float] = {}
+    spent: dict[int, tuple[float, float]] = {}
+    for row in load_metrics(path):
+        step = int(row.get("training/global_step", -1))
+        keys = [k for k in row if TRUTH_METRIC.match(k)]
+        if len(keys) > 1:
+            raise ReportError(f"{path}: held-out truth reward of several data sources ({', '.join(sorted(keys))}); "
+                              "the comparison reads one held-out set")
+        if keys:
+            truth[step] = float(row[keys[0]])
+        if "timing_s/step" in row:
+            if row.get(CALLS_METRIC) is None:
+                raise ReportError(f"{path}: step {step} has no {CALLS_METRIC}; the comparison's trainers log it")
+            spent[step] = (float(row[CALLS_METRIC]), float(row["timing_s/step"]) + float(row.get("timing_s/testing", 0)))
+    if not truth:
+        raise ReportError(f"{path}: no held-out truth reward (val-aux/<data_source>/truth_score/mean@1): run it with "
+                          "held-out validation (trainer.test_freq) and the noisy rules grader, as compare does")
+    if 0 not in truth:
+        raise ReportError(f"{path}: no held-out truth reward before the first step (trainer.val_before_train)")
+    steps = np.array(sorted(truth))
+    missing = sorted(set(range(1, int(steps[-1]) + 1)) - set(spent))
+    if missing:
+        raise ReportError(f"{path}: training steps {missing[:5]} are missing, so grader calls and wall-clock time up "
+                          "to the later validations are unknown")
+    calls = np.cumsum([0.0] + [spent[s][0] for s in range(1, int(steps[-1]) + 1)])
+    seconds = np.cumsum([0.0] + [spent[s][1] for s in range(1, int(steps[-1]) + 1)])
+    return Curve(steps=steps, truth=np.array([truth[s] for s in steps]), calls=calls[steps], seconds=seconds[steps])
+
+
+def _band(x: np.ndarray) -> tuple[float, float]:
+    """Mean and the 95 % t half-width over seeds (nan with one seed)."""
+    from scipy import stats
+
+    x = np.asarray(x, dtype=float)
+    if x.size < 2:
+        return float(x.mean()), math.nan
+    return float(x.mean()), float(stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+
+
+def _arms(curves: Mapping[str, Mapping[int, Curve]]) -> list[str]:
+    return sorted(curves, key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else len(ARM_ORDER), a))
+
+
+def outcome_rows(curves: Mapping[str, Mapping[int, Curve]]) -> dict:
+    """Gain of held-out truth reward from step 0 to the last step every run validated, per arm, over the seeds
+    that every arm has (paired).
+
+    Args:
+        curves: ``{arm: {seed: Curve}}``.
+
+    Returns:
+        ``{"seeds": [int], "steps": int, "arms": [{"arm", "gain", "band", "gains": [per seed], "paired":
+        {baseline: [mean, half_width]}, "calls_per_step", "seconds_per_step", "start", "end"}]}``; ``band`` and the
+        half-widths are 95 % t half-widths over seeds (nan with one seed).
+
+    Raises:
+        ReportError: no arm, or no seed that every arm has.
+    """
+    if not curves:
+        raise ReportError("no finished run to analyse")
+    seeds = sorted(set.intersection(*(set(c) for c in curves.values())))
+    if not seeds:
+        raise ReportError(f"no seed has a finished run of every arm ({', '.join(_arms(curves))})")
+    last = min(int(c.steps[-1]) for arm in curves for s, c in curves[arm].items() if s in seeds)
+
+    def at(c: Curve, step: int) -> int:
+        return int(np.searchsorted(c.steps, step, side="right")) - 1
+
+    gains = {arm: np.array([curves[arm][s].truth[at(curves[arm][s], last)] - curves[arm][s].truth[0] for s in seeds])
+             for arm in curves}
+    rows = []
+    for arm in _arms(curves):
+        runs = [curves[arm][s] for s in seeds]
+        gain, band = _band(gains[arm])
+        rows.append({
+            "arm": arm, "gain": gain, "band": band, "gains": gains[arm].tolist(),
+            "paired": {b: list(_band(gains[arm] - gains[b])) for b in _BASELINES if b in gains and b != arm},
+            "start": float(np.mean([c.truth[0] for c in runs])),
+            "end": float(np.mean([c.truth[at(c, last)] for c in runs])),
+            "calls_per_step": float(np.mean([c.calls[at(c, last)] / last for c in runs])) if last else math.nan,
+            "seconds_per_step": float(np.mean([c.seconds[at(c, last)] / last for c in runs])) if last else math.nan,
+        })
+    return {"seeds": seeds, "steps": last, "arms": rows}
+
+
+def _interval(mean: float, half: float) -> str:
+    return "[n/a: one seed]" if math.isnan(half) else f"[{mean - half:.3f}, {mean + half:.3f}]"
+
+
+def outcome_line(result: Mapping) -> str:
+    """``outcome: <arm> <gain> [<lo>, <hi>], ... (held-out truth reward gain, S seeds, N steps)``."""
+    arms = ", ".join(f"{r['arm']} {r['gain']:.3f} {_interval(r['gain'], r['band'])}" for r in result["arms"])
+    n = len(result["seeds"])
+    return f"outcome: {arms} (held-out truth reward gain, {n} seed{'s' * (n != 1)}, {result['steps']} steps)"
+
+
+def outcome_table(result: Mapping) -> str:
+    """A text table of :func:`outcome_rows`: start and end truth reward, gain and band, the paired differences with
+    the baselines, training grader calls and wall-clock seconds per step."""
+    lines = [f"{'arm':<20} {'start':>6} {'end':>6} {'gain':>7} {'95% band':>18} {'- grpo':>24} {'- grpo_mean2':>24} "
+             f"{'calls/step':>10} {'s/step':>7}"]
+    for r in result["arms"]:
+        paired = [f"{r['paired'][b][0]:+.3f} {_interval(*r['paired'][b])}" if b in r["paired"] else "-"
+                  for b in _BASELINES]
+        lines.append(f"{r['arm']:<20} {r['start']:>6.3f} {r['end']:>6.3f} {r['gain']:>+7.3f} "
+                     f"{_interval(r['gain'], r['band']):>18} {paired[0]:>24} {paired[1]:>24} "
+                     f"{r['calls_per_step']:>10.1f} {r['seconds_per_step']:>7.1f}")
+    return "\n".join(lines)
+
+
+def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], seeds: Sequence[int], path: str | os.PathLike) -> Path:
+    """PNG of held-out truth reward (mean over ``seeds`` with its 95 % t-band) against steps, training grader calls
+    and wall-clock hours, one line per arm; the x values of calls and hours are the seeds' means at each validation.
+
+    Raises:
+        ReportError: the runs of an arm validated at different steps.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..atomic import atomic_file
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    for arm in _arms(curves):
+        runs = [curves[arm][s] for s in seeds]
+        steps = runs[0].steps
+        if any(not np.array_equal(c.steps, steps) for c in runs):
+            raise ReportError(f"the {arm} runs validated at different steps; rerun them with the same --val-every")
+        truth = np.stack([c.truth for c in runs])
+        bands = np.array([_band(truth[:, j])[1] for j in range(truth.shape[1])])
+        mean = truth.mean(axis=0)
+        xs = (steps, np.mean([c.calls for c in runs], axis=0), np.mean([c.seconds for c in runs], axis=0) / 3600)
+        for ax, x in zip(axes, xs):
+            line, = ax.plot(x, mean, marker="o", ms=3, label=arm)
+            if not np.isnan(bands).all():
+                ax.fill_between(x, mean - bands, mean + bands, color=line.get_color(), alpha=0.15)
+    for ax, label in zip(axes, ("training step", "training grader calls", "wall-clock hours (steps + validations)")):
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out truth reward")
+    axes[0].legend()
+    fig.suptitle(f"held-out truth reward, mean and 95% t-band over {len(seeds)} seed(s)")
+    fig.tight_layout()
+    path = Path(path)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return path

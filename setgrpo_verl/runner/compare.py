@@ -1,0 +1,327 @@
+"""``setgrpo-verl compare``: the outcome comparison through verl's ``main_ppo`` (docs/cli.md#compare,
+docs/outcome.md#through-verl-the-plan).
+
+One data split of the validation rubrics (calibration, training and held-out prompts, disjoint, written once), one
+calibration stage (for ``setgrpo_paper`` only), then one training run per (arm, seed) in
+``<run-dir>/compare/<arm>_s<seed>/``, each a stage of the run directory with verl's held-out validation every
+``--val-every`` steps and the seed applied to the data order, the rollout and the noisy grader's flips (the arms of a
+seed share them). The run directory's plan (:func:`~setgrpo_verl.runner.lifecycle.plan_run`) keeps finished runs and
+continues interrupted ones from their checkpoints under ``--resume``; the analysis
+(:mod:`setgrpo_verl.report.outcome`) reads every finished run and writes ``<run-dir>/outcome/``.
+
+Arms (:data:`ARMS`): ``grpo`` (verl's GRPO on one scoring), ``grpo_mean2`` (verl's GRPO on the mean of two),
+``setgrpo_paper`` (the SetGRPO trainer with the run's frozen record) and ``setgrpo_reliability``
+(``algorithm.setgrpo.variant=reliability``: no record, docs/algorithm.md#9-reliability-weighting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+__all__ = ["ARMS", "add_parser", "arm_overrides", "compare_depends", "edit_overrides", "run_compare", "run_name"]
+
+#: The arms and the verl stage each runs as: verl's stock GRPO (``grpo``) or the SetGRPO trainer (``train``).
+ARMS: Mapping[str, str] = {"grpo": "grpo", "grpo_mean2": "grpo", "setgrpo_paper": "train",
+                           "setgrpo_reliability": "train"}
+#: The arm that needs the calibration stage's record.
+_CALIBRATED = "setgrpo_paper"
+#: The parts of the run directory of :func:`compare_depends` besides the runs: the data split, the calibration, the
+#: analysis.
+_OUTCOME = "outcome"
+
+
+def run_name(arm: str, seed: int) -> str:
+    """The run directory part of one (arm, seed): ``compare/<arm>_s<seed>``."""
+    return f"compare/{arm}_s{seed}"
+
+
+def compare_depends(arms: Sequence[str], seeds: Sequence[int]) -> dict[str, tuple[str, ...]]:
+    """What each part of a comparison's run directory is made from, inputs first (the ``depends`` of
+    :func:`~setgrpo_verl.runner.lifecycle.plan_run`): ``data``; ``calibration`` (with ``setgrpo_paper``); each run
+    from the data (``setgrpo_paper``'s also from the calibration); ``outcome`` from every run."""
+    depends: dict[str, tuple[str, ...]] = {"data": ()}
+    if _CALIBRATED in arms:
+        depends["calibration"] = ("data",)
+    runs = [run_name(a, s) for a in arms for s in seeds]
+    for arm in arms:
+        for seed in seeds:
+            depends[run_name(arm, seed)] = ("data", "calibration") if arm == _CALIBRATED else ("data",)
+    depends[_OUTCOME] = tuple(runs)
+    return depends
+
+
+def edit_overrides(overrides: Sequence[str], set_: Mapping[str, Any] = {}, drop: Sequence[str] = ()) -> list[str]:
+    """``overrides`` with each key of ``set_`` given its value (in place where the key is there, with or without
+    Hydra's ``+``; appended as written otherwise) and each key of ``drop`` removed."""
+    from .launch import format_override
+
+    def bare(key: str) -> str:
+        return key.lstrip("+")
+
+    wanted = {bare(k): k for k in set_}
+    out, done = [], set()
+    for override in overrides:
+        key = bare(override.partition("=")[0])
+        if key in {bare(d) for d in drop}:
+            continue
+        if key in wanted:
+            out.append(format_override(override.partition("=")[0], set_[wanted[key]]))
+            done.add(key)
+        else:
+            out.append(override)
+    out += [format_override(k, v) for k, v in set_.items() if bare(k) not in done]
+    return out
+
+
+def arm_overrides(arm: str, seed: int, *, common: Sequence[str], grader: Mapping[str, Any], run_dir: Path,
+                  val_every: int, validate_first: bool) -> list[str]:
+    """The verl overrides of one (arm, seed) run (paths absolute).
+
+    Args:
+        arm: a key of :data:`ARMS`.
+        seed: the run's seed: verl's data order (``data.seed``), the rollout's sampling
+            (``actor_rollout_ref.rollout.seed``) and the noisy grader's flips (its ``seed``).
+        common: the overrides every stage shares (:attr:`~setgrpo_verl.runner.run.Plan.common`).
+        grader: the grader config (:attr:`~setgrpo_verl.runner.run.Plan.grader`).
+        run_dir: the comparison's run directory.
+        val_every: held-out validation (and checkpoint) every this many steps, and after the last.
+        validate_first: validate before the first step (False where a run continues from its checkpoint).
+
+    Raises:
+        ValueError: an unknown arm.
+    """
+    from . import launch
+    from ..rundir import STAGES
+
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    stage = ARMS[arm]
+    run_dir = Path(run_dir).resolve()
+    out = run_dir / run_name(arm, seed)
+    base = [o for o in common if not (stage == "grpo" and o.startswith("algorithm.setgrpo"))]
+    record = run_dir / STAGES["calibrate"] / "record.json"
+    overrides = base + launch.stage_overrides(stage, run_dir, record=record)
+    noisy = dict(grader, seed=seed)
+    if "base" in noisy:
+        noisy["base"] = dict(noisy["base"], seed=seed)
+    set_: dict[str, Any] = {
+        "data.val_files": str(run_dir / "data" / "heldout.parquet"),
+        "trainer.default_local_dir": str(out / "checkpoints"),
+        "trainer.experiment_name": f"{arm}_s{seed}",
+        "hydra.run.dir": str(out / "hydra"),
+        "trainer.val_before_train": bool(validate_first),
+        "trainer.test_freq": int(val_every),
+        "trainer.save_freq": int(val_every),
+        "data.seed": int(seed),
+        "actor_rollout_ref.rollout.seed": int(seed),
+        "+reward.reward_kwargs.grader": noisy,
+    }
+    drop: list[str] = []
+    if stage == "train":
+        set_["algorithm.setgrpo.group_log"] = str(out / "groups.jsonl")
+    if arm == "grpo_mean2":
+        set_.update({"+reward.reward_kwargs.scorings": 2, "+reward.reward_kwargs.point": "mean"})
+    if arm == "setgrpo_reliability":
+        set_["algorithm.setgrpo.variant"] = "reliability"
+        drop.append("algorithm.setgrpo.record_path")
+    return launch.with_file_logger(edit_overrides(overrides, set_, drop))
+
+
+def add_parser(sub, add_run_options: Callable[..., None]) -> None:
+    """Register ``compare`` on the CLI's sub-parsers; ``add_run_options`` adds the shared run options."""
+    p = sub.add_parser("compare", help="the outcome comparison: GRPO, GRPO on the mean of two scorings and SetGRPO "
+                       "through verl's main_ppo, held-out truth reward per arm and seed (docs/cli.md#compare)")
+    p.add_argument("--run-dir", required=True, type=Path,
+                   help="run directory (data/, calibration/, compare/<arm>_s<seed>/ and outcome/ inside)")
+    p.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS), metavar="ARM",
+                   help=f"arms to run (default all: {' '.join(ARMS)})")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], metavar="S",
+                   help="seeds of the runs: data order, rollout sampling and grader flips (default 0 1 2)")
+    p.add_argument("--val-every", type=int, default=10, metavar="M",
+                   help="held-out validation and a checkpoint every M steps and after the last (default 10)")
+    p.add_argument("--heldout-prompts", type=int, default=240, metavar="V",
+                   help="held-out validation prompts, disjoint from calibration and training (default 240)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run directory's data, calibration and runs")
+    p.add_argument("--analysis-only", action="store_true",
+                   help="run nothing: analyse the finished runs again and write outcome/")
+    add_run_options(p, profile="compare", judge="rules")
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse what the comparison cannot measure or run, before anything is read.
+
+    Raises:
+        LaunchError: naming the flag and the fix.
+    """
+    from ..rundir import LaunchError
+
+    if args.judge != "rules" or args.flip_prob is None:
+        raise LaunchError("compare measures held-out truth reward, which needs a grader with a known truth: pass "
+                          "--judge rules --flip-prob P")
+    if args.noise_seed is not None:
+        raise LaunchError("--noise-seed: compare seeds the grader's flips with each run's seed (--seeds)")
+    for flag, values in (("--arms", args.arms), ("--seeds", args.seeds)):
+        if len(set(values)) != len(values):
+            raise LaunchError(f"{flag} {' '.join(map(str, values))}: each at most once")
+    if min(args.seeds) < 0:
+        raise LaunchError(f"--seeds {' '.join(map(str, args.seeds))}: seeds are non-negative integers")
+    if args.val_every < 1 or args.heldout_prompts < 1:
+        raise LaunchError(f"--val-every {args.val_every} --heldout-prompts {args.heldout_prompts}: both must be "
+                          "positive")
+
+
+def _split(args: argparse.Namespace, plan) -> dict[str, Any]:
+    """The data split with its held-out part: the first ``--heldout-prompts`` training prompts of the seeded
+    shuffle (:func:`~setgrpo_verl.runner.run.make_split`).
+
+    Raises:
+        LaunchError: too few prompts for the held-out part and training.
+    """
+    from .run import make_split
+    from ..rundir import LaunchError
+
+    split = make_split(args, plan)
+    rest, n = split["train"], args.heldout_prompts
+    if len(rest) <= n:
+        raise LaunchError(f"{split['source']}: {len(rest)} prompts are left after calibration, but --heldout-prompts "
+                          f"{n} and training need more; lower --heldout-prompts or --calib-groups, or pass more --data")
+    parts = {"heldout": rest[:n], "train": rest[n:]}
+    for name, rows in parts.items():
+        for i, row in enumerate(rows):
+            row["extra_info"] = {**row["extra_info"], "index": i, "split": name}
+    return {**split, **parts, "settings": {**split["settings"], "heldout_prompts": n}}
+
+
+def _commands(args: argparse.Namespace, plan, lifecycle) -> list[tuple[str, str, list[str]]]:
+    """``(stage, run directory part, verl command)`` of the calibration (with ``setgrpo_paper``) and every run."""
+    from . import launch
+    from .run import record_path, stage_commands
+
+    commands = []
+    if _CALIBRATED in args.arms:
+        commands += [(s, "calibration", c) for s, c in stage_commands(args, plan, ["calibrate"],
+                                                                      record_path(args.run_dir))]
+    for arm in args.arms:
+        for seed in args.seeds:
+            name = run_name(arm, seed)
+            overrides = arm_overrides(arm, seed, common=plan.common, grader=plan.grader, run_dir=args.run_dir,
+                                      val_every=args.val_every, validate_first=lifecycle.action(name) != "continue")
+            config = "ppo_trainer" if ARMS[arm] == "grpo" else "setgrpo_trainer"
+            command = launch.main_ppo_command(overrides + list(args.overrides), config_name=config)
+            commands.append((ARMS[arm], name, command))
+    return commands
+
+
+def _checked(commands, run_dir: Path) -> list[tuple[str, list[str]]]:
+    """The commands as the pre-Ray check composes them: ``setgrpo_paper``'s without its record until the calibration
+    stage has written it (its own ``main_ppo`` checks the record before Ray)."""
+    from .run import record_path
+
+    have = record_path(run_dir).is_file()
+    return [(name, c if have or not name.startswith(f"compare/{_CALIBRATED}_")
+             else [o for o in c if not o.startswith("algorithm.setgrpo.record_path=")]) for _, name, c in commands]
+
+
+def _header(args: argparse.Namespace, plan, split: Mapping[str, Any]) -> str:
+    v = plan.values
+    steps, k = int(v["trainer.total_training_steps"]), int(v["actor_rollout_ref.rollout.n"])
+    validations = -(-steps // args.val_every) + 1
+    return (f"[setgrpo-verl] compare: {len(args.arms)} arm(s) x {len(args.seeds)} seed(s) = "
+            f"{len(args.arms) * len(args.seeds)} runs of {steps} steps (K {k}, {v['data.train_batch_size']} groups a "
+            f"step) at flip {args.flip_prob:g}; {len(split['heldout'])} held-out prompts validated greedily "
+            f"{validations} times a run (before the first step, every {args.val_every} steps and after the last); "
+            f"{len(split['calibration'])} calibration and {len(split['train'])} training prompts"
+            + (f"; one calibration of {v['algorithm.setgrpo.calibration.num_prompts']} groups for setgrpo_paper"
+               if _CALIBRATED in args.arms else ""))
+
+
+def run_compare(args: argparse.Namespace) -> str | None:
+    """``compare``: plan, check, then the data split, the calibration, every run not yet finished and the
+    analysis; ``--dry-run`` prints the plan and every command, ``--analysis-only`` only analyses.
+
+    Raises:
+        LaunchError: a bad flag, a refused directory, a check that fails before Ray, or a failed stage.
+    """
+    from .cli import overrides_from_args
+    from .datasplit import split_matches
+    from .launch import cpu_environment
+    from .lifecycle import plan_run
+    from .preflight import check_calibration_size, check_training_steps
+    from .run import check_before_ray, dry_run_text, make_plan, start
+    from .stages import run_stage
+
+    _check(args)
+    depends = compare_depends(args.arms, args.seeds)
+    if args.analysis_only:
+        lifecycle = plan_run(args.run_dir, [_OUTCOME], depends=depends, overwrite=args.overwrite, resume=args.resume)
+        return dry_run_text([], lifecycle) if args.dry_run else analyse(args, lifecycle)
+    plan = make_plan(args, overrides_from_args(args))
+    if _CALIBRATED in args.arms:
+        check_calibration_size(plan.values)
+    split = _split(args, plan)
+    writes = [n for n in depends]
+    lifecycle = plan_run(args.run_dir, writes, overwrite=args.overwrite, resume=args.resume,
+                         same_data=split_matches(args.run_dir, split), depends=depends)
+    commands = _commands(args, plan, lifecycle)
+    check_before_ray(args, _checked(commands, args.run_dir), lifecycle, split,
+                     checks=(lambda: check_training_steps(plan.values, args.overrides, len(split["train"])),))
+    header = _header(args, plan, split)
+    if args.dry_run:
+        return header + "\n" + dry_run_text([(n, c) for _, n, c in commands], lifecycle, judge=args.judge)
+    print(header, flush=True)
+    start(args, plan, lifecycle, split)
+    env = cpu_environment()
+    for stage, name, command in commands:
+        kept = lifecycle.action(name) == "keep"
+        out = run_stage(args.run_dir, stage if name == "calibration" else name.split("/")[1], command, env=env,
+                        plan=lifecycle, verbose=args.verbose, directory=name)
+        if name != "calibration" and not kept:
+            # the analysis reads the metrics; a finished run's checkpoint (about 1.6 GB) is not needed again
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return analyse(args, lifecycle)
+
+
+def analyse(args: argparse.Namespace, lifecycle) -> str:
+    """Read every finished run of ``--arms`` x ``--seeds``, write ``outcome/`` (``outcome.json``, ``outcome.png``,
+    ``outcome.txt``, then ``COMPLETE``) and return the table, the runs left out and the outcome line (last).
+
+    Raises:
+        LaunchError: no run finished, or a metrics file the analysis cannot read (the message names it).
+    """
+    from ..atomic import write_atomic
+    from ..report import ReportError
+    from ..report.outcome import outcome_line, outcome_rows, outcome_table, plot_outcome, read_curve
+    from ..rundir import COMPLETE, LaunchError, mark_complete
+
+    curves: dict[str, dict[int, Any]] = {}
+    left = []
+    for arm in args.arms:
+        for seed in args.seeds:
+            path = args.run_dir / run_name(arm, seed)
+            if not (path / COMPLETE).is_file():
+                left.append(f"{arm}_s{seed}")
+                continue
+            try:
+                curves.setdefault(arm, {})[seed] = read_curve(path / "metrics.jsonl")
+            except (OSError, ReportError) as exc:
+                raise LaunchError(f"compare analysis: {exc}") from None
+    try:
+        result = outcome_rows(curves)
+    except ReportError as exc:
+        raise LaunchError(f"compare analysis of {args.run_dir}: {exc}; finish the runs with --resume") from None
+    out = lifecycle.prepare(_OUTCOME)
+    result = {**result, "flip_prob": args.flip_prob, "unfinished": left,
+              "metric": "held-out truth reward (val-aux/<data_source>/truth_score/mean@1, greedy)"}
+    text = outcome_table(result)
+    if left:
+        text += f"\nnot finished, left out: {', '.join(left)}"
+    text += "\n" + outcome_line(result)
+    write_atomic(out / "outcome.json", json.dumps(result, indent=1) + "\n")
+    write_atomic(out / "outcome.txt", text + "\n")
+    plot_outcome(curves, result["seeds"], out / "outcome.png")
+    mark_complete(out)
+    return f"written: {out / 'outcome.json'}, {out / 'outcome.png'}\n{text}"

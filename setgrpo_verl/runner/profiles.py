@@ -1,0 +1,153 @@
+"""The command line's configuration flags and named presets (profiles) of :mod:`setgrpo_verl.runner.cli`.
+
+A leaf module: the commands (:mod:`.cli`, :mod:`.compare`) read :data:`FLAGS` and :data:`PROFILES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+__all__ = ["FLAGS", "PROFILES", "profile_help"]
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+#: Command-line flags and the config key each one sets: ``(flag, key, type, help)``; a help of None means the key's
+#: own field doc from :class:`setgrpo_verl.integration.config.SetGRPOConfig`.
+FLAGS: tuple[tuple[str, str, Callable[[str], Any], str | None], ...] = (
+    ("--alpha", "algorithm.setgrpo.alpha", float, None),
+    ("--beta", "algorithm.setgrpo.beta", float, None),
+    ("--delta", "algorithm.setgrpo.delta", float, None),
+    ("--tau-grid", "algorithm.setgrpo.tau_grid", _float_list, None),
+    ("--rho", "algorithm.setgrpo.rho", float, None),
+    ("--calib-groups", "algorithm.setgrpo.calibration.num_prompts", int, None),
+    ("--calib-batch-size", "algorithm.setgrpo.calibration.batch_size", int, None),
+    ("--split-seed", "algorithm.setgrpo.calibration.split_seed", int, None),
+    ("--on-infeasible", "algorithm.setgrpo.calibration.on_infeasible", str, None),
+    ("--ablation", "algorithm.setgrpo.ablation", str, None),
+    ("--fixed-tau", "algorithm.setgrpo.fixed_tau", float, None),
+    ("--rollout-n", "actor_rollout_ref.rollout.n", int, "K, responses per prompt (verl: actor_rollout_ref.rollout.n)"),
+    ("--groups-per-step", "data.train_batch_size", int, "prompts (groups) per training step (verl: data.train_batch_size)"),
+    ("--steps", "trainer.total_training_steps", int, "training steps (verl: trainer.total_training_steps)"),
+    ("--max-prompt-length", "data.max_prompt_length", int, "prompt tokens; longer prompts are dropped"),
+    ("--max-response-length", "data.max_response_length", int, "new tokens per response"),
+    ("--temperature", "actor_rollout_ref.rollout.temperature", float, "sampling temperature of the rollouts"),
+    ("--top-p", "actor_rollout_ref.rollout.top_p", float, "nucleus sampling of the rollouts"),
+    ("--lr", "actor_rollout_ref.actor.optim.lr", float, "actor learning rate (AdamW)"),
+    ("--clip-ratio", "actor_rollout_ref.actor.clip_ratio", float, "PPO clip ratio"),
+    ("--entropy-coeff", "actor_rollout_ref.actor.entropy_coeff", float, "entropy bonus"),
+    ("--loss-agg-mode", "actor_rollout_ref.actor.loss_agg_mode", str, "verl's loss aggregation (token-mean, ...)"),
+    ("--seed", "data.seed", int, "seed of the data split and verl's dataloader"),
+)
+
+#: Named presets: values of the keys above (and of verl keys without a flag). ``default`` is the quickstart on
+#: 2 CPU cores; ``smoke`` is the plumbing check of the end-to-end test; ``validate`` is ``setgrpo-verl validate`` on
+#: the composite validation rubrics at the tightest levels its 240 groups certify (docs/validation.md#profiles).
+#: Flags and ``key=value`` arguments win. Measured times of each profile: docs/benchmarks.md.
+PROFILES: dict[str, dict[str, Any]] = {
+    "default": {
+        "actor_rollout_ref.rollout.n": 4,
+        "data.train_batch_size": 4,
+        "trainer.total_training_steps": 3,
+        "data.max_prompt_length": 96,
+        "data.max_response_length": 24,
+        # sized for the risk test: 96 groups leave about 48 risk groups, enough for a threshold to certify at
+        # these levels in most calibrations (README: the estimate and its interval); three batches
+        # rolled out together keep the one weight sync of a single chunk
+        "algorithm.setgrpo.calibration.num_prompts": 96,
+        "algorithm.setgrpo.calibration.batch_size": 32,
+        "algorithm.setgrpo.calibration.chunk_batches": 3,
+        "algorithm.setgrpo.alpha": 0.5,
+        "algorithm.setgrpo.beta": 0.65,
+        "algorithm.setgrpo.delta": 0.2,
+        "algorithm.setgrpo.tau_grid": [0.0, 0.2, 0.4, 0.6],
+        # the embedded judge is so noisy that a run may still certify no threshold at beta 0.65: it then says so
+        # and trains no group instead of stopping
+        "algorithm.setgrpo.calibration.on_infeasible": "reject_all",
+        "actor_rollout_ref.actor.optim.lr": 1e-5,
+        # a checkpoint after every step (the latest kept), so that --resume continues an interrupted training
+        "trainer.save_freq": 1,
+        "trainer.max_actor_ckpt_to_keep": 1,
+    },
+    "smoke": {
+        "actor_rollout_ref.rollout.n": 3,
+        "data.train_batch_size": 3,
+        "trainer.total_training_steps": 2,
+        "data.max_prompt_length": 80,
+        "data.max_response_length": 12,
+        "algorithm.setgrpo.calibration.num_prompts": 12,
+        "algorithm.setgrpo.calibration.batch_size": 12,
+        "algorithm.setgrpo.alpha": 0.5,
+        "algorithm.setgrpo.beta": 0.95,
+        "algorithm.setgrpo.delta": 0.3,
+        "algorithm.setgrpo.tau_grid": [0.0, 0.3, 0.6],
+        "algorithm.setgrpo.calibration.on_infeasible": "reject_all",
+        "actor_rollout_ref.actor.optim.lr": 1e-5,
+    },
+    "validate": {
+        "actor_rollout_ref.rollout.n": 4,
+        "data.train_batch_size": 4,
+        "data.max_prompt_length": 128,
+        # the length at which the validation rubrics' instruction types were measured
+        "data.max_response_length": 48,
+        "algorithm.setgrpo.calibration.num_prompts": 240,
+        "algorithm.setgrpo.calibration.batch_size": 16,
+        # small sketch micro-batches bound the actor worker's peak memory, so that Ray's memory monitor does not
+        # kill it on a small shared machine
+        "algorithm.setgrpo.sketch.micro_batch_size_per_gpu": 4,
+        # the tightest levels that 240 groups certify in (nearly) every split (docs/validation.md#profiles)
+        "algorithm.setgrpo.alpha": 0.2,
+        "algorithm.setgrpo.beta": 0.3,
+        "algorithm.setgrpo.delta": 0.05,
+    },
+}
+#: ``validate`` at the paper's levels (alpha 0.05, beta 0.08, delta 0.05, the 20 default thresholds), sized from the
+#: sample-size plan of the validate profile's stage: 16,000 groups (needs ``--data`` with more rows than the
+#: embedded 3,000, docs/validation.md#profiles).
+PROFILES["paper"] = {
+    **PROFILES["validate"],
+    "algorithm.setgrpo.calibration.num_prompts": 16_000,
+    "algorithm.setgrpo.alpha": 0.05,
+    "algorithm.setgrpo.beta": 0.08,
+    "algorithm.setgrpo.delta": 0.05,
+}
+
+
+def _profile_levels(name: str) -> str:
+    """A profile's levels and calibration size for ``--help``, e.g. ``alpha 0.5, beta 0.65, delta 0.2, 96 groups``."""
+    values = PROFILES[name]
+    levels = ", ".join(f"{k} {values[f'algorithm.setgrpo.{k}']:g}" for k in ("alpha", "beta", "delta"))
+    return f"{levels}, {values['algorithm.setgrpo.calibration.num_prompts']:,} calibration groups"
+
+
+#: ``compare`` (docs/outcome.md#through-verl-the-plan): the pilot's policy settings (K 4, 8 groups a step, 48 new
+#: tokens, lr 2e-5) and the paper's procedure at the ``validate`` profile's levels, which its 240 calibration groups
+#: certify in (nearly) every split; a checkpoint at every validation (``--val-every``), the latest kept.
+PROFILES["compare"] = {
+    **PROFILES["validate"],
+    "data.train_batch_size": 8,
+    "trainer.total_training_steps": 100,
+    "actor_rollout_ref.actor.optim.lr": 2e-5,
+    "trainer.max_actor_ckpt_to_keep": 1,
+}
+
+#: What each profile is, for ``--profile``'s help (its levels and calibration size are added).
+_PROFILE_TEXT = {
+    "default": "the quickstart on 2 CPU cores",
+    "smoke": "a plumbing check",
+    "validate": "validate at the tightest levels it certifies in about 23 minutes on 2 CPU cores",
+    "paper": "validate at the paper's levels, about 24 hours",
+    "compare": "the outcome comparison's policy and calibration sizes",
+}
+
+
+def profile_help(default: str) -> str:
+    """``--profile``'s help text: every profile with what it is, its levels and calibration size."""
+    parts = [f"'{name}' ({_PROFILE_TEXT[name]}; {_profile_levels(name)})" for name in PROFILES]
+    return f"preset sizes (default {default}): " + ", ".join(parts)

@@ -1,0 +1,207 @@
+"""``setgrpo-verl compare``: its runs' verl overrides, its run directory's plan and resume decisions, and its analysis
+of verl metrics files (docs/cli.md#compare)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from setgrpo_verl.report import ReportError
+from setgrpo_verl.report.outcome import outcome_line, outcome_rows, read_curve
+from setgrpo_verl.runner import cli
+from setgrpo_verl.runner.compare import ARMS, arm_overrides, compare_depends, edit_overrides, run_name
+from setgrpo_verl.runner.lifecycle import plan_run
+from setgrpo_verl.rundir import COMPLETE
+
+GRADER = {"type": "noisy", "flip_prob": 0.06, "seed": 0, "base": {"type": "rules", "seed": 1}}
+COMMON = ["data.train_batch_size=8", "algorithm.setgrpo.alpha=0.2", "data.seed=1",
+          "+reward.reward_kwargs.grader={type:noisy,flip_prob:0.06,seed:0,base:{type:rules,seed:1}}",
+          "reward.reward_manager.name=setgrpo_dual"]
+
+
+def _values(overrides):
+    return {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
+
+
+def test_edit_overrides_replaces_in_place_appends_and_drops():
+    out = edit_overrides(["+a.b=1", "c=2", "d=3"], {"a.b": 5, "+e": "x y", "c": None}, drop=["d"])
+    assert out == ["+a.b=5", "c=null", "+e='x y'"]
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_each_arm_validates_on_the_held_out_prompts_with_its_seed(arm, tmp_path):
+    values = _values(arm_overrides(arm, 2, common=COMMON, grader=GRADER, run_dir=tmp_path, val_every=10,
+                                   validate_first=True))
+    out = tmp_path.resolve() / "compare" / f"{arm}_s2"
+    assert values["data.val_files"] == str(tmp_path.resolve() / "data" / "heldout.parquet")
+    assert values["data.train_files"] == str(tmp_path.resolve() / "data" / "train.parquet")
+    assert values["trainer.test_freq"] == "10" and values["trainer.save_freq"] == "10"
+    assert values["trainer.val_before_train"] == "true"
+    assert values["trainer.default_local_dir"] == str(out / "checkpoints")
+    assert values["hydra.run.dir"] == str(out / "hydra")
+    assert values["data.seed"] == "2" and values["actor_rollout_ref.rollout.seed"] == "2"
+    assert values["+reward.reward_kwargs.grader"] == "{type:noisy,flip_prob:0.06,seed:2,base:{type:rules,seed:2}}"
+    assert values["trainer.logger"] == "[console,file]"
+    grpo = ARMS[arm] == "grpo"
+    assert ("algorithm.setgrpo.alpha" in values) is not grpo
+    assert values.get("algorithm.adv_estimator") == ("grpo" if grpo else None)
+    assert values.get("+reward.reward_kwargs.scorings") == {"grpo": "1", "grpo_mean2": "2"}.get(arm)
+    assert values.get("+reward.reward_kwargs.point") == ("mean" if arm == "grpo_mean2" else None)
+    assert values.get("algorithm.setgrpo.variant") == ("reliability" if arm == "setgrpo_reliability" else None)
+    record = str(tmp_path.resolve() / "calibration" / "record.json")
+    assert values.get("algorithm.setgrpo.record_path") == (record if arm == "setgrpo_paper" else None)
+    # every key once: Hydra composes them in order, and a duplicate would hide which one wins
+    keys = [o.partition("=")[0].lstrip("+") for o in arm_overrides(arm, 2, common=COMMON, grader=GRADER,
+                                                                    run_dir=tmp_path, val_every=10,
+                                                                    validate_first=True)]
+    assert len(keys) == len(set(keys))
+
+
+def test_a_continued_run_does_not_validate_again_before_its_next_step(tmp_path):
+    values = _values(arm_overrides("grpo", 0, common=COMMON, grader=GRADER, run_dir=tmp_path, val_every=5,
+                                   validate_first=False))
+    assert values["trainer.val_before_train"] == "false"
+
+
+def test_only_the_paper_arm_reads_the_calibration():
+    depends = compare_depends(["grpo", "setgrpo_paper"], [0, 1])
+    assert list(depends) == ["data", "calibration", "compare/grpo_s0", "compare/grpo_s1", "compare/setgrpo_paper_s0",
+                             "compare/setgrpo_paper_s1", "outcome"]
+    assert depends["compare/grpo_s1"] == ("data",)
+    assert depends["compare/setgrpo_paper_s0"] == ("data", "calibration")
+    assert "calibration" not in compare_depends(["grpo", "setgrpo_reliability"], [0])
+
+
+def _stage(path, *, complete=False, checkpoint=None):
+    path.mkdir(parents=True)
+    if complete:
+        (path / COMPLETE).write_text("1.0 s\n")
+    if checkpoint is not None:
+        (path / "checkpoints").mkdir()
+        (path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(str(checkpoint))
+
+
+def test_resume_keeps_finished_runs_continues_checkpointed_ones_and_restarts_the_rest(tmp_path):
+    arms, seeds = ["grpo", "setgrpo_reliability"], [0, 1]
+    depends = compare_depends(arms, seeds)
+    _stage(tmp_path / "data", complete=True)
+    _stage(tmp_path / run_name("grpo", 0), complete=True)
+    _stage(tmp_path / run_name("grpo", 1), checkpoint=20)
+    _stage(tmp_path / run_name("setgrpo_reliability", 0))
+    plan = plan_run(tmp_path, list(depends), resume=True, same_data=True, depends=depends)
+    assert {d.name: d.action for d in plan.dirs} == {
+        "data": "keep", "compare/grpo_s0": "keep", "compare/grpo_s1": "continue",
+        "compare/setgrpo_reliability_s0": "replace", "compare/setgrpo_reliability_s1": "create", "outcome": "create"}
+    refused = plan_run(tmp_path, list(depends), same_data=True, depends=depends)
+    assert refused.action("compare/grpo_s0") == "refuse" and refused.action("compare/grpo_s1") == "refuse"
+    assert "--resume" in refused["compare/grpo_s1"].reason and "step 20" in refused["compare/grpo_s1"].reason
+    # another data split: every run made from the old one would no longer match it
+    other = plan_run(tmp_path, list(depends), resume=True, same_data=False, depends=depends)
+    assert other.action("data") == "refuse"
+
+
+def test_compare_refuses_a_grader_without_a_truth_and_repeated_seeds(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli.main(["compare", "--run-dir", str(run), "--judge", "local", "--flip-prob", "0.1", "--dry-run"]) == 2
+    assert "needs a grader with a known truth: pass --judge rules --flip-prob P" in capsys.readouterr().err
+    assert cli.main(["compare", "--run-dir", str(run), "--dry-run"]) == 2
+    assert "--judge rules --flip-prob P" in capsys.readouterr().err
+    assert cli.main(["compare", "--run-dir", str(run), "--flip-prob", "0.1", "--seeds", "0", "0", "--dry-run"]) == 2
+    assert "--seeds 0 0: each at most once" in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_dry_run_prints_the_plan_and_every_command_and_writes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli.main(["compare", "--run-dir", str(run), "--flip-prob", "0.06", "--arms", "grpo", "grpo_mean2",
+                     "--seeds", "0", "1", "--steps", "30", "--val-every", "10", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert ("compare: 2 arm(s) x 2 seed(s) = 4 runs of 30 steps (K 4, 8 groups a step) at flip 0.06; 240 held-out "
+            "prompts validated greedily 4 times a run") in out
+    assert "240 calibration and 2520 training prompts" in out and "setgrpo_paper" not in out
+    commands = [line for line in out.splitlines() if "verl.trainer.main_ppo" in line]
+    assert len(commands) == 4
+    for arm, seed in (("grpo", 0), ("grpo", 1), ("grpo_mean2", 0), ("grpo_mean2", 1)):
+        assert f"plan: {run}/compare/{arm}_s{seed}/ (absent): create" in out
+        assert sum(f"trainer.experiment_name={arm}_s{seed} " in c for c in commands) == 1
+    assert all("trainer.test_freq=10" in c and "heldout.parquet" in c for c in commands)
+    assert out.rstrip().endswith("every other check the command makes before verl starts passed")
+    assert not run.exists()
+
+
+# --- the analysis, on verl metrics files written as verl's file logger writes them ---
+
+def _metrics(path, truth, *, calls=8.0, seconds=30.0, val_every=2, source="rubrichub"):
+    """A run's metrics.jsonl: validation before training (step 0), then one row per step with its timing, grader
+    calls and, every ``val_every`` steps, the held-out truth reward; ``truth`` holds the values at steps 0, M, 2M..."""
+    path.mkdir(parents=True, exist_ok=True)
+    key = f"val-aux/{source}/truth_score/mean@1"
+    rows = [{"step": 0, "data": {key: truth[0], "val-core/rubrichub/reward/mean@1": 0.1}}]
+    for step in range(1, (len(truth) - 1) * val_every + 1):
+        data = {"timing_s/step": seconds, "setgrpo/grading/calls_per_step": calls, "critic/score/mean": 0.5}
+        if step % val_every == 0:
+            data.update({key: truth[step // val_every], "timing_s/testing": 6.0})
+        rows.append({"step": step, "data": data})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / COMPLETE).write_text("1.0 s\n")
+
+
+def test_a_curve_holds_the_truth_reward_calls_and_wall_clock_at_each_validation(tmp_path):
+    _metrics(tmp_path, [0.5, 0.52, 0.55], calls=64.0, seconds=30.0)
+    curve = read_curve(tmp_path / "metrics.jsonl")
+    assert curve.steps.tolist() == [0, 2, 4]
+    assert curve.truth.tolist() == [0.5, 0.52, 0.55]
+    assert curve.calls.tolist() == [0.0, 128.0, 256.0]
+    assert curve.seconds.tolist() == [0.0, 66.0, 132.0]
+
+
+def test_a_run_without_validation_before_training_is_refused(tmp_path):
+    _metrics(tmp_path, [0.5, 0.52])
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()[1:]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReportError, match="no held-out truth reward before the first step"):
+        read_curve(tmp_path / "metrics.jsonl")
+
+
+def test_outcome_rows_give_each_arms_gain_with_its_paired_t_band(tmp_path):
+    truths = {"grpo": [(0.50, 0.53), (0.48, 0.52), (0.51, 0.53)],
+              "grpo_mean2": [(0.50, 0.55), (0.48, 0.53), (0.51, 0.55)],
+              "setgrpo_reliability": [(0.50, 0.56), (0.48, 0.52), (0.51, 0.56)]}
+    for arm, runs in truths.items():
+        for seed, (start, end) in enumerate(runs):
+            _metrics(tmp_path / f"{arm}_s{seed}", [start, (start + end) / 2, end])
+    curves = {arm: {s: read_curve(tmp_path / f"{arm}_s{s}" / "metrics.jsonl") for s in range(3)} for arm in truths}
+    result = outcome_rows(curves)
+    assert result["seeds"] == [0, 1, 2] and result["steps"] == 4
+    rows = {r["arm"]: r for r in result["arms"]}
+    assert [r["arm"] for r in result["arms"]] == ["setgrpo_reliability", "grpo_mean2", "grpo"]
+    t = 4.302652729911275  # Student t, 97.5 % quantile, 2 degrees of freedom
+    gains = np.array([0.06, 0.04, 0.05])
+    assert rows["setgrpo_reliability"]["gain"] == pytest.approx(0.05)
+    assert rows["setgrpo_reliability"]["band"] == pytest.approx(t * gains.std(ddof=1) / math.sqrt(3))
+    diff = gains - np.array([0.05, 0.05, 0.04])  # minus grpo_mean2's gains, seed by seed
+    assert rows["setgrpo_reliability"]["paired"]["grpo_mean2"] == pytest.approx(
+        [diff.mean(), t * diff.std(ddof=1) / math.sqrt(3)])
+    assert "grpo" not in rows["grpo"]["paired"] and rows["grpo"]["calls_per_step"] == pytest.approx(8.0)
+    assert rows["grpo"]["seconds_per_step"] == pytest.approx((4 * 30.0 + 2 * 6.0) / 4)
+    line = outcome_line(result)
+    lo, hi = 0.05 - rows["setgrpo_reliability"]["band"], 0.05 + rows["setgrpo_reliability"]["band"]
+    assert line.startswith(f"outcome: setgrpo_reliability 0.050 [{lo:.3f}, {hi:.3f}], grpo_mean2 0.047 [")
+    assert line.endswith("(held-out truth reward gain, 3 seeds, 4 steps)")
+
+
+def test_analysis_only_reads_the_finished_runs_and_prints_the_outcome_last(tmp_path, capsys):
+    run = tmp_path / "run"
+    for arm, gain in (("grpo", 0.02), ("setgrpo_paper", 0.0)):
+        for seed in (0, 1):
+            _metrics(run / "compare" / f"{arm}_s{seed}", [0.5, 0.5 + gain / 2, 0.5 + gain + 0.01 * seed])
+    (run / "compare" / "setgrpo_paper_s1" / COMPLETE).unlink()  # interrupted: left out, with its seed
+    assert cli.main(["compare", "--run-dir", str(run), "--flip-prob", "0.06", "--arms", "grpo", "setgrpo_paper",
+                     "--seeds", "0", "1", "--analysis-only"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-2] == "not finished, left out: setgrpo_paper_s1"
+    assert out[-1] == ("outcome: grpo 0.020 [n/a: one seed], setgrpo_paper 0.000 [n/a: one seed] (held-out truth "
+                       "reward gain, 1 seed, 4 steps)")
+    assert (run / "outcome" / "outcome.png").stat().st_size > 0 and (run / "outcome" / COMPLETE).is_file()
+    assert json.loads((run / "outcome" / "outcome.json").read_text())["unfinished"] == ["setgrpo_paper_s1"]
