@@ -109,7 +109,7 @@ def child(args) -> dict:
         assert all(p.grad is not None for p in model.parameters())
     else:
         model.eval()
-        sketches, _ = sketch_and_log_probs(engine, data, SketchConfig(), loss_agg_mode="token-mean")
+        sketches, _, _ = sketch_and_log_probs(engine, data, SketchConfig(), loss_agg_mode="token-mean")
         assert all(p.grad is None for p in model.parameters()) and torch.isfinite(sketches).all()
     return dict(pass_=args.child, before_gb=before, setup_peak_gb=setup_peak, peak_gb=peak_rss_gb(),
                 seconds=time.perf_counter() - t0)

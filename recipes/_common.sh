@@ -25,6 +25,10 @@
 #                     tensorboard/ in the run's directory, $RUN_ROOT/<run>), plus "wandb" when WANDB_API_KEY is set
 #                     or `wandb login` stored a key in ~/.netrc; set LOGGER to ask for wandb (or anything else)
 #   SKETCH_TOKENS_PER_GPU  token budget of the sketch pass's micro-batches (6144 = one full-length sequence)
+#   POLICY_THINKING   true | false (false): the policy's chat-template thinking (Qwen3, Qwen3.5: enable_thinking; other
+#                     templates ignore it). With thinking on, the judge grades the answer after the </think> tag, and a
+#                     response whose reasoning outruns data.max_response_length is graded as the empty answer
+#                     (setgrpo/grading/no_answer_ratio; docs/grading.md#thinking-policies)
 #   RECORD            calibration record (default: $RUN_ROOT/<model>-setgrpo-calibrate/setgrpo_calibration.json)
 # Runs: <model>-setgrpo-calibrate (record only), <model>-setgrpo (training), <model>-grpo (baseline), in $RUN_ROOT.
 # Extra arguments to the recipe after the mode are appended as Hydra overrides (the last value of a key wins).
@@ -45,6 +49,7 @@ JUDGE_MODEL=${JUDGE_MODEL:-Qwen/Qwen3-8B}
 JUDGE_TEMPERATURE=${JUDGE_TEMPERATURE:-1.0}
 JUDGE_CONTEXT=${JUDGE_CONTEXT:-32768}
 SKETCH_TOKENS_PER_GPU=${SKETCH_TOKENS_PER_GPU:-6144}
+POLICY_THINKING=${POLICY_THINKING:-false}
 
 # The default logger list: what runs anywhere, plus wandb when a key is present (wandb.init fails without one, in
 # verl's TaskRunner, after the models and vLLM are up).
@@ -71,6 +76,9 @@ _table3_args() {
     echo "actor_rollout_ref.rollout.gpu_memory_utilization=0.6"
     echo "actor_rollout_ref.rollout.temperature=1.0"
     echo "actor_rollout_ref.actor.ppo_mini_batch_size=32"
+    # FSDP2, the strategy the CPU tests run (tests/integration/test_fsdp_engine.py, the verl_cpu runs)
+    echo "actor_rollout_ref.actor.strategy=fsdp2"
+    echo "actor_rollout_ref.ref.strategy=fsdp2"
     echo "actor_rollout_ref.actor.optim.optimizer=AdamW"
     echo "actor_rollout_ref.actor.optim.lr=$LR"
     echo "actor_rollout_ref.actor.use_dynamic_bsz=true"
@@ -81,6 +89,8 @@ _table3_args() {
     echo "actor_rollout_ref.actor.fsdp_config.param_offload=$PARAM_OFFLOAD"
     echo "actor_rollout_ref.actor.fsdp_config.optimizer_offload=$PARAM_OFFLOAD"
     echo "actor_rollout_ref.model.path=$MODEL_PATH"
+    # the policy's thinking, explicit (Qwen3's template thinks unless told not to); the grader reads the answer
+    echo "+data.apply_chat_template_kwargs.enable_thinking=$POLICY_THINKING"
     echo "actor_rollout_ref.model.use_remove_padding=true"
     echo "actor_rollout_ref.model.enable_gradient_checkpointing=true"
     echo "algorithm.use_kl_in_reward=false"
@@ -106,7 +116,7 @@ _table3_args() {
 }
 
 # run_recipe MODE [hydra overrides...]
-#   MODE = calibrate | train | grpo
+#   MODE = calibrate | train | grpo | smoke (calibrate, then train, in one run: recipes/smoke_qwen3_1gpu.sh)
 # Needs MODEL_TAG, MODEL_PATH, ROLLOUT_TP, LR, MAX_TOKENS_PER_GPU, PARAM_OFFLOAD from the model recipe.
 run_recipe() {
     local mode=${1:-}
@@ -115,10 +125,18 @@ run_recipe() {
     [ "$mode" = train ] && experiment="${MODEL_TAG}-setgrpo"
     [ "$mode" = calibrate ] && experiment="${MODEL_TAG}-setgrpo-calibrate"
     local record=${RECORD:-$RUN_ROOT/${MODEL_TAG}-setgrpo-calibrate/setgrpo_calibration.json}
+    [ "$mode" = smoke ] && record=$RUN_ROOT/$experiment/setgrpo_calibration.json
     case "$mode" in
-        calibrate|train|grpo) ;;
+        calibrate|train|grpo|smoke) ;;
         *)
             echo "usage: $0 {calibrate|train|grpo} [hydra overrides...]" >&2
+            exit 2
+            ;;
+    esac
+    case "$POLICY_THINKING" in
+        true|false) ;;
+        *)
+            echo "$0: POLICY_THINKING=$POLICY_THINKING: set true or false (recipes/_common.sh)" >&2
             exit 2
             ;;
     esac
@@ -162,6 +180,17 @@ run_recipe() {
                 "${args[@]}" \
                 "${setgrpo_args[@]}" \
                 algorithm.setgrpo.record_path="$record" \
+                trainer.experiment_name="$experiment" \
+                trainer.default_local_dir="$RUN_ROOT/$experiment" \
+                "$@"
+            ;;
+        smoke)
+            # calibrate on the calibration prompts, write the record, then train with it, in one run
+            exec "$PYTHON" -m verl.trainer.main_ppo --config-name setgrpo_trainer \
+                "${args[@]}" \
+                "${setgrpo_args[@]}" \
+                algorithm.setgrpo.calibration.files="$DATA_DIR/calib.parquet" \
+                algorithm.setgrpo.record_out="$record" \
                 trainer.experiment_name="$experiment" \
                 trainer.default_local_dir="$RUN_ROOT/$experiment" \
                 "$@"

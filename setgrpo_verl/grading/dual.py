@@ -9,12 +9,14 @@ the point scores alone (the GRPO baseline, which has no use for r').
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .answers import DEFAULT_RESPONSE_PART, check_response_part, graded_text, split_response_part, with_response_part
 from .graders import as_rubric, build_grader, describe_item
 from .protocol import gather_or_cancel
 from .rubric import GradeResult, GradingError, GradingItem, Rubric
@@ -33,6 +35,8 @@ class DualScores:
             ``reference_results`` is ``None`` with one scoring.
         truth: float64 ``[N]`` noise-free scores when the grader knows them (a noisy grader around a deterministic
             one, docs/validation.md#noisy-grader), else ``None``.
+        no_answer: bool ``[N]``: True for a response whose thinking block never closes, graded as the empty answer
+            (docs/grading.md#thinking-policies); ``None`` when not known (scores built elsewhere).
     """
 
     point: np.ndarray
@@ -40,6 +44,7 @@ class DualScores:
     point_results: tuple[GradeResult, ...]
     reference_results: tuple[GradeResult, ...] | None
     truth: np.ndarray | None = None
+    no_answer: np.ndarray | None = None
 
     @property
     def scorings(self) -> int:
@@ -50,7 +55,7 @@ class DualScores:
         """Per-batch grading metrics: mean point score, the number of judged verdicts, unparsed verdict count and rate
         (over the judged verdicts of every scoring); with two scorings also the mean reference score, mean |r - r'|
         and the fraction of judged criteria whose verdicts differ between the scorings (undefined with one scoring,
-        so absent)."""
+        so absent); ``no_answer``, the number of responses without an answer, when known."""
         scorings = (self.point_results,) if self.reference_results is None else (self.point_results,
                                                                                   self.reference_results)
         judged = disagree = unparsed = 0
@@ -68,6 +73,8 @@ class DualScores:
             f"{prefix}unparsed": float(unparsed),
             f"{prefix}unparsed_rate": unparsed / (len(scorings) * judged) if judged else 0.0,
         }
+        if self.no_answer is not None:
+            out[f"{prefix}no_answer"] = float(np.count_nonzero(self.no_answer))
         if self.reference is not None:
             out[f"{prefix}reference_mean"] = float(self.reference.mean()) if n else float("nan")
             out[f"{prefix}abs_diff_mean"] = float(np.abs(self.point - self.reference).mean()) if n else float("nan")
@@ -79,21 +86,32 @@ class DualScorer:
     """Score each response twice with one grader (point = scoring ``scoring_indices[0]``, reference = ``[1]``), or
     once (point only) with one scoring index.
 
+    Every scoring grades the same text of each response: the answer after its thinking block by default, or the
+    whole response (:func:`~.answers.graded_text`, docs/grading.md#thinking-policies).
+
     Args:
         grader: a grader (:class:`~.graders.RubricGrader`, :class:`~.graders.FunctionGrader`) or a config
-            mapping for :func:`~.graders.build_grader`.
+            mapping for :func:`~.graders.build_grader`, whose ``response`` key (answer | full) sets
+            ``response_part``.
         scoring_indices: the scoring indices, two distinct ones (default ``(0, 1)``) or one (``(0,)``: point
             scores alone).
+        response_part: ``answer`` (default) or ``full``, for a grader object; with a mapping, its ``response`` key.
 
     Raises:
-        ValueError: ``scoring_indices`` is neither two distinct integers nor one.
+        ValueError: ``scoring_indices`` is neither two distinct integers nor one; an unknown response part, or
+            one given both as the argument and in the mapping.
 
     Use :meth:`ascore` from async code (verl's reward loop) or :meth:`score` from sync code (a script, the command line's judge probe).
     """
 
-    def __init__(self, grader, scoring_indices: tuple[int, ...] = (0, 1)):
+    def __init__(self, grader, scoring_indices: tuple[int, ...] = (0, 1), response_part: str | None = None):
         if isinstance(grader, Mapping):
+            if response_part is not None and "response" in grader:
+                raise ValueError("the response part is given twice: as response_part and as the mapping's 'response'")
+            grader, part = split_response_part(grader)
             grader = build_grader(grader)
+            response_part = response_part or part
+        self.response_part = check_response_part(response_part or DEFAULT_RESPONSE_PART)
         if len(scoring_indices) not in (1, 2) or len(set(scoring_indices)) != len(scoring_indices):
             raise ValueError(f"scoring_indices must be two distinct integers or one, got {scoring_indices!r}")
         self.grader = grader
@@ -101,17 +119,29 @@ class DualScorer:
 
     @property
     def identity(self) -> dict:
-        """The grader identity ``{name, model, temperature, template_hash}`` (for the calibration record)."""
-        return dict(self.grader.identity)
+        """The grader identity ``{name, model, temperature, template_hash}`` (for the calibration record), a
+        non-default response part folded into ``template_hash``."""
+        return with_response_part(dict(self.grader.identity), self.response_part)
 
-    async def ascore(self, items: Sequence[GradingItem]) -> DualScores:
-        """Every scoring of ``items`` (``len(scoring_indices)`` grader calls per item), concurrently.
+    async def ascore(self, items: Sequence[GradingItem], *, opened: Sequence[bool] | None = None) -> DualScores:
+        """Every scoring of ``items`` (``len(scoring_indices)`` grader calls per item), concurrently, on the text
+        :func:`~.answers.graded_text` picks of each response.
+
+        Args:
+            items: the responses to grade.
+            opened: per item, whether its prompt opened the thinking block (:func:`~.answers.prompt_opens_thinking`);
+                ``None``: none did.
 
         Raises:
             GradingError: a grading failure, a non-finite score from the grader (naming the response), or a truth
                 that only some results carry or that differs between the two scorings of a response.
-            ValueError: whatever else the grader raises for bad input.
+            ValueError: ``opened`` not one flag per item; whatever else the grader raises for bad input.
         """
+        opened = [False] * len(items) if opened is None else list(opened)
+        if len(opened) != len(items):
+            raise ValueError(f"got {len(opened)} opened flags for {len(items)} items")
+        chosen = [graded_text(item.response, self.response_part, opened=o) for item, o in zip(items, opened)]
+        items = [dataclasses.replace(item, response=text) for item, (text, _) in zip(items, chosen)]
         scorings = await gather_or_cancel(
             [self.grader.agrade(items, scoring_index=i) for i in self.scoring_indices]
         )
@@ -128,6 +158,7 @@ class DualScorer:
             point_results=tuple(point),
             reference_results=None if reference is None else tuple(reference),
             truth=self._truth(items, point, point if reference is None else reference),
+            no_answer=np.array([missing for _, missing in chosen], dtype=bool),
         )
 
     def _truth(self, items, point, reference) -> np.ndarray | None:

@@ -26,6 +26,7 @@ import json
 import math
 from typing import Any, Mapping, Sequence
 
+from .answers import split_response_part, with_response_part
 from .http_judge import OpenAIJudge
 from .local_judge import LocalHFJudge
 from .protocol import JudgeRequest, gather_or_cancel, template_hash
@@ -386,6 +387,10 @@ def build_grader(config: Mapping[str, Any] | None):
             "function (path + name), rules (rule criteria only) or noisy (flip_prob + base)"
         )
     cfg = {k: v for k, v in dict(config).items()}
+    if "response" in cfg:
+        raise ValueError("the grader key 'response' (what of a response is graded) is applied by DualScorer, which "
+                         "reads it from the grader mapping: pass the mapping to DualScorer (or grade the chosen text "
+                         "yourself with setgrpo_verl.grading.answers.graded_text)")
     kind = cfg.pop("type")
     seed = int(cfg.pop("seed", 0))
     if kind == "noisy":
@@ -425,10 +430,21 @@ def grader_identity(config: Mapping[str, Any] | None) -> dict:
     """The identity ``{name, model, temperature, template_hash}`` that :func:`build_grader` ``(config)`` would
     report, computed WITHOUT building it (no model load, no connection): for the trainer's calibration record.
 
+    The ``response`` key (:mod:`.answers`) is read here, as :class:`~.dual.DualScorer` reads it: a non-default part
+    enters ``template_hash``, so the identity equals ``DualScorer(config).identity``.
+
     Raises:
-        ValueError: as :func:`build_grader` for a bad config.
+        ValueError: as :func:`build_grader` for a bad config; a ``response`` other than answer / full.
     """
     if not config or "type" not in config:
+        build_grader(config)  # raises the explanatory error
+    cfg, part = split_response_part(config)
+    return with_response_part(_identity(cfg), part)
+
+
+def _identity(config: Mapping[str, Any]) -> dict:
+    """:func:`grader_identity` of a grader mapping without the ``response`` key."""
+    if "type" not in config or "response" in config:
         build_grader(config)  # raises the explanatory error
     cfg = dict(config)
     kind = cfg.pop("type")
@@ -437,7 +453,7 @@ def grader_identity(config: Mapping[str, Any] | None) -> dict:
         from .noisy import noisy_identity
 
         base, flip_prob = _noisy_parts(cfg)
-        return noisy_identity(grader_identity(base), flip_prob, seed)
+        return noisy_identity(_identity(base), flip_prob, seed)
     if kind in ("function", "rules"):
         return build_grader(config).identity
     if kind not in _JUDGE_KEYS or set(cfg) - _JUDGE_KEYS[kind]:

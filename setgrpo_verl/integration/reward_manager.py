@@ -12,7 +12,8 @@ grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-
 * ``reward_extra_info`` (one value per response; the same keys for every response of a run) carries
   ``score`` (= r), ``point_verdicts`` (JSON list of per-criterion verdicts), ``unparsed`` (number of unparsed judge
   verdicts in all scorings), ``judged`` (number of judge verdicts in all scorings) and ``scorings`` (grader calls
-  made for the response, 1 or 2); with two scorings also ``reference_score`` (r', under the key
+  made for the response, 1 or 2) and ``no_answer`` (1 for a response whose thinking block never closes, graded as
+  the empty answer: docs/grading.md#thinking-policies); with two scorings also ``reference_score`` (r', under the key
   ``algorithm.setgrpo.reference_score_key``, which the SetGRPO trainer reads back; the one source of that key),
   ``reference_verdicts`` and ``judged_disagreement`` (fraction of judged criteria whose verdicts differ between the
   two scorings; undefined with one scoring, which has no reference and no disagreement);
@@ -63,7 +64,8 @@ from verl.experimental.reward_loop.reward_manager import register as _verl_regis
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
 
-from ..grading import DualScorer, GradingItem, Rubric, RubricRowError, build_grader
+from ..grading import DualScorer, GradingItem, Rubric, RubricRowError
+from ..grading.answers import prompt_opens_thinking
 from .reward_config import (
     REFERENCE_SCORE_KEY,
     REWARD_MANAGER_NAME,
@@ -82,6 +84,7 @@ __all__ = [
     "TRUTH_SCORE_KEY",
     "TRUTH_VERDICTS_KEY",
     "CALLS_METRIC",
+    "NO_ANSWER_METRIC",
     "SetGRPODualRewardManager",
     "grader_config",
     "GRADING_COUNT_KEYS",
@@ -100,9 +103,12 @@ logger = logging.getLogger(__name__)
 UNPARSED_RATIO_METRIC = "setgrpo/grading/unparsed_ratio"
 #: verl tracker metric: grader calls of a step's batch (responses x scorings per response).
 CALLS_METRIC = "setgrpo/grading/calls_per_step"
+#: verl tracker metric: share of a batch's responses whose thinking block never closes, graded as the empty answer
+#: (docs/grading.md#thinking-policies).
+NO_ANSWER_METRIC = "setgrpo/grading/no_answer_ratio"
 #: ``reward_extra_info`` keys that :func:`grading_metrics` reads (per response: counts over all its scorings, and
 #: its number of scorings).
-GRADING_COUNT_KEYS = ("unparsed", "judged", "scorings")
+GRADING_COUNT_KEYS = ("unparsed", "judged", "scorings", "no_answer")
 
 
 def _count_rows(data: Any, tags: Optional[Sequence[Mapping[str, Any]]]) -> Optional[list[dict[str, Any]]]:
@@ -153,7 +159,8 @@ def grading_counts(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = None
 def grading_metrics(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = None) -> dict[str, float]:
     """The grading metrics of one scored batch (arguments: :func:`grading_counts`; padding rows left out):
     ``UNPARSED_RATIO_METRIC`` (unparsed / judged, 0 when nothing was judged; docs/grading.md#unparsed-verdicts) and
-    ``CALLS_METRIC`` (the rows' ``scorings`` summed: responses x scorings; docs/cli.md#metrics), each present when
+    ``CALLS_METRIC`` (the rows' ``scorings`` summed: responses x scorings; docs/cli.md#metrics) and
+    ``NO_ANSWER_METRIC`` (the share of rows without an answer; docs/grading.md#thinking-policies), each present when
     the batch carries its counts, so ``{}`` for another reward manager.
 
     Raises:
@@ -169,6 +176,9 @@ def grading_metrics(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = Non
     calls = _sum(rows, "scorings")
     if calls is not None:
         metrics[CALLS_METRIC] = calls[0]
+    answered = [float(row["no_answer"]) for row in rows if row["no_answer"] is not None]
+    if answered:
+        metrics[NO_ANSWER_METRIC] = sum(answered) / len(answered)
     return metrics
 
 
@@ -225,7 +235,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
         key = json.dumps([self.grader_cfg, self.scorings], sort_keys=True, default=str)
         scorer = self._scorers.get(key)
         if scorer is None:
-            scorer = DualScorer(build_grader(self.grader_cfg), scoring_indices=(0, 1)[:self.scorings])
+            scorer = DualScorer(self.grader_cfg, scoring_indices=(0, 1)[:self.scorings])
             self._scorers[key] = scorer
         self.scorer = scorer
 
@@ -251,8 +261,10 @@ class SetGRPODualRewardManager(RewardManagerBase):
         response_length = response_ids.shape[-1]
         valid = int(item.batch["attention_mask"][-response_length:].sum())
         valid_ids = response_ids[:valid]
-        response = await self.loop.run_in_executor(
-            None, lambda: self.tokenizer.decode(valid_ids, skip_special_tokens=True)
+        prompt_tail = _prompt_tail(item)
+        response, prompt_end = await self.loop.run_in_executor(
+            None, lambda: (self.tokenizer.decode(valid_ids, skip_special_tokens=True),
+                           self.tokenizer.decode(prompt_tail, skip_special_tokens=True))
         )
         ntb = item.non_tensor_batch
         ground_truth = ntb["reward_model"]["ground_truth"]
@@ -277,7 +289,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
             ground_truth=ground_truth if is_function else None,
             nonce=sample_nonce(ntb),
         )
-        scores = await self.scorer.ascore([grading_item])
+        scores = await self.scorer.ascore([grading_item], opened=[prompt_opens_thinking(prompt_end)])
         point = float(scores.point[0])
         if self.point_mode == "mean":  # GRPO on the mean of the two scorings (the grpo_mean2 baseline)
             point = (point + float(scores.reference[0])) / 2
@@ -288,6 +300,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
             "unparsed": int(metrics["unparsed"]),
             "judged": int(metrics["judged"]),
             "scorings": scores.scorings,
+            "no_answer": int(scores.no_answer[0]),
         }
         if scores.reference is not None:
             extra[self.reference_key] = float(scores.reference[0])
@@ -300,6 +313,17 @@ class SetGRPODualRewardManager(RewardManagerBase):
             extra[TRUTH_VERDICTS_KEY] = json.dumps({"met": [-1 if v.met is None else int(v.met) for v in verdicts],
                                                     "points": [float(c.points) for c in rubric.criteria]})
         return {"reward_score": point, "reward_extra_info": extra}
+
+
+#: Prompt tokens whose text says whether the chat template opened a thinking block in the generation prompt.
+PROMPT_TAIL_TOKENS = 8
+
+
+def _prompt_tail(item: Any) -> Any:
+    """The last :data:`PROMPT_TAIL_TOKENS` valid prompt token ids of one sample (verl's left-padded ``prompts``)."""
+    prompt_ids = item.batch["prompts"]
+    valid = int(item.batch["attention_mask"][: prompt_ids.shape[-1]].sum())
+    return prompt_ids[prompt_ids.shape[-1] - valid:][-PROMPT_TAIL_TOKENS:]
 
 
 def _looks_like_rubric(ground_truth: Any) -> bool:

@@ -44,6 +44,7 @@ from tensordict import TensorDict
 
 from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import apply_kl_penalty
+from verl.trainer.ppo.core_algos import agg_loss
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
@@ -185,6 +186,16 @@ class GradedSyncTrainer(_SyncMode, PPOTrainerSync):
     """
 
     registered_mode = GRADED_SYNC_NAME
+
+    def _entropy_metric(self, batch) -> float:
+        """verl 0.9.1 ``_compute_old_log_prob``'s ``actor/entropy`` (v1 ``trainer_base``): the response entropies the
+        fused pass wrote, aggregated with the actor's ``loss_agg_mode`` and ``loss_scale_factor``."""
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["entropy", "response_mask"])
+        data = DataProto(batch=data.to_padded_tensor())
+        actor = self.config.actor_rollout_ref.actor
+        return agg_loss(loss_mat=data.batch["entropy"], loss_mask=data.batch["response_mask"],
+                        loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor).detach().item()
 
     def _compute_advantage(self, batch, metrics: dict):
         fields = ["extra_fields"] + [k for k in GRADING_COUNT_KEYS if batch.fields and k in batch.fields]
@@ -423,6 +434,8 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
             batch.fields = list(dict.fromkeys([*batch.fields, SKETCH_ROWS_KEY]))
         extra = {SKETCH_CONFIG_KEY: dataclasses.asdict(self.sketch_config)}
         extra["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        if fused:  # the entropy verl's own old-log-prob pass reports, from the same logits
+            extra["calculate_entropy"] = True
         sketch = self.setgrpo.sketch
         if sketch.max_token_len_per_gpu is not None:  # the sketch pass keeps activations for one backward
             extra.update(use_dynamic_bsz=True, max_token_len_per_gpu=int(sketch.max_token_len_per_gpu))
@@ -451,12 +464,24 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
         with marked_timer("setgrpo_sketch", self.timing_raw, color="purple"):
             self._compute_sketches(batch, fused=fused)
         metrics["setgrpo/timing_s/sketch"] = time.perf_counter() - t0
+        if fused:
+            metrics["actor/entropy"] = self._entropy_metric(batch)
         if fused and self.config.actor_rollout_ref.rollout.calculate_log_probs:
             # the rollout-vs-actor log-prob diagnostics verl's own old-log-prob pass logs
             fields = ["old_log_probs", "response_mask", "responses", "rollout_log_probs"]
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
             metrics.update(calculate_debug_metrics(DataProto(batch=data.to_padded_tensor())))
         return batch
+
+    def _entropy_metric(self, batch) -> float:
+        """verl 0.9.1 ``_compute_old_log_prob``'s ``actor/entropy`` (v1 ``trainer_base``): the response entropies the
+        fused pass wrote, aggregated with the actor's ``loss_agg_mode`` and ``loss_scale_factor``."""
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["entropy", "response_mask"])
+        data = DataProto(batch=data.to_padded_tensor())
+        actor = self.config.actor_rollout_ref.actor
+        return agg_loss(loss_mat=data.batch["entropy"], loss_mask=data.batch["response_mask"],
+                        loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor).detach().item()
 
     def _compute_advantage(self, batch, metrics: dict):
         """verl 0.9.1 ``PPOTrainer._compute_advantage`` (v1 ``trainer_base``) with :func:`compute_setgrpo_advantage`

@@ -13,7 +13,7 @@ under the engine's eval mode, through the engine's own ``prepare_model_inputs`` 
 sees exactly the inputs (``cu_seqlens`` included), and the log-probs are computed the way verl's ``compute_log_prob``
 computes them, on the positions that score a response token only. By default it runs after verl's own old-log-prob pass;
 ``compute_log_prob_and_sketches`` is the fused variant (``algorithm.setgrpo.sketch.fuse_old_log_prob=true``) that
-also returns verl's ``old_log_probs`` from the same forward, so the only extra cost over plain GRPO is the
+also returns verl's ``old_log_probs`` and ``entropy`` from the same forward, so the only extra cost over plain GRPO is the
 activation-only backward. Ulysses sequence parallelism is not supported (the sketch hook needs whole sequences
 per rank).
 """
@@ -32,7 +32,8 @@ from verl.single_controller.base.decorator import Dispatch, make_nd_compute_data
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.seqlen_balancing import restore_dynamic_batch
-from verl.utils.torch_functional import logprobs_from_logits
+from verl.utils.torch_functional import (entropy_from_logits, entropy_from_logits_with_chunking,
+                                        logprobs_from_logits)
 from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
@@ -175,8 +176,9 @@ def _response_log_probs(logits: torch.Tensor, output_args: dict, rows: torch.Ten
         row_of_token: int64 [n] the micro-batch row of each token.
 
     Returns:
-        [n] response log-probs in the dtype verl's ``logprobs_from_logits`` returns for these logits, rows
-        concatenated in order (with grad when enabled).
+        ``(log_probs, scores)``: [n] response log-probs in the dtype verl's ``logprobs_from_logits`` returns for
+        these logits, rows concatenated in order (with grad when enabled), and the [n, V] temperature-scaled logits
+        they come from (for :func:`_response_entropy`).
     """
     scores = logits.reshape(-1, logits.shape[-1])[rows]
     if not output_args.get("temperature_is_one", False):
@@ -185,12 +187,31 @@ def _response_log_probs(logits: torch.Tensor, output_args: dict, rows: torch.Ten
         else:
             temperature = output_args["temperature"][row_of_token]
         scores = scores / temperature.unsqueeze(-1).clamp(min=1e-8).to(scores.dtype)
-    return logprobs_from_logits(logits=scores, labels=output_args["input_ids_rmpad_rolled"][response_index])
+    return logprobs_from_logits(logits=scores, labels=output_args["input_ids_rmpad_rolled"][response_index]), scores
+
+
+def _response_entropy(engine: Any, scores: torch.Tensor) -> torch.Tensor:
+    """verl 0.9.1 ``FSDPEngineWithLMHead.prepare_model_outputs``' entropy of the temperature-scaled logits, on the
+    response rows only, without grad: ``entropy_from_logits`` (in the logits' dtype), or its chunked float32 variant
+    when the engine's ``entropy_from_logits_with_chunking`` is set, as verl's own old-log-prob pass reports it.
+
+    Args:
+        engine: the actor's engine (``engine_config`` read for the chunking settings; absent: no chunking).
+        scores: [n, V] temperature-scaled logits of the response rows (:func:`_response_log_probs`).
+
+    Returns:
+        [n] entropies (nats), detached.
+    """
+    config = getattr(engine, "engine_config", None)
+    with torch.no_grad():
+        if config is not None and getattr(config, "entropy_from_logits_with_chunking", False):
+            return entropy_from_logits_with_chunking(scores.detach(), chunk_size=config.entropy_from_logits_chunk_size)
+        return entropy_from_logits(scores.detach())
 
 
 def _sketch_micro_batch(
     engine: Any, sk: Optional[GradientSketcher], mb: TensorDict, loss_agg_mode: str
-) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """One micro-batch through the engine's own forward path: ``prepare_model_inputs`` (packed inputs with
     ``cu_seqlens`` where the model takes them, or padded), the module forward under the engine's autocast, verl's
     log-probs of the response tokens (:func:`_response_log_probs`), then the activation-only sketch backward of
@@ -198,7 +219,8 @@ def _sketch_micro_batch(
     sketched).
 
     Returns ``(float32 [b, m] sketches or None without ``sk``, the response log-probs of all rows concatenated
-    [sum_i j_i] in verl's dtype, bool [b]: rows with a non-finite response log-prob)``, all on the device and
+    [sum_i j_i] in verl's dtype, bool [b]: rows with a non-finite response log-prob, the response entropies
+    [sum_i j_i] when the micro-batch asks for them with verl's ``calculate_entropy`` else None)``, all on the device and
     detached.  Nothing here waits for the device: the non-finite rows are reported by the caller once per call (a
     row's non-finite log-prob makes only its own sketch non-finite)."""
     lengths, response_index = _host_layout(mb)
@@ -211,10 +233,11 @@ def _sketch_micro_batch(
     if sk is not None:
         sk.begin(_token_segments(lengths, model_inputs), len(mb), device=device, head_rows=head_rows)
     grad = torch.enable_grad() if sk is not None else torch.no_grad()
-    sketches = None
+    sketches = entropy = None
+    calculate_entropy = bool(tu.get_non_tensor_data(data=mb, key="calculate_entropy", default=False))
     with grad, _forward_autocast(engine):
         raw_output = engine.module(**model_inputs, use_cache=False)
-        values = _response_log_probs(raw_output.logits, output_args, head_rows.to(device, non_blocking=True),
+        values, scores = _response_log_probs(raw_output.logits, output_args, head_rows.to(device, non_blocking=True),
                                      response_index.to(device, non_blocking=True),
                                      row_of_token.to(device, non_blocking=True))
         rmask = mb["response_mask"].to_padded_tensor(0).bool()  # [b, R]
@@ -222,10 +245,13 @@ def _sketch_micro_batch(
         valid = torch.arange(rmask.shape[1], device=device)[None, :] < ends
         log_probs = values.new_zeros(rmask.shape).masked_scatter(valid, values)  # [b, R] response log-probs
         nonfinite = (~torch.isfinite(log_probs) & rmask).any(-1)
+        if calculate_entropy:
+            entropy = _response_entropy(engine, scores)
+        del scores
         if sk is not None:
             objective = (log_probs.float() * token_weights(rmask, loss_agg_mode)).sum()
             sketches = sk.backward(objective).float()
-    return sketches, values.detach(), nonfinite
+    return sketches, values.detach(), nonfinite, entropy
 
 
 def _rows_to_sketch(mb: TensorDict) -> Optional[torch.Tensor]:
@@ -256,12 +282,13 @@ def _agreed_plan(micro_batches: list, group) -> list[tuple[bool, bool]]:
 
 def _split_micro_batch(
     engine: Any, sk: GradientSketcher, mb: TensorDict, loss_agg_mode: str, plan: tuple[bool, bool]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """:func:`_sketch_micro_batch` of the micro-batch's sketched rows, and its forward alone on the other rows.
 
     Returns the micro-batch's ``(float32 [b, m] sketches with NaN rows for the rows not sketched, response log-probs
-    concatenated in row order, bool [b] non-finite rows)``.  When another rank needs a pass this rank has no rows
-    for (``plan``), it sketches its first row (a sketch it then has, marked or not) or repeats the forward on it."""
+    concatenated in row order, bool [b] non-finite rows, response entropies in row order or None)``.  When another
+    rank needs a pass this rank has no rows for (``plan``), it sketches its first row (a sketch it then has, marked
+    or not) or repeats the forward on it."""
     need_sketch, need_forward = plan
     rows = _rows_to_sketch(mb)
     if rows is None or (rows.all() and not need_forward):
@@ -272,27 +299,36 @@ def _split_micro_batch(
     sketched, skipped = rows.nonzero().squeeze(1), (~rows).nonzero().squeeze(1)
     lengths = _response_lengths(mb)
     pieces: list = [None] * len(mb)
+    entropies: list = [None] * len(mb)
     nonfinite = torch.zeros(len(mb), dtype=torch.bool)
     out = None
+
+    def place(chosen: torch.Tensor, values: torch.Tensor, entropy: Optional[torch.Tensor]) -> None:
+        split = [lengths[i] for i in chosen.tolist()]
+        for i, v in zip(chosen.tolist(), values.split(split)):
+            pieces[i] = v
+        if entropy is not None:
+            for i, e in zip(chosen.tolist(), entropy.split(split)):
+                entropies[i] = e
+
     if sketched.numel():
-        sketches, values, bad = _sketch_micro_batch(engine, sk, tu.index_select_tensor_dict(mb, sketched),
-                                                    loss_agg_mode)
+        sketches, values, bad, entropy = _sketch_micro_batch(engine, sk, tu.index_select_tensor_dict(mb, sketched),
+                                                             loss_agg_mode)
         out = sketches.new_full((len(mb), sketches.shape[1]), float("nan"))
         out[sketched.to(out.device)] = sketches
-        for i, v in zip(sketched.tolist(), values.split([lengths[i] for i in sketched.tolist()])):
-            pieces[i] = v
+        place(sketched, values, entropy)
         nonfinite = nonfinite.to(bad.device).index_put((sketched.to(bad.device),), bad)
     if skipped.numel() or need_forward:
         forward_rows = skipped if skipped.numel() else sketched[:1]
-        _, values, bad = _sketch_micro_batch(engine, None, tu.index_select_tensor_dict(mb, forward_rows),
-                                             loss_agg_mode)
+        _, values, bad, entropy = _sketch_micro_batch(engine, None, tu.index_select_tensor_dict(mb, forward_rows),
+                                                      loss_agg_mode)
         if skipped.numel():
-            for i, v in zip(skipped.tolist(), values.split([lengths[i] for i in skipped.tolist()])):
-                pieces[i] = v
+            place(skipped, values, entropy)
             nonfinite = nonfinite.to(bad.device).index_put((skipped.to(bad.device),), bad)
     if out is None:
         out = torch.full((len(mb), sk.dim), float("nan"), dtype=torch.float32, device=pieces[0].device)
-    return out, torch.cat(pieces), nonfinite
+    entropy = None if entropies[0] is None else torch.cat(entropies)
+    return out, torch.cat(pieces), nonfinite, entropy
 
 
 def sketch_batch(engine: Any, data: TensorDict, config: SketchConfig, *, loss_agg_mode: str) -> torch.Tensor:
@@ -328,13 +364,16 @@ def sketch_batch(engine: Any, data: TensorDict, config: SketchConfig, *, loss_ag
 
 def sketch_and_log_probs(
     engine: Any, data: TensorDict, config: SketchConfig, *, loss_agg_mode: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sketch_batch` plus the response log-probs of the same forward (the fused old-log-prob pass).
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`sketch_batch` plus the response log-probs of the same forward (the fused old-log-prob pass), and
+    their entropies when ``data`` carries verl's ``calculate_entropy`` (as verl's own old-log-prob pass reports them).
 
     Returns:
-        ``(sketches float32 [B, m], log_probs)`` with ``log_probs`` a jagged nested tensor [B, j] in the dtype verl's
-        ``compute_log_prob`` returns (the logits' dtype): row i holds log pi(o_it) (after temperature) of the
-        response tokens of row i, the values verl's own pass computes (verl's ``old_log_probs`` layout).
+        ``(sketches float32 [B, m], log_probs, entropy)`` with ``log_probs`` a jagged nested tensor [B, j] in the
+        dtype verl's ``compute_log_prob`` returns (the logits' dtype): row i holds log pi(o_it) (after temperature)
+        of the response tokens of row i, the values verl's own pass computes (verl's ``old_log_probs`` layout);
+        ``entropy`` the same layout with the entropy (nats) of each of those token distributions
+        (:func:`_response_entropy`), or None without ``calculate_entropy``.
 
     Raises:
         As :func:`sketch_batch`.
@@ -353,13 +392,14 @@ def sketch_and_log_probs(
         raise_on_every_rank(setup_error, group)
         stack.enter_context(activation_checkpointing(module))
         stack.enter_context(fsdp1_reshard_in_backward(module))
-        parts, values, nonfinite, lengths = [], [], [], []
+        parts, values, nonfinite, lengths, entropies = [], [], [], [], []
         for mb, plan in zip(micro_batches, _agreed_plan(micro_batches, group)):
             lengths.extend(_response_lengths(mb))
-            sketches, log_probs, bad = _split_micro_batch(engine, sk, mb, loss_agg_mode, plan)
+            sketches, log_probs, bad, entropy = _split_micro_batch(engine, sk, mb, loss_agg_mode, plan)
             parts.append(sketches)
             values.append(log_probs)
             nonfinite.append(bad)
+            entropies.append(entropy)
     bad_rows = torch.cat(nonfinite).nonzero().squeeze(1).tolist() if nonfinite else []  # the pass's one device sync
     raise_on_every_rank(
         FloatingPointError(
@@ -370,10 +410,14 @@ def sketch_and_log_probs(
     )
     sketches = torch.cat(parts).cpu()
     log_probs = torch.nested.as_nested_tensor(list(torch.cat(values).cpu().split(lengths)), layout=torch.jagged)
+    entropy = None
+    if entropies and entropies[0] is not None:
+        entropy = torch.nested.as_nested_tensor(list(torch.cat(entropies).cpu().split(lengths)), layout=torch.jagged)
     if indices is not None:
         sketches = restore_dynamic_batch(sketches, indices)
         log_probs = restore_dynamic_batch(log_probs, indices)
-    return sketches, log_probs
+        entropy = None if entropy is None else restore_dynamic_batch(entropy, indices)
+    return sketches, log_probs, entropy
 
 
 class CheckedActorRolloutRefWorker(ActorRolloutRefWorker):
@@ -428,7 +472,7 @@ class SetGRPOActorRolloutRefWorker(CheckedActorRolloutRefWorker):
             NotImplementedError: Ulysses sequence parallelism > 1.
             ValueError: see :func:`sketch_batch`.
         """
-        sketches, _ = self._sketch(data)
+        sketches, _, _ = self._sketch(data)
         if not self._sketch_engine().is_mp_src_rank_with_outputs():
             return None
         return TensorDict({SKETCH_KEY: sketches}, batch_size=[sketches.shape[0]])
@@ -438,16 +482,19 @@ class SetGRPOActorRolloutRefWorker(CheckedActorRolloutRefWorker):
         """The fused pass: sketches and verl's ``old_log_probs`` from ONE forward (+ one activation-only backward).
 
         Replaces ``compute_log_prob`` + ``compute_sketches`` when ``algorithm.setgrpo.sketch.fuse_old_log_prob``
-        is true (no entropy is computed on this path).
+        is true; with verl's ``calculate_entropy`` in the batch also the entropy verl's own pass reports.
 
         Returns:
-            TensorDict ``{setgrpo_sketch: float32 [B_shard, m], old_log_probs: nested float32 [B_shard, j]}`` on
-            ranks that output data (None elsewhere).
+            TensorDict ``{setgrpo_sketch: float32 [B_shard, m], old_log_probs: nested [B_shard, j]}`` plus
+            ``entropy`` (nested [B_shard, j]) when asked for, on ranks that output data (None elsewhere).
         """
-        sketches, log_probs = self._sketch(data)
+        sketches, log_probs, entropy = self._sketch(data)
         if not self._sketch_engine().is_mp_src_rank_with_outputs():
             return None
-        return TensorDict({SKETCH_KEY: sketches, "old_log_probs": log_probs}, batch_size=[sketches.shape[0]])
+        fields = {SKETCH_KEY: sketches, "old_log_probs": log_probs}
+        if entropy is not None:
+            fields["entropy"] = entropy
+        return TensorDict(fields, batch_size=[sketches.shape[0]])
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def step_lr_scheduler(self) -> float:
@@ -462,7 +509,7 @@ class SetGRPOActorRolloutRefWorker(CheckedActorRolloutRefWorker):
             raise RuntimeError("step_lr_scheduler needs the actor role (role must contain 'actor')")
         return float(self.actor.engine.lr_scheduler_step())
 
-    def _sketch(self, data: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sketch(self, data: TensorDict) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         engine = self._sketch_engine()
         if getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
             raise NotImplementedError(

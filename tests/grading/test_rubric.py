@@ -150,7 +150,8 @@ def test_rubric_grader_mixes_rules_and_judge_with_reproducible_seeds():
     once = asyncio.run(DualScorer(RubricGrader(_CoinJudge(), seed=11), scoring_indices=(0,)).ascore(many))
     assert (once.reference, once.reference_results, once.scorings, dual.scorings) == (None, None, 1, 2)
     assert [r.verdicts for r in once.point_results] == [r.verdicts for r in dual.point_results]
-    assert set(once.metrics()) == {"grading/point_mean", "grading/judged", "grading/unparsed", "grading/unparsed_rate"}
+    assert set(once.metrics()) == {"grading/point_mean", "grading/judged", "grading/unparsed", "grading/unparsed_rate",
+                                   "grading/no_answer"}
     assert once.metrics()["grading/judged"] == dual.metrics()["grading/judged"] / 2
     with pytest.raises(ValueError, match="scoring_indices must be two distinct integers or one"):
         DualScorer(RubricGrader(_CoinJudge()), scoring_indices=(0, 0))

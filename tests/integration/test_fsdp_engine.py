@@ -73,7 +73,7 @@ def engine_rank(rank: int, world: int) -> dict:
     rows = _rows(world)
     mine = slice(3 * rank, 3 * rank + 3)
     cfg = SketchConfig(rank_out=2, rank_in=2, copies=4, seed=7)
-    ref_sk, ref_lp = worker.sketch_and_log_probs(BareEngine(copy.deepcopy(model)), _data(rows, mine, False), cfg,
+    ref_sk, ref_lp, _ = worker.sketch_and_log_probs(BareEngine(copy.deepcopy(model)), _data(rows, mine, False), cfg,
                                                  loss_agg_mode="token-mean")
     errors, unsharded = {}, {}
     for strategy in ("fsdp-without-reshard", "fsdp", "fsdp2"):
@@ -94,7 +94,7 @@ def engine_rank(rank: int, world: int) -> dict:
         wrapped.get_input_embeddings().register_forward_hook(probe)
         engine = BareEngine(wrapped)
         for packed in (False, True):
-            sk, lp = worker.sketch_and_log_probs(engine, _data(rows, mine, packed), cfg, loss_agg_mode="token-mean")
+            sk, lp, _ = worker.sketch_and_log_probs(engine, _data(rows, mine, packed), cfg, loss_agg_mode="token-mean")
             errors[f"{strategy}/packed={packed}"] = float(((sk - ref_sk).norm(dim=1) / ref_sk.norm(dim=1)).max())
             errors[f"{strategy}/packed={packed}/log_probs"] = float(
                 max((a - b).abs().max() for a, b in zip(lp.unbind(), ref_lp.unbind())))
@@ -145,7 +145,7 @@ def gpu_like_rank(rank: int, world: int) -> dict:
                              temperature=1.0)
         return td
 
-    ref_sk, _ = worker.sketch_and_log_probs(BareEngine(copy.deepcopy(model)), data(), cfg, loss_agg_mode="token-mean")
+    ref_sk, _, _ = worker.sketch_and_log_probs(BareEngine(copy.deepcopy(model)), data(), cfg, loss_agg_mode="token-mean")
     bf16 = copy.deepcopy(model)
     bf16.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     wrapped = wrap_like_verl(bf16, "fsdp2", world, param_dtype=torch.bfloat16, offload=True)
@@ -159,7 +159,7 @@ def gpu_like_rank(rank: int, world: int) -> dict:
         return original(*args)
 
     worker._sketch_micro_batch = counting
-    sk, _ = worker.sketch_and_log_probs(engine, data(), cfg, loss_agg_mode="token-mean")
+    sk, _, _ = worker.sketch_and_log_probs(engine, data(), cfg, loss_agg_mode="token-mean")
     worker._sketch_micro_batch = original
     result["micro_batches"] = len(calls)
     gram, gram_ref = sk.double() @ sk.double().T, ref_sk.double() @ ref_sk.double().T

@@ -24,7 +24,8 @@ from setgrpo_verl.integration.config import SetGRPOAlgoConfig, SetGRPOConfig, ch
 from setgrpo_verl.models import embedded_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith(("_", "prepare")))
+RECIPES = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith(("_", "prepare", "smoke")))
+SMOKE = REPO / "recipes" / "smoke_qwen3_1gpu.sh"
 MODES = ("calibrate", "train", "grpo")
 JUDGE = "http://judge.internal:8000/v1"  # the recipes have no default judge URL
 CONFIG_DIR = str(REPO / "hydra_configs")  # the YAML sources (installed as the package setgrpo_verl.hydra_configs)
@@ -54,7 +55,7 @@ def _compose(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def _recipe_argv(recipe: Path, mode: str, tmp: Path, *extra: str, environ: dict | None = None) -> list[str]:
+def _recipe_argv(recipe: Path, mode: str | None, tmp: Path, *extra: str, environ: dict | None = None) -> list[str]:
     """The exact arguments a recipe passes to `python -m verl.trainer.main_ppo` (captured by a python shim)."""
     shim, captured = tmp / "python", tmp / f"{recipe.stem}-{mode}.args"
     shim.write_text(
@@ -68,7 +69,7 @@ def _recipe_argv(recipe: Path, mode: str, tmp: Path, *extra: str, environ: dict 
            "SHIM_OUT": str(captured), "HOME": str(tmp)}
     env.pop("WANDB_API_KEY", None)
     env.update(environ or {})
-    subprocess.run(["bash", str(recipe), mode, *extra], env=env, check=True, capture_output=True, timeout=120)
+    subprocess.run(["bash", str(recipe), *([mode] if mode else []), *extra], env=env, check=True, capture_output=True, timeout=120)
     return captured.read_text().split("\0")[:-1]
 
 
@@ -328,3 +329,39 @@ def test_the_judge_context_sets_the_response_cut(tmp_path, monkeypatch):
     for mode in MODES:  # the baseline's judge reads the same cut responses as SetGRPO's
         argv = _recipe_argv(RECIPES[0], mode, tmp_path)
         assert "+reward.reward_kwargs.grader.max_response_tokens=7168" in argv, mode
+
+
+def test_every_recipe_runs_fsdp2_and_says_whether_the_policy_thinks(tmp_path):
+    """FSDP2 is the strategy the CPU tests run; the policy's thinking is explicit (off unless asked for)."""
+    for recipe in [*RECIPES, SMOKE]:
+        mode = None if recipe == SMOKE else "train"  # the smoke recipe takes no mode
+        argv = _recipe_argv(recipe, mode, tmp_path)
+        assert "actor_rollout_ref.actor.strategy=fsdp2" in argv and "actor_rollout_ref.ref.strategy=fsdp2" in argv
+        assert "+data.apply_chat_template_kwargs.enable_thinking=false" in argv, recipe.name
+    argv = _recipe_argv(RECIPES[0], "train", tmp_path, environ={"POLICY_THINKING": "true"})
+    assert "+data.apply_chat_template_kwargs.enable_thinking=true" in argv
+    with pytest.raises(subprocess.CalledProcessError):
+        _recipe_argv(RECIPES[0], "train", tmp_path, environ={"POLICY_THINKING": "yes"})
+
+
+def test_the_one_gpu_smoke_recipe_composes_and_passes_the_check_before_ray(tmp_path, monkeypatch):
+    from setgrpo_verl.integration import config as config_module
+    from setgrpo_verl.integration import support
+
+    monkeypatch.setattr(support, "build_meta_policy", lambda model_cfg: None)  # hub models, offline
+    monkeypatch.setattr(config_module, "run_identity", lambda config, setgrpo: {})  # (their files: the same)
+    spec = importlib.machinery.ModuleSpec("flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(__spec__=spec))
+    argv = _recipe_argv(SMOKE, None, tmp_path, environ={"JUDGE_BASE_URL": "http://127.0.0.1:8001/v1"})
+    code, out, err = _compose(argv)
+    assert code == 0, err[-3000:]
+    cfg = OmegaConf.create(out)
+    check_run_config(cfg)  # a loopback judge is allowed on one node
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout.n) == (1, 1, 4)
+    assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.actor_rollout_ref.actor.strategy == "fsdp2"
+    assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen3-0.6B" and cfg.trainer.total_training_steps == 3
+    assert cfg.reward.reward_kwargs.grader.max_concurrency == 32 and cfg.reward.num_workers == 1
+    setgrpo = setgrpo_config_from(cfg.algorithm)
+    # calibrate, then train in the same run, with the record it writes
+    assert setgrpo.record_path is None and not setgrpo.calibration.only and setgrpo.calibration.num_prompts == 32
+    assert setgrpo.record_out.endswith("qwen3-0.6b-smoke/setgrpo_calibration.json")

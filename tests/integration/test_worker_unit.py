@@ -85,7 +85,7 @@ def test_packed_equals_padded_through_the_engine_for_every_family(family, verl_q
         data = _ragged(model.config.vocab_size)
         tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=5, use_remove_padding=packed,
                              temperature=0.7)
-        out[packed] = sketch_and_log_probs(engine, data, cfg, loss_agg_mode="token-mean")
+        out[packed] = sketch_and_log_probs(engine, data, cfg, loss_agg_mode="token-mean")[:2]
     assert _rel(out[True][0], out[False][0]) <= 1e-4, family
     lp_packed, lp_padded = (torch.cat(out[k][1].unbind()) for k in (True, False))
     assert float(((lp_packed - lp_padded).abs() / lp_padded.abs()).max()) <= 1e-4, family
@@ -123,7 +123,7 @@ def test_fused_old_log_probs_are_verls_own_at_temperature_0_7(autocast, packed):
     data = _ragged(model.config.vocab_size)
     tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=5, use_remove_padding=packed,
                          temperature=0.7)
-    _, fused = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
+    _, fused, _ = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
     expected = verl_log_probs(engine, data)
     for a, b in zip(fused.unbind(), expected.unbind(), strict=True):
         assert a.dtype == b.dtype
@@ -222,7 +222,7 @@ def test_the_fused_pass_takes_the_log_softmax_of_the_response_rows_only(packed):
     with _LogSumExpRows() as verl_rows:
         expected = verl_log_probs(engine, data)
     with _LogSumExpRows() as fused_rows:
-        _, fused = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
+        _, fused, _ = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
     assert verl_rows.rows == int(data["input_ids"].offsets()[-1])  # every position
     assert fused_rows.rows == int(data["responses"].offsets()[-1])  # the response tokens only
     for a, b in zip(fused.unbind(), expected.unbind(), strict=True):
@@ -335,7 +335,7 @@ def test_rows_not_to_sketch_get_verls_log_probs_from_a_forward_without_backward(
     data = _ragged(model.config.vocab_size, b=6)
     tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=3, use_remove_padding=packed,
                          temperature=0.7)
-    full, _ = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
+    full, _, _ = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
     backward_rows = []
     original = worker.GradientSketcher.backward
 
@@ -346,7 +346,7 @@ def test_rows_not_to_sketch_get_verls_log_probs_from_a_forward_without_backward(
     monkeypatch.setattr(worker.GradientSketcher, "backward", counting)
     rows = torch.tensor([True, False, True, False, False, False])  # micro-batch 2 holds skipped rows only
     data[worker.SKETCH_ROWS_KEY] = rows
-    sketches, log_probs = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
+    sketches, log_probs, _ = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
     assert backward_rows == [2]
     assert torch.isnan(sketches[~rows]).all() and torch.isfinite(sketches[rows]).all()
     torch.testing.assert_close(sketches[rows], full[rows], rtol=1e-5, atol=1e-6)
@@ -354,3 +354,42 @@ def test_rows_not_to_sketch_get_verls_log_probs_from_a_forward_without_backward(
     for a, b in zip(log_probs.unbind(), expected.unbind(), strict=True):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_fused_pass_reports_verls_own_entropy(packed, chunked):
+    """With verl's calculate_entropy, the fused pass returns the response entropies verl's own old-log-prob pass
+    (forward_step, no grad, the engine's chunking setting) computes, from the same temperature-scaled logits."""
+    from types import SimpleNamespace
+
+    from verl.utils import torch_functional as verl_F
+    from verl.workers.utils.padding import response_from_nested
+
+    model = tiny_qwen3(dtype=torch.float32)
+    engine = BareEngine(model)
+    engine.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=chunked,
+                                           entropy_from_logits_chunk_size=3)
+    engine.compute_entropy_from_logits = (verl_F.entropy_from_logits_with_chunking if chunked
+                                          else verl_F.entropy_from_logits)
+    data = _ragged(model.config.vocab_size)
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=5, use_remove_padding=packed,
+                         temperature=0.7)
+    _, _, none = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
+    assert none is None  # not asked for: not computed
+    tu.assign_non_tensor(data, calculate_entropy=True)
+    _, log_probs, entropy = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
+    with torch.no_grad():
+        _, out = engine.forward_step(data, loss_function=None, forward_only=True)
+    expected = response_from_nested(out["model_output"]["entropy"], data["response_mask"])
+    for a, b, lp in zip(entropy.unbind(), expected.unbind(), log_probs.unbind(), strict=True):
+        assert a.shape == b.shape == lp.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert bool((a > 0).all())
+    # and it is the entropy of the response tokens' distributions (independent float32 reference)
+    for i, (p, r) in enumerate(zip(data["prompts"].unbind(), data["responses"].unbind())):
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([p, r])[None]).logits[0, p.numel() - 1 : -1] / 0.7
+        probs = torch.softmax(logits.double(), -1)
+        ref = -(probs * probs.log()).sum(-1)
+        torch.testing.assert_close(entropy.unbind()[i].double(), ref, rtol=1e-4, atol=1e-5)
