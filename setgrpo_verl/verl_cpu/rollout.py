@@ -3,7 +3,10 @@
 verl's agent loop sends one ``generate`` request per response to a rollout *replica*; on GPUs that is a vLLM or
 SGLang server. :class:`TransformersRolloutServer` is a Ray actor holding a Hugging Face causal LM: requests that
 arrive within :data:`BATCH_WAIT_S` of each other (and share sampling parameters) are left-padded into one batch and
-decoded by one ``model.generate`` call, each distinct prompt prefilled once however many responses it asks for.
+decoded by one ``model.generate`` call, each distinct prompt prefilled once however many responses it asks for (in
+float32; see :meth:`TransformersRolloutServer._shared_prompt_cache`). Every request samples from its own random
+stream, keyed by the server's seed, the weight version, its prompt and its sample index (:func:`request_seed`), so
+the tokens of a request do not depend on the batch it decodes in, and no two requests of a run share draws.
 :class:`TransformersReplica` launches one server per replica (``actor_rollout_ref.rollout.name=transformers``),
 and :class:`TransformersRolloutAdapter` lives in verl's hybrid actor worker and pushes the actor's full weights to
 the server on verl's weight-sync path (every step), so the rollout always samples from the current policy.
@@ -23,12 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import ray
 import torch
 
 from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+
+from setgrpo_verl.verl_cpu.streams import occurrence_indices, request_seed, sampling_processors
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +54,7 @@ def server_name(replica_rank: int) -> str:
 @dataclass
 class _Request:
     prompt_ids: list[int]
+    seed: int
     future: asyncio.Future
 
 
@@ -68,9 +75,10 @@ def _sampling_key(params: dict[str, Any], default_max_tokens: int) -> tuple:
 
 
 def replica_seed(base_seed: int, replica_rank: int) -> int:
-    """The torch seed of one rollout replica's server: distinct replicas of one run draw independent sampling
-    streams (with one shared seed, replica i and replica j would sample the same noise, so two responses of a group
-    served by different replicas could be identical), and runs with different base seeds differ too.
+    """The seed of one rollout replica's server, from which its requests' streams are keyed: distinct replicas of
+    one run draw independent sampling streams (with one shared seed, the i-th request for a prompt on replica i and
+    on replica j would sample the same noise, so two responses of a group served by different replicas could be
+    identical), and runs with different base seeds differ too.
 
     Args:
         base_seed: the run's rollout seed (verl's ``actor_rollout_ref.rollout.seed``), an int >= 0.
@@ -79,8 +87,6 @@ def replica_seed(base_seed: int, replica_rank: int) -> int:
     Returns:
         An int in [0, 2**32).
     """
-    import numpy as np
-
     return int(np.random.SeedSequence([int(base_seed), int(replica_rank)]).generate_state(1)[0])
 
 
@@ -108,7 +114,7 @@ class TransformersRolloutServer:
         model_path: local Hugging Face model directory (the actor's ``model.path``).
         response_length: default number of new tokens (``rollout.response_length``).
         max_batch_size: most requests decoded together (``rollout.max_num_seqs``).
-        seed: torch seed of the server process (sampling).
+        seed: the server's seed (:func:`replica_seed`), from which every request's random stream is keyed.
         trust_remote_code: passed to ``from_pretrained``.
         dtype: the model's dtype (verl's ``rollout.dtype``), ``torch.bfloat16`` or ``torch.float32``.
         num_threads: torch intra-op threads of the server (Ray starts actors with one); ``None`` keeps the
@@ -126,7 +132,7 @@ class TransformersRolloutServer:
 
         if num_threads is not None:
             torch.set_num_threads(max(1, int(num_threads)))
-        torch.manual_seed(seed)
+        self.seed = int(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
@@ -141,7 +147,10 @@ class TransformersRolloutServer:
             self.eos_ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.version = 0
-        self._share_prompts = self._has_plain_cache()
+        # requests per prompt under the current weight version: the sample index of the next one
+        self._served: dict[tuple[int, ...], int] = {}
+        self._served_version = 0
+        self._share_prompts = dtype == torch.float32 and self._has_plain_cache()
         self._pending: dict[tuple, list[_Request]] = {}
         self._drainer: Optional[asyncio.Task] = None
         # one thread: generation and weight loading never overlap, and the event loop stays free to queue requests
@@ -149,7 +158,9 @@ class TransformersRolloutServer:
 
     async def generate(self, request_id=None, *, prompt_ids, sampling_params, image_data=None, video_data=None,
                        **kwargs) -> TokenOutput:
-        """One response to ``prompt_ids`` (verl's ``TokenOutput``: token ids, optional log-probs, weight version).
+        """One response to ``prompt_ids`` (verl's ``TokenOutput``: token ids, optional log-probs, weight version),
+        sampled from the stream of ``sampling_params["seed"]`` when the caller sets one (vLLM's per-request seed),
+        else of :func:`request_seed` with this prompt's next sample index under the current weight version.
 
         Raises:
             ValueError: multimodal input or an unsupported sampling setting.
@@ -157,11 +168,20 @@ class TransformersRolloutServer:
         if image_data is not None or video_data is not None:
             raise ValueError("the transformers rollout serves text-only models")
         key = _sampling_key(dict(sampling_params or {}), self.response_length)
+        seed = (sampling_params or {}).get("seed")
+        seed = self._next_seed(list(prompt_ids)) if seed is None else int(seed)
         future = asyncio.get_running_loop().create_future()
-        self._pending.setdefault(key, []).append(_Request(list(prompt_ids), future))
+        self._pending.setdefault(key, []).append(_Request(list(prompt_ids), seed, future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
         return await future
+
+    def _next_seed(self, prompt_ids: list[int]) -> int:
+        if self._served_version != self.version:
+            self._served, self._served_version = {}, self.version
+        index = self._served.get(tuple(prompt_ids), 0)
+        self._served[tuple(prompt_ids)] = index + 1
+        return request_seed(self.seed, self.version, prompt_ids, index)
 
     def _num_pending(self) -> int:
         return sum(len(queue) for queue in self._pending.values())
@@ -186,7 +206,7 @@ class TransformersRolloutServer:
                 del self._pending[key]
             try:
                 outputs = await loop.run_in_executor(
-                    self._executor, self._generate_batch, [r.prompt_ids for r in batch], key
+                    self._executor, self._generate_batch, [r.prompt_ids for r in batch], key, [r.seed for r in batch]
                 )
             except Exception as exc:  # every waiting request sees the failure
                 for r in batch:
@@ -198,8 +218,13 @@ class TransformersRolloutServer:
                     r.future.set_result(out)
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], key: tuple) -> list[TokenOutput]:
+    def _generate_batch(self, prompts: list[list[int]], key: tuple,
+                        seeds: Optional[list[int]] = None) -> list[TokenOutput]:
+        """Decode one batch: B prompts, one sampling key (:func:`_sampling_key`) and B request seeds (by default each
+        prompt's :func:`occurrence_indices` in this batch under the current weight version)."""
         temperature, top_p, top_k, max_tokens, want_logprobs = key
+        if seeds is None:
+            seeds = [request_seed(self.seed, self.version, p, i) for p, i in zip(prompts, occurrence_indices(prompts))]
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -210,10 +235,10 @@ class TransformersRolloutServer:
             max_new_tokens=max_tokens, pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
             return_dict_in_generate=True, output_logits=want_logprobs,
         )
+        # greedy decoding of the processed scores: with sampling, the processors leave only each row's sampled token
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if temperature > 0:
-            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            kwargs["logits_processor"] = sampling_processors(temperature, top_p, top_k, seeds)
         shared = self._shared_prompt_cache(prompts, input_ids, attention_mask)
         if shared is not None:
             kwargs["past_key_values"] = shared
@@ -244,11 +269,13 @@ class TransformersRolloutServer:
                              attention_mask: torch.Tensor) -> Optional[Any]:
         """The KV cache of every prompt but its last token, computed once per distinct prompt and repeated for each
         request that sends it (the K responses of a group), or ``None`` when no prompt repeats or the model's cache
-        is not a plain attention cache.
+        is not a plain attention cache, or the model is not in float32.
 
         ``generate`` then runs only the last prompt token and the new tokens, so a group's prompt is prefilled once
         instead of K times. The cached keys and values are those ``generate`` would compute itself (same left padding,
-        same position ids), so the sampled responses follow the same distribution.
+        same position ids), so in float32 every request samples the same tokens as with ``generate``'s own prefill.
+        In bfloat16 the differently shaped prefill rounds differently (rollout log-probs moved by up to 0.17 nats and
+        sampled tokens changed on the embedded model), so a bfloat16 server keeps ``generate``'s own prefill.
 
         Args:
             prompts: the batch's prompt token ids, B lists.

@@ -26,9 +26,9 @@ def _record_batches(server, monkeypatch) -> list[int]:
     sizes: list[int] = []
     generate = TransformersRolloutServer._generate_batch
 
-    def recording(self, prompts, key):
+    def recording(self, prompts, key, seeds=None):
         sizes.append(len(prompts))
-        return generate(self, prompts, key)
+        return generate(self, prompts, key, seeds)
 
     monkeypatch.setattr(TransformersRolloutServer, "_generate_batch", recording)
     return sizes
