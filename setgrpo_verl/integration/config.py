@@ -385,9 +385,11 @@ def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
     )
 
 
-def _check_reward(config: Any, *, needs_reference: bool) -> None:
+def _check_reward(config: Any, *, setgrpo: bool, needs_reference: Optional[str] = None) -> None:
     """The dual-reward manager's grader, reference-score key and scorings, as verl's reward worker will read them;
-    ``needs_reference``: the run reads the reference score (SetGRPO), so one scoring per response is refused."""
+    ``setgrpo``: a SetGRPO run, which reads the point score apart from the reference (``point=mean`` is refused);
+    ``needs_reference``: what reads the reference score in this run (then one scoring per response is refused),
+    or None."""
     reward = config.get("reward", None) if hasattr(config, "get") else None
     manager = reward.get("reward_manager", None) if reward is not None else None
     if manager is None or str(manager.get("name", "")) != REWARD_MANAGER_NAME:
@@ -399,16 +401,15 @@ def _check_reward(config: Any, *, needs_reference: bool) -> None:
     check_judge_access(grader_config(config), int(config.trainer.get("nnodes", 1) or 1))
     reference_score_key(config)
     mode = point_mode(config)  # a value other than first and mean, or mean with one scoring, in every trainer mode
-    if needs_reference and mode == "mean":
+    if setgrpo and mode == "mean":
         raise ValueError(f"{POINT_KEY}=mean: SetGRPO reads the two scorings apart (the point r and the reference r'); "
                          f"remove the key (it is for the GRPO baseline on the mean of two scorings), or use "
                          "algorithm.setgrpo.variant=reliability, which trains on the mean itself")
     count = scorings(config)  # a value other than 1 and 2 is refused in every trainer mode
     if needs_reference and count == 1:
-        raise ValueError(f"{SCORINGS_KEY}=1: SetGRPO needs the reference score r' of a second "
-                         "scoring (calibration fits the coefficient set and the risk gate on it, and the online "
-                         f"monitor reads it during training); set {SCORINGS_KEY}=2 or leave it unset (1 is for the "
-                         "GRPO baseline)")
+        raise ValueError(f"{SCORINGS_KEY}=1: SetGRPO needs the reference score r' of a second scoring here "
+                         f"({needs_reference}); set {SCORINGS_KEY}=2 or leave it unset (1 is for the GRPO baseline, "
+                         "and for paper-variant training with a record and algorithm.setgrpo.monitor.enable=false)")
 
 
 def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict]] = None,
@@ -464,7 +465,7 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
             f"(got {estimator!r})"
         )
     if trainer_mode != SETGRPO_NAME:
-        _check_reward(config, needs_reference=False)
+        _check_reward(config, setgrpo=False)
         check_filter_groups(config, setgrpo=False, calibration_only=False)
         if environment:
             check_attention_kernels(config)
@@ -476,7 +477,7 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
     setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
     if setgrpo.variant == RELIABILITY_VARIANT:  # no calibration, record or sketches: only the reference is needed
         check_trainer_settings(config, setgrpo, sketches=False)
-        _check_reward(config, needs_reference=True)
+        _check_reward(config, setgrpo=True, needs_reference="the reliability variant trains on the mean of the two")
         check_filter_groups(config, setgrpo=False, calibration_only=False)  # no record whose groups it could skew
         check_resume(config, setgrpo)
         if environment:
@@ -486,7 +487,10 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
     check_trainer_settings(config, setgrpo)
     check_sketch_micro_batch(config, setgrpo)
     check_sketch_support(config, setgrpo.sketch.to_sketch_config())
-    _check_reward(config, needs_reference=True)
+    monitor = setgrpo.monitor.get("enable", True) if isinstance(setgrpo.monitor, Mapping) else setgrpo.monitor.enable
+    readers = (["calibration fits the coefficient set and the risk gate on it"] if not setgrpo.record_path else []) + (
+        ["the online monitor reads it during training"] if monitor else [])
+    _check_reward(config, setgrpo=True, needs_reference="; ".join(readers) or None)
     check_filter_groups(config, setgrpo=True, calibration_only=setgrpo.calibration.only and not setgrpo.record_path)
     check_calibration_disjoint(config)
     if not setgrpo.record_path:

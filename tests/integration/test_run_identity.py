@@ -261,3 +261,17 @@ def test_shards_carry_the_identity_and_older_shards_load_with_a_warning(plain, t
     with warnings.catch_warnings():
         warnings.simplefilter("error", IdentityWarning)
         assert list(load_shards(tmp_path / "new", ident)[0]) == [0]
+
+
+def test_training_with_a_record_and_no_monitor_may_score_once(plain, tmp_path):
+    """The paper variant reads the reference score only in calibration and in the online monitor: training with a
+    frozen record and the monitor off needs one grader call per response, as GRPO."""
+    _, record = plain
+    record.to_json(tmp_path / "record.json")
+    once = ("+reward.reward_kwargs.scorings=1", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+            "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+            f"algorithm.setgrpo.record_path={tmp_path / 'record.json'}", "algorithm.setgrpo.calibration.only=true")
+    with pytest.raises(ValueError, match=r"scorings=1: SetGRPO needs the reference score r' of a second scoring here "
+                                         r"\(the online monitor reads it during training\)"):
+        check_run_config(_compose(*once))
+    assert check_run_config(_compose(*once, "algorithm.setgrpo.monitor.enable=false")).monitor.enable is False
