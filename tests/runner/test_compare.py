@@ -205,3 +205,24 @@ def test_analysis_only_reads_the_finished_runs_and_prints_the_outcome_last(tmp_p
                        "reward gain, 1 seed, 4 steps)")
     assert (run / "outcome" / "outcome.png").stat().st_size > 0 and (run / "outcome" / COMPLETE).is_file()
     assert json.loads((run / "outcome" / "outcome.json").read_text())["unfinished"] == ["setgrpo_paper_s1"]
+
+
+def test_the_committed_verl_pilot_re_analyses_to_its_outcome_line():
+    """validation/outcome_verl/pilot: the compare command's first run through main_ppo (2 arms, 1 seed, 4 steps,
+    flip 0.06; docs/outcome.md#through-verl-the-plan). Its metrics re-analyse to the committed outcome, and what
+    the plan's cost rests on is in them: a step's seconds and grader calls, a validation's seconds."""
+    import json
+    from pathlib import Path
+
+    from setgrpo_verl.report.outcome import outcome_line, outcome_rows, read_curve
+
+    pilot = Path(__file__).resolve().parents[2] / "validation" / "outcome_verl" / "pilot"
+    curves = {arm: {0: read_curve(pilot / f"{arm}_s0" / "metrics.jsonl")} for arm in ("grpo_mean2", "setgrpo_reliability")}
+    result = outcome_rows(curves)
+    committed = json.loads((pilot / "outcome.json").read_text())
+    assert outcome_line(result) == outcome_line(committed)
+    assert (pilot / "outcome.txt").read_text().strip().splitlines()[-1] == outcome_line(result)
+    for arm in curves:
+        curve = curves[arm][0]
+        assert list(curve.steps) == [0, 2, 4] and 0.5 < curve.truth[0] < 0.55
+        assert curve.calls[-1] == 4 * 64  # 8 groups x K 4 x 2 scorings a step
