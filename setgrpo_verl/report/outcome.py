@@ -200,7 +200,7 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], seeds: Sequence[int]
     fig.suptitle(f"held-out truth reward, mean and 95% t-band over {len(seeds)} seed(s)")
     fig.tight_layout()
     path = Path(path)
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+    with atomic_file(path) as fh:
+        fig.savefig(fh, format="png", dpi=110)
     plt.close(fig)
     return path

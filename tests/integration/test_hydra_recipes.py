@@ -98,6 +98,10 @@ def test_every_recipe_composes(compositions, monkeypatch):
     # the recipes name hub models, which this offline test cannot read: the policy's parameter layout is then
     # checked on the workers, as for a remote path (tests/integration/test_support.py covers the layout check)
     monkeypatch.setattr(support, "build_meta_policy", lambda model_cfg: None)
+    # nor can it fingerprint their files for the record's identity (tests/integration/test_run_identity.py does)
+    from setgrpo_verl.integration import config as config_module
+
+    monkeypatch.setattr(config_module, "run_identity", lambda cfg, setgrpo: {})
     # the recipes load the policy with verl's default attention, flash_attention_2: its package (flash_attn, the
     # gpu extra) stands in here, and tests/integration/test_pre_ray_checks.py covers its refusal when missing
     spec = importlib.machinery.ModuleSpec("flash_attn", None)

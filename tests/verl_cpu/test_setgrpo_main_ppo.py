@@ -29,7 +29,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
 _FLAGS = ["--rollout-n", "3", "--groups-per-step", "3", "--steps", "2", "--calib-groups", "6", "--calib-batch-size",
           "6", "--max-prompt-length", "128", "--max-response-length", "8", "--alpha", "0.5", "--beta", "0.9",
-          "--delta", "0.3", "--tau-grid", "0.0,0.3", "--on-infeasible", "reject_all"]
+          "--delta", "0.3", "--tau-grid", "0.0,0.3", "--on-infeasible", "reject_all",
+          # float32 on every host: the record's identity holds the precision, and the plain command below compares
+          # rollout and actor log-probs to float rounding
+          "--precision", "fp32"]
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -82,7 +85,7 @@ def test_train_with_the_record_logs_setgrpo_metrics(calibrated):
         assert m["actor/update_skipped"] == float(not any(g["accepted"] for g in step_groups))
 
 
-def _hand_written(run, tiny_model, reward_file, record, *extra: str, precision: str | None = None,
+def _hand_written(run, tiny_model, reward_file, record, *extra: str, precision: str = "fp32",
                   plain: bool = False) -> list[str]:
     """A ``main_ppo`` command with ``--config-name setgrpo_trainer``, or (``plain``) the documented plain form
     ``python -m verl.trainer.main_ppo algorithm.adv_estimator=setgrpo ...`` on verl's default config."""
@@ -120,7 +123,7 @@ def test_plain_main_ppo_command_accepts_the_record(calibrated, tiny_model, rewar
     # the plain form on verl's default config, algorithm.setgrpo.* without '+', on the CPU backend
     # float32, as in test_grpo_main_ppo: bf16 rounding alone differs from the rollout by about 1e-6 there
     proc = _main_ppo(_hand_written(run, tiny_model, reward_file, run / "calibration" / "record.json",
-                                   "actor_rollout_ref.rollout.calculate_log_probs=true", precision="fp32", plain=True))
+                                   "actor_rollout_ref.rollout.calculate_log_probs=true", plain=True))
     assert proc.returncode == 0, tail(proc)
     out = proc.stdout + proc.stderr
     assert out.count(REDIRECT_MESSAGE) == 1
