@@ -101,6 +101,26 @@ def server_threads(num_cpus: int, ranks_per_node: int, ranks_per_replica: int) -
     return max(1, int(num_cpus) // replicas)
 
 
+def full_weights(weights, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The actor's weights as full host tensors in the rollout's dtype, what the server loads.
+
+    Args:
+        weights: (name, tensor) pairs, each tensor whole or an FSDP2 ``DTensor`` shard (gathered here: every rank of
+            the mesh must call this with the same names in the same order).
+        dtype: the rollout model's dtype.
+
+    Returns:
+        name -> a fresh CPU tensor of ``dtype`` (never a view of the actor's parameters, which the next update
+        changes in place).
+    """
+    state = {}
+    for name, tensor in weights:
+        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: every rank takes part in the gather
+            tensor = tensor.full_tensor()
+        state[name] = tensor.detach().to("cpu", dtype=dtype, copy=True)
+    return state
+
+
 class TransformersRolloutServer:
     """Ray actor: batched token-in/token-out generation with a Hugging Face causal LM on CPU.
 
@@ -394,11 +414,7 @@ class TransformersRolloutAdapter(BaseRollout):
                 f"the transformers rollout receives full named tensors, not {wire_format!r}: "
                 "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
             )
-        state = {}
-        for name, tensor in weights:
-            if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: every rank takes part in the gather
-                tensor = tensor.full_tensor()
-            state[name] = tensor.detach().to("cpu", dtype=self.dtype, copy=True)
+        state = full_weights(weights, self.dtype)
         if not self.is_leader:
             return None
         if self._server is None:
