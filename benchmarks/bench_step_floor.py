@@ -163,8 +163,8 @@ def rollout_phase(table: Table, model_dir: str, dtype: torch.dtype, quick: bool)
 
 
 class LinearCounter:
-    """The work of every ``nn.Linear`` call while active (a global module hook), per row count of its product
-    (:func:`bucket`), and the weight bytes of every causal-LM forward: what the judge's forwards do, padding
+    """The work of every ``nn.Linear`` call while active (a global module hook): its multiply-adds per row count of
+    its product (:func:`bucket`) and its weight's bytes (read once per call): what the judge's forwards do, padding
     included."""
 
     def __init__(self):
@@ -176,8 +176,7 @@ class LinearCounter:
             rows = args[0].numel() // module.in_features
             key = bucket(rows)
             self.macs[key] = self.macs.get(key, 0.0) + rows * module.in_features * module.out_features
-        elif type(module).__name__.endswith("ForCausalLM"):
-            self.bytes += sum(p.numel() * p.element_size() for p in module.parameters())
+            self.bytes += module.weight.numel() * module.weight.element_size()
 
     def parts(self, dtype: torch.dtype) -> list[Part]:
         return [(floors.Work(macs, 0.0), rows, dtype) for rows, macs in self.macs.items()] + [
