@@ -18,9 +18,10 @@ Each floor is the larger of the phase's multiply-adds (``benchmarks/floors.py``)
 at the phase's row count and dtype and its bytes moved at the host's copy rate (docs/benchmarks.md#step-floor).
 The calibration batch's sketch pass and reward are measured on one micro-batch of 16 rows and scaled to the
 batch's 128 (the micro-batches are alike). The last lines are the ratios measured / floor. ``--quick`` measures the
-host rates and the decode phase only (about a minute).
+host rates and the decode step only, over 9 new tokens (under half a minute on a 2-core machine); ``--phases``
+picks phases. It sets ``OMP_WAIT_POLICY=PASSIVE`` unless set, as a CPU run does.
 
-    python benchmarks/bench_step_floor.py [--quick] [--precision bf16|fp32] [--threads N]
+    python benchmarks/bench_step_floor.py [--quick] [--precision bf16|fp32] [--phases rollout,reward,actor]
 """
 
 from __future__ import annotations
@@ -223,7 +224,6 @@ def actor_phases(table: Table, model_dir: str, config, compute: torch.dtype, rol
     """Sketch pass, actor update, weight sync and checkpoint rows, on the FSDP2-wrapped actor."""
     from functools import partial
 
-    from tensordict import TensorDict  # noqa: F401  (verl's batches)
     from verl.utils import tensordict_utils as tu
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
     from verl.utils.config import omega_conf_to_dataclass
@@ -287,7 +287,8 @@ def actor_phases(table: Table, model_dir: str, config, compute: torch.dtype, rol
     seconds, _ = timed(sync)
     rollout_bytes = torch.finfo(rollout_dtype).bits // 8
     # read the float32 master weights, write the rollout's copy
-    table.add("step: weight sync (in process, no Ray)", seconds, (floors.Work(0, params * (4 + rollout_bytes)), 0, compute))
+    table.add("step: weight sync (in process, no Ray)", seconds,
+              (floors.Work(0, params * (4 + rollout_bytes)), 0, compute))
 
     manager = FSDPCheckpointManager(model=model, optimizer=optimizer, lr_scheduler=None, processing_class=tokenizer,
                                     checkpoint_config=checkpoint_config)
@@ -297,7 +298,8 @@ def actor_phases(table: Table, model_dir: str, config, compute: torch.dtype, rol
         save(1)
         seconds, _ = timed(lambda: save(2))
         written = sum(f.stat().st_size for f in Path(tmp, "global_step_2").rglob("*") if f.is_file())
-    table.add(f"step: checkpoint ({written / 2**20:.0f} MiB written)", seconds, (floors.Work(0, 2 * written), 0, compute))
+    table.add(f"step: checkpoint ({written / 2**20:.0f} MiB written)", seconds,
+              (floors.Work(0, 2 * written), 0, compute))  # one copy of what verl writes
 
 
 def main() -> None:
@@ -342,13 +344,15 @@ def main() -> None:
     # the host's rates after the phases, the better of two measurements (other jobs on the cores lower them)
     copy = max(copy, copy_rate())
     rates = {shape: max(matmul_rate(*shape), matmul_rate(*shape)) for shape in sorted(table.shapes(), key=str)}
-    print(f"host rates: copy {copy / 1e9:.1f} GB/s (read + write); matmul [rows, 576] x [576, 1536], G multiply-adds/s: "
+    print(f"host rates: copy {copy / 1e9:.1f} GB/s (read + write); "
+          "matmul [rows, 576] x [576, 1536], G multiply-adds/s: "
           + ", ".join(f"{rows} rows {str(dtype).removeprefix('torch.')} {r / 1e9:.0f}"
                       for (rows, dtype), r in sorted(rates.items(), key=lambda kv: (str(kv[0][1]), kv[0][0]))))
     result = table.floors(rates, copy)
     print(f"{'phase':<46} {'measured s':>10} {'floor s':>9} {'compute s':>9} {'memory s':>9} {'ratio':>6}")
     for phase, measured, floor, compute_s, memory_s in result:
-        print(f"{phase:<46} {measured:>10.3f} {floor:>9.3f} {compute_s:>9.3f} {memory_s:>9.3f} {measured / floor:>6.1f}")
+        print(f"{phase:<46} {measured:>10.3f} {floor:>9.3f} {compute_s:>9.3f} {memory_s:>9.3f} "
+              f"{measured / floor:>6.1f}")
     for phase, measured, floor, _, _ in result:
         print(f"{phase.split(' (')[0]} / floor {measured / floor:.2f}")
 

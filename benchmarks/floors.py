@@ -131,7 +131,8 @@ def sketch_pass(config, sketch, prompt: int, response: int, rows: int) -> dict[s
     h_out, h_in, h_k = sketch.shape_for(True)
     per_block = r_out * r_in * k * (1 + rows)  # the outer product and the one-hot sum over the micro-batch's rows
     body = config.num_hidden_layers * sum(k * (r_out * o + r_in * i) + per_block for o, i in linear_shapes(config))
-    head_sketch = scoring * (h_k * (h_out * config.vocab_size + h_in * config.hidden_size) + h_out * h_in * h_k * (1 + rows))
+    head_sketch = scoring * (h_k * (h_out * config.vocab_size + h_in * config.hidden_size)
+                             + h_out * h_in * h_k * (1 + rows))
     layers = config.num_hidden_layers
     f = linear + layers * attention + head
     b = linear + 2 * layers * attention + scoring * head
