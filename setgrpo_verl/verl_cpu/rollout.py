@@ -30,6 +30,8 @@ from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
+from .kv_cache import preallocate
+
 logger = logging.getLogger(__name__)
 
 #: ``actor_rollout_ref.rollout.name`` of this rollout.
@@ -162,6 +164,7 @@ class TransformersRolloutServer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.version = 0
         self._share_prompts = self._has_plain_cache()
+        self._preallocate = True  # the shared prompts' cache written in place (off: concatenated, for comparisons)
         self._pending: dict[tuple, list[_Request]] = {}
         self._drainer: Optional[asyncio.Task] = None
         # one thread: generation and weight loading never overlap, and the event loop stays free to queue requests
@@ -234,7 +237,7 @@ class TransformersRolloutServer:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        shared = self._shared_prompt_cache(prompts, input_ids, attention_mask)
+        shared = self._shared_prompt_cache(prompts, input_ids, attention_mask, max_tokens)
         if shared is not None:
             kwargs["past_key_values"] = shared
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -261,19 +264,22 @@ class TransformersRolloutServer:
         return results
 
     def _shared_prompt_cache(self, prompts: list[list[int]], input_ids: torch.Tensor,
-                             attention_mask: torch.Tensor) -> Optional[Any]:
+                             attention_mask: torch.Tensor, new_tokens: int) -> Optional[Any]:
         """The KV cache of every prompt but its last token, computed once per distinct prompt and repeated for each
         request that sends it (the K responses of a group), or ``None`` when no prompt repeats or the model's cache
         is not a plain attention cache.
 
         ``generate`` then runs only the last prompt token and the new tokens, so a group's prompt is prefilled once
         instead of K times. The cached keys and values are those ``generate`` would compute itself (same left padding,
-        same position ids), so the sampled responses follow the same distribution.
+        same position ids), so the sampled responses follow the same distribution. The cache is preallocated for the
+        last prompt token and ``new_tokens`` more (:class:`setgrpo_verl.verl_cpu.kv_cache.PreallocatedLayer`), so
+        decoding writes each step in place instead of copying the cache.
 
         Args:
             prompts: the batch's prompt token ids, B lists.
             input_ids: [B, W] int64, the left-padded prompts.
             attention_mask: [B, W] int64, 1 on prompt tokens.
+            new_tokens: the most tokens ``generate`` will add.
 
         Returns:
             A ``transformers`` ``DynamicCache`` of batch size B and length W - 1, or ``None``.
@@ -290,6 +296,8 @@ class TransformersRolloutServer:
                          logits_to_keep=1)
         cache = out.past_key_values
         cache.reorder_cache(torch.tensor(owner, dtype=torch.long))
+        if self._preallocate:
+            cache = preallocate(cache, input_ids.shape[1] + new_tokens)
         return cache
 
     @torch.no_grad()

@@ -2,7 +2,8 @@
 
 What must hold: requests that verl's agent loop submits one by one, with gaps shorter than the server's wait, decode
 as one batch; a batch never exceeds ``max_num_seqs`` and a full batch does not wait; requests after a quiet period
-start a new batch; the servers on a node share its cores; the actor's weights reach the server as copies in its dtype.
+start a new batch; a repeated prompt is prefilled once, and its preallocated cache decodes as concatenation does; the
+servers on a node share its cores; the actor's weights reach the server as copies in its dtype.
 """
 
 from __future__ import annotations
@@ -118,6 +119,30 @@ def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_if_prefilled_per_req
     for a, b in zip(alone, shared):
         assert a.token_ids == b.token_ids
         assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_preallocated_cache_decodes_the_same_tokens_and_log_probs_as_concatenation(server, temperature,
+                                                                                        monkeypatch):
+    import torch
+
+    from setgrpo_verl.verl_cpu.kv_cache import PreallocatedLayer
+
+    key = (temperature, 1.0, -1, 5, True)
+    caches = []
+    generate = server.model.generate
+    monkeypatch.setattr(server.model, "generate",
+                        lambda **kw: caches.append(kw.get("past_key_values")) or generate(**kw))
+    outs = {}
+    for preallocate in (False, True):
+        monkeypatch.setattr(server, "_preallocate", preallocate)
+        torch.manual_seed(5)
+        outs[preallocate] = server._generate_batch(_GROUPED, key)
+    assert {type(layer) for layer in caches[0].layers} != {PreallocatedLayer}
+    assert {type(layer) for layer in caches[1].layers} == {PreallocatedLayer}
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids
+        assert a.log_probs == pytest.approx(b.log_probs, abs=1e-6)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
