@@ -10,7 +10,7 @@ process (medians of ``--repeats`` rounds), so load from other processes hits the
 * ``fused_skip``: the same with the degenerate groups' rows forward-only.
 
 ``--profile`` adds the operator table of one fused pass (torch.profiler, self CPU time). The last lines are the ratios,
-after the floor that multiply-adds set for any exact fused pass (:func:`floor`, docs/sketch.md#speed).
+after the floor that multiply-adds set for any exact fused pass (``floors.sketch_pass``, docs/sketch.md#speed).
 
     python benchmarks/bench_sketch_pass.py [--groups 4 --k 4 --prompt 96 --response 24 --micro 16 --dtype bf16]
 """
@@ -22,6 +22,7 @@ import statistics
 
 from _engine import PlainEngine  # before verl: selects verl's CPU platform
 from bench_integration import _batch, _log_prob_forward
+from floors import sketch_pass
 from harness import alternated
 
 import torch
@@ -31,32 +32,6 @@ from verl.utils import tensordict_utils as tu
 from setgrpo_verl.integration.worker import SKETCH_ROWS_KEY, sketch_and_log_probs
 from setgrpo_verl.models import load_causal_lm
 from setgrpo_verl.sketch import SketchConfig
-
-
-def floor(config, sketch: SketchConfig, prompt: int, response: int, rows: int) -> dict[str, float]:
-    """Multiply-adds per token of a Llama-style decoder (``config``: hidden, intermediate, heads, layers, vocabulary)
-    for sequences of ``prompt + response`` tokens in micro-batches of ``rows``: the forward F (every position's
-    logits), the activation-only backward B (input gradients of every linear layer, twice the attention products, the
-    head's on the scoring rows only), the sketch's projections S (``k (r_out out + r_in in)`` per block and token, the
-    head on the scoring rows, the per-response sums) and ``(F + B + S) / F``, the least fused / plain that an exact pass
-    can reach when verl's log-softmax is free (docs/sketch.md#speed)."""
-    d, mlp, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
-    kv = config.num_key_value_heads * (d // config.num_attention_heads)
-    shapes = [(d, d), (kv, d), (kv, d), (d, d), (mlp, d), (mlp, d), (d, mlp)]  # (out, in): q k v o gate up down
-    tokens = prompt + response
-    scoring = response / tokens
-    attention = 2 * d * (tokens + 1) / 2  # QK^T and AV over the causal context, per layer
-    linear = layers * sum(o * i for o, i in shapes)
-    head = d * vocab
-    r_out, r_in, k = sketch.shape_for(False)
-    h_out, h_in, h_k = sketch.shape_for(True)
-    per_block = r_out * r_in * k * (1 + rows)  # the outer product and the one-hot sum over the micro-batch's rows
-    body = layers * sum(k * (r_out * o + r_in * i) + per_block for o, i in shapes)
-    head_sketch = scoring * (h_k * (h_out * vocab + h_in * d) + h_out * h_in * h_k * (1 + rows))
-    f = linear + layers * attention + head
-    b = linear + 2 * layers * attention + scoring * head
-    s = body + head_sketch
-    return {"F": f, "B": b, "S": s, "floor": (f + b + s) / f}
 
 
 def main() -> None:
@@ -104,7 +79,7 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             passes["fused"]()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    fl = floor(model.config, cfg, args.prompt, args.response, min(args.micro, b))
+    fl = sketch_pass(model.config, cfg, args.prompt, args.response, min(args.micro, b))
     print(f"multiply-adds per token: forward {fl['F'] / 1e6:.1f} M, activation-only backward {fl['B'] / 1e6:.1f} M, "
           f"projections {fl['S'] / 1e6:.1f} M; exact floor of fused / plain {fl['floor']:.2f}")
     print(f"per group: plain {t['plain'] / args.groups:.3f} s, fused {t['fused'] / args.groups:.3f} s")

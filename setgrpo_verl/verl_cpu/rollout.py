@@ -36,6 +36,8 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from setgrpo_verl.verl_cpu.streams import occurrence_indices, request_seed, sampling_processors
 
+from .kv_cache import preallocate
+
 logger = logging.getLogger(__name__)
 
 #: ``actor_rollout_ref.rollout.name`` of this rollout.
@@ -107,6 +109,26 @@ def server_threads(num_cpus: int, ranks_per_node: int, ranks_per_replica: int) -
     return max(1, int(num_cpus) // replicas)
 
 
+def full_weights(weights, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The actor's weights as full host tensors in the rollout's dtype, what the server loads.
+
+    Args:
+        weights: (name, tensor) pairs, each tensor whole or an FSDP2 ``DTensor`` shard (gathered here: every rank of
+            the mesh must call this with the same names in the same order).
+        dtype: the rollout model's dtype.
+
+    Returns:
+        name -> a fresh CPU tensor of ``dtype`` (never a view of the actor's parameters, which the next update
+        changes in place).
+    """
+    state = {}
+    for name, tensor in weights:
+        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: every rank takes part in the gather
+            tensor = tensor.full_tensor()
+        state[name] = tensor.detach().to("cpu", dtype=dtype, copy=True)
+    return state
+
+
 class TransformersRolloutServer:
     """Ray actor: batched token-in/token-out generation with a Hugging Face causal LM on CPU.
 
@@ -151,6 +173,7 @@ class TransformersRolloutServer:
         self._served: dict[tuple[int, ...], int] = {}
         self._served_version = 0
         self._share_prompts = dtype == torch.float32 and self._has_plain_cache()
+        self._preallocate = True  # the shared prompts' cache written in place (off: concatenated, for comparisons)
         self._pending: dict[tuple, list[_Request]] = {}
         self._drainer: Optional[asyncio.Task] = None
         # one thread: generation and weight loading never overlap, and the event loop stays free to queue requests
@@ -239,7 +262,7 @@ class TransformersRolloutServer:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if temperature > 0:
             kwargs["logits_processor"] = sampling_processors(temperature, top_p, top_k, seeds)
-        shared = self._shared_prompt_cache(prompts, input_ids, attention_mask)
+        shared = self._shared_prompt_cache(prompts, input_ids, attention_mask, max_tokens)
         if shared is not None:
             kwargs["past_key_values"] = shared
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -266,7 +289,7 @@ class TransformersRolloutServer:
         return results
 
     def _shared_prompt_cache(self, prompts: list[list[int]], input_ids: torch.Tensor,
-                             attention_mask: torch.Tensor) -> Optional[Any]:
+                             attention_mask: torch.Tensor, new_tokens: int) -> Optional[Any]:
         """The KV cache of every prompt but its last token, computed once per distinct prompt and repeated for each
         request that sends it (the K responses of a group), or ``None`` when no prompt repeats or the model's cache
         is not a plain attention cache, or the model is not in float32.
@@ -275,12 +298,16 @@ class TransformersRolloutServer:
         instead of K times. The cached keys and values are those ``generate`` would compute itself (same left padding,
         same position ids), so in float32 every request samples the same tokens as with ``generate``'s own prefill.
         In bfloat16 the differently shaped prefill rounds differently (rollout log-probs moved by up to 0.17 nats and
-        sampled tokens changed on the embedded model), so a bfloat16 server keeps ``generate``'s own prefill.
+        sampled tokens changed on the embedded model), so a bfloat16 server keeps ``generate``'s own prefill. The
+        cache is preallocated for the last prompt token and ``new_tokens`` more
+        (:class:`setgrpo_verl.verl_cpu.kv_cache.PreallocatedLayer`), so decoding writes each step in place instead of
+        copying the cache.
 
         Args:
             prompts: the batch's prompt token ids, B lists.
             input_ids: [B, W] int64, the left-padded prompts.
             attention_mask: [B, W] int64, 1 on prompt tokens.
+            new_tokens: the most tokens ``generate`` will add.
 
         Returns:
             A ``transformers`` ``DynamicCache`` of batch size B and length W - 1, or ``None``.
@@ -297,6 +324,8 @@ class TransformersRolloutServer:
                          logits_to_keep=1)
         cache = out.past_key_values
         cache.reorder_cache(torch.tensor(owner, dtype=torch.long))
+        if self._preallocate:
+            cache = preallocate(cache, input_ids.shape[1] + new_tokens)
         return cache
 
     @torch.no_grad()
@@ -421,11 +450,7 @@ class TransformersRolloutAdapter(BaseRollout):
                 f"the transformers rollout receives full named tensors, not {wire_format!r}: "
                 "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
             )
-        state = {}
-        for name, tensor in weights:
-            if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: every rank takes part in the gather
-                tensor = tensor.full_tensor()
-            state[name] = tensor.detach().to("cpu", dtype=self.dtype, copy=True)
+        state = full_weights(weights, self.dtype)
         if not self.is_leader:
             return None
         if self._server is None:

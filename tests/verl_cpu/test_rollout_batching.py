@@ -2,7 +2,8 @@
 
 What must hold: requests that verl's agent loop submits one by one, with gaps shorter than the server's wait, decode
 as one batch; a batch never exceeds ``max_num_seqs`` and a full batch does not wait; requests after a quiet period
-start a new batch; the servers on a node share its cores.
+start a new batch; a repeated prompt is prefilled once, and its preallocated cache decodes as concatenation does; the
+servers on a node share its cores; the actor's weights reach the server as copies in its dtype.
 """
 
 from __future__ import annotations
@@ -121,6 +122,30 @@ def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_if_prefilled_per_req
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_preallocated_cache_decodes_the_same_tokens_and_log_probs_as_concatenation(server, temperature,
+                                                                                        monkeypatch):
+    import torch
+
+    from setgrpo_verl.verl_cpu.kv_cache import PreallocatedLayer
+
+    key = (temperature, 1.0, -1, 5, True)
+    caches = []
+    generate = server.model.generate
+    monkeypatch.setattr(server.model, "generate",
+                        lambda **kw: caches.append(kw.get("past_key_values")) or generate(**kw))
+    outs = {}
+    for preallocate in (False, True):
+        monkeypatch.setattr(server, "_preallocate", preallocate)
+        torch.manual_seed(5)
+        outs[preallocate] = server._generate_batch(_GROUPED, key)
+    assert {type(layer) for layer in caches[0].layers} != {PreallocatedLayer}
+    assert {type(layer) for layer in caches[1].layers} == {PreallocatedLayer}
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids
+        assert a.log_probs == pytest.approx(b.log_probs, abs=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_sdpa_and_eager_attention_decode_the_same_tokens_and_log_probs(server, tiny_model, temperature):
     import torch
 
@@ -168,3 +193,17 @@ def test_a_hybrid_linear_attention_model_decodes_with_generates_own_prefill(tmp_
     again = hybrid._generate_batch(prompts, key)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert first[0].token_ids == first[1].token_ids  # greedy: one prompt, one response
+
+
+def test_weights_reach_the_server_as_fresh_copies_in_its_dtype():
+    import torch
+
+    actor = {"a.weight": torch.tensor([[1.5, -2.25]]), "b.bias": torch.tensor([3.0])}
+    state = rollout.full_weights(actor.items(), torch.bfloat16)
+    assert list(state) == ["a.weight", "b.bias"]
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in state.values())
+    assert state["a.weight"].tolist() == [[1.5, -2.25]]
+    actor["a.weight"].add_(1.0)  # the next update changes the actor's parameters in place
+    assert state["a.weight"].tolist() == [[1.5, -2.25]]
+    same = rollout.full_weights(actor.items(), torch.float32)
+    assert same["b.bias"].data_ptr() != actor["b.bias"].data_ptr()
