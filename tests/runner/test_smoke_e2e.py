@@ -76,7 +76,10 @@ def test_run_directory_is_complete(smoke_run):
     # the baseline's graded sync trainer logs the grading metrics and nothing else of SetGRPO's; it calls the grader
     # once per response (3 groups of K a step), SetGRPO twice
     assert {k for m in grpo for k in m if k.startswith("setgrpo/")} == {"setgrpo/grading/calls_per_step",
-                                                                       "setgrpo/grading/unparsed_ratio"}
+                                                                       "setgrpo/grading/unparsed_ratio",
+                                                                       "setgrpo/grading/no_answer_ratio"}
+    # SmolLM2 does not think: every response has an answer to grade
+    assert all(m["setgrpo/grading/no_answer_ratio"] == 0.0 for m in grpo + setgrpo)
     from omegaconf import OmegaConf
 
     k = OmegaConf.load(run / "train_grpo" / "hydra" / ".hydra" / "config.yaml").actor_rollout_ref.rollout.n
