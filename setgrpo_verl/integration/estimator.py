@@ -103,6 +103,22 @@ def _step_metrics(result: Any, groups: torch.Tensor, gram: torch.Tensor, incompl
     return metrics
 
 
+def _check_rewards(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> None:
+    if token_level_rewards.shape != response_mask.shape or token_level_rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
+                         f"{tuple(response_mask.shape)} must both be [B, T]")
+
+
+def _row_advantages(group_coefficients: torch.Tensor, groups: torch.Tensor,
+                    response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[G, K]`` coefficients scattered to the B rows (0 on rows of no complete group) and times the response mask:
+    float64 ``[B]`` coefficients and float32 ``[B, T]`` advantages."""
+    coefficients = torch.zeros(response_mask.shape[0], dtype=torch.float64)
+    coefficients[groups.reshape(-1)] = torch.as_tensor(group_coefficients, dtype=torch.float64).reshape(-1)
+    mask = response_mask.to(dtype=torch.float32)
+    return coefficients, coefficients.to(device=mask.device, dtype=torch.float32).unsqueeze(-1) * mask
+
+
 def setgrpo_step(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -152,9 +168,7 @@ def setgrpo_step(
             update whose rows were not sketched.
     """
     b = token_level_rewards.shape[0]
-    if token_level_rewards.shape != response_mask.shape or token_level_rewards.dim() != 2:
-        raise ValueError(f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
-                         f"{tuple(response_mask.shape)} must both be [B, T]")
+    _check_rewards(token_level_rewards, response_mask)
     if sketches.shape[0] != b:
         raise ValueError(f"sketches have {sketches.shape[0]} rows but the batch has {b}")
     groups, incomplete = _complete_groups(index, response_mask, record.K)
@@ -165,10 +179,7 @@ def setgrpo_step(
     t1 = time.perf_counter()
     result = setgrpo_coefficients(point, gram, record, ablation=ablation, seed=seed)
 
-    coefficients = torch.zeros(b, dtype=torch.float64)
-    coefficients[groups.reshape(-1)] = torch.as_tensor(result.coefficients, dtype=torch.float64).reshape(-1)
-    mask = response_mask.to(dtype=torch.float32)
-    advantages = coefficients.to(device=mask.device, dtype=torch.float32).unsqueeze(-1) * mask
+    coefficients, advantages = _row_advantages(result.coefficients, groups, response_mask)
 
     metrics = _step_metrics(result, groups, gram, incomplete, b, reference_scores, monitor)
     metrics["setgrpo/timing_s/gram"] = t1 - t0
@@ -184,6 +195,7 @@ class ReliabilityStep:
         advantages: float32 [B, T] response-level coefficient times ``response_mask``.
         coefficients: float64 [B] the coefficient of every row (0 for degenerate groups and incomplete groups).
         groups: int64 [G, K] batch row of response k of complete group g.
+        point_scores: float64 [G, K] the training point, the mean of the two scorings.
         weights: float64 [G] the groups' reliability weights in [0, 1].
         metrics: ``setgrpo/*`` diagnostics (floats) for verl's tracker.
     """
@@ -191,6 +203,7 @@ class ReliabilityStep:
     advantages: torch.Tensor
     coefficients: torch.Tensor
     groups: torch.Tensor
+    point_scores: torch.Tensor
     weights: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -218,9 +231,7 @@ def reliability_step(token_level_rewards: torch.Tensor, response_mask: torch.Ten
         ValueError: shapes that disagree, or no complete group (see :func:`setgrpo_step`).
     """
     b = token_level_rewards.shape[0]
-    if token_level_rewards.shape != response_mask.shape or token_level_rewards.dim() != 2:
-        raise ValueError(f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
-                         f"{tuple(response_mask.shape)} must both be [B, T]")
+    _check_rewards(token_level_rewards, response_mask)
     ref = torch.as_tensor(reference_scores).detach().to(dtype=torch.float64, device="cpu").reshape(-1)
     if ref.shape[0] != b:
         raise ValueError(f"reference_scores have {ref.shape[0]} entries but the batch has {b} rows")
@@ -228,12 +239,10 @@ def reliability_step(token_level_rewards: torch.Tensor, response_mask: torch.Ten
     point = token_level_rewards.detach().to(dtype=torch.float64, device="cpu").sum(dim=-1)[groups]
     reference = ref[groups]
     weights, noise_var = reliability_weights(point, reference)
-    live = ~degenerate_groups((point + reference) / 2)
-    coef_groups = reliability_coefficients(point, reference, norm_by_std, eps)
-    coefficients = torch.zeros(b, dtype=torch.float64)
-    coefficients[groups.reshape(-1)] = coef_groups.reshape(-1)
-    mask = response_mask.to(dtype=torch.float32)
-    advantages = coefficients.to(device=mask.device, dtype=torch.float32).unsqueeze(-1) * mask
+    mean = (point + reference) / 2
+    live = ~degenerate_groups(mean)
+    coefficients, advantages = _row_advantages(reliability_coefficients(point, reference, norm_by_std, eps), groups,
+                                               response_mask)
     metrics = {
         "setgrpo/accepted_ratio": float((weights > 0).double().mean()),
         "setgrpo/reliability/weight_mean": float(weights[live].mean()) if bool(live.any()) else 0.0,
@@ -241,8 +250,8 @@ def reliability_step(token_level_rewards: torch.Tensor, response_mask: torch.Ten
         "setgrpo/degenerate_ratio": float((~live).double().mean()),
         INCOMPLETE_RATIO_METRIC: len(incomplete) / (groups.shape[0] + len(incomplete)),
     }
-    return ReliabilityStep(advantages=advantages, coefficients=coefficients, groups=groups, weights=weights,
-                           metrics=metrics)
+    return ReliabilityStep(advantages=advantages, coefficients=coefficients, groups=groups, point_scores=mean,
+                           weights=weights, metrics=metrics)
 
 
 @register_adv_est(SETGRPO_NAME)

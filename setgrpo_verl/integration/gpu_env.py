@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .dotted import config_value
+
 __all__ = ["DRIVER_FOR_CUDA", "GpuEnvironment", "check_driver_gpus", "gpu_check", "flash_attn_load_error",
            "gpu_environment_error", "has_nvidia_driver", "needs_flash_attn", "nvidia_driver_version",
            "read_gpu_environment", "skipped"]
@@ -144,18 +146,10 @@ def gpu_environment_error(env: GpuEnvironment, *, where: str) -> Optional[str]:
     return None
 
 
-def _get(node: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
-    return default if node is None else node
-
-
 def needs_flash_attn(model_config: Any) -> bool:
     """Whether verl loads the policy with flash-attn: ``override_config.attn_implementation`` of
     ``actor_rollout_ref.model`` (``model_config``) unset or ``flash_attention_2``."""
-    value = _get(model_config, "override_config.attn_implementation")
+    value = config_value(model_config, "override_config.attn_implementation")
     return str(value or DEFAULT_ATTENTION) == DEFAULT_ATTENTION
 
 
@@ -196,7 +190,7 @@ def check_driver_gpus(config: Any) -> None:
     """
     if not has_nvidia_driver():
         return
-    error = gpu_check(_get(config, "actor_rollout_ref.model"), where="the driver (where main_ppo starts)",
-                      run_kernel=False, device=_get(config, "trainer.device"))
+    error = gpu_check(config_value(config, "actor_rollout_ref.model"), where="the driver (where main_ppo starts)",
+                      run_kernel=False, device=config_value(config, "trainer.device"))
     if error:
         raise ValueError(error)

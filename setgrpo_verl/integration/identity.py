@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from .dotted import config_value
 from .reward_config import REWARD_MANAGER_NAME, grader_identity
 
 __all__ = ["IDENTITY_SOURCES", "model_files", "policy_identity", "run_identity", "tokenizer_sha256",
@@ -58,14 +59,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
                 "float": "float32", "32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
                 "16": "float16"}
-
-
-def _get(node: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
-    return default if node is None else node
 
 
 def _plain(value: Any) -> Any:
@@ -215,9 +208,9 @@ def policy_identity(config: Any) -> dict[str, Any]:
     model = config.actor_rollout_ref.model
     rollout = config.actor_rollout_ref.rollout
     path = str(model.path)
-    tokenizer = _get(model, "tokenizer_path")
-    template = _get(model, "custom_chat_template")
-    top_k = int(_get(rollout, "top_k", -1))
+    tokenizer = config_value(model, "tokenizer_path")
+    template = config_value(model, "custom_chat_template")
+    top_k = int(config_value(rollout, "top_k", -1))
     return {
         "model": path,
         **weights_fingerprint(model_files(path, key="actor_rollout_ref.model.path")),
@@ -226,13 +219,13 @@ def policy_identity(config: Any) -> dict[str, Any]:
             else model_files(path, key="actor_rollout_ref.model.path")),
         "custom_chat_template_sha256": (None if template is None
                                         else hashlib.sha256(str(template).encode()).hexdigest()),
-        "chat_template_kwargs": _plain(_get(config, "data.apply_chat_template_kwargs", {})),
+        "chat_template_kwargs": _plain(config_value(config, "data.apply_chat_template_kwargs", {})),
         "temperature": float(rollout.temperature),
         "top_p": float(rollout.top_p),
         "top_k": top_k if top_k > 0 else -1,
-        "repetition_penalty": float(_get(rollout, "repetition_penalty", 1.0)),
+        "repetition_penalty": float(config_value(rollout, "repetition_penalty", 1.0)),
         "response_length": int(config.data.max_response_length),
-        "dtype": _dtype_name(_get(rollout, "dtype", "bfloat16")),
+        "dtype": _dtype_name(config_value(rollout, "dtype", "bfloat16")),
     }
 
 
@@ -250,26 +243,26 @@ def training_identity(config: Any) -> dict[str, Any]:
         ValueError: a LoRA adapter directory that cannot be read.
     """
     model = config.actor_rollout_ref.model
-    fsdp = _get(config, "actor_rollout_ref.actor.fsdp_config")
-    rank = int(_get(model, "lora_rank", 0) or 0)
+    fsdp = config_value(config, "actor_rollout_ref.actor.fsdp_config")
+    rank = int(config_value(model, "lora_rank", 0) or 0)
     lora = rank > 0
 
     def modules(key: str) -> Any:
-        value = _plain(_get(model, key)) if lora else None
+        value = _plain(config_value(model, key)) if lora else None
         return sorted(value) if isinstance(value, list) else value
 
-    adapter = _get(model, "lora_adapter_path") if lora else None
-    mixed = _get(fsdp, "mixed_precision")
+    adapter = config_value(model, "lora_adapter_path") if lora else None
+    mixed = config_value(fsdp, "mixed_precision")
     return {
         "lora_rank": rank,
-        "lora_alpha": float(_get(model, "lora_alpha", 16)) if lora else None,
+        "lora_alpha": float(config_value(model, "lora_alpha", 16)) if lora else None,
         "target_modules": modules("target_modules"),
         "target_parameters": modules("target_parameters"),
         "exclude_modules": modules("exclude_modules"),
         "lora_adapter_sha256": None if adapter is None else weights_fingerprint(
             model_files(adapter, key="actor_rollout_ref.model.lora_adapter_path"))["weights_sha256"],
-        "param_dtype": _dtype_name(_get(mixed, "param_dtype", "bf16") if mixed is not None else "bf16"),
-        "model_dtype": _dtype_name(_get(fsdp, "model_dtype", "fp32")),
+        "param_dtype": _dtype_name(config_value(mixed, "param_dtype", "bf16") if mixed is not None else "bf16"),
+        "model_dtype": _dtype_name(config_value(fsdp, "model_dtype", "fp32")),
     }
 
 

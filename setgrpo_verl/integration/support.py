@@ -37,6 +37,8 @@ from setgrpo_verl.sketch import (
     sketch_coverage,
 )
 
+from .dotted import config_value
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["check_sketch_support", "check_sketch_settings", "build_meta_policy", "verl_monkey_patched",
@@ -62,14 +64,6 @@ _ATTENTION_PACKAGES = {
 _LINEAR_ATTENTION_PACKAGE = ("fla", "flash-linear-attention")
 
 
-def _get(node: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
-    return default if node is None else node
-
-
 def check_sketch_settings(config: Any) -> None:
     """Refuse the verl actor settings under which the sketch pass cannot run (docs/sketch.md#supported-settings).
 
@@ -82,22 +76,22 @@ def check_sketch_settings(config: Any) -> None:
             ``ulysses_sequence_parallel_size > 1`` (each rank would see a slice of every sequence), or FSDP2
             ``offload_policy=true`` (the parameters stay on the CPU during the pass).
     """
-    if bool(_get(config, "actor_rollout_ref.model.use_fused_kernels", False)):
+    if bool(config_value(config, "actor_rollout_ref.model.use_fused_kernels", False)):
         raise ValueError(
             "actor_rollout_ref.model.use_fused_kernels=true: verl's fused-kernel forward returns log-probs without "
             "the logits that the SetGRPO sketch pass differentiates; set actor_rollout_ref.model.use_fused_kernels=false"
         )
     for key in ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
                 "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"):
-        sp = int(_get(config, key, 1))
+        sp = int(config_value(config, key, 1))
         if sp > 1:
             raise ValueError(
                 f"{key}={sp}: SetGRPO's sketch pass needs whole sequences on each rank and does not support Ulysses "
                 f"sequence parallelism; set {key}=1"
             )
-    strategies = {str(_get(config, "actor_rollout_ref.actor.strategy", "")),
-                  str(_get(config, "actor_rollout_ref.actor.fsdp_config.strategy", ""))}
-    if "fsdp2" in strategies and bool(_get(config, "actor_rollout_ref.actor.fsdp_config.offload_policy", False)):
+    strategies = {str(config_value(config, "actor_rollout_ref.actor.strategy", "")),
+                  str(config_value(config, "actor_rollout_ref.actor.fsdp_config.strategy", ""))}
+    if "fsdp2" in strategies and bool(config_value(config, "actor_rollout_ref.actor.fsdp_config.offload_policy", False)):
         raise ValueError(
             "actor_rollout_ref.actor.fsdp_config.offload_policy=true: FSDP2's CPU offload policy keeps the actor's "
             "parameters on the CPU during the SetGRPO sketch pass, which is not supported; set "
@@ -130,17 +124,17 @@ def _hf_config(model_cfg: Any):
     from verl.utils.model import update_model_config
     from verl.utils.py_functional import convert_to_regular_types
 
-    import_external_libs(_get(model_cfg, "external_lib"))
-    path = str(_get(model_cfg, "hf_config_path") or _get(model_cfg, "path"))
+    import_external_libs(config_value(model_cfg, "external_lib"))
+    path = str(config_value(model_cfg, "hf_config_path") or config_value(model_cfg, "path"))
     if "://" in path:
         return None
     local = os.path.expanduser(path)
     try:
         hf_config = AutoConfig.from_pretrained(local if os.path.isdir(local) else path,
-                                               trust_remote_code=bool(_get(model_cfg, "trust_remote_code", False)))
+                                               trust_remote_code=bool(config_value(model_cfg, "trust_remote_code", False)))
     except Exception as exc:  # transformers raises OSError / ValueError / KeyError for unreadable configs
         raise ValueError(model_config_error(path, exc)) from exc
-    override = convert_to_regular_types(_get(model_cfg, "override_config", {})) or {}
+    override = convert_to_regular_types(config_value(model_cfg, "override_config", {})) or {}
     override = override.get("model_config", override)
     update_model_config(hf_config, override_config_kwargs={k: v for k, v in override.items()
                                                            if k != "attn_implementation"})
@@ -168,13 +162,13 @@ def build_meta_policy(model_cfg: Any) -> Optional[torch.nn.Module]:
     hf_config = _hf_config(model_cfg)
     if hf_config is None:
         return None
-    trust = bool(_get(model_cfg, "trust_remote_code", False))
+    trust = bool(config_value(model_cfg, "trust_remote_code", False))
     with torch.device("meta"):
         module = get_hf_auto_model_class(hf_config).from_config(hf_config, trust_remote_code=trust)
-        if int(_get(model_cfg, "lora_rank", 0)) > 0:
+        if int(config_value(model_cfg, "lora_rank", 0)) > 0:
             from peft import LoraConfig, PeftConfig, TaskType, get_peft_model
 
-            adapter = _get(model_cfg, "lora_adapter_path")
+            adapter = config_value(model_cfg, "lora_adapter_path")
             if adapter is not None:
                 try:
                     peft_config = PeftConfig.from_pretrained(os.path.expanduser(str(adapter)))
@@ -187,11 +181,11 @@ def build_meta_policy(model_cfg: Any) -> Optional[torch.nn.Module]:
             else:
                 peft_config = LoraConfig(
                     task_type=TaskType.CAUSAL_LM,
-                    r=int(_get(model_cfg, "lora_rank")),
-                    lora_alpha=_get(model_cfg, "lora_alpha", 16),
-                    target_modules=convert_to_regular_types(_get(model_cfg, "target_modules")),
-                    target_parameters=convert_to_regular_types(_get(model_cfg, "target_parameters")),
-                    exclude_modules=convert_to_regular_types(_get(model_cfg, "exclude_modules")),
+                    r=int(config_value(model_cfg, "lora_rank")),
+                    lora_alpha=config_value(model_cfg, "lora_alpha", 16),
+                    target_modules=convert_to_regular_types(config_value(model_cfg, "target_modules")),
+                    target_parameters=convert_to_regular_types(config_value(model_cfg, "target_parameters")),
+                    exclude_modules=convert_to_regular_types(config_value(model_cfg, "exclude_modules")),
                     bias="none",
                 )
             module = get_peft_model(module, peft_config)
@@ -238,7 +232,7 @@ def verl_monkey_patched(model: torch.nn.Module, **kwargs: Any) -> Iterator[torch
 def _check_packed_layout(config: Any, module: torch.nn.Module) -> None:
     """Refuse packed sequences on a linear-attention model whose forward, as verl patches it, takes no
     ``cu_seqlens`` (verl 0.9.1 passes them only then: ``FSDPEngine.pass_packed_cu_seqlens``)."""
-    if not bool(_get(config, "actor_rollout_ref.model.use_remove_padding", True)):
+    if not bool(config_value(config, "actor_rollout_ref.model.use_remove_padding", True)):
         return
     base = module.get_base_model() if hasattr(module, "get_base_model") else module  # verl patches before peft
     if not packed_needs_cu_seqlens(base):
@@ -275,9 +269,9 @@ def check_sketch_support(config: Any, sketch: SketchConfig) -> Optional[SketchCo
             forward takes no ``cu_seqlens``; an unreadable model or adapter configuration.
     """
     check_sketch_settings(config)
-    model_cfg = _get(config, "actor_rollout_ref.model")
+    model_cfg = config_value(config, "actor_rollout_ref.model")
     module = build_meta_policy(model_cfg)
-    path = _get(model_cfg, "path")
+    path = config_value(model_cfg, "path")
     if module is None:
         logger.warning("setgrpo: sketch coverage of %s is checked on the workers (remote path)", path)
         return None
@@ -382,7 +376,7 @@ def check_attention_kernels(config: Any) -> None:
     Raises:
         ValueError: :func:`attention_kernel_error`'s message.
     """
-    override = _get(config, "actor_rollout_ref.model.override_config", {}) or {}
+    override = config_value(config, "actor_rollout_ref.model.override_config", {}) or {}
     value = override.get("attn_implementation", None) if hasattr(override, "get") else None
     error = attention_kernel_error(str(value or VERL_DEFAULT_ATTENTION), default=value is None)
     if error:
@@ -428,12 +422,12 @@ def check_trainer_settings(config: Any, setgrpo: Any, *, sketches: bool = True) 
             ``data.max_prompt_length + data.max_response_length`` (verl's ``rearrange_micro_batches`` asserts
             ``max_token_len >= max_seq_len`` on every rank, after the calibration rollouts).
     """
-    if not bool(_get(config, "trainer.use_v1", True)):
+    if not bool(config_value(config, "trainer.use_v1", True)):
         raise ValueError(
             "trainer.use_v1=false: main_ppo then runs verl's v0 trainer, whose workers have no SetGRPO sketch RPC "
             "and which ignores trainer.v1.trainer_mode=setgrpo; set trainer.use_v1=true"
         )
-    strategy = str(_get(config, "actor_rollout_ref.actor.strategy", "fsdp"))
+    strategy = str(config_value(config, "actor_rollout_ref.actor.strategy", "fsdp"))
     if strategy not in SKETCH_STRATEGIES:
         other = _OTHER_BACKENDS.get(strategy, f"verl's {strategy!r} engine")
         why = ("the SetGRPO sketch pass runs on verl's FSDP engine only (strategy fsdp or fsdp2), not on "
@@ -447,13 +441,13 @@ def check_trainer_settings(config: Any, setgrpo: Any, *, sketches: bool = True) 
     sketch = setgrpo.sketch
     budget, key = sketch.max_token_len_per_gpu, "algorithm.setgrpo.sketch.max_token_len_per_gpu"
     if budget is None and sketch.micro_batch_size_per_gpu is None and bool(
-            _get(config, "actor_rollout_ref.actor.use_dynamic_bsz", False)):
-        budget = _get(config, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
+            config_value(config, "actor_rollout_ref.actor.use_dynamic_bsz", False)):
+        budget = config_value(config, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
         key = ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (the sketch pass's token budget when "
                "algorithm.setgrpo.sketch.max_token_len_per_gpu is null)")
     if budget is None:
         return
-    prompt, response = int(_get(config, "data.max_prompt_length")), int(_get(config, "data.max_response_length"))
+    prompt, response = int(config_value(config, "data.max_prompt_length")), int(config_value(config, "data.max_response_length"))
     if int(budget) < prompt + response:
         raise ValueError(
             f"{key}={int(budget)} is below one full-length sequence, data.max_prompt_length + "

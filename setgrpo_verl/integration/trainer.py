@@ -128,7 +128,7 @@ def _group_log_rows(step: SetGRPOStep, global_step: int) -> list[dict[str, Any]]
     return rows
 
 
-def _reliability_log_rows(step: Any, point: torch.Tensor, global_step: int) -> list[dict[str, Any]]:
+def _reliability_log_rows(step: Any, global_step: int) -> list[dict[str, Any]]:
     """The reliability variant's group-log rows, in the paper's row format: ``status`` is ``trained`` or
     ``zero_weight``, ``weight`` the group's reliability weight, ``point`` the mean of the two scorings; the
     recovery ratio and projections, which this variant does not compute, are null."""
@@ -138,7 +138,7 @@ def _reliability_log_rows(step: Any, point: torch.Tensor, global_step: int) -> l
         rows.append({
             "step": global_step, "group": g, "status": "trained" if w > 0 else "zero_weight", "accepted": w > 0,
             "weight": w, "recovery_ratio": None, "m_full": None, "m_reward": None,
-            "point": [float(v) for v in point[g].tolist()],
+            "point": [float(v) for v in step.point_scores[g].tolist()],
             "coefficients": [float(v) for v in step.coefficients[step.groups[g]].tolist()],
         })
     return rows
@@ -186,16 +186,6 @@ class GradedSyncTrainer(_SyncMode, PPOTrainerSync):
     """
 
     registered_mode = GRADED_SYNC_NAME
-
-    def _entropy_metric(self, batch) -> float:
-        """verl 0.9.1 ``_compute_old_log_prob``'s ``actor/entropy`` (v1 ``trainer_base``): the response entropies the
-        fused pass wrote, aggregated with the actor's ``loss_agg_mode`` and ``loss_scale_factor``."""
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=["entropy", "response_mask"])
-        data = DataProto(batch=data.to_padded_tensor())
-        actor = self.config.actor_rollout_ref.actor
-        return agg_loss(loss_mat=data.batch["entropy"], loss_mask=data.batch["response_mask"],
-                        loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor).detach().item()
 
     def _compute_advantage(self, batch, metrics: dict):
         fields = ["extra_fields"] + [k for k in GRADING_COUNT_KEYS if batch.fields and k in batch.fields]
@@ -537,9 +527,7 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
             self._accepted_groups = int(torch.as_tensor(step.result.accepted).sum())
         if self.setgrpo.group_log:
             if self._reliability:
-                point = (data.batch["token_level_rewards"].sum(-1).double()[step.groups]
-                         + reference.double()[step.groups]) / 2
-                rows = _reliability_log_rows(step, point, self.global_steps)
+                rows = _reliability_log_rows(step, self.global_steps)
             else:
                 rows = _group_log_rows(step, self.global_steps)
             with open(os.path.expanduser(self.setgrpo.group_log), "a", encoding="utf-8") as fh:
