@@ -20,10 +20,8 @@ import statistics
 
 import torch
 
-from harness import alternated
+from harness import alternated, rollout_batch
 
-from setgrpo_verl.models import embedded_model_dir
-from setgrpo_verl.verl_cpu.rollout import TransformersRolloutServer
 
 
 def main() -> None:
@@ -36,15 +34,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    server = TransformersRolloutServer(str(embedded_model_dir()), response_length=args.response,
-                                       max_batch_size=args.groups * args.k, seed=0, dtype=dtype,
-                                       num_threads=torch.get_num_threads())
-    vocab = server.tokenizer.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.groups)]
-    batch = [p for p in prompts for _ in range(args.k)]
-    key = (1.0, 1.0, -1, args.response, True)  # temperature, top_p, top_k, new tokens, log-probs
+    server, batch, key = rollout_batch(args.groups, args.k, args.prompt, args.response, args.dtype)
 
     def decode(share: bool):
         def run():

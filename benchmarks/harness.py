@@ -89,3 +89,22 @@ def run_child(script: str, argv: list[str]) -> dict:
     if proc.returncode != 0:
         sys.exit(f"{os.path.basename(script)} {' '.join(argv)} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def rollout_batch(groups: int, k: int, prompt: int, response: int, dtype: str):
+    """The embedded policy's CPU rollout server (``dtype`` ``"fp32"`` or ``"bf16"``, ``groups * k`` requests a batch)
+    and what the rollout benchmarks decode: ``groups`` random prompts of ``prompt`` tokens, each sent ``k`` times, and
+    the sampling key (temperature 1, top_p 1, no top_k, ``response`` new tokens, log-probs)."""
+    import torch
+
+    from setgrpo_verl.models import embedded_model_dir
+    from setgrpo_verl.verl_cpu.rollout import TransformersRolloutServer
+
+    server = TransformersRolloutServer(str(embedded_model_dir()), response_length=response,
+                                       max_batch_size=groups * k, seed=0,
+                                       dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+                                       num_threads=torch.get_num_threads())
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, server.tokenizer.vocab_size, (prompt,), generator=gen).tolist()
+               for _ in range(groups)]
+    return server, [p for p in prompts for _ in range(k)], (1.0, 1.0, -1, response, True)
