@@ -5,9 +5,10 @@ times, decoded by ``TransformersRolloutServer`` with ``--response`` new tokens a
 cache either preallocated and written in place (the server's) or grown by concatenation every step. The two
 alternate in one process (medians of ``--repeats`` rounds), so load from other processes hits them alike. It checks
 first that both draw the same tokens and log-probs from one seed. The last line is the ratio preallocated /
-concatenated.
+concatenated. The default is float32: a bfloat16 server keeps ``generate``'s own prefill (docs/verl_integration.md,
+the rollout replicas), so in bfloat16 both sides concatenate and the ratio says nothing.
 
-    python benchmarks/bench_rollout_cache.py [--groups 16 --k 4 --prompt 96 --response 24 --dtype bf16]
+    python benchmarks/bench_rollout_cache.py [--groups 16 --k 4 --prompt 96 --response 24 --dtype fp32]
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import torch  # noqa: E402
 from harness import alternated, rollout_batch  # noqa: E402
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=16, help="groups per batch (64 responses: max_num_seqs)")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=96, help="prompt tokens (the default profile's longest)")
     parser.add_argument("--response", type=int, default=24, help="new tokens (the default profile's)")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
 
