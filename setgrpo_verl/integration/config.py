@@ -84,8 +84,16 @@ class SetGRPOCalibrationConfig(BaseConfig):
                                         "< N; every N-th batch from I), writing shards and no record, for N jobs at "
                                         "once; merge them with setgrpo-verl merge-calibration; needs only=true; "
                                         "null = all (docs/record.md#calibration-shards)")
+    max_grading_failure_ratio: float = _field(0.02, "largest share of the calibration groups that may be left out "
+                                                    "because grading failed (a judge error) before calibration "
+                                                    "refuses to finish: such groups are not missing at random "
+                                                    "(docs/verl_integration.md#partial-groups)")
 
     def __post_init__(self):
+        ratio = self.max_grading_failure_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
+            raise ValueError(f"algorithm.setgrpo.calibration.max_grading_failure_ratio={ratio!r} must be a number in "
+                             "[0, 1] (0: no group may fail grading; the default 0.02 allows 2 %)")
         if self.num_prompts < 2:
             raise ValueError(
                 f"algorithm.setgrpo.calibration.num_prompts={self.num_prompts}: need at least 2 prompts "
