@@ -70,7 +70,7 @@ def reference_scores_from(data: TensorDict | dict, key: str,
     if values is None:
         return None
     out = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
-    kept = torch.tensor([not s for s in skip], dtype=torch.bool) if skip is not None else torch.ones_like(out, dtype=torch.bool)
+    kept = torch.tensor([not s for s in (skip or [False] * len(values))], dtype=torch.bool)
     if not torch.isfinite(out[kept]).all():
         raise ValueError(f"score {key!r} of reward_extra_info contains NaN/inf")
     return out

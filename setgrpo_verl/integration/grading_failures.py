@@ -67,6 +67,6 @@ def empty_batch_error(judge: str) -> str:
     Args:
         judge: the grader as messages name it (:func:`~.judge_access.describe_judge`).
     """
-    return ("no response of this batch reached the trainer: every rollout session failed, and verl's log (main_ppo.log) "
-            "holds each session's error. A session fails when grading its response fails, so a judge that stopped "
+    return ("no response of this batch reached the trainer: every rollout session failed, and verl's log "
+            "(main_ppo.log) holds each session's error. A session fails when grading its response fails, so a judge that stopped "
             f"answering fails them all ({judge}): check that it answers, then resume the run")

@@ -23,9 +23,9 @@ import os
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
-__all__ = ["JUDGE_KEY_ENV", "SKIP_PROBE_ENV", "check_judge_access", "describe_judge", "is_loopback_host", "judge_probe_line",
-           "loopback_judge_error", "pass_judge_key", "probe_judge", "remote_judge", "runtime_env_with_judge_key",
-           "skip_probe"]
+__all__ = ["JUDGE_KEY_ENV", "SKIP_PROBE_ENV", "check_judge_access", "describe_judge", "is_loopback_host",
+           "judge_probe_line", "loopback_judge_error", "pass_judge_key", "probe_judge", "remote_judge",
+           "runtime_env_with_judge_key", "skip_probe"]
 
 #: The environment variable the HTTP judge reads its key from (``setgrpo_verl.grading.http_judge``).
 JUDGE_KEY_ENV = "OPENAI_API_KEY"

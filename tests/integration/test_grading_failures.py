@@ -5,7 +5,6 @@ the reward manager turns a calibration response's grading failure into a row tha
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
