@@ -41,6 +41,7 @@ from ._record import (
     question_key,
 )
 from ._shards import (
+    DROP_REASONS,
     SHARD_DIR,
     CalibrationShard,
     TornShardError,
@@ -88,7 +89,7 @@ __all__ = [
     "risk_share_floor", "degenerate_groups", "grpo_coefficients",
     "grpo_jacobian", "min_calibration_groups", "nonconformity_scores", "package_versions", "path_point",
     "projections", "prompt_fingerprint", "question_key", "recovery_ratios", "required_accepted_groups", "safe_anchor", "select_threshold", "set_shape",
-    "setgrpo_coefficients", "coverage_risk_split", "check_identity", "SHARD_DIR", "CalibrationShard", "TornShardError", "in_part",
+    "setgrpo_coefficients", "coverage_risk_split", "check_identity", "DROP_REASONS", "SHARD_DIR", "CalibrationShard", "TornShardError", "in_part",
     "load_shards", "parse_part", "pilot_source", "read_shard", "record_from_shards", "shard_identity", "shard_name", "shard_start_source", "shard_versions", "write_calibration",
     "write_shard", "reliability_coefficients", "reliability_weights",
 ]

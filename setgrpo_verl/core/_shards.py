@@ -31,7 +31,7 @@ from ._identity import check_identity
 from ._record import CalibrationRecord, differing_versions, pilot_start
 from ._settings import CalibrationSettings
 
-__all__ = ["SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
+__all__ = ["DROP_REASONS", "SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
            "pilot_source", "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name",
            "write_calibration", "write_shard"]
 
@@ -48,6 +48,11 @@ class TornShardError(ValueError):
     """A shard file that cannot be read whole (a write cut off mid-file, a partial copy): never read as data."""
 
 
+#: Why a calibration group is left out (``CalibrationShard.dropped``, ``dropped_<reason>`` in ``paired_scores.npz``):
+#: fewer than K responses, none, or a response whose grading failed (docs/verl_integration.md#partial-groups).
+DROP_REASONS = ("incomplete", "no_response", "grading_failed")
+
+
 @dataclass(frozen=True)
 class CalibrationShard:
     """The calibration data of one batch.
@@ -56,7 +61,8 @@ class CalibrationShard:
     :func:`~setgrpo_verl.core.prompt_fingerprint` per prompt of the batch, in rollout order; float64 ``point [G, K]``,
     ``reference [G, K]``, ``gram [G, K, K]`` and ``truth [G, K]`` (None when the grader has none) of the G complete
     groups, sorted by ``prompt_index`` (int64 [G], each group's position in ``prompts``); ``dropped``: groups left
-    out for holding fewer than K responses (``incomplete``) or none (``no_response``); ``verdicts``: the judge's
+    out for holding fewer than K responses (``incomplete``), none (``no_response``) or a response whose grading
+    failed (``grading_failed``; 0 in shards written before it was counted); ``verdicts``: the judge's
     ``(unparsed, judged)`` verdict counts or None; ``identity``: :func:`shard_identity`; ``created_at``: ISO 8601;
     ``package_versions``: :func:`~setgrpo_verl.core.package_versions` of the process that rolled the batch out and
     sketched it; ``tau_start_source``: where the fixed sequence's ``tau_start`` came from
@@ -76,7 +82,7 @@ class CalibrationShard:
     truth: np.ndarray | None
     prompt_index: np.ndarray
     identity: dict
-    dropped: dict = field(default_factory=lambda: {"incomplete": 0, "no_response": 0})
+    dropped: dict = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     verdicts: tuple | None = None
     created_at: str = ""
     package_versions: dict = field(default_factory=dict)
@@ -240,7 +246,8 @@ def read_shard(path: str | os.PathLike) -> CalibrationShard:
         raise ValueError(f"calibration shard {path}: field identity.settings: {exc}") from None
     shard = CalibrationShard(index=int(meta["index"]), prompts=tuple(meta["prompts"]), point=data["point"],
                              reference=data["reference"], gram=data["gram"], truth=data.get("truth"),
-                             prompt_index=data["prompt_index"], identity=identity, dropped=meta["dropped"],
+                             prompt_index=data["prompt_index"], identity=identity,
+                             dropped={**dict.fromkeys(DROP_REASONS, 0), **meta["dropped"]},
                              verdicts=None if meta["verdicts"] is None else tuple(meta["verdicts"]),
                              created_at=meta["created_at"], package_versions=meta.get("package_versions", {}),
                              tau_start_source=meta.get("tau_start_source", {}),
@@ -357,7 +364,8 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
 
     Returns:
         ``(record, paired)``: ``paired`` holds float64 ``point``, ``reference``, ``gram`` (and ``truth``) of every
-        complete group in batch order, ``dropped_incomplete`` and ``dropped_no_response`` (int64 scalars), and
+        complete group in batch order, ``dropped_incomplete``, ``dropped_no_response`` and
+        ``dropped_grading_failed`` (int64 scalars), and
         ``unparsed_verdicts`` / ``judged_verdicts`` when the judge counted them.
 
     Raises:
@@ -379,8 +387,8 @@ def record_from_shards(sources: Sequence[tuple[str | os.PathLike, CalibrationSha
     paired = {name: np.concatenate([getattr(s, name) for s in ordered]) for name in ("point", "reference", "gram")}
     if all(truths):
         paired["truth"] = np.concatenate([s.truth for s in ordered])
-    for reason in ("incomplete", "no_response"):
-        paired[f"dropped_{reason}"] = np.int64(sum(int(s.dropped[reason]) for s in ordered))
+    for reason in DROP_REASONS:
+        paired[f"dropped_{reason}"] = np.int64(sum(int(s.dropped.get(reason, 0)) for s in ordered))
     verdicts = [s.verdicts for s in ordered if s.verdicts is not None]
     if verdicts:
         paired["unparsed_verdicts"], paired["judged_verdicts"] = (np.float64(sum(v)) for v in zip(*verdicts))
@@ -469,7 +477,7 @@ def write_calibration(record: CalibrationRecord, paired: dict[str, np.ndarray], 
     folder = Path(record_path).resolve().parent
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_file(folder / "paired_scores.npz") as fh:
-        np.savez(fh, **{name: paired[name] for name in _FLOATS + ("dropped_incomplete", "dropped_no_response")
+        np.savez(fh, **{name: paired[name] for name in _FLOATS + tuple(f"dropped_{r}" for r in DROP_REASONS)
                         if name in paired})
     record.to_json(record_path)
 

@@ -274,7 +274,8 @@ class OpenAIJudge:
             if choice is not None:
                 return choice
         raise GradingError(
-            f"judge request to {url} got HTTP {status} with {what} after {self.max_retries} retries; the body "
+            f"judge {self.model!r}: the request to {url} got HTTP {status} with {what} after {self.max_retries} "
+            f"retries; the body "
             f"starts {body[:SAID_CHARS]!r}. Check that the URL is the server's OpenAI-compatible /v1 endpoint (no "
             "proxy error page in between) and that the server is healthy"
         )
@@ -315,8 +316,15 @@ class OpenAIJudge:
             await asyncio.sleep(_backoff(rounds))
 
     def _failed(self, exc: Exception, hint: str) -> GradingError:
+        """The error of a request that failed after the client's retries, naming the judge's model and URL and the
+        HTTP status (or that no connection was made)."""
+        import openai
+
+        status = getattr(exc, "status_code", None)
+        what = (f"answered HTTP {status}" if status is not None else "could not be reached (no HTTP status)"
+                if isinstance(exc, openai.APIConnectionError) else "failed")
         return GradingError(
-            f"judge request to {self.base_url} failed after {self.max_retries} retries "
+            f"judge {self.model!r} at {self.base_url} {what} after {self.max_retries} retries "
             f"(timeout {self.timeout}s per attempt): {type(exc).__name__}: {exc}; {hint}"
         )
 

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from tensordict import TensorDict
 
 from .worker import SKETCH_ROWS_KEY
 
-__all__ = ["dense_sketches", "reference_scores_from", "sketch_rows_field", "sketched_rows", "truth_verdicts_from"]
+__all__ = ["dense_sketches", "grading_errors_from", "reference_scores_from", "sketch_rows_field", "sketched_rows",
+           "truth_verdicts_from"]
 
 
-def _extra_values(data: TensorDict | dict, key: str, what: str) -> Optional[list]:
+def _extra_values(data: TensorDict | dict, key: str, what: str,
+                  skip: Optional[Sequence[bool]] = None) -> Optional[list]:
     """One value per row of ``key``: a top-level field (colocated reward path), else ``extra_fields[i]
-    ["reward_extra_info"][key]`` (verl's streaming reward loop); None when no row carries it.
+    ["reward_extra_info"][key]`` (verl's streaming reward loop); None when no row carries it. Rows flagged in
+    ``skip`` (those whose grading failed, which carry no scores) may lack it: their value is None.
 
     Raises:
         ValueError: some rows carry it and others do not (``what`` names it in the message).
@@ -35,48 +38,64 @@ def _extra_values(data: TensorDict | dict, key: str, what: str) -> Optional[list
             return None
     if values is None:
         return None
-    if any(v is None for v in values):
-        raise ValueError(
-            f"{what} {key!r} of reward_extra_info is missing for {sum(v is None for v in values)} of {len(values)} "
-            "responses"
-        )
+    skip = [False] * len(values) if skip is None else list(skip)
+    missing = sum(v is None and not s for v, s in zip(values, skip))
+    if missing:
+        raise ValueError(f"{what} {key!r} of reward_extra_info is missing for {missing} of {len(values)} responses")
     return values
 
 
-def reference_scores_from(data: TensorDict | dict, key: str) -> Optional[torch.Tensor]:
+def grading_errors_from(data: TensorDict | dict, key: str) -> Optional[list[str]]:
+    """Each row's grading error (``""`` when it was graded) under ``key``
+    (:data:`~setgrpo_verl.integration.reward_config.GRADING_ERROR_KEY`), read as :func:`reference_scores_from`
+    reads a score; None when the reward manager wrote none."""
+    values = _extra_values(data, key, "grading error")
+    return None if values is None else [str(v) for v in values]
+
+
+def reference_scores_from(data: TensorDict | dict, key: str,
+                          skip: Optional[Sequence[bool]] = None) -> Optional[torch.Tensor]:
     """Reference scores r' of a batch (docs/algorithm.md#0-notation) as float64 [B] (reward units), or None when the reward
     manager did not return them.
 
     Looks for a top-level field ``key`` (colocated reward path) and else for ``extra_fields[i]
     ["reward_extra_info"][key]`` (verl's streaming reward loop).
 
+    ``skip``: rows whose grading failed (:func:`grading_errors_from`), which carry no score: NaN there.
+
     Raises:
         ValueError: some rows carry the score and others do not, or a value is not a finite number.
     """
-    values = _extra_values(data, key, "score")
+    values = _extra_values(data, key, "score", skip)
     if values is None:
         return None
-    out = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if not torch.isfinite(out).all():
+    out = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+    kept = torch.tensor([not s for s in (skip or [False] * len(values))], dtype=torch.bool)
+    if not torch.isfinite(out[kept]).all():
         raise ValueError(f"score {key!r} of reward_extra_info contains NaN/inf")
     return out
 
 
-def truth_verdicts_from(data: TensorDict | dict, key: str) -> Optional[list[tuple[list[int], list[float]]]]:
+def truth_verdicts_from(data: TensorDict | dict, key: str,
+                        skip: Optional[Sequence[bool]] = None) -> Optional[list[tuple[list[int], list[float]]]]:
     """Each row's noise-free verdicts and its criteria's points, ``(met, points)`` with ``met`` 1 / 0 / -1 (met,
     unmet, no verdict) per criterion, as the dual-reward manager writes them under ``key``
     (:data:`~setgrpo_verl.integration.reward_config.TRUTH_VERDICTS_KEY`, docs/validation.md#noisy-grader); None
-    when the reward manager did not return them. Read as :func:`reference_scores_from` reads a score.
+    when the reward manager did not return them. Read as :func:`reference_scores_from` reads a score (rows in
+    ``skip`` carry none: ``([], [])`` there).
 
     Raises:
         ValueError: some rows carry them and others do not, or a row's value is not ``{"met": [...], "points":
             [...]}`` with one verdict in {-1, 0, 1} and one finite number of points per criterion.
     """
-    values = _extra_values(data, key, "verdicts")
+    values = _extra_values(data, key, "verdicts", skip)
     if values is None:
         return None
     rows = []
     for n, value in enumerate(values):
+        if value is None:  # a skipped row
+            rows.append(([], []))
+            continue
         row = json.loads(value) if isinstance(value, (str, bytes)) else value
         met, points = (row.get("met"), row.get("points")) if isinstance(row, dict) else (None, None)
         numbers = isinstance(points, list) and all(

@@ -31,15 +31,19 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 
 from setgrpo_verl.atomic import replace_durably
-from setgrpo_verl.core import (SHARD_DIR, CalibrationRecord, CalibrationShard, degenerate_groups, in_part,
+from setgrpo_verl.core import (DROP_REASONS, SHARD_DIR, CalibrationRecord, CalibrationShard, degenerate_groups, in_part,
                                load_shards, package_versions, pilot_source, prompt_fingerprint, record_from_shards,
                                shard_identity, shard_name, shard_start_source, shard_versions, write_calibration,
                                write_shard)
 
-from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows, truth_verdicts_from
+from .batch import (dense_sketches, grading_errors_from, reference_scores_from, sketch_rows_field, sketched_rows,
+                    truth_verdicts_from)
 from .config import TRUTH_SCORE_KEY
 from .groups import complete_group_rows, group_gram
 from .prompts import prompt_identity
+from .grading_failures import all_failed_error, check_grading_failure_share
+from .judge_access import describe_judge
+from .reward_config import CALIBRATION_MARK, GRADING_ERROR_KEY, grader_config
 from .reward_manager import (GRADING_COUNT_KEYS, TRUTH_VERDICTS_KEY, UNPARSED_RATIO_METRIC, grading_counts,
                              unparsed_ratio)
 from .worker import SKETCH_KEY
@@ -56,7 +60,8 @@ class CalibrationGroups(NamedTuple):
     complete groups' ``uids`` and ``incomplete``, each group left out for holding fewer than K responses -> its
     response count; ``truth_verdicts`` int8 ``[G, K, J]`` (1 met, 0 unmet, -1 no verdict or no criterion J of a
     rubric with fewer) and ``criterion_points`` float64 ``[G, J]`` (0 past a rubric's criteria) of the noise-free
-    verdicts, J the most criteria of a rubric in the batch, or both ``None``."""
+    verdicts, J the most criteria of a rubric in the batch, or both ``None``; ``grading_failed``, each group left
+    out because grading one of its responses failed -> the first such error's message."""
 
     point: torch.Tensor
     reference: torch.Tensor
@@ -66,6 +71,7 @@ class CalibrationGroups(NamedTuple):
     incomplete: dict = {}
     truth_verdicts: Optional[np.ndarray] = None
     criterion_points: Optional[np.ndarray] = None
+    grading_failed: dict = {}
 
 
 @contextlib.contextmanager
@@ -110,6 +116,10 @@ def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TR
             (docs/verl_integration.md#partial-groups).
         verdicts_key: key of the noise-free verdicts in ``reward_extra_info`` (:func:`truth_verdicts_from`).
 
+    A group one of whose responses carries a grading error (``reward_extra_info["grading_error"]``, which the
+    dual-reward manager writes for a calibration response whose grading failed) is left out whole and counted in
+    ``grading_failed``, whether or not it is complete.
+
     Returns:
         :class:`CalibrationGroups` (float64, complete groups by uid, padding groups skipped; ``truth`` and the
         truth verdicts None when the batch carries none).
@@ -119,27 +129,46 @@ def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TR
             ``k``, non-finite sketches, a truth for only some responses or a non-finite one, truth verdicts for
             only some responses or malformed, or responses of one group with different criteria points.
     """
-    reference = reference_scores_from(data, reference_key)
-    if reference is None:
+    errors = grading_errors_from(data, GRADING_ERROR_KEY)
+    failed_rows = None if errors is None else [bool(e) for e in errors]
+    reference = reference_scores_from(data, reference_key, failed_rows)
+    response_mask, scores = data["response_mask"], data["rm_scores"]
+    if response_mask.is_nested:
+        response_mask, scores = response_mask.to_padded_tensor(0), scores.to_padded_tensor(0.0)
+    index = list(data["uid"])
+    groups, uids, incomplete = complete_group_rows(index, response_mask, k)
+    failed = _failed_groups(index, errors, set(uids) | set(incomplete))
+    if failed:  # a group with a response whose grading failed is left out whole, complete or not
+        keep = [g for g, uid in enumerate(uids) if uid not in failed]
+        groups, uids = groups[keep], [uids[g] for g in keep]
+        incomplete = {uid: n for uid, n in incomplete.items() if uid not in failed}
+    if reference is None and uids:
         raise ValueError(
             f"calibration needs a reference score per response under reward_extra_info[{reference_key!r}]: use "
             "the setgrpo dual-reward manager (reward.reward_manager.name) or set algorithm.setgrpo.reference_score_key"
         )
-    response_mask, scores = data["response_mask"], data["rm_scores"]
-    if response_mask.is_nested:
-        response_mask, scores = response_mask.to_padded_tensor(0), scores.to_padded_tensor(0.0)
-    groups, uids, incomplete = complete_group_rows(list(data["uid"]), response_mask, k)
     point = scores.to(torch.float64).sum(-1)[groups]
-    truth = reference_scores_from(data, truth_key)
+    truth = reference_scores_from(data, truth_key, failed_rows)
     sketched = sketched_rows(data)
     gram = group_gram(dense_sketches(data[SKETCH_KEY]), groups, sketched) if uids else torch.zeros(0, k, k, dtype=torch.float64)
     if sketched is not None and uids:
         unread = ~sketched[groups].all(-1) & ~degenerate_groups(point)
         if unread.any():
             raise ValueError(f"{int(unread.sum())} calibration group(s) are not degenerate but were not sketched")
-    verdicts, points = _group_verdicts(truth_verdicts_from(data, verdicts_key), groups)
-    return CalibrationGroups(point, reference[groups], gram, None if truth is None else truth[groups], uids,
-                             incomplete, verdicts, points)
+    verdicts, points = _group_verdicts(truth_verdicts_from(data, verdicts_key, failed_rows), groups)
+    reference = torch.zeros(0, k, dtype=torch.float64) if reference is None else reference[groups]
+    return CalibrationGroups(point, reference, gram, None if truth is None else truth[groups], uids,
+                             incomplete, verdicts, points, failed)
+
+
+def _failed_groups(index: list, errors: Optional[list[str]], real: set) -> dict:
+    """Each real group (uid in ``real``) with a row whose grading failed -> the first such row's error message;
+    ``errors``: one message per row (``""``: graded), or None when the reward manager wrote none."""
+    failed: dict = {}
+    for uid, error in zip(index, errors or ()):
+        if error and uid in real:
+            failed.setdefault(uid, error)
+    return failed
 
 
 def _group_verdicts(rows: Optional[list], groups: torch.Tensor) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
@@ -268,6 +297,7 @@ class CalibrationPhase:
             batch_dict["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch_dict["raw_prompt"]))], dtype=object)
             batch = tu.get_tensordict(batch_dict)
             tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
+            tu.assign_non_tensor_data(batch, CALIBRATION_MARK, True)  # grading failures come back as rows, counted
             yield batch
 
     def _calibrate(self) -> Optional[CalibrationRecord]:
@@ -291,9 +321,11 @@ class CalibrationPhase:
         (:func:`setgrpo_verl.core.record_from_shards`): the same record however the set was reached.
 
         verl's replay buffer samples the calibration prompts only (:func:`calibration_sampling`); a group that lost
-        some of its K responses to a failed rollout session, or all of them, is left out, and how many were left
-        out for each reason goes to the tracker (``setgrpo/calibration/dropped_incomplete`` and
-        ``.../dropped_no_response``), the log and ``paired_scores.npz`` (docs/verl_integration.md#partial-groups).
+        some of its K responses to a failed rollout session, or all of them, or one of whose responses could not be
+        graded, is left out, and how many were left out for each reason goes to the tracker
+        (``setgrpo/calibration/dropped_incomplete``, ``.../dropped_no_response``, ``.../dropped_grading_failed``),
+        the log and ``paired_scores.npz`` (docs/verl_integration.md#partial-groups). Groups left out because grading
+        failed may be at most ``calibration.max_grading_failure_ratio`` of the groups.
 
         Returns:
             The record, or None for a part of a sharded calibration.
@@ -301,8 +333,10 @@ class CalibrationPhase:
         Raises:
             ValueError: an empty calibration set, a grader that gives the truth for some batches only, shards of
                 another run or with another content, or shards left by an earlier run under
-                ``trainer.resume_mode=disable``.
-            RuntimeError: a sampled group whose prompt is not in the batch rolled out.
+                ``trainer.resume_mode=disable``; more groups left out because grading failed than
+                ``calibration.max_grading_failure_ratio`` allows (:func:`check_grading_failure_share`).
+            RuntimeError: a sampled group whose prompt is not in the batch rolled out; a batch whose every group
+                failed grading (:func:`all_failed_error`).
         """
         cfg = self.setgrpo
         k = int(self.config.actor_rollout_ref.rollout.n)
@@ -344,6 +378,8 @@ class CalibrationPhase:
         if parts > 1:
             if not cfg.calibration.only:  # check_run_config refuses this; a stopped part never trains
                 raise RuntimeError("a part of a sharded calibration cannot train: calibration.only=true is needed")
+            shards, _ = load_shards(shard_dir, identity)
+            self._check_grading_share({b: s for b, s in shards.items() if in_part(b, part, parts)})
             logger.warning("SetGRPO calibration: part %d/%d finished in %.0f s; build the record from every part's "
                            "shard directory with `setgrpo-verl merge-calibration`", part, parts,
                            time.perf_counter() - t0)
@@ -384,13 +420,15 @@ class CalibrationPhase:
         """The record of the complete shard set read back from disk, written to ``out`` with its paired scores; the
         groups left out, the unparsed verdicts and the record go to the log and the tracker."""
         shards, _ = load_shards(shard_dir, identity)
+        self._check_grading_share(shards)
         record, paired = record_from_shards([(os.path.join(shard_dir, shard_name(b)), s) for b, s in shards.items()],
                                             tau_start_source=source)
-        dropped = {reason: int(paired[f"dropped_{reason}"]) for reason in ("incomplete", "no_response")}
+        dropped = {reason: int(paired[f"dropped_{reason}"]) for reason in DROP_REASONS}
         if any(dropped.values()):
             logger.warning("SetGRPO calibration: %d of %d groups left out: %d lost some of their K responses (a "
-                           "failed rollout session), %d came back with none", sum(dropped.values()),
-                           len(self._calibration_prompts), dropped["incomplete"], dropped["no_response"])
+                           "failed rollout session), %d came back with none, %d because grading failed",
+                           sum(dropped.values()), len(self._calibration_prompts), dropped["incomplete"],
+                           dropped["no_response"], dropped["grading_failed"])
         write_calibration(record, paired, out)
         grading = {f"setgrpo/calibration/dropped_{reason}": float(n) for reason, n in dropped.items()}
         if "judged_verdicts" in paired:
@@ -401,6 +439,32 @@ class CalibrationPhase:
         if record.tau_sel is None:
             logger.warning("SetGRPO: %s", record.selection_text())
         return record
+
+    def _check_grading_share(self, shards: dict) -> None:
+        """Refuse to finish when the groups of ``shards`` (batch index -> shard) left out because grading failed are
+        more than ``calibration.max_grading_failure_ratio`` of their groups (:func:`check_grading_failure_share`)."""
+        failed = {b: int(s.dropped.get("grading_failed", 0)) for b, s in sorted(shards.items())}
+        check_grading_failure_share(sum(failed.values()), sum(len(s.prompts) for s in shards.values()),
+                                    float(self.setgrpo.calibration.max_grading_failure_ratio),
+                                    describe_judge(grader_config(self.config)),
+                                    [shard_name(b) for b, n in failed.items() if n])
+
+    def _grading_failures(self, index: int, groups: CalibrationGroups) -> None:
+        """Log the groups of calibration batch ``index`` left out because grading failed, naming the first error;
+        stop when every group of the batch was (the judge is down: nothing of the batch could be calibrated).
+
+        Raises:
+            RuntimeError: :func:`all_failed_error`.
+        """
+        failed = groups.grading_failed
+        if not failed:
+            return
+        first = next(iter(failed.values()))
+        judge = describe_judge(grader_config(self.config))
+        if not groups.uids and not groups.incomplete:
+            raise RuntimeError(all_failed_error(index, len(failed), judge, first))
+        logger.warning("SetGRPO calibration: batch %d: %d group(s) left out because grading failed (%s; first: %s)",
+                       index, len(failed), judge, first)
 
     def _existing_shards(self, shard_dir: str, identity: dict, batches: list, provenance: dict) -> dict:
         """The shards a stopped calibration left (batch index -> shard), each checked against this run's identity
@@ -462,13 +526,14 @@ class CalibrationPhase:
         progress.phase("sketch", index)
         self._compute_sketches(batch)
         fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-        fields += [f for f in (key, TRUTH_SCORE_KEY, TRUTH_VERDICTS_KEY, *GRADING_COUNT_KEYS)
+        fields += [f for f in (key, TRUTH_SCORE_KEY, TRUTH_VERDICTS_KEY, GRADING_ERROR_KEY, *GRADING_COUNT_KEYS)
                    if batch.fields and f in batch.fields]
         fields += sketch_rows_field(batch)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         groups = calibration_groups(data, key, k=k)
+        self._grading_failures(index, groups)
         position = {uid: i for i, uid in enumerate(uids)}
-        outside = (set(groups.uids) | set(groups.incomplete)) - set(position)
+        outside = (set(groups.uids) | set(groups.incomplete) | set(groups.grading_failed)) - set(position)
         if outside:
             raise RuntimeError(f"calibration sampled {len(outside)} group(s) of prompts outside the batch it rolled "
                                "out")
@@ -484,8 +549,8 @@ class CalibrationPhase:
             truth_verdicts=None if groups.truth_verdicts is None else groups.truth_verdicts[order],
             criterion_points=None if groups.criterion_points is None else groups.criterion_points[order],
             prompt_index=np.array([position[groups.uids[g]] for g in order], dtype=np.int64), identity=identity,
-            dropped={"incomplete": len(groups.incomplete),
-                     "no_response": n - len(groups.uids) - len(groups.incomplete)},
+            dropped={"incomplete": len(groups.incomplete), "grading_failed": len(groups.grading_failed),
+                     "no_response": n - len(groups.uids) - len(groups.incomplete) - len(groups.grading_failed)},
             verdicts=None if counts is None else tuple(float(c) for c in counts),
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             **provenance,

@@ -22,7 +22,7 @@ from setgrpo_verl.core import ABLATIONS, DEFAULT_TAU_GRID, CalibrationRecord, Ca
 from setgrpo_verl.sketch import SketchConfig
 
 from .gpu_env import check_driver_gpus
-from .judge_access import check_judge_access, pass_judge_key
+from .judge_access import check_judge_access, judge_probe_line, pass_judge_key
 from .identity import IDENTITY_SOURCES, run_identity
 from .prompts import check_calibration_disjoint, check_start_pilot, read_prompt_identities
 from .resume import check_resume
@@ -84,8 +84,16 @@ class SetGRPOCalibrationConfig(BaseConfig):
                                         "< N; every N-th batch from I), writing shards and no record, for N jobs at "
                                         "once; merge them with setgrpo-verl merge-calibration; needs only=true; "
                                         "null = all (docs/record.md#calibration-shards)")
+    max_grading_failure_ratio: float = _field(0.02, "largest share of the calibration groups that may be left out "
+                                                    "because grading failed (a judge error) before calibration "
+                                                    "refuses to finish: such groups are not missing at random "
+                                                    "(docs/verl_integration.md#partial-groups)")
 
     def __post_init__(self):
+        ratio = self.max_grading_failure_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
+            raise ValueError(f"algorithm.setgrpo.calibration.max_grading_failure_ratio={ratio!r} must be a number in "
+                             "[0, 1] (0: no group may fail grading; the default 0.02 allows 2 %)")
         if self.num_prompts < 2:
             raise ValueError(
                 f"algorithm.setgrpo.calibration.num_prompts={self.num_prompts}: need at least 2 prompts "
@@ -558,12 +566,13 @@ def check_training_data(record: CalibrationRecord, train_files: Any, *, prompt_k
 
 class SetGRPOConfigCheck(Callback):
     """Hydra callback (``hydra.callbacks.setgrpo_check`` in ``setgrpo_trainer.yaml``): runs
-    :func:`check_run_config` when ``main_ppo`` starts, before Ray and the workers are launched; then, for an HTTP
-    judge, passes ``OPENAI_API_KEY`` to the Ray workers through the job's runtime environment
-    (:func:`setgrpo_verl.integration.judge_access.pass_judge_key`).
+    :func:`check_run_config` when ``main_ppo`` starts, before Ray and the workers are launched; then, with the
+    ``setgrpo_dual`` reward manager, probes the HTTP judge its grader calls (:func:`~.judge_access.judge_probe_line`:
+    unless ``SETGRPO_SKIP_JUDGE_PROBE=1``; a line says which) and passes ``OPENAI_API_KEY`` to the Ray workers
+    through the job's runtime environment (:func:`setgrpo_verl.integration.judge_access.pass_judge_key`).
 
     Raises:
-        SystemExit: with the :func:`check_run_config` message (Hydra 1.3 turns ordinary exceptions raised by
+        SystemExit: with the :func:`check_run_config` or probe message (Hydra 1.3 turns ordinary exceptions raised by
             callbacks into warnings, so a plain ValueError would not stop the run).
     """
 
@@ -573,5 +582,11 @@ class SetGRPOConfigCheck(Callback):
         except ValueError as exc:
             raise SystemExit(f"setgrpo_verl config error: {exc}") from exc
         manager = config.get("reward", {}).get("reward_manager", {}) or {}
-        if str(manager.get("name", "")) == REWARD_MANAGER_NAME:
-            pass_judge_key(grader_config(config))  # the judge's key to every Ray worker, outside the config
+        if str(manager.get("name", "")) != REWARD_MANAGER_NAME:
+            return
+        grader = grader_config(config)
+        try:
+            print(f"[setgrpo-verl] {judge_probe_line(grader)}", flush=True)
+        except ValueError as exc:
+            raise SystemExit(f"setgrpo_verl judge error: {exc}") from exc
+        pass_judge_key(grader)  # the judge's key to every Ray worker, outside the config

@@ -5,6 +5,10 @@ verl 0.9.1 places reward workers on every node, so a judge URL on the loopback i
 ``127.0.0.0/8``, ``::1``, ``0.0.0.0``) reaches the judge from one node only: :func:`loopback_judge_error` refuses it
 before Ray when ``trainer.nnodes > 1``.
 
+:func:`probe_judge` sends an HTTP judge one tiny rubric before Ray starts (the Hydra callback, and the command line
+before it writes anything), so that a wrong URL, model or key fails in seconds rather than after a full rollout;
+``SETGRPO_SKIP_JUDGE_PROBE=1`` (:data:`SKIP_PROBE_ENV`) leaves it out where the judge was just probed.
+
 The workers of a Ray cluster do not inherit the shell of the driver, so ``OPENAI_API_KEY`` set there does not reach
 them. :func:`pass_judge_key` adds it to the job's Ray runtime environment through Ray's runtime-env hook
 (``RAY_RUNTIME_ENV_HOOK``, which ``ray.init`` calls on the job's runtime environment), after verl printed its
@@ -19,10 +23,15 @@ import os
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
-__all__ = ["JUDGE_KEY_ENV", "check_judge_access", "is_loopback_host", "loopback_judge_error", "pass_judge_key", "runtime_env_with_judge_key"]
+__all__ = ["JUDGE_KEY_ENV", "SKIP_PROBE_ENV", "check_judge_access", "describe_judge", "is_loopback_host",
+           "judge_probe_line", "loopback_judge_error", "pass_judge_key", "probe_judge", "remote_judge",
+           "runtime_env_with_judge_key", "skip_probe"]
 
 #: The environment variable the HTTP judge reads its key from (``setgrpo_verl.grading.http_judge``).
 JUDGE_KEY_ENV = "OPENAI_API_KEY"
+#: Set to 1 where ``main_ppo`` starts to leave out the Hydra callback's judge probe (the command line sets it for the
+#: stage it starts right after its own probe).
+SKIP_PROBE_ENV = "SETGRPO_SKIP_JUDGE_PROBE"
 #: Ray's environment variable naming a ``module.function`` that ``ray.init`` calls on the job's runtime environment.
 RAY_HOOK_ENV = "RAY_RUNTIME_ENV_HOOK"
 #: Where :func:`pass_judge_key` keeps a hook that was set before it, which its own hook calls first.
@@ -125,3 +134,77 @@ def runtime_env_with_judge_key(runtime_env: Optional[dict]) -> dict:
         env_vars[JUDGE_KEY_ENV] = os.environ[JUDGE_KEY_ENV]
     runtime_env["env_vars"] = env_vars
     return runtime_env
+
+
+def remote_judge(grader: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
+    """The config of the HTTP judge a grader calls (an ``openai`` grader, or one under ``noisy`` graders), or None
+    for a grader that calls none (``rules``, ``function``, ``local_hf``, ``noisy`` over those)."""
+    while str(grader.get("type", "")) == "noisy" and isinstance(grader.get("base"), Mapping):
+        grader = grader["base"]
+    return grader if str(grader.get("type", "")) == "openai" else None
+
+
+def describe_judge(grader: Mapping[str, Any]) -> str:
+    """A grader as error messages name it: ``judge '<model>' at <base_url>`` for an HTTP judge, else its type."""
+    judge = remote_judge(grader)
+    if judge is None:
+        return f"the {grader.get('type')!r} grader"
+    return f"judge {judge.get('model')!r} at {judge.get('base_url')}"
+
+
+def skip_probe(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when :data:`SKIP_PROBE_ENV` is set to 1 (or true / yes) in ``environ`` (``os.environ``)."""
+    value = (os.environ if environ is None else environ).get(SKIP_PROBE_ENV, "")
+    return value.strip().lower() in ("1", "true", "yes")
+
+
+#: What a failed probe tells a Hydra user to change.
+HYDRA_PROBE_FIX = ("fix reward.reward_kwargs.grader.base_url (the server's OpenAI-compatible /v1 endpoint, reachable "
+                   "from every node) or .model (a name the server serves), export " + JUDGE_KEY_ENV + " where main_ppo "
+                   "starts if the judge needs a key, or set " + SKIP_PROBE_ENV + "=1 to start without the probe")
+
+
+def probe_judge(grader: Mapping[str, Any], *, fix: str = HYDRA_PROBE_FIX) -> bool:
+    """Score one tiny rubric with the HTTP judge ``grader`` calls, before verl starts
+    (docs/verl_integration.md#the-judge-on-a-cluster): a wrong URL, model name or key fails in seconds instead of
+    after a full rollout. The key is read from ``OPENAI_API_KEY`` and never named.
+
+    Args:
+        grader: the grader config (``reward.reward_kwargs.grader``).
+        fix: what the error tells the user to change (the Hydra keys; the command line names its flags).
+
+    Returns:
+        True when a judge was probed; False for a grader that calls none (:func:`remote_judge`).
+
+    Raises:
+        ValueError: the judge failed the probe, naming the model, the URL, the HTTP status or connection error, and
+            the fixes.
+    """
+    from setgrpo_verl.grading import DualScorer, GradingError
+
+    judge = remote_judge(grader)
+    if judge is None:
+        return False
+    probe = {"question": "Say hello.", "id": "probe", "rubrics": [{"criterion": "The response greets.", "points": 1}]}
+    try:
+        DualScorer(dict(judge), scoring_indices=(0,)).score([None], ["Hello!"], [probe])
+    except (GradingError, OSError, ValueError) as exc:
+        named = describe_judge(grader)
+        said = str(exc) if named in str(exc) else f"{named}: {exc}"  # the judge's errors name it already
+        raise ValueError(f"the judge failed a probe request before Ray started: {said}. To start: {fix}") from None
+    return True
+
+
+def judge_probe_line(grader: Mapping[str, Any], environ: Optional[Mapping[str, str]] = None) -> str:
+    """Probe the HTTP judge ``grader`` calls unless :data:`SKIP_PROBE_ENV` is set in ``environ`` (``os.environ``),
+    and say what was done: probed, skipped, or no HTTP judge to probe.
+
+    Raises:
+        ValueError: the judge failed the probe (:func:`probe_judge`).
+    """
+    if remote_judge(grader) is None:
+        return f"judge probe: none ({describe_judge(grader)} calls no HTTP judge)"
+    if skip_probe(environ):
+        return f"judge probe: skipped ({SKIP_PROBE_ENV}=1): {describe_judge(grader)} was not probed"
+    probe_judge(grader)
+    return f"judge probe: {describe_judge(grader)} answered a probe request"

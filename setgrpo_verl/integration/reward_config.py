@@ -22,6 +22,8 @@ __all__ = [
     "SCORINGS_KEY",
     "TRUTH_SCORE_KEY",
     "TRUTH_VERDICTS_KEY",
+    "CALIBRATION_MARK",
+    "GRADING_ERROR_KEY",
     "check_filter_groups",
     "filter_metrics",
     "grader_config",
@@ -49,6 +51,13 @@ TRUTH_SCORE_KEY = "truth_score"
 #: ``{"met": [1 | 0 | -1 per criterion (met, unmet, no verdict)], "points": [the criteria's points]}``; the
 #: calibration stage stores them in its shards (docs/record.md#calibration-shards).
 TRUTH_VERDICTS_KEY = "truth_verdicts"
+#: ``reward_extra_info`` key of why grading failed: ``""`` for every response graded, the grading error's message
+#: for a calibration response whose grading failed (docs/verl_integration.md#partial-groups).
+GRADING_ERROR_KEY = "grading_error"
+#: Per-prompt field (verl passes a prompt's fields to its reward manager) that marks a calibration prompt: the
+#: reward manager answers a grading failure of its responses with a row that says so (:data:`GRADING_ERROR_KEY`),
+#: which calibration counts, instead of failing the rollout session.
+CALIBRATION_MARK = "setgrpo_calibration"
 
 
 def _get(node: Any, key: str) -> Any:

@@ -13,7 +13,9 @@ grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-
   ``score`` (= r), ``point_verdicts`` (JSON list of per-criterion verdicts), ``unparsed`` (number of unparsed judge
   verdicts in all scorings), ``judged`` (number of judge verdicts in all scorings) and ``scorings`` (grader calls
   made for the response, 1 or 2) and ``no_answer`` (1 for a response whose thinking block never closes, graded as
-  the empty answer: docs/grading.md#thinking-policies); with two scorings also ``reference_score`` (r', under the key
+  the empty answer: docs/grading.md#thinking-policies) and ``grading_error`` (``""``; for a calibration response
+  whose grading failed, the error's message and none of the scores: docs/verl_integration.md#partial-groups); with
+  two scorings also ``reference_score`` (r', under the key
   ``algorithm.setgrpo.reference_score_key``, which the SetGRPO trainer reads back; the one source of that key),
   ``reference_verdicts`` and ``judged_disagreement`` (fraction of judged criteria whose verdicts differ between the
   two scorings; undefined with one scoring, which has no reference and no disagreement);
@@ -64,9 +66,11 @@ from verl.experimental.reward_loop.reward_manager import register as _verl_regis
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
 
-from ..grading import DualScorer, GradingItem, Rubric, RubricRowError
+from ..grading import DualScorer, GradingError, GradingItem, Rubric, RubricRowError
 from ..grading.answers import prompt_opens_thinking
 from .reward_config import (
+    CALIBRATION_MARK,
+    GRADING_ERROR_KEY,
     REFERENCE_SCORE_KEY,
     REWARD_MANAGER_NAME,
     TRUTH_SCORE_KEY,
@@ -253,7 +257,9 @@ class SetGRPODualRewardManager(RewardManagerBase):
                 the criterion index and the field (:meth:`setgrpo_verl.grading.Rubric.from_row`).
             setgrpo_verl.grading.GradingError: grading failed (judge unreachable, a judge reply that is not a chat
                 completion, a judge cut off by its token budget, unparsed verdicts above the grader's
-                max_unparsed_ratio, a non-finite score from a function grader: the message names the response).
+                max_unparsed_ratio, a non-finite score from a function grader: the message names the response);
+                for a calibration prompt (:data:`~.reward_config.CALIBRATION_MARK`) a row carrying the message under
+                ``grading_error`` instead, which calibration counts (docs/verl_integration.md#partial-groups).
         """
         data = data[-1:]
         item = data[0]
@@ -289,7 +295,12 @@ class SetGRPODualRewardManager(RewardManagerBase):
             ground_truth=ground_truth if is_function else None,
             nonce=sample_nonce(ntb),
         )
-        scores = await self.scorer.ascore([grading_item], opened=[prompt_opens_thinking(prompt_end)])
+        try:
+            scores = await self.scorer.ascore([grading_item], opened=[prompt_opens_thinking(prompt_end)])
+        except GradingError as exc:
+            if not _marked(ntb.get(CALIBRATION_MARK)):
+                raise
+            return self._grading_failed(exc)
         point = float(scores.point[0])
         if self.point_mode == "mean":  # GRPO on the mean of the two scorings (the grpo_mean2 baseline)
             point = (point + float(scores.reference[0])) / 2
@@ -301,6 +312,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
             "judged": int(metrics["judged"]),
             "scorings": scores.scorings,
             "no_answer": int(scores.no_answer[0]),
+            GRADING_ERROR_KEY: "",
         }
         if scores.reference is not None:
             extra[self.reference_key] = float(scores.reference[0])
@@ -314,6 +326,14 @@ class SetGRPODualRewardManager(RewardManagerBase):
                                                     "points": [float(c.points) for c in rubric.criteria]})
         return {"reward_score": point, "reward_extra_info": extra}
 
+    def _grading_failed(self, exc: GradingError) -> dict:
+        """The row of a calibration response whose grading failed: no score (reward 0, never read: calibration leaves
+        its group out and counts it), nothing judged, and the error's message under :data:`GRADING_ERROR_KEY`."""
+        message = str(exc) or type(exc).__name__
+        logger.warning("grading a calibration response failed; calibration leaves its group out: %s", message)
+        return {"reward_score": 0.0, "reward_extra_info": {"unparsed": 0, "judged": 0, "scorings": self.scorings,
+                                                           "no_answer": 0, GRADING_ERROR_KEY: message}}
+
 
 #: Prompt tokens whose text says whether the chat template opened a thinking block in the generation prompt.
 PROMPT_TAIL_TOKENS = 8
@@ -324,6 +344,14 @@ def _prompt_tail(item: Any) -> Any:
     prompt_ids = item.batch["prompts"]
     valid = int(item.batch["attention_mask"][: prompt_ids.shape[-1]].sum())
     return prompt_ids[prompt_ids.shape[-1] - valid:][-PROMPT_TAIL_TOKENS:]
+
+
+def _marked(value: Any) -> bool:
+    """True for a :data:`CALIBRATION_MARK` value that marks a calibration prompt (verl passes it as a scalar, a 0-d
+    array or tensor)."""
+    if value is None:
+        return False
+    return bool(value.item() if hasattr(value, "item") else value)
 
 
 def _looks_like_rubric(ground_truth: Any) -> bool:

@@ -139,20 +139,19 @@ def check_validation_size(values: Mapping[str, Any], holdout_fraction: float) ->
 
 
 def probe_judge(grader: Mapping[str, Any]) -> None:
-    """Score one tiny rubric with an HTTP judge before verl starts, so that a wrong URL fails in seconds.
+    """:func:`setgrpo_verl.integration.judge_access.probe_judge`, before the command writes anything.
 
     Raises:
-        LaunchError: the judge cannot be reached or does not answer (the message names the URL and model).
+        LaunchError: the judge cannot be reached or does not answer (the message names the model, the URL and the
+            HTTP status or connection error).
     """
-    from ..grading import DualScorer, GradingError
+    from ..integration.judge_access import probe_judge as probe
 
-    probe = {"question": "Say hello.", "id": "probe", "rubrics": [{"criterion": "The response greets.", "points": 1}]}
     try:
-        DualScorer(dict(grader)).score([None], ["Hello!"], [probe])
-    except (GradingError, OSError, ValueError) as exc:
-        raise LaunchError(
-            f"the judge at {grader.get('base_url')} (model {grader.get('model')!r}) failed a probe request: {exc}"
-        ) from None
+        probe(grader, fix="fix --judge-base-url (the server's OpenAI-compatible /v1 endpoint) or --judge-model (a name "
+                          "the server serves), and export OPENAI_API_KEY if the judge needs a key")
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def check_training_prompts(record: str | os.PathLike, run_dir: str | os.PathLike) -> None:

@@ -329,12 +329,17 @@ def start(args: argparse.Namespace, plan: Plan, lifecycle, split: dict[str, Any]
 
 
 def run_stages(args: argparse.Namespace, commands: list[tuple[str, list[str]]], lifecycle) -> None:
+    """Run each stage's ``main_ppo`` in turn. The first stage starts right after :func:`start` probed the judge, so
+    its Hydra callback does not probe it again (``SETGRPO_SKIP_JUDGE_PROBE=1`` in its environment, not in its
+    ``command.sh``); a later stage, which may start hours later, probes it itself."""
+    from ..integration.judge_access import SKIP_PROBE_ENV
     from .launch import cpu_environment
     from .stages import run_stage
 
     env = cpu_environment()
-    for stage, cmd in commands:
-        run_stage(args.run_dir, stage, cmd, env=env, plan=lifecycle, verbose=args.verbose)
+    for n, (stage, cmd) in enumerate(commands):
+        stage_env = {**env, SKIP_PROBE_ENV: "1"} if n == 0 and getattr(args, "judge", None) == "openai" else env
+        run_stage(args.run_dir, stage, cmd, env=stage_env, plan=lifecycle, verbose=args.verbose)
 
 
 def record_path(run_dir: Path) -> Path:

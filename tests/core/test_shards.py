@@ -49,7 +49,7 @@ def _shards(identity=None, *, drop_last_group=True):
         out.append(CalibrationShard(index=b, prompts=tuple(PROMPTS[lo:hi]), point=point[lo:hi][keep],
                                     reference=reference[lo:hi][keep], gram=gram[lo:hi][keep], truth=None,
                                     prompt_index=keep, identity=identity or _identity(),
-                                    dropped={"incomplete": int(len(keep) < hi - lo), "no_response": 0},
+                                    dropped={"incomplete": int(len(keep) < hi - lo), "no_response": 0, "grading_failed": 0},
                                     created_at=f"2026-01-01T00:00:0{b}+00:00"))
     return out
 

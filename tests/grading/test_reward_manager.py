@@ -333,7 +333,7 @@ def test_one_scoring_calls_the_grader_once_per_response_and_gives_no_reference(t
     assert sorted(calls.read_text().split("\n")[:-1]) == ["c-0 0", "c-1 0", "c-2 0"]
     infos = [o["reward_extra_info"] for o in out]
     assert [o["reward_score"] for o in out] == [0.25] * 3
-    assert set(infos[0]) == {"score", "point_verdicts", "unparsed", "judged", "scorings", "no_answer"}
+    assert set(infos[0]) == {"score", "point_verdicts", "unparsed", "judged", "scorings", "no_answer", "grading_error"}
     assert [(i["score"], i["scorings"], i["judged"], i["unparsed"], i["no_answer"]) for i in infos] == [
         (0.25, 1, 0, 0, 0)] * 3
     assert grading_metrics({"extra_fields": [{"reward_extra_info": i} for i in infos]}) == {

@@ -76,6 +76,7 @@ def test_the_hydra_callback_passes_the_key_after_its_check(monkeypatch):
     monkeypatch.setattr(config_module, "check_run_config", lambda config: None)
     monkeypatch.setenv(RAY_HOOK_ENV, "")  # restored (unset) after the test
     monkeypatch.setenv(JUDGE_KEY_ENV, "sk-test")
+    monkeypatch.setenv("SETGRPO_SKIP_JUDGE_PROBE", "1")  # the probe itself: test_judge_probe.py
     config_module.SetGRPOConfigCheck().on_job_start(cfg)
     assert os.environ[RAY_HOOK_ENV].endswith("runtime_env_with_judge_key")
     assert "sk-test" not in OmegaConf.to_yaml(cfg)

@@ -1,0 +1,195 @@
+"""Calibration groups whose grading failed are counted apart from the other groups left out, bounded by
+``calibration.max_grading_failure_ratio``, and a batch that failed grading whole stops calibration naming the judge;
+the reward manager turns a calibration response's grading failure into a row that says so."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from transfer_queue.metadata import KVBatchMeta
+
+from verl.utils import tensordict_utils as tu
+
+from setgrpo_verl.core import CalibrationShard, read_shard, write_shard
+from setgrpo_verl.integration.calibration import calibration_groups
+from setgrpo_verl.integration.config import SetGRPOCalibrationConfig
+from setgrpo_verl.integration.grading_failures import check_grading_failure_share
+from setgrpo_verl.integration.reward_config import CALIBRATION_MARK, GRADING_ERROR_KEY
+from setgrpo_verl.integration.worker import SKETCH_KEY
+
+from .test_calibration_syncs import K, _calibrate, _Rollout
+from .test_plugin import _record_trainer
+
+JUDGE = "judge 'judge' at http://127.0.0.1:9/v1"  # _record_trainer's grader, as messages name it
+ERROR = "judge 'judge' at http://127.0.0.1:9/v1 answered HTTP 503 after 4 retries: overloaded"
+
+
+class _FailingRollout(_Rollout):
+    """The calibration stand-ins, where grading failed for one response of each prompt in ``failing`` (its row
+    carries the error and no score, as the dual-reward manager writes it) and every other row says ``""``."""
+
+    def __init__(self, failing):
+        super().__init__()
+        self.failing = set(failing)
+
+    def submit(self, prompts):
+        out = super().submit(prompts)
+        for key, row in self.store.items():
+            info = row["extra_fields"]["reward_extra_info"]
+            if GRADING_ERROR_KEY in info:
+                continue
+            uid, session = key.split("_")[:2]
+            if uid in self.failing and session == "1":
+                row["extra_fields"] = {"reward_extra_info": {GRADING_ERROR_KEY: ERROR, "unparsed": 0, "judged": 0}}
+            else:
+                info[GRADING_ERROR_KEY] = ""
+        return out
+
+
+def _rows(uids_failed: dict[str, int], sessions: int = K) -> dict:
+    """A batch's TransferQueue fields: ``sessions`` responses per uid, the first ``n`` of each uid failed."""
+    rows = []
+    for uid, n in uids_failed.items():
+        for k in range(sessions):
+            info = {GRADING_ERROR_KEY: ERROR} if k < n else {GRADING_ERROR_KEY: "", "reference_score": 0.1 * k}
+            rows.append({"uid": uid, "response_mask": torch.ones(3, dtype=torch.int64),
+                         "rm_scores": torch.tensor([0.0, 0.0, 0.2 * k]), "extra_fields": {"reward_extra_info": info},
+                         SKETCH_KEY: torch.randn(5)})
+    return tu.list_of_dict_to_tensordict(rows)
+
+
+def test_a_group_with_a_failed_grading_is_left_out_whole_and_named():
+    data = _rows({"a": 0, "b": 1, "c": K, "d": 0})
+    groups = calibration_groups(data, "reference_score", k=K)
+    assert groups.uids == ["a", "d"] and groups.incomplete == {}
+    assert groups.grading_failed == {"b": ERROR, "c": ERROR}
+    np.testing.assert_allclose(groups.reference.numpy(), [[0.0, 0.1, 0.2, 0.3]] * 2)
+    np.testing.assert_allclose(groups.point.numpy(), [[0.0, 0.2, 0.4, 0.6]] * 2)
+
+
+def test_a_row_without_a_score_that_did_not_fail_grading_is_still_refused():
+    data = _rows({"a": 0, "b": 0})
+    data["extra_fields"][0]["reward_extra_info"].pop("reference_score")
+    with pytest.raises(ValueError, match=r"score 'reference_score' of reward_extra_info is missing for 1 of 8"):
+        calibration_groups(data, "reference_score", k=K)
+
+
+def test_failures_under_the_bound_are_counted_apart_and_the_record_is_written(tmp_path, monkeypatch, caplog):
+    logged = []
+    fake = _FailingRollout({"p0x3"})  # 1 of 48 groups = 2.1 %, under a bound of 5 %
+    monkeypatch.setattr("setgrpo_verl.integration.trainer.SetGRPOTrainer._log_record",
+                        lambda self, record, metrics=None, **extra: logged.append(metrics))
+    with caplog.at_level(logging.WARNING):
+        record, _ = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=16, only=True, fake=fake,
+                               max_grading_failure_ratio=0.05)
+    assert record.n_cov + record.n_risk == 47
+    paired = np.load(tmp_path / "paired_scores.npz")
+    assert (int(paired["dropped_grading_failed"]), int(paired["dropped_incomplete"]),
+            int(paired["dropped_no_response"])) == (1, 0, 0)
+    assert read_shard(tmp_path / "shards" / "batch_000000.npz").dropped == {
+        "incomplete": 0, "no_response": 0, "grading_failed": 1}
+    assert logged[-1]["setgrpo/calibration/dropped_grading_failed"] == 1.0
+    text = caplog.text
+    assert f"batch 0: 1 group(s) left out because grading failed ({JUDGE}; first: {ERROR})" in text
+    assert "1 of 48 groups left out: 0 lost some of their K responses (a failed rollout session), 0 came back with " \
+           "none, 1 because grading failed" in text
+
+
+def test_failures_above_the_bound_stop_calibration_naming_share_bound_key_and_judge(tmp_path, monkeypatch):
+    fake = _FailingRollout({"p0x3", "p2x0", "p2x5"})  # 3 of 48 groups = 6.2 %, above the default 2 %
+    with pytest.raises(ValueError) as info:
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=16, only=True, fake=fake)
+    message = str(info.value)
+    assert "3 of 48 calibration groups (6.2%) were left out because grading failed" in message
+    assert f"({JUDGE})" in message and "algorithm.setgrpo.calibration.max_grading_failure_ratio=0.02" in message
+    assert "batch_000000.npz, batch_000002.npz" in message and "not missing at random" in message
+    assert not (tmp_path / "setgrpo_calibration.json").exists()  # refused before the record was written
+
+
+def test_a_part_of_a_sharded_calibration_checks_its_own_share(tmp_path, monkeypatch):
+    fake = _FailingRollout({"p1x0", "p1x1"})  # part 1 of 2 holds batch 1 only: 2 of 16 groups
+    with pytest.raises(ValueError, match=r"2 of 16 calibration groups \(12.5%\)"):
+        _calibrate(tmp_path, monkeypatch, batches=2, per_batch=16, only=True, fake=fake, shard="1/2")
+
+
+def test_a_batch_that_failed_grading_whole_stops_at_once_naming_the_judge_and_the_error(tmp_path, monkeypatch):
+    fake = _FailingRollout({f"p0x{i}" for i in range(16)})
+    with pytest.raises(RuntimeError) as info:
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=16, only=True, fake=fake)
+    message = str(info.value)
+    assert "grading failed for every one of the 16 groups of calibration batch 0" in message
+    assert JUDGE in message and ERROR in message and "k_partitions" not in message
+    assert fake.events.count("rollout") == 1  # stopped after the first batch
+    assert not (tmp_path / "shards").exists() or not list((tmp_path / "shards").glob("*.npz"))
+
+
+def test_the_share_check_itself():
+    check_grading_failure_share(2, 100, 0.02, JUDGE)  # at the bound: allowed
+    check_grading_failure_share(0, 0, 0.0, JUDGE)
+    with pytest.raises(ValueError, match=r"3 of 100 calibration groups \(3.0%\).*max_grading_failure_ratio=0.02"):
+        check_grading_failure_share(3, 100, 0.02, JUDGE)
+    with pytest.raises(ValueError, match="max_grading_failure_ratio=0: "):
+        check_grading_failure_share(1, 1000, 0.0, JUDGE)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, True, "0.1"])
+def test_the_bound_is_a_share(value):
+    with pytest.raises(ValueError, match=r"algorithm.setgrpo.calibration.max_grading_failure_ratio=.* must be a number"):
+        SetGRPOCalibrationConfig(max_grading_failure_ratio=value)
+    assert SetGRPOCalibrationConfig().max_grading_failure_ratio == 0.02
+
+
+def test_shards_written_before_the_count_read_it_as_zero(tmp_path):
+    shard = CalibrationShard(index=0, prompts=({"id": "a"},), point=np.zeros((1, 2)), reference=np.zeros((1, 2)),
+                             gram=np.zeros((1, 2, 2)), truth=None, prompt_index=np.zeros(1, dtype=np.int64),
+                             identity={"settings": {}, "K": 2}, dropped={"incomplete": 1, "no_response": 2})
+    assert read_shard(write_shard(tmp_path, shard)).dropped == {"incomplete": 1, "no_response": 2, "grading_failed": 0}
+
+
+def test_a_training_batch_to_which_no_response_came_back_names_the_judge(tmp_path):
+    trainer = _record_trainer(tmp_path)
+    with pytest.raises(RuntimeError, match=rf"every rollout session failed.*\({JUDGE}\)"):
+        trainer._balance_batch(KVBatchMeta(partition_id="train", keys=[], tags=[]), {})
+
+
+# --- the reward manager
+
+
+def _failing_worker(tmp_path):
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    from ..grading.test_reward_manager import _config
+
+    fn = tmp_path / "fn.py"
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs):\n"
+                  "    if 'fail' in solution_str:\n"
+                  "        raise ConnectionError('judge down')\n"
+                  "    return 0.5\n")
+    return RewardLoopWorker(_config({"type": "function", "path": str(fn), "name": "compute_score", "seed": 0}))
+
+
+def _score(worker, texts, calibration):
+    from ..grading.test_reward_manager import _batch
+
+    rows = [{"question": f"Q{i}", "id": f"r{i}", "rubrics": [{"criterion": "It answers", "points": 1}]}
+            for i in range(len(texts))]
+    data = _batch(worker.input_tokenizer, rows, texts)
+    if calibration:
+        data.non_tensor_batch[CALIBRATION_MARK] = np.array([True] * len(texts))
+    return worker.loop.run_until_complete(worker.compute_score_batch(data))
+
+
+def test_the_reward_manager_reports_a_calibration_grading_failure_as_a_row(tmp_path):
+    from setgrpo_verl.grading import GradingError
+
+    worker = _failing_worker(tmp_path)
+    out = _score(worker, ["fine", "fail here"], calibration=True)
+    assert out[0]["reward_extra_info"][GRADING_ERROR_KEY] == "" and out[0]["reward_extra_info"]["reference_score"] == 0.5
+    failed = out[1]["reward_extra_info"]
+    assert "ConnectionError: judge down" in failed[GRADING_ERROR_KEY] and "'r1'" in failed[GRADING_ERROR_KEY]
+    assert "reference_score" not in failed and "score" not in failed and out[1]["reward_score"] == 0.0
+    with pytest.raises(GradingError, match="judge down"):  # outside calibration the session fails, as before
+        _score(worker, ["fine", "fail here"], calibration=False)
