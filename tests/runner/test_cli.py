@@ -342,7 +342,7 @@ def test_the_main_job_runs_the_noisy_rules_grader_on_the_validation_rubrics(caps
     assert cli.MAIN_JOB_FLIP_PROB == 0.06
     values = cli.PROFILES["default"]
     assert (values["algorithm.setgrpo.alpha"], values["algorithm.setgrpo.beta"], values["algorithm.setgrpo.delta"],
-            values["algorithm.setgrpo.calibration.num_prompts"]) == (0.2, 0.3, 0.05, 128)
+            values["algorithm.setgrpo.calibration.num_prompts"]) == (0.2, 0.3, 0.1, 128)
     for key in ("alpha", "beta", "delta", "calibration.num_prompts"):
         assert f"algorithm.setgrpo.{key}={values['algorithm.setgrpo.' + key]}" in cmd
     assert "algorithm.setgrpo.tau_grid=[0.0,0.2,0.4,0.6]" in cmd and "data.max_prompt_length=128" in cmd
