@@ -257,7 +257,8 @@ class _Progress:
 
     def phase(self, name: str, index: int) -> None:
         self.bar.set_postfix_str(f"batch {index}: {name}")
-        logger.info("SetGRPO calibration: batch %d: %s", index, name)
+        # a warning, so that the command line's progress bar opens with the first rollout, not the first shard
+        logger.warning("SetGRPO calibration: %d groups so far (batch %d: %s)", self.groups, index, name)
 
     def shard_done(self, groups: int, name: str) -> None:
         self.done += 1
@@ -526,7 +527,8 @@ class CalibrationPhase:
         progress.phase("sketch", index)
         self._compute_sketches(batch)
         fields = ["uid", "response_mask", "rm_scores", "extra_fields", SKETCH_KEY]
-        fields += [f for f in (key, TRUTH_SCORE_KEY, TRUTH_VERDICTS_KEY, GRADING_ERROR_KEY, *GRADING_COUNT_KEYS)
+        fields += [f for f in dict.fromkeys((key, TRUTH_SCORE_KEY, TRUTH_VERDICTS_KEY, GRADING_ERROR_KEY,
+                                             *GRADING_COUNT_KEYS))
                    if batch.fields and f in batch.fields]
         fields += sketch_rows_field(batch)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)

@@ -89,6 +89,7 @@ __all__ = [
     "TRUTH_VERDICTS_KEY",
     "CALLS_METRIC",
     "NO_ANSWER_METRIC",
+    "TRUTH_METRIC",
     "SetGRPODualRewardManager",
     "grader_config",
     "GRADING_COUNT_KEYS",
@@ -110,9 +111,12 @@ CALLS_METRIC = "setgrpo/grading/calls_per_step"
 #: verl tracker metric: share of a batch's responses whose thinking block never closes, graded as the empty answer
 #: (docs/grading.md#thinking-policies).
 NO_ANSWER_METRIC = "setgrpo/grading/no_answer_ratio"
-#: ``reward_extra_info`` keys that :func:`grading_metrics` reads (per response: counts over all its scorings, and
-#: its number of scorings).
-GRADING_COUNT_KEYS = ("unparsed", "judged", "scorings", "no_answer")
+#: verl tracker metric: mean noise-free score of a batch's responses, with a grader that knows it
+#: (docs/validation.md#noisy-grader): the truth reward of a training step.
+TRUTH_METRIC = "setgrpo/grading/truth_score/mean"
+#: ``reward_extra_info`` keys that :func:`grading_metrics` reads (per response: counts over all its scorings, its
+#: number of scorings, whether it answered, and its truth score where the grader knows it).
+GRADING_COUNT_KEYS = ("unparsed", "judged", "scorings", "no_answer", TRUTH_SCORE_KEY)
 
 
 def _count_rows(data: Any, tags: Optional[Sequence[Mapping[str, Any]]]) -> Optional[list[dict[str, Any]]]:
@@ -164,8 +168,9 @@ def grading_metrics(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = Non
     """The grading metrics of one scored batch (arguments: :func:`grading_counts`; padding rows left out):
     ``UNPARSED_RATIO_METRIC`` (unparsed / judged, 0 when nothing was judged; docs/grading.md#unparsed-verdicts) and
     ``CALLS_METRIC`` (the rows' ``scorings`` summed: responses x scorings; docs/cli.md#metrics) and
-    ``NO_ANSWER_METRIC`` (the share of rows without an answer; docs/grading.md#thinking-policies), each present when
-    the batch carries its counts, so ``{}`` for another reward manager.
+    ``NO_ANSWER_METRIC`` (the share of rows without an answer; docs/grading.md#thinking-policies) and
+    ``TRUTH_METRIC`` (the rows' mean truth score, with a grader that knows it), each present when the batch carries
+    its counts, so ``{}`` for another reward manager.
 
     Raises:
         ValueError: ``tags`` has not one tag per row.
@@ -183,6 +188,9 @@ def grading_metrics(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = Non
     answered = [float(row["no_answer"]) for row in rows if row["no_answer"] is not None]
     if answered:
         metrics[NO_ANSWER_METRIC] = sum(answered) / len(answered)
+    truth = [float(row[TRUTH_SCORE_KEY]) for row in rows if row[TRUTH_SCORE_KEY] is not None]
+    if truth:
+        metrics[TRUTH_METRIC] = sum(truth) / len(truth)
     return metrics
 
 

@@ -379,14 +379,35 @@ def _calibration_groups(point, gram, record) -> list[dict]:
              "source": "calibration"} for s, mf, mr in zip(res.status, res.m_full.tolist(), res.m_reward.tolist())]
 
 
+#: The training metric of a batch's mean noise-free score (setgrpo_verl.integration.reward_manager.TRUTH_METRIC).
+_TRUTH = "setgrpo/grading/truth_score/mean"
+
+
+def _truth_mean(rows: list[dict]) -> str:
+    """``", truth reward 0.512 [0.47, 0.55] (95 % t-band over 3 steps)"``, or "" without the truth metric."""
+    values = _series(rows, _TRUTH)
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return ""
+    mean = float(values.mean())
+    if len(values) < 2:
+        return f", truth reward {mean:.3f} (one step)"
+    from scipy import stats
+
+    half = float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values)))
+    return f", truth reward {mean:.3f} [{mean - half:.3f}, {mean + half:.3f}] (95 % t-band over {len(values)} steps)"
+
+
 def _fmt(x, spec: str = ".3f") -> str:
     return "  n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def make_report(run_dir: str | os.PathLike, *, resplits: int = 200) -> str:
+def make_report(run_dir: str | os.PathLike, *, resplits: int = 200, truth: list[str] | None = None) -> str:
     """Write ``<run_dir>/report/`` (PNG figures, ``table4.txt``, ``summary.txt``, ``COMPLETE``) and return the
     summary text; coverage and risk come with their bands and ``resplits`` re-splits of the stored paired scores
-    (docs/record.md#reading-the-guarantees).
+    (docs/record.md#reading-the-guarantees), then the ``truth`` lines (the check against the noise-free score of
+    docs/cli.md#what-the-main-job-prints) where the grader knew it, and per training step the truth reward of its
+    batch (``setgrpo/grading/truth_score/mean``) with the mean over the steps and its 95 % band.
 
     Raises:
         ReportError: ``run_dir`` has no finished calibration stage.
@@ -427,25 +448,28 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200) -> str:
     lines = ["Table 4 row (frozen calibration record):", table, "",
              f"alpha={record.settings.alpha} beta={record.settings.beta} delta={record.settings.delta}; "
              f"{record.selection_text()}",
-             *([record.start_text()] if record.start_text() else []), *guarantees, ""]
+             *([record.start_text()] if record.start_text() else []), *guarantees, *(truth or []), ""]
     if runs["setgrpo"]:
-        lines.append("SetGRPO per step: accepted-group ratio, mean recovery ratio, reward (point), entropy")
-        lines.append(f"{'step':>4} {'accepted':>9} {'recovery':>9} {'reward':>8} {'entropy':>8} {'online cov':>10}")
+        lines.append("SetGRPO per step: accepted-group ratio, mean recovery ratio, reward (point), truth reward, "
+                     "entropy")
+        lines.append(f"{'step':>4} {'accepted':>9} {'recovery':>9} {'reward':>8} {'truth':>8} {'entropy':>8} "
+                     f"{'online cov':>10}")
         for r in runs["setgrpo"]:
             lines.append(f"{r['training/global_step']:>4} {_fmt(r.get('setgrpo/accepted_ratio')):>9} "
                          f"{_fmt(r.get('setgrpo/recovery_ratio/mean')):>9} {_fmt(r.get('critic/score/mean')):>8} "
-                         f"{_fmt(r.get('actor/entropy')):>8} {_fmt(r.get('setgrpo/online_coverage')):>10}")
+                         f"{_fmt(r.get(_TRUTH)):>8} {_fmt(r.get('actor/entropy')):>8} "
+                         f"{_fmt(r.get('setgrpo/online_coverage')):>10}")
         skipped = sum(int(r.get("actor/update_skipped") or 0) for r in runs["setgrpo"])
         lines.append(f"steps without an optimizer step (every group rejected or degenerate): {skipped}")
     if runs["grpo"]:
-        lines += ["", "GRPO baseline (same seeds) per step: reward (point), entropy"]
+        lines += ["", "GRPO baseline (same seeds) per step: reward (point), truth reward, entropy"]
         for r in runs["grpo"]:
             lines.append(f"{r['training/global_step']:>4} {_fmt(r.get('critic/score/mean')):>8} "
-                         f"{_fmt(r.get('actor/entropy')):>8}")
+                         f"{_fmt(r.get(_TRUTH)):>8} {_fmt(r.get('actor/entropy')):>8}")
     for name, rows in runs.items():
         if rows:
-            lines.append(f"{name}: mean reward over steps {np.nanmean(_series(rows, 'critic/score/mean')):.4f}, "
-                         f"mean step time {np.nanmean(_series(rows, 'timing_s/step')):.1f} s")
+            lines.append(f"{name}: mean reward over steps {np.nanmean(_series(rows, 'critic/score/mean')):.4f}"
+                         f"{_truth_mean(rows)}, mean step time {np.nanmean(_series(rows, 'timing_s/step')):.1f} s")
     lines += ["", f"plots: {', '.join(str(out / f) for f in files)}"]
     text = "\n".join(lines)
     write_atomic(out / "summary.txt", text + "\n")

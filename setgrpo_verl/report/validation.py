@@ -16,7 +16,7 @@ import numpy as np
 from ..atomic import atomic_file, write_atomic
 from ..core import coverage_band, risk_share_floor
 
-__all__ = ["plot_validation", "summary_table", "write_validation"]
+__all__ = ["plot_validation", "summary_table", "truth_lines", "write_validation"]
 
 
 def summary_table(report: Mapping[str, Any]) -> str:
@@ -46,6 +46,40 @@ def summary_table(report: Mapping[str, Any]) -> str:
             str(s.get("splits_without_threshold", "-")),
         ]))
     return "\n".join(lines + _band_lines(report) + _sample_size_lines(report))
+
+
+def truth_lines(check: Mapping[str, Any], bands: Mapping[str, tuple[float, float] | None]) -> list[str]:
+    """The main job's lines against the truth (docs/cli.md#what-the-main-job-prints) from the counts of
+    :func:`setgrpo_verl.runner.truth.truth_check` and the 95 % bands of its rates (``bands``: ``coverage``,
+    ``grpo``, ``setgrpo``, ``trained``, each ``(lo, hi)`` or None).
+
+    SetGRPO's coverage is shown with its 5-95 % band under exchangeability for one calibration of ``n_cov`` groups
+    (wider than the pooled folds need); what SetGRPO buys is the reversed updates it avoids, what it costs the
+    groups it does not train whose GRPO update pointed the truth's way.
+    """
+    def pct(count: int, total: int, band) -> str:
+        if not total:
+            return "n/a (no group)"
+        lo, hi = band
+        return f"{100 * count / total:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}] of {total}"
+
+    live, cov = check["live"], bands.get("coverage")
+    band = coverage_band(check["n_cov"], live, check["alpha"]) if live and check["n_cov"] else None
+    thresholds = " ".join("none" if t is None else f"{t:.2f}" for t in check["tau_sel"])
+    lines = [f"against the truth (noise-free score; {check['groups']} calibration groups, each held out once in "
+             f"{check['folds']} folds; 95 % bands):",
+             f"  held-out coverage {pct(check['covered'], live, cov)} groups (guarantee >= {1 - check['alpha']:.2f}"
+             + (f"; single calibration {band.lo:.2f}-{band.hi:.2f} under exchangeability)" if band else ")"),
+             f"  updates reversing the truth: GRPO {pct(check['grpo_reversals'], check['grpo_judged'], bands['grpo'])}"
+             f" groups, SetGRPO {pct(check['setgrpo_reversals'], check['setgrpo_judged'], bands['setgrpo'])} "
+             "accepted groups",
+             f"  SetGRPO trains {pct(check['accepted'], live, bands['trained'])} groups (thresholds per fold: "
+             f"{thresholds})",
+             f"  what SetGRPO buys: {check['grpo_reversals'] - check['setgrpo_reversals']} fewer reversed updates "
+             f"({check['setgrpo_reversals']} instead of {check['grpo_reversals']}); what it costs: {check['dropped']} "
+             f"groups not trained, whose GRPO update pointed the truth's way in "
+             f"{check['dropped'] - check['dropped_grpo_reversals']}"]
+    return lines
 
 
 def _sample_size_lines(report: Mapping[str, Any]) -> list[str]:

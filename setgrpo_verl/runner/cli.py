@@ -4,8 +4,9 @@ Every training command launches verl's own ``python -m verl.trainer.main_ppo`` (
 
 * ``calibrate``      roll out the calibration prompts, score each response twice, sketch, write the frozen record;
 * ``train``          SetGRPO steps with that record, or ``--estimator grpo``: verl's stock GRPO on the same data;
-* ``quickstart``     calibrate + train SetGRPO (``--baseline``: then verl's GRPO) + report, on the embedded offline
-                     defaults;
+* ``quickstart``     the main job: calibrate + train SetGRPO (``--baseline``: then verl's GRPO) + report, on the
+                     embedded offline defaults (the validation rubrics and the noisy rules grader, whose truth is
+                     known; ``--judge local``: the embedded LLM judge on the IFBench prompts);
 * ``validate``       a calibration stage with a noisy grader of known noise, then coverage and reversal risk on
                      held-out groups over repeated splits, against the re-scoring and the truth (docs/validation.md);
 * ``report``         PNG plots and a text summary from verl's metrics files and the record;
@@ -33,11 +34,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .compare import add_parser as _add_compare, run_compare
-from .profiles import FLAGS, PROFILES, profile_help
+from .profiles import FLAGS, MAIN_JOB_FLIP_PROB, PROFILES, default_profile, profile_help
 from .run import (Plan, check_before_ray, dir_plan, dry_run_text, hold_lock, make_plan, make_split, record_path,
                   run_stages, stage_commands, start, train_prompts)
 
-__all__ = ["FLAGS", "HANDLERS", "PROFILES", "build_parser", "main", "overrides_from_args"]
+__all__ = ["FLAGS", "HANDLERS", "MAIN_JOB_FLIP_PROB", "PROFILES", "build_parser", "main", "overrides_from_args"]
 
 
 def _flag_help(key: str, text: str | None) -> str:
@@ -62,14 +63,14 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", judge: str = "local",
-                     flip_prob: float | None = None) -> None:
+def _add_run_options(p: argparse.ArgumentParser, *, profile: str | None = None, judge: str = "local",
+                     flip_prob: float | None = None, flip_text: str | None = None) -> None:
     g = p.add_argument_group("inputs (defaults: embedded, offline)")
     g.add_argument("--profile", choices=sorted(PROFILES), default=profile, help=profile_help(profile))
     g.add_argument("--model", default=None, help="local Hugging Face causal-LM directory of the policy (default: the "
                    "embedded SmolLM2-135M-Instruct) [actor_rollout_ref.model.path]")
-    default_data = ("the composite validation rubrics shipped in the package with --judge rules, the default; "
-                    "with another judge the IFBench rubric conversion" if judge == "rules" else "the IFBench rubric conversion of the IFBench prompts shipped in the package")
+    default_data = ("the composite validation rubrics shipped in the package with --judge rules, "
+                    "the IFBench rubric conversion of the IFBench prompts shipped in the package with any other judge")
     g.add_argument("--data", default=None, help="RubricHub-format .jsonl/.json/.parquet file of prompts with rubrics "
                    f"(default: {default_data})")
     g.add_argument("--duplicate-criteria", choices=("error", "keep_one"), default="error",
@@ -78,13 +79,13 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str = "default", ju
     g.add_argument("--judge", choices=("local", "openai", "function", "rules"), default=judge,
                    help="'local' (embedded stochastic SmolLM2 judge), 'openai' (an OpenAI-compatible HTTP judge), "
                         "'function' (a Python reward function, --reward-function) or 'rules' (rule criteria checked by "
-                        "code only; without --data: the composite validation rubrics for validate, the IFBench prompts "
-                        "with their rule criteria only otherwise) "
+                        "code only; without --data: the composite validation rubrics) "
                         f"(default {judge}) [reward.reward_kwargs.grader.type]")
     g.add_argument("--flip-prob", type=float, default=flip_prob, metavar="P",
                    help="wrap the grader in the noisy grader: flip every criterion verdict independently with "
                         "probability P in each scoring, a simulation of an LLM judge's random verdict errors "
-                        "(docs/validation.md#noisy-grader)" + (f" (default {flip_prob})" if flip_prob else ""))
+                        "(docs/validation.md#noisy-grader)" + (f" (default {flip_prob})" if flip_prob else "")
+                        + (f" ({flip_text})" if flip_text else ""))
     g.add_argument("--noise-seed", type=int, default=None, help="seed of the noisy grader's flips (default 0)")
     g.add_argument("--reward-function", default=None, metavar="FILE[:NAME]",
                    help="for --judge function: a Python file defining NAME (default compute_score) with verl's "
@@ -159,14 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing train_<estimator>/ (and remove report/)")
     _add_run_options(p)
 
-    p = sub.add_parser("quickstart", help="calibrate + train SetGRPO + report on the embedded defaults (--baseline: "
-                                          "and verl's GRPO on the same data)")
+    p = sub.add_parser("quickstart", help="the main job: calibrate + train SetGRPO + report against the truth on the "
+                                          "embedded defaults (--baseline: and verl's GRPO on the same data; "
+                                          "--judge local: the LLM-judge demonstration)")
     p.add_argument("--run-dir", type=Path, default=Path("runs/quickstart"))
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=False,
                    help="also train verl's stock GRPO on the same data, reward and seeds, for the report's comparison "
                         "(off by default: about 2.5 more minutes on 2 cores)")
     p.add_argument("--overwrite", action="store_true", help="replace the run directory's data, calibration and stages, and remove what was made from them")
-    _add_run_options(p)
+    _add_run_options(p, judge="rules", flip_text=f"default with --judge rules: {MAIN_JOB_FLIP_PROB}")
 
     p = sub.add_parser("validate", help="calibrate on a noisy grader with known truth, then check coverage and "
                        "reversal risk on held-out groups over repeated splits (docs/validation.md#validation)")
@@ -206,6 +208,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """
     from .launch import LaunchError
 
+    args.profile = args.profile or default_profile(args.judge)
     values = dict(PROFILES[args.profile])
     for flag, key, _, _ in FLAGS:
         value = getattr(args, _dest(flag), None)
@@ -285,6 +288,8 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
     ``--baseline`` the GRPO baseline, then the report."""
     from .preflight import check_calibration_size, check_training_steps
 
+    if args.judge == "rules" and args.flip_prob is None:  # the main job: the noisy rules grader, truth known
+        args.flip_prob = MAIN_JOB_FLIP_PROB
     plan = _plan(args)
     check_calibration_size(plan.values)
     split = make_split(args, plan)
@@ -300,10 +305,8 @@ def _cmd_quickstart(args: argparse.Namespace) -> str | None:
     start(args, plan, lifecycle, split)
     lifecycle.prepare("report")  # an old report describes the stages about to be run again
     run_stages(args, commands, lifecycle)
-    from ..report import make_report
-
     lifecycle.prepare("report")
-    return make_report(args.run_dir)
+    return _report(args.run_dir)
 
 
 def _cmd_train(args: argparse.Namespace) -> str | None:
@@ -368,13 +371,31 @@ def _cmd_validate(args: argparse.Namespace) -> str | None:
 
 def _cmd_report(args: argparse.Namespace) -> str:
     """``report``: PNG plots and a text summary of a run directory."""
-    from ..report import make_report
-
     if (args.run_dir / "report").exists():
         from .lifecycle import plan_run
 
         plan_run(args.run_dir, ["report"]).prepare("report")
-    return make_report(args.run_dir)
+    return _report(args.run_dir)
+
+
+def _report(run_dir: Path) -> str:
+    """The run directory's report (:func:`~setgrpo_verl.report.make_report`) with its check against the truth where
+    the grader knew it (:func:`~setgrpo_verl.runner.truth.truth_report_lines`).
+
+    Raises:
+        ReportError: no finished calibration, or paired scores that do not load.
+    """
+    from ..report import ReportError, make_report
+    from ..rundir import COMPLETE
+    from .truth import truth_report_lines
+
+    if not (run_dir / "calibration" / COMPLETE).is_file():
+        return make_report(run_dir)  # which says what is missing
+    try:
+        truth = truth_report_lines(run_dir)
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"{run_dir}: the check against the truth: {exc}") from None
+    return make_report(run_dir, truth=truth)
 
 
 def _cmd_inspect_record(args: argparse.Namespace) -> str:

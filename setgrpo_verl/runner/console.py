@@ -4,7 +4,8 @@ verl's ``main_ppo`` prints thousands of lines per run (Ray start-up, worker logs
 of every step). The command line writes all of them to the stage's ``main_ppo.log`` and, by default, shows only
 a progress bar (tqdm, with rate and ETA) over
 
-* the calibration groups, counted from the SetGRPO trainer's ``SetGRPO calibration: N groups so far`` line, and
+* the calibration groups, counted from the SetGRPO trainer's ``SetGRPO calibration: N groups so far`` lines (one
+  as each batch's rollout, scoring and sketch pass begins, with the phase, and one per shard written), and
 * the training steps, followed in the stage's ``metrics.jsonl`` (verl's file logger, one row per step), with one
   line of key metrics per step.
 
@@ -34,7 +35,7 @@ STEP_METRICS = (
     ("timing_s/step", "step_s", "{:.0f}"),
 )
 
-_CALIBRATION_LINE = re.compile(r"SetGRPO calibration: (\d+) groups so far")
+_CALIBRATION_LINE = re.compile(r"SetGRPO calibration: (\d+) groups so far(?: \((batch \d+: \w+)\))?")
 
 
 def override_value(command: Sequence[str], key: str) -> Optional[str]:
@@ -109,6 +110,8 @@ class StageConsole:
                 # the bar starts at the first count, which holds the groups of the shards a resumed calibration
                 # kept: its rate and ETA count only the groups calibrated since, at this process's pace
                 self._groups_bar = self._bar("calibration groups", self.total_groups, "group", initial=done)
+            if match.group(2):  # the phase of the batch under way (rollout, scoring, sketch)
+                self._groups_bar.set_postfix_str(match.group(2))
             self._groups_bar.update(max(0, done - self._groups_bar.n))
 
     # ------------------------------------------------------------------ metrics file (main thread)

@@ -283,7 +283,7 @@ def make_split(args: argparse.Namespace, plan: Plan) -> dict[str, Any] | None:
                                 max_prompt_length=int(values["data.max_prompt_length"]),
                                 calibration_prompts=int(values["algorithm.setgrpo.calibration.num_prompts"]),
                                 seed=plan.seed, rules_only=args.judge == "rules",
-                                default_data="validation" if args.command in ("validate", "compare") else "ifbench",
+                                default_data="validation" if args.judge == "rules" else "ifbench",
                                 duplicate_criteria=args.duplicate_criteria)
 
 

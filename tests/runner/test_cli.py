@@ -326,7 +326,46 @@ def test_validate_help_names_its_own_data_default(capsys):
     assert "(default: the composite validation rubrics shipped in the package with --judge rules" in text
     with pytest.raises(SystemExit):
         cli.main(["calibrate", "--help"])
-    assert "(default: the IFBench rubric conversion" in " ".join(capsys.readouterr().out.split())
+    assert "the IFBench rubric conversion of the IFBench prompts shipped in the package with any other judge" in " ".join(
+        capsys.readouterr().out.split())
+
+
+def _dry_command(capsys, argv):
+    assert cli.main([*argv, "--dry-run"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.strip().splitlines() if not x.startswith("[")]
+    return shlex.split(line)
+
+
+def test_the_main_job_runs_the_noisy_rules_grader_on_the_validation_rubrics(capsys, tmp_path):
+    cmd = _dry_command(capsys, ["quickstart", "--run-dir", str(tmp_path / "run")])
+    assert "+reward.reward_kwargs.grader={type:noisy,flip_prob:0.06,seed:0,base:{type:rules,seed:1}}" in cmd
+    assert cli.MAIN_JOB_FLIP_PROB == 0.06
+    values = cli.PROFILES["default"]
+    assert (values["algorithm.setgrpo.alpha"], values["algorithm.setgrpo.beta"], values["algorithm.setgrpo.delta"],
+            values["algorithm.setgrpo.calibration.num_prompts"]) == (0.2, 0.3, 0.1, 128)
+    for key in ("alpha", "beta", "delta", "calibration.num_prompts"):
+        assert f"algorithm.setgrpo.{key}={values['algorithm.setgrpo.' + key]}" in cmd
+    assert "algorithm.setgrpo.tau_grid=[0.0,0.2,0.4,0.6]" in cmd and "data.max_prompt_length=128" in cmd
+    # the split draws the validation rubrics: every prompt fits the profile's 128 tokens
+    args = cli.build_parser().parse_args(["quickstart", "--run-dir", str(tmp_path / "run")])
+    args.flip_prob = cli.MAIN_JOB_FLIP_PROB
+    split = cli.make_split(args, cli._plan(args))
+    assert "validation rubrics" in split["source"] and len(split["calibration"]) == 128
+
+
+def test_the_judge_demonstration_is_one_flag_away(capsys, tmp_path):
+    cmd = _dry_command(capsys, ["quickstart", "--run-dir", str(tmp_path / "run"), "--judge", "local"])
+    (grader,) = [a for a in cmd if a.startswith("+reward.reward_kwargs.grader=")]
+    assert grader.startswith("+reward.reward_kwargs.grader={type:local_hf,") and "noisy" not in grader
+    judge = cli.PROFILES["judge"]
+    for key in ("alpha", "beta", "delta", "calibration.num_prompts"):
+        assert f"algorithm.setgrpo.{key}={judge['algorithm.setgrpo.' + key]}" in cmd
+    # calibrate and train keep the LLM judge by default, and with it the judge profile
+    cmd = _dry_command(capsys, ["calibrate", "--run-dir", str(tmp_path / "run2")])
+    assert "algorithm.setgrpo.alpha=0.5" in cmd and any("type:local_hf" in a for a in cmd)
+    cmd = _dry_command(capsys, ["calibrate", "--run-dir", str(tmp_path / "run3"), "--judge", "rules",
+                                "--flip-prob", "0.06"])
+    assert "algorithm.setgrpo.alpha=0.2" in cmd and "algorithm.setgrpo.calibration.num_prompts=128" in cmd
 
 
 def test_dry_run_makes_the_prompt_count_check(capsys, tmp_path):

@@ -128,3 +128,19 @@ def test_report_and_inspect_record_show_the_coverage_band_and_flag_a_split_below
     (path / "calibration" / "paired_scores.npz").unlink()
     bare = report.inspect_record(path / "calibration" / "record.json")
     assert warning in bare and "no paired_scores.npz next to the record: no re-splits" in bare
+
+
+def test_report_shows_the_truth_lines_and_the_truth_reward_of_each_step(run_dir):
+    path, _ = run_dir
+    metrics = path / "train_setgrpo" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for row, truth in zip(rows[1:], (0.40, 0.50, 0.60)):
+        row["data"]["setgrpo/grading/truth_score/mean"] = truth
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report.make_report(path, resplits=20, truth=["against the truth (a line)"])
+    assert "against the truth (a line)" in text
+    table = text.split("SetGRPO per step", 1)[1].splitlines()
+    assert table[1].split()[:6] == ["step", "accepted", "recovery", "reward", "truth", "entropy"]
+    assert [line.split()[4] for line in table[2:5]] == ["0.400", "0.500", "0.600"]
+    # mean 0.5, t(0.975, 2) = 4.303 times the standard error 0.1 / sqrt(3)
+    assert "truth reward 0.500 [0.252, 0.748] (95 % t-band over 3 steps)" in text

@@ -38,8 +38,8 @@ def smoke_run(tmp_path_factory):
 
     run = tmp_path_factory.mktemp("smoke") / "run"
     started_in = tmp_path_factory.mktemp("cwd")  # the directory the command runs from, which it must leave as it was
-    proc = subprocess.run([sys.executable, "-m", "setgrpo_verl", "quickstart", "--profile", "smoke", "--baseline",
-                           "--run-dir", str(run)], capture_output=True, text=True, timeout=1500, cwd=started_in)
+    proc = subprocess.run([sys.executable, "-m", "setgrpo_verl", "quickstart", "--profile", "smoke", "--judge", "local",
+                           "--baseline", "--run-dir", str(run)], capture_output=True, text=True, timeout=1500, cwd=started_in)
     assert proc.returncode == 0, tail(proc)
     assert not (started_in / "outputs").exists()  # Hydra's output goes to each stage directory
     return run, proc.stdout

@@ -177,3 +177,21 @@ def test_the_calibration_eta_of_a_resumed_stage_counts_only_the_groups_it_calibr
     rate = meter["rate"] or (meter["n"] - meter["initial"]) / meter["elapsed"]
     assert rate == pytest.approx(0.16, rel=1e-6)  # groups per second: 48 groups in 300 s, not 3,344
     assert (5446 - 3344) / rate == pytest.approx(13137.5, rel=1e-6)  # the ETA in seconds, about 3.6 hours
+
+
+def test_the_calibration_bar_opens_at_the_first_rollout_and_shows_the_batchs_phase(tmp_path):
+    import io
+
+    from setgrpo_verl.runner.console import StageConsole
+
+    out = io.StringIO()
+    console = StageConsole("calibrate", ["algorithm.setgrpo.calibration.num_prompts=128"], tmp_path / "m.jsonl",
+                           io.StringIO(), out=out)
+    console.line("WARNING:2026-12-05 17:50:34,005:SetGRPO calibration: 0 groups so far (batch 0: rollout)\n")
+    bar = console._groups_bar
+    assert bar is not None and bar.n == 0 and bar.total == 128 and "batch 0: rollout" in out.getvalue()
+    console.line("WARNING:setgrpo: SetGRPO calibration: 0 groups so far (batch 0: sketch)\n")
+    assert "batch 0: sketch" in out.getvalue() and bar.n == 0
+    console.line("WARNING:setgrpo: SetGRPO calibration: 32 groups so far (batch_000000.npz written, 1 of 4 batches, "
+                 "60 s, ETA 180 s)\n")
+    assert bar.n == 32
