@@ -47,6 +47,7 @@ from setgrpo_verl.sketch.hooks import GradientSketcher
 from setgrpo_verl.sketch.layouts import (
     SketchOutput,
     compute_sketches,
+    forward_takes,
     packed_linear_attention_error,
     packed_needs_cu_seqlens,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "SketchCoverage",
     "GradientSketcher",
     "compute_sketches",
+    "forward_takes",
     "sketch_coverage",
     "token_weights",
     "activation_checkpointing",

@@ -42,7 +42,9 @@ class SketchOutput:
 
 
 
-def _forward_takes(model: nn.Module, name: str) -> bool:
+def forward_takes(model: nn.Module, name: str) -> bool:
+    """Whether the forward of ``model`` (unwrapped from FSDP1, checkpoint and compile wrappers) names the argument
+    ``name`` (``**kwargs`` does not count)."""
     try:
         return name in inspect.signature(unwrapped(model).forward).parameters
     except (TypeError, ValueError):
@@ -197,7 +199,7 @@ def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remo
         head_rows, keep = k - 1, k - 1
         targets = model_ids[0][k]
         model_kwargs = dict(input_ids=model_ids, position_ids=model_pos, attention_mask=None)
-        if _forward_takes(model, "cu_seqlens"):  # verl 0.9.1's rule (FSDPEngine.pass_packed_cu_seqlens)
+        if forward_takes(model, "cu_seqlens"):  # verl 0.9.1's rule (FSDPEngine.pass_packed_cu_seqlens)
             cu_seqlens = torch.nn.functional.pad(am.sum(-1).cumsum(0), (1, 0))
             model_kwargs.update(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens.cpu())
         elif packed_needs_cu_seqlens(model):
@@ -219,7 +221,7 @@ def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remo
         targets = ids[:, -t_resp:].reshape(-1)
         model_kwargs = dict(input_ids=ids, position_ids=pos, attention_mask=am)
         row_of = rows.repeat_interleave(t_resp)
-    kept = _forward_takes(model, "logits_to_keep")
+    kept = forward_takes(model, "logits_to_keep")
     if kept:  # the head computes the scoring rows only
         model_kwargs["logits_to_keep"] = keep
         sk.begin(segments, bsz, head_rows=head_rows, head_rows_only=True)

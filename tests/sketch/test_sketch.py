@@ -359,8 +359,8 @@ class _VocabProducts(TorchDispatchMode):
 
 def _without_logits_to_keep(monkeypatch, layouts):
     """compute_sketches as for a forward that takes no ``logits_to_keep``."""
-    takes = layouts._forward_takes
-    monkeypatch.setattr(layouts, "_forward_takes", lambda model, name: name != "logits_to_keep" and takes(model, name))
+    takes = layouts.forward_takes
+    monkeypatch.setattr(layouts, "forward_takes", lambda model, name: name != "logits_to_keep" and takes(model, name))
 
 
 @pytest.mark.parametrize("packed", [False, True])
