@@ -1,4 +1,4 @@
-"""The sketch on a GPU: time, peak memory and precision in bfloat16 on a Qwen3-4B-shaped model (docs/benchmarks.md#gpu-check).
+"""The sketch on a GPU: time, peak memory, precision in bf16, Qwen3-4B widths (docs/benchmarks.md#gpu-check).
 
 Needs torch and transformers only (sdpa attention; no flash-attn, hub, verl, Ray or vLLM; run with ``PYTHONPATH=.`` from
 the repository root, nothing installed). It builds a Qwen3-4B-shaped configuration locally (36 layers, width 2,560, MLP
@@ -103,7 +103,7 @@ def fwd_bwd(model, ids, am, rm):
 
 
 def fwd_lp(model, ids, am, rm):
-    """verl's plain old-log-prob pass: a forward under no_grad and every position's log-probs; returns the response's."""
+    """verl's plain old-log-prob pass: a forward under no_grad, every position's log-probs; returns the response's."""
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits
         return _all_log_probs(logits, ids)[:, -rm.shape[1]:]

@@ -101,9 +101,9 @@ class GradientSketcher:
         config: :class:`SketchConfig` (default settings if None).
         projection_dtype: None (what the trainer runs): each layer's projections run in the precision of the
             layer's own product, bfloat16 / float16 with float32 accumulation, else float32
-            (docs/sketch.md#precision); a dtype: every ``nn.Linear`` projection in that dtype (reference arithmetic
-            for measuring the precision, as ``benchmarks/bench_sketch_accuracy.py`` and ``benchmarks/gpu_check.sh``
-            do).
+            (docs/sketch.md#precision); a dtype: every ``nn.Linear`` and embedding projection in that dtype
+            (reference arithmetic for measuring the precision, as ``benchmarks/bench_sketch_accuracy.py`` and
+            ``benchmarks/gpu_check.sh`` do).
 
     Raises (on enter):
         ValueError: a trainable text-model parameter the sketch cannot cover (e.g. 3-D MoE experts;
@@ -410,17 +410,21 @@ class GradientSketcher:
         return None
 
     def _embedding_accumulate(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """The embedding's use of its block, projected in the precision of the embedding's output gradient (the same
+        rounded projections as the tied LM head's use, where the two share one block and one dtype)."""
         block = self._emb_block
         ids = ids.reshape(-1)
-        g = self._rows(grad.detach(), "input embedding").float()
+        g = self._rows(grad.detach(), "input embedding")
         if self._emb_module.padding_idx is not None:
             g = g * (ids != self._emb_module.padding_idx).unsqueeze(1).to(g.dtype)
         if block.p_out is None:
+            g = g.float()
             a = torch.nn.functional.one_hot(ids, block.rows).float()
             b = torch.cat([g, g.new_zeros(g.shape[0], block.cols - g.shape[1])], 1)
         else:
-            a = on_device(block.p_out, g.device)[:, ids].T
-            b = matmul_f32(g, on_device(block.p_in, g.device)[:, : g.shape[1]].T)
+            dtype = compute_dtype(g.dtype, self._projection_dtype)
+            a = on_device(block.p_out, g.device, dtype)[:, ids].T
+            b = project(g, on_device(block.p_in, g.device, dtype)[:, : g.shape[1]].T)
         self._accumulate(block, a, b)
 
     def _token_groups(self, t: torch.Tensor, name: str) -> torch.Tensor:
