@@ -11,8 +11,15 @@ The exact Gram matrix takes one batched forward + backward: forward hooks keep e
 receive the output gradient delta, and each block's per-response gradients sum_t delta_t x_t^T give its Gram term
 (the LM head's from the factors, <g_i, g_j> = sum_{t in i, s in j} (delta_t . delta_s)(x_t . x_s)).
 
-Run: ``python benchmarks/bench_sketch_accuracy.py [--seeds 10 --prompts 8 --responses-per-prompt 4]``
-(on 2 CPU cores: about 2 minutes for the batch and the exact Gram matrix, then 20-25 s per seed and setting).
+The model runs in float32, so by default the projections run in float32 too (the precision of the layers,
+docs/sketch.md#precision). ``--projection-dtype bfloat16`` runs every projection in bfloat16 with float32 accumulation,
+as a bfloat16 model's sketch does, on the same float32 forward and backward: the error then includes what the bfloat16
+projections add, and the script also prints, per seed, the largest difference of the cosines from those of float32
+projections with the same seed.
+
+Run: ``python benchmarks/bench_sketch_accuracy.py [--seeds 10 --prompts 8 --responses-per-prompt 4]
+[--projection-dtype bfloat16]`` (on 2 CPU cores: about 2 minutes for the batch and the exact Gram matrix, then 20-25 s
+per seed and setting, twice that with ``--projection-dtype bfloat16``).
 """
 
 from __future__ import annotations
@@ -154,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--settings", type=str, default=None, help="comma-separated indices into SETTINGS (default all)")
+    ap.add_argument("--projection-dtype", choices=("layer", "bfloat16", "float32"), default="layer",
+                    help="the projections' precision: the layers' own (float32 here), or this dtype everywhere")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -180,22 +189,32 @@ def main(argv=None) -> int:
           f"within-prompt mean {float(exact[same & off].mean()):.3f}, across prompts mean "
           f"{float(exact[~same].mean()):.3f}", flush=True)
     chosen = SETTINGS if args.settings is None else [SETTINGS[int(i)] for i in args.settings.split(",")]
+    projection = None if args.projection_dtype == "layer" else getattr(torch, args.projection_dtype)
+    compare = projection is not None and projection != torch.float32
+    print(f"projections: {args.projection_dtype}" + (" (against float32 projections, same seeds)" if compare else ""))
     print(f"{'sketch (r_out, r_in, k)':<40} {'floats':>7} | all pairs: mean / worst | within prompt: mean / worst")
     for label, kwargs in chosen:
         errs_all, errs_group = [], []
         t0 = time.perf_counter()
-        dim = 0
+        dim, drift = 0, []
         for seed in range(args.seeds):
             out = compute_sketches(model, ids, am, rm, SketchConfig(seed=seed, **kwargs),
-                                   micro_batch_size=args.micro_batch)
+                                   micro_batch_size=args.micro_batch, projection_dtype=projection)
             s = out.sketches.double()
             dim = s.shape[1]
-            err = (_cosine(s @ s.T) - exact).abs()
+            cos = _cosine(s @ s.T)
+            err = (cos - exact).abs()
             errs_all.append(float(err.max()))
             errs_group.append(float(err[same].max()))
+            if compare:
+                ref = compute_sketches(model, ids, am, rm, SketchConfig(seed=seed, **kwargs),
+                                       micro_batch_size=args.micro_batch, projection_dtype=torch.float32).sketches
+                ref = ref.double()
+                drift.append(float((cos - _cosine(ref @ ref.T)).abs().max()))
+        extra = f"; against float32 projections: max |cos diff| {max(drift):.1e}" if drift else ""
         print(f"{label:<40} {dim:>7} | {statistics.mean(errs_all):.3f} / {max(errs_all):.3f}            | "
               f"{statistics.mean(errs_group):.3f} / {max(errs_group):.3f}   "
-              f"({(time.perf_counter() - t0) / args.seeds:.0f} s per seed)", flush=True)
+              f"({(time.perf_counter() - t0) / args.seeds:.0f} s per seed{extra})", flush=True)
     return 0
 
 

@@ -41,6 +41,7 @@ from setgrpo_verl.sketch import (
     GradientSketcher,
     SketchConfig,
     activation_checkpointing,
+    forward_takes,
     fsdp1_reshard_in_backward,
     packed_linear_attention_error,
     packed_needs_cu_seqlens,
@@ -168,10 +169,12 @@ def _response_log_probs(logits: torch.Tensor, output_args: dict, rows: torch.Ten
     fingerprints the original.
 
     Args:
-        logits: the model's logits, padded [b, T, V] or packed [1, nnz + pad, V] (model dtype).
+        logits: the model's logits, padded [b, T, V] or packed [1, nnz + pad, V] (model dtype), or those of the rows
+            that score the response tokens only, [1, n, V] (the forward was given ``logits_to_keep``).
         output_args: ``prepare_model_inputs``' second output (``input_ids_rmpad_rolled`` in packed order,
             ``temperature`` [b] padded or ``temperature_rmpad`` [nnz + pad] packed, ``temperature_is_one``).
-        rows: int64 [n] flattened token rows of ``logits`` that score the response tokens (:func:`_head_rows`).
+        rows: int64 [n] flattened token rows of ``logits`` that score the response tokens (:func:`_head_rows`), or
+            None when ``logits`` holds those rows only, in order.
         response_index: int64 [n] the same tokens' packed positions (:func:`_host_layout`).
         row_of_token: int64 [n] the micro-batch row of each token.
 
@@ -180,7 +183,12 @@ def _response_log_probs(logits: torch.Tensor, output_args: dict, rows: torch.Ten
         these logits, rows concatenated in order (with grad when enabled), and the [n, V] temperature-scaled logits
         they come from (for :func:`_response_entropy`).
     """
-    scores = logits.reshape(-1, logits.shape[-1])[rows]
+    scores = logits.reshape(-1, logits.shape[-1])
+    if rows is not None:
+        scores = scores[rows]
+    elif scores.shape[0] != response_index.numel():
+        raise ValueError(f"the forward took logits_to_keep but returned {scores.shape[0]} logit rows for "
+                         f"{response_index.numel()} response tokens")
     if not output_args.get("temperature_is_one", False):
         if "temperature_rmpad" in output_args:
             temperature = output_args["temperature_rmpad"][response_index]
@@ -209,6 +217,16 @@ def _response_entropy(engine: Any, scores: torch.Tensor) -> torch.Tensor:
         return entropy_from_logits(scores.detach())
 
 
+def _keeps_logits(engine: Any, model_inputs: dict) -> bool:
+    """Whether the forward is given ``logits_to_keep`` (the positions that score a response token, so the LM head never
+    builds the prompt positions' logits, docs/sketch.md#mechanics): the packed layout, whose kept positions are one
+    index along the packed tokens, on a model whose forward names the argument (Hugging Face causal LMs; not
+    verl's replaced vision-language forwards)."""
+    if model_inputs.get("attention_mask") is not None:  # padded [b, T]: the rows score their responses in other columns
+        return False
+    return forward_takes(engine.module, "logits_to_keep")
+
+
 def _sketch_micro_batch(
     engine: Any, sk: Optional[GradientSketcher], mb: TensorDict, loss_agg_mode: str
 ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -230,14 +248,19 @@ def _sketch_micro_batch(
     model_inputs, output_args = engine.prepare_model_inputs(micro_batch=mb)
     device = model_inputs["input_ids"].device
     head_rows = _head_rows(lengths, response_index, response_lengths, model_inputs)
+    head_rows_device = head_rows.to(device, non_blocking=True)
+    keep = _keeps_logits(engine, model_inputs)
+    if keep:
+        model_inputs = {**model_inputs, "logits_to_keep": head_rows_device}
     if sk is not None:
-        sk.begin(_token_segments(lengths, model_inputs), len(mb), device=device, head_rows=head_rows)
+        sk.begin(_token_segments(lengths, model_inputs), len(mb), device=device, head_rows=head_rows,
+                 head_rows_only=keep)
     grad = torch.enable_grad() if sk is not None else torch.no_grad()
     sketches = entropy = None
     calculate_entropy = bool(tu.get_non_tensor_data(data=mb, key="calculate_entropy", default=False))
     with grad, _forward_autocast(engine):
         raw_output = engine.module(**model_inputs, use_cache=False)
-        values, scores = _response_log_probs(raw_output.logits, output_args, head_rows.to(device, non_blocking=True),
+        values, scores = _response_log_probs(raw_output.logits, output_args, None if keep else head_rows_device,
                                      response_index.to(device, non_blocking=True),
                                      row_of_token.to(device, non_blocking=True))
         rmask = mb["response_mask"].to_padded_tensor(0).bool()  # [b, R]

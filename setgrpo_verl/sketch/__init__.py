@@ -26,8 +26,10 @@ call and register a tensor hook on the call's output, then ONE ``torch.autograd.
 objective w.r.t. the input-embedding output.  Autograd only runs the nodes on the path to that
 tensor, so no parameter gradient is computed (``.grad`` stays None, FSDP/FSDP2 gradient state is
 not touched); the tensor hooks receive delta and accumulate the sketch per response.  Per hooked call
-one [tokens, k r_in] float32 matrix is kept; model-dtype tensors are promoted to float32 in row chunks only
-(docs/sketch.md#memory: checkpointing, FSDP1 resharding, measured peak).
+one [tokens, k r_in] matrix is kept, in the projection's dtype: the layer's own bfloat16 / float16 (products with
+float32 accumulation), else float32 (docs/sketch.md#precision); layers called in a row on one input (q/k/v,
+gate/up) share one product; the LM head builds only the rows that score a response token where the forward takes
+``logits_to_keep`` (docs/sketch.md#mechanics; memory: docs/sketch.md#memory).
 
 Public API: :class:`SketchConfig`, :class:`GradientSketcher` (context manager over any module),
 :func:`compute_sketches` (one call in verl's batch layout, padded or remove-padding/packed),
@@ -35,7 +37,7 @@ Public API: :class:`SketchConfig`, :class:`GradientSketcher` (context manager ov
 sketched: the text model's trainable nn.Linear layers, docs/sketch.md#what-is-sketched).
 
 Modules, one job each: ``config`` (settings, token weights), ``coverage`` (parameter selection and coverage),
-``projections`` (blocks and their random projections), ``chunks`` (float32 arithmetic in row chunks), ``hooks``
+``projections`` (blocks and their random projections), ``chunks`` (the projections' precision, row chunks), ``hooks``
 (:class:`GradientSketcher`), ``layouts`` (the padded and packed passes, :func:`compute_sketches`), ``fsdp`` (FSDP1
 resharding and activation checkpointing in the sketch pass).
 """
@@ -47,6 +49,7 @@ from setgrpo_verl.sketch.hooks import GradientSketcher
 from setgrpo_verl.sketch.layouts import (
     SketchOutput,
     compute_sketches,
+    forward_takes,
     packed_linear_attention_error,
     packed_needs_cu_seqlens,
 )
@@ -57,6 +60,7 @@ __all__ = [
     "SketchCoverage",
     "GradientSketcher",
     "compute_sketches",
+    "forward_takes",
     "sketch_coverage",
     "token_weights",
     "activation_checkpointing",

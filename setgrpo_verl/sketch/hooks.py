@@ -18,7 +18,7 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.5
     from torch.distributed._tensor import DTensor
 
-from setgrpo_verl.sketch.chunks import matmul_f32, project_f32
+from setgrpo_verl.sketch.chunks import chunk_rows, compute_dtype, matmul_f32, project
 from setgrpo_verl.sketch.config import SketchConfig
 from setgrpo_verl.sketch.coverage import input_embedding, select
 from setgrpo_verl.sketch.projections import Block, layout_blocks, on_device
@@ -48,6 +48,16 @@ class _LossRowsLinear(torch.autograd.Function):
         with torch.autocast(device_type=g.device.type, enabled=False):  # the dtype autocast gave the forward
             gx[rows] = (g @ weight.to(g.dtype)).to(ctx.x_dtype)
         return gx.reshape(ctx.x_shape), None, None, None
+
+
+class _Slot:
+    """The input projection P_in [x, 1] of one hooked call, filled in the forward (at once, or when the group of calls
+    that share its input is complete) and read by the call's tensor hook in the backward."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value: torch.Tensor | None = None
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -82,10 +92,18 @@ class GradientSketcher:
     ``model.get_input_embeddings()``; on exit they are removed, also when an exception is raised.  Projections are built once per enter from (config.seed, module name) on CPU and moved
     to the activations' device; none is larger than r x max(out, in).
 
+    Layers called in a row on the same input tensor (q/k/v, gate/up in a Hugging Face decoder layer) share one product
+    with their stacked input projections; their sketches are those of separate products to float tolerance.
+
     Args:
         model: an ``nn.Module`` with ``get_input_embeddings()`` (HF convention) or exactly one
             ``nn.Embedding``.
         config: :class:`SketchConfig` (default settings if None).
+        projection_dtype: None (what the trainer runs): each layer's projections run in the precision of the
+            layer's own product, bfloat16 / float16 with float32 accumulation, else float32
+            (docs/sketch.md#precision); a dtype: every ``nn.Linear`` and embedding projection in that dtype
+            (reference arithmetic for measuring the precision, as ``benchmarks/bench_sketch_accuracy.py`` and
+            ``benchmarks/gpu_check.sh`` do).
 
     Raises (on enter):
         ValueError: a trainable text-model parameter the sketch cannot cover (e.g. 3-D MoE experts;
@@ -93,9 +111,14 @@ class GradientSketcher:
             embedding; ``include_embeddings`` with an embedding that uses ``scale_grad_by_freq``/``max_norm``.
     """
 
-    def __init__(self, model: nn.Module, config: SketchConfig | None = None):
+    def __init__(self, model: nn.Module, config: SketchConfig | None = None, *,
+                 projection_dtype: torch.dtype | None = None):
+        if projection_dtype is not None and not (isinstance(projection_dtype, torch.dtype)
+                                                 and projection_dtype.is_floating_point):
+            raise ValueError(f"projection_dtype must be None or a floating torch.dtype, got {projection_dtype!r}")
         self.model = model
         self.config = config if config is not None else SketchConfig()
+        self._projection_dtype = projection_dtype
         self.blocks: list[Block] = []
         self._handles: list = []
         self._phase = "idle"
@@ -103,8 +126,12 @@ class GradientSketcher:
         self._num_segments = 0
         self._onehot: torch.Tensor | None = None
         self._head_rows: torch.Tensor | None = None
+        self._head_rows_only = False
         self._head_onehot: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
+        self._group: list = []  # (block, slot) of the calls on self._group_x whose projection is deferred
+        self._group_x: torch.Tensor | None = None
+        self._group_key: tuple = ()
         self._emb_calls: list = []
         self._pending: dict[int, str] = {}
         self._in_jvp = False
@@ -154,10 +181,13 @@ class GradientSketcher:
         self._segments = self._onehot = self._out = self._head_rows = self._head_onehot = None
         self._emb_calls = []
         self._pending = {}
+        self._group, self._group_x, self._group_key = [], None, ()
+        self._head_rows_only = False
 
     # ------------------------------------------------------------------ per micro-batch
     def begin(self, segment_ids: torch.Tensor, num_segments: int | None = None,
-              device: torch.device | str | None = None, head_rows: torch.Tensor | None = None) -> None:
+              device: torch.device | str | None = None, head_rows: torch.Tensor | None = None,
+              head_rows_only: bool = False) -> None:
         """Start a micro-batch: call before the model forward.
 
         Args:
@@ -174,11 +204,14 @@ class GradientSketcher:
                 ``nn.Linear`` head the model's backward through the head runs on these rows only too (the input
                 gradient of the other rows is zero, not computed): the objective must use the head's output at these
                 rows only, its dependence on any other row is not seen by the backward.
+            head_rows_only: the head's input holds exactly the rows ``head_rows``, in that order (the model was called
+                with ``logits_to_keep=head_rows``, so the head never computes the other rows' logits); the head block
+                is projected on all rows of its input, whose segments are those of ``head_rows``.
 
         Raises:
             RuntimeError: called outside the ``with`` block.
             ValueError: non-integer ids, ids below -1 or >= num_segments; head rows outside the token rows or
-                repeated.
+                repeated; ``head_rows_only`` without ``head_rows``.
         """
         if not self._handles:
             raise RuntimeError("GradientSketcher.begin() must be called inside `with GradientSketcher(...)`")
@@ -188,6 +221,8 @@ class GradientSketcher:
         n = int(seg.max().item()) + 1 if num_segments is None else int(num_segments)
         if seg.numel() and bool(((seg < -1) | (seg >= n)).any()):
             raise ValueError(f"segment_ids must lie in [-1, {n - 1}] (num_segments={n})")
+        if head_rows_only and head_rows is None:
+            raise ValueError("head_rows_only=True needs head_rows: the token row of each row of the head's input")
         if head_rows is not None:
             head_rows = head_rows.reshape(-1).long()
             if head_rows.numel() and bool(((head_rows < 0) | (head_rows >= seg.numel())).any()):
@@ -198,6 +233,7 @@ class GradientSketcher:
         seg = seg.to(device, non_blocking=True)
         self._reset()
         self._head_rows = None if head_rows is None else head_rows.to(device, non_blocking=True)
+        self._head_rows_only = bool(head_rows_only)
         self._segments = seg
         self._num_segments = n
         valid = (seg >= 0).float()
@@ -234,6 +270,7 @@ class GradientSketcher:
             )
         if not objective.requires_grad:
             raise RuntimeError("objective does not require grad: run the forward under torch.enable_grad()")
+        self._flush()
         self._phase = "backward"
         try:
             outputs = [out for _, out in self._emb_calls]
@@ -257,39 +294,62 @@ class GradientSketcher:
             self._out = out
 
     # ------------------------------------------------------------------ hooks
-    def _rows(self, t: torch.Tensor, name: str) -> torch.Tensor:
+    def _rows(self, t: torch.Tensor, name: str, expected: int | None = None) -> torch.Tensor:
+        """``t`` as [rows, width], checked to have ``expected`` rows (default: the token rows of segment_ids)."""
         flat = t.reshape(-1, t.shape[-1])
-        if flat.shape[0] != self._segments.numel():
+        expected = self._segments.numel() if expected is None else expected
+        if flat.shape[0] != expected:
+            what = ("head_rows has" if self._head_rows_only and expected == self._head_rows.numel()
+                    else "segment_ids has")
             raise ValueError(
-                f"layer {name!r} sees {flat.shape[0]} token rows but segment_ids has {self._segments.numel()} "
-                "entries: segment_ids must have the model input's token shape ([B, T] or [1, nnz])"
+                f"layer {name!r} sees {flat.shape[0]} token rows but {what} {expected} entries: segment_ids must have "
+                "the model input's token shape ([B, T] or [1, nnz]), and with head_rows_only the head's input must "
+                "hold exactly the head_rows (logits_to_keep=head_rows)"
             )
         return flat
 
     def _accumulate(self, block: Block, a: torch.Tensor, b: torch.Tensor, onehot: torch.Tensor | None = None) -> None:
-        """out[s, block] += sum_{t in s} a_t (x) b_t, per copy: a [n, k*r_out], b [n, k*r_in] (one row per token of
-        ``onehot``, default all token rows)."""
+        """out[s, block] += sum_{t in s} a_t (x) b_t in float32, per copy: a [n, k*r_out], b [n, k*r_in] of any float
+        dtype (one row per token of ``onehot``, default all token rows), in row chunks of :data:`chunks.CHUNK_BYTES`."""
         n = a.shape[0]
         k = 1 if block.p_in is None else block.shape[2]
-        outer = (a.reshape(n, k, -1, 1) * b.reshape(n, k, 1, -1)).reshape(n, -1)  # [n, size]
         onehot = self._onehot if onehot is None else onehot
-        self._out[:, block.offset : block.offset + block.size] += matmul_f32(onehot.T, outer)
+        out = self._out[:, block.offset : block.offset + block.size]
+        step = chunk_rows(block.size)
+        for start in range(0, n, step):
+            sl = slice(start, start + step)
+            m = a[sl].shape[0]
+            outer = (a[sl].float().reshape(m, k, -1, 1) * b[sl].float().reshape(m, k, 1, -1)).reshape(m, -1)
+            out += matmul_f32(onehot[sl].T, outer)
 
     def _head_only(self, block: Block) -> bool:
         return block.is_head and self._head_rows is not None
 
-    def _project_in(self, block: Block, x: torch.Tensor) -> torch.Tensor:
-        """P_in [x, 1] of the block's trainable input columns (x for a trainable weight, 1 for a trainable bias)."""
-        w = block.weight_cols
-        if block.p_in is None:  # identity
+    def _project_in(self, blocks: tuple[Block, ...], x: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+        """P_in [x, 1] of each block's trainable input columns (x for a trainable weight, 1 for a trainable bias) for
+        blocks with the same columns whose layers share the input ``x`` [n, in]: one product with their stacked
+        projections, in ``dtype`` (identity blocks: float32, one block)."""
+        first = blocks[0]
+        w = first.weight_cols
+        if first.p_in is None:  # identity
             x = x.float()
-            parts = ([x] if w else []) + ([x.new_ones(x.shape[0], 1)] if block.bias else [])
-            return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-        p_in = on_device(block.p_in, x.device)
-        y = project_f32(x, p_in[:, :w].T) if w else p_in.new_zeros(x.shape[0], p_in.shape[0])
-        if block.bias:
+            parts = ([x] if w else []) + ([x.new_ones(x.shape[0], 1)] if first.bias else [])
+            return [parts[0] if len(parts) == 1 else torch.cat(parts, 1)]
+        p_in = on_device(tuple(b.p_in for b in blocks), x.device, dtype)  # [sum of k r_in, cols]
+        y = project(x, p_in[:, :w].T) if w else p_in.new_zeros(x.shape[0], p_in.shape[0])
+        if first.bias:
             y = y + p_in[:, w]
-        return y
+        return list(y.split([b.p_in.shape[0] for b in blocks], 1))
+
+    def _flush(self) -> None:
+        """Project the input shared by the deferred calls (:meth:`_linear_forward`) with one product."""
+        if not self._group:
+            return
+        blocks = tuple(b for b, _ in self._group)
+        x = self._rows(self._group_x.detach(), blocks[0].name)
+        for (_, slot), y in zip(self._group, self._project_in(blocks, x, self._group_key[0])):
+            slot.value = y
+        self._group, self._group_x, self._group_key = [], None, ()
 
     def _linear_forward(self, block: Block, module: nn.Linear, args, output):
         if self._phase != "forward" or self._in_jvp:
@@ -299,32 +359,46 @@ class GradientSketcher:
                 f"layer {block.name!r}: output does not require grad during the sketch forward (forward under "
                 "torch.no_grad(), or reentrant activation checkpointing: use use_reentrant=False as verl does)"
             )
-        x = self._rows(args[0].detach(), block.name)
-        replaced = None
+        dtype = compute_dtype(output.dtype, self._projection_dtype)
+        slot, replaced = _Slot(), None
         if self._head_only(block):
-            x = x[self._head_rows]
-            if _plain_linear(module) and args[0].device == output.device:  # backward over the loss rows only
-                replaced = output = _LossRowsLinear.apply(args[0], module.weight.detach(), output.detach(),
-                                                          self._head_rows)
-        b = self._project_in(block, x)
-        key = id(b)
-        self._pending[key] = block.name
-        output.register_hook(partial(self._linear_backward, block, b, key))
+            if self._head_rows_only:  # the head's input holds the loss rows only (logits_to_keep)
+                x = self._rows(args[0].detach(), block.name, self._head_rows.numel())
+            else:
+                x = self._rows(args[0].detach(), block.name)[self._head_rows]
+                if _plain_linear(module) and args[0].device == output.device:  # backward over the loss rows only
+                    replaced = output = _LossRowsLinear.apply(args[0], module.weight.detach(), output.detach(),
+                                                              self._head_rows)
+            slot.value = self._project_in((block,), x, dtype)[0]
+        elif block.p_in is None or not block.weight_cols:
+            slot.value = self._project_in((block,), self._rows(args[0].detach(), block.name), dtype)[0]
+        else:
+            # calls in a row on the same input tensor (q/k/v, gate/up) are projected together when the run ends
+            key = (dtype, block.cols, block.bias)
+            if self._group and (args[0] is not self._group_x or key != self._group_key):
+                self._flush()
+            self._group_x, self._group_key = args[0], key
+            self._group.append((block, slot))
+        self._pending[id(slot)] = block.name
+        output.register_hook(partial(self._linear_backward, block, slot))
         return replaced
 
-    def _linear_backward(self, block: Block, b: torch.Tensor, key: int, grad: torch.Tensor):
-        if self._phase != "backward" or key not in self._pending:
+    def _linear_backward(self, block: Block, slot: _Slot, grad: torch.Tensor):
+        if self._phase != "backward" or id(slot) not in self._pending:
             return None
-        del self._pending[key]
-        d = self._rows(grad.detach(), block.name)  # model dtype; promoted to float32 chunk by chunk
+        del self._pending[id(slot)]
         # the LM head: only the rows with a loss term when the caller named them (the others have delta = 0)
         head = self._head_only(block)
-        rows = self._head_rows if head else None
+        if head and self._head_rows_only:
+            d, rows = self._rows(grad.detach(), block.name, self._head_rows.numel()), None
+        else:
+            d, rows = self._rows(grad.detach(), block.name), self._head_rows if head else None
         if block.p_out is None:
             a = (d if rows is None else d[rows]).float()
         else:
-            a = project_f32(d, on_device(block.p_out, d.device).T, rows)
-        self._accumulate(block, a, b, self._head_onehot if head else None)
+            dtype = compute_dtype(d.dtype, self._projection_dtype)
+            a = project(d, on_device(block.p_out, d.device, dtype).T, rows)
+        self._accumulate(block, a, slot.value, self._head_onehot if head else None)
         return None
 
     def _embedding_forward(self, module, args, output):
@@ -336,17 +410,21 @@ class GradientSketcher:
         return None
 
     def _embedding_accumulate(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """The embedding's use of its block, projected in the precision of the embedding's output gradient (the same
+        rounded projections as the tied LM head's use, where the two share one block and one dtype)."""
         block = self._emb_block
         ids = ids.reshape(-1)
-        g = self._rows(grad.detach(), "input embedding").float()
+        g = self._rows(grad.detach(), "input embedding")
         if self._emb_module.padding_idx is not None:
             g = g * (ids != self._emb_module.padding_idx).unsqueeze(1).to(g.dtype)
         if block.p_out is None:
+            g = g.float()
             a = torch.nn.functional.one_hot(ids, block.rows).float()
             b = torch.cat([g, g.new_zeros(g.shape[0], block.cols - g.shape[1])], 1)
         else:
-            a = on_device(block.p_out, g.device)[:, ids].T
-            b = matmul_f32(g, on_device(block.p_in, g.device)[:, : g.shape[1]].T)
+            dtype = compute_dtype(g.dtype, self._projection_dtype)
+            a = on_device(block.p_out, g.device, dtype)[:, ids].T
+            b = project(g, on_device(block.p_in, g.device, dtype)[:, : g.shape[1]].T)
         self._accumulate(block, a, b)
 
     def _token_groups(self, t: torch.Tensor, name: str) -> torch.Tensor:

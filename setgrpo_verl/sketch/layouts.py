@@ -42,7 +42,9 @@ class SketchOutput:
 
 
 
-def _forward_takes(model: nn.Module, name: str) -> bool:
+def forward_takes(model: nn.Module, name: str) -> bool:
+    """Whether the forward of ``model`` (unwrapped from FSDP1, checkpoint and compile wrappers) names the argument
+    ``name`` (``**kwargs`` does not count)."""
     try:
         return name in inspect.signature(unwrapped(model).forward).parameters
     except (TypeError, ValueError):
@@ -114,7 +116,7 @@ def packed_linear_attention_error(model: nn.Module) -> str | None:
 
 def _scaled_by_temperature(logits: torch.Tensor, temperature) -> torch.Tensor:
     """logits / temperature in the logits' dtype (verl 0.9.1 ``_scale_logits_by_temperature``); temperature is a
-    float or a float tensor broadcastable to logits."""
+    float or a float tensor broadcastable to logits ([n, 1] for [n, V] logits)."""
     if not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0:
         return logits
     t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
@@ -192,12 +194,12 @@ def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remo
         inverse[index] = torch.arange(nnz, device=ids.device)
         model_ids, model_pos = ids.reshape(-1)[index][None], pos.reshape(-1)[index][None]
         segments = (rows[:, None].expand(bsz, seqlen)).reshape(-1)[index][None]
-        # logits row predicting response token (b, t): the packed row of (b, t - 1)
-        k = inverse[(rows[:, None] * seqlen + resp_cols[None, :]).reshape(-1)].reshape(bsz, t_resp)
-        logit_rows = (k - 1).clamp(min=0)
-        targets = model_ids[0][k.clamp(min=0)]
+        # logits row predicting response token (b, t): the packed row of (b, t - 1); the valid tokens only
+        k = inverse[(rows[:, None] * seqlen + resp_cols[None, :]).reshape(-1)].reshape(bsz, t_resp)[valid_resp]
+        head_rows, keep = k - 1, k - 1
+        targets = model_ids[0][k]
         model_kwargs = dict(input_ids=model_ids, position_ids=model_pos, attention_mask=None)
-        if _forward_takes(model, "cu_seqlens"):  # verl 0.9.1's rule (FSDPEngine.pass_packed_cu_seqlens)
+        if forward_takes(model, "cu_seqlens"):  # verl 0.9.1's rule (FSDPEngine.pass_packed_cu_seqlens)
             cu_seqlens = torch.nn.functional.pad(am.sum(-1).cumsum(0), (1, 0))
             model_kwargs.update(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens.cpu())
         elif packed_needs_cu_seqlens(model):
@@ -210,19 +212,38 @@ def _micro_batch(sk, model, ids, am, pos, weights, temperature, t_resp, use_remo
         reason = packed_linear_attention_error(model)
         if reason is not None:
             raise ValueError(reason)
+        row_of = rows[:, None].expand(bsz, t_resp)[valid_resp]
     else:
         segments = torch.where(am.bool(), rows[:, None], torch.full_like(ids, -1))
-        logit_rows = rows[:, None] * seqlen + resp_cols[None, :] - 1
-        targets = ids[:, -t_resp:]
+        # every row's response is scored by the same columns: the head keeps those, padded response tokens included
+        keep = resp_cols - 1
+        head_rows = (rows[:, None] * seqlen + keep[None, :]).reshape(-1)
+        targets = ids[:, -t_resp:].reshape(-1)
         model_kwargs = dict(input_ids=ids, position_ids=pos, attention_mask=am)
-    sk.begin(segments, bsz, head_rows=logit_rows[valid_resp])  # the head's rows with a loss term
+        row_of = rows.repeat_interleave(t_resp)
+    kept = forward_takes(model, "logits_to_keep")
+    if kept:  # the head computes the scoring rows only
+        model_kwargs["logits_to_keep"] = keep
+        sk.begin(segments, bsz, head_rows=head_rows, head_rows_only=True)
+    else:
+        sk.begin(segments, bsz, head_rows=head_rows[valid_resp.reshape(-1)] if not use_remove_padding else head_rows)
     with torch.enable_grad():
         logits = model(**model_kwargs, use_cache=False).logits
-        logits = logits.reshape(-1, logits.shape[-1])[logit_rows.reshape(-1)]  # [B * T_resp, V], model dtype
-        temp = temperature if not isinstance(temperature, torch.Tensor) else temperature.reshape(-1, 1, 1)
-        logits = _scaled_by_temperature(logits.reshape(bsz, t_resp, -1), temp).reshape(bsz * t_resp, -1)
-        log_probs = _token_log_probs(logits, targets.reshape(-1)).reshape(bsz, t_resp)
-        log_probs = torch.where(valid_resp, log_probs, torch.zeros_like(log_probs))
+        logits = logits.reshape(-1, logits.shape[-1])
+        if not kept:
+            logits = logits[head_rows]  # [n, V], model dtype
+        elif logits.shape[0] != head_rows.numel():
+            raise ValueError(
+                f"{type(unwrapped(model)).__name__}'s forward takes logits_to_keep but returned {logits.shape[0]} "
+                f"logit rows for {head_rows.numel()} kept positions"
+            )
+        temp = temperature if not isinstance(temperature, torch.Tensor) or not temperature.dim() else \
+            temperature.to(logits.device)[row_of][:, None]
+        log_probs = _token_log_probs(_scaled_by_temperature(logits, temp), targets)
+        if use_remove_padding:
+            log_probs = log_probs.new_zeros(bsz, t_resp).masked_scatter(valid_resp, log_probs)
+        else:
+            log_probs = torch.where(valid_resp, log_probs.reshape(bsz, t_resp), 0.0)
         if not torch.isfinite(log_probs).all():
             bad = (~torch.isfinite(log_probs)).any(-1).nonzero().squeeze(1).tolist()
             raise FloatingPointError(
@@ -246,6 +267,7 @@ def compute_sketches(
     temperature: float | torch.Tensor = 1.0,
     micro_batch_size: int | None = None,
     use_remove_padding: bool = False,
+    projection_dtype: torch.dtype | None = None,
 ) -> SketchOutput:
     """Per-response gradient sketches and response log-probs in verl's batch layout (docs/algorithm.md#5-sketches).
 
@@ -253,7 +275,10 @@ def compute_sketches(
     (docs/algorithm.md#0-notation: w = response_mask for token-mean / token-sum / seq-mean-token-sum /
     seq-mean-token-sum-norm, response_mask / |o_i| for seq-mean-token-mean); its gradient includes
     the prompt positions.  One forward and one activation-only backward per micro-batch; no
-    parameter ``.grad`` is created.  The model's train/eval mode is left as it is.
+    parameter ``.grad`` is created.  The model's train/eval mode is left as it is.  A forward that takes
+    ``logits_to_keep`` (Hugging Face causal LMs) is called with the positions that score a response token, so the LM
+    head never builds the prompt positions' logits; the log-probs and sketches are those of the full logits to float
+    tolerance.
 
     Args:
         model: HF causal LM (``model(input_ids=, attention_mask=, position_ids=, use_cache=False).logits``),
@@ -270,6 +295,9 @@ def compute_sketches(
         use_remove_padding: run the forward on the packed layout (valid tokens of all rows
             concatenated into [1, nnz], ``attention_mask=None``, per-sequence position ids: verl's
             remove-padding path).  Same sketches as the padded layout to float tolerance.
+        projection_dtype: None: each layer's projections in the precision of its own product
+            (docs/sketch.md#precision); a dtype: every ``nn.Linear`` and embedding projection in it (reference
+            arithmetic, :class:`GradientSketcher`).
 
     Returns:
         :class:`SketchOutput` with ``sketches`` float32 [B, m] and ``log_probs`` float32 [B, T_resp].
@@ -290,7 +318,7 @@ def compute_sketches(
     bsz, t_resp = response_mask.shape
     step = micro_batch_size or bsz
     sketches, log_probs = [], []
-    with GradientSketcher(model, config) as sk, fsdp1_reshard_in_backward(model):
+    with GradientSketcher(model, config, projection_dtype=projection_dtype) as sk, fsdp1_reshard_in_backward(model):
         for start in range(0, bsz, step):
             sl = slice(start, start + step)
             temp = temperature[sl] if isinstance(temperature, torch.Tensor) and temperature.dim() else temperature

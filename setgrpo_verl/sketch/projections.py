@@ -3,8 +3,9 @@
 A block is one sketched parameter matrix (an ``nn.Linear`` weight with its bias column, the input embedding, or a
 norm's 1-D parameters).  Its Kronecker projections P_out, P_in derive from (seed, block name) only, so they are
 identical on every rank and across runs and are never checkpointed.  They are generated once per process on the CPU
-and copied once to each device that uses them (:func:`on_device`): later micro-batches and steps reuse the device copy,
-so a sketch pass makes no host-to-device copy of them after the first (docs/sketch.md#memory).
+and copied once to each device and dtype that uses them (:func:`on_device`, also the stacked input projections of
+layers that share an input): later micro-batches and steps reuse the device copy, so a sketch pass makes no
+host-to-device copy of them after the first (docs/sketch.md#memory).
 """
 
 from __future__ import annotations
@@ -48,19 +49,23 @@ def projection(seed: int, key: str, rows: int, cols: int, variance: float) -> to
     return torch.randn(rows, cols, generator=gen, dtype=torch.float32) * math.sqrt(variance)
 
 
-#: (id of the host projection, device) -> (the host projection, its copy on that device).  Holding the host tensor keeps
-#: its id from being reused while the entry lives.
-_DEVICE_COPIES: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+#: (ids of the host projections, device, dtype) -> (the host projections, their device copy).  Holding the host
+#: tensors keeps their ids from being reused while the entry lives.
+_DEVICE_COPIES: dict[tuple, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
 
-def on_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """The copy of the host projection ``t`` on ``device``, made on the first request in this process and reused
-    afterwards (the projections are read-only).  Device memory: the projections of every sketched block stay
-    resident, k (r_out out + r_in in) float32 per block (docs/sketch.md#memory)."""
-    key = (id(t), str(torch.device(device)))
+def on_device(t: torch.Tensor | tuple[torch.Tensor, ...], device: torch.device | str,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The copy of the host projection ``t`` on ``device`` in ``dtype`` (a tuple of projections with the same columns:
+    their rows stacked, in order), made on the first request in this process and reused afterwards (the projections
+    are read-only).  Device memory: the projections of every sketched block stay resident, k (r_out out + r_in in)
+    entries per block in each dtype used (docs/sketch.md#memory)."""
+    parts = t if isinstance(t, tuple) else (t,)
+    key = (tuple(id(p) for p in parts), str(torch.device(device)), dtype)
     entry = _DEVICE_COPIES.get(key)
-    if entry is None or entry[0] is not t:
-        entry = _DEVICE_COPIES[key] = (t, t.to(device))
+    if entry is None or any(a is not b for a, b in zip(entry[0], parts)):
+        stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
+        entry = _DEVICE_COPIES[key] = (parts, stacked.to(device=device, dtype=dtype))
     return entry[1]
 
 

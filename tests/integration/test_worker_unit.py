@@ -212,19 +212,25 @@ class _LogSumExpRows(torch.overrides.TorchFunctionMode):
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_fused_pass_takes_the_log_softmax_of_the_response_rows_only(packed):
     """verl's own pass takes the log-softmax of every position and keeps the response tokens'; the fused pass takes it
-    on the positions that score a response token only (fewer rows, forward and backward) and its old log-probs are
-    still verl's, bit for bit."""
+    on the positions that score a response token only (fewer rows, forward and backward), in the packed layout the head
+    builds those rows only (``logits_to_keep``), and its old log-probs are still verl's, bit for bit (on the CPU)."""
     model = tiny_qwen3(dtype=torch.float32)
     engine = BareEngine(model)
     data = _ragged(model.config.vocab_size)
     tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=5, use_remove_padding=packed,
                          temperature=0.7)
+    head_rows = []  # the rows of every LM-head forward
+    model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].numel() // args[0].shape[-1]))
     with _LogSumExpRows() as verl_rows:
         expected = verl_log_probs(engine, data)
+    tokens, responses = int(data["input_ids"].offsets()[-1]), int(data["responses"].offsets()[-1])
+    assert verl_rows.rows == tokens and sum(head_rows) >= tokens  # every position
+    head_rows.clear()
     with _LogSumExpRows() as fused_rows:
         _, fused, _ = sketch_and_log_probs(engine, data, SKETCH, loss_agg_mode="token-mean")
-    assert verl_rows.rows == int(data["input_ids"].offsets()[-1])  # every position
-    assert fused_rows.rows == int(data["responses"].offsets()[-1])  # the response tokens only
+    assert fused_rows.rows == responses  # the response tokens only
+    # packed: the forward is given logits_to_keep, so the head builds the response rows only
+    assert sum(head_rows) == responses if packed else sum(head_rows) >= tokens
     for a, b in zip(fused.unbind(), expected.unbind(), strict=True):
         assert torch.equal(a, b)
 

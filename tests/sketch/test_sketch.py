@@ -357,6 +357,49 @@ class _VocabProducts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _without_logits_to_keep(monkeypatch, layouts):
+    """compute_sketches as for a forward that takes no ``logits_to_keep``."""
+    takes = layouts.forward_takes
+    monkeypatch.setattr(layouts, "forward_takes", lambda model, name: name != "logits_to_keep" and takes(model, name))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_to_keep_builds_the_scoring_rows_only_and_keeps_sketches_and_log_probs(packed, tie, monkeypatch):
+    """With ``logits_to_keep`` the head's forward and backward run on the positions that score a response token
+    (packed: the valid ones; padded: the same columns of every row), and the log-probs and sketches are those of the
+    full logits to float tolerance."""
+    from setgrpo_verl.sketch import layouts
+
+    model = tiny_llama(dtype=torch.float32, tie=tie)
+    ids, am, rm = verl_batch()
+    cfg = SketchConfig(rank_out=2, rank_in=2, copies=4, seed=3)
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.9])
+    head_rows = []  # the rows of every LM-head forward
+    model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].reshape(-1, 32).shape[0]))
+    kept = compute_sketches(model, ids, am, rm, cfg, use_remove_padding=packed, temperature=temperature)
+    scoring = int(am[:, -rm.shape[1]:].sum())
+    assert head_rows == [scoring if packed else rm.numel()] and rm.numel() < ids.numel()
+    _without_logits_to_keep(monkeypatch, layouts)
+    head_rows.clear()
+    full = compute_sketches(model, ids, am, rm, cfg, use_remove_padding=packed, temperature=temperature)
+    assert head_rows == [int(am.sum()) if packed else ids.numel()]
+    torch.testing.assert_close(kept.log_probs, full.log_probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kept.sketches, full.sketches, rtol=1e-5, atol=1e-6)
+    assert kept.sketches.abs().max() > 0
+
+
+def test_head_rows_only_checks_the_head_input():
+    model = tiny_llama(dtype=torch.float32)
+    ids = torch.randint(1, 96, (1, 6))
+    with GradientSketcher(model, SketchConfig()) as sk:
+        with pytest.raises(ValueError, match="needs head_rows"):
+            sk.begin(torch.zeros(1, 6, dtype=torch.long), head_rows_only=True)
+        sk.begin(torch.zeros(1, 6, dtype=torch.long), head_rows=torch.tensor([3, 4]), head_rows_only=True)
+        with pytest.raises(ValueError, match="head_rows has 2 entries"):
+            model(input_ids=ids, logits_to_keep=3)
+
+
 @pytest.mark.parametrize("packed, tie, identity", [(False, False, False), (True, False, False), (False, True, True),
                                                     (True, True, True)])
 def test_the_lm_head_backward_multiplies_the_rows_with_a_loss_term_only(packed, tie, identity, monkeypatch):
@@ -364,11 +407,12 @@ def test_the_lm_head_backward_multiplies_the_rows_with_a_loss_term_only(packed, 
     head's output gradient on the scoring rows only (the head's input gradient and its P_out projection), and the
     sketches are those of the backward over every row; with a tied head in identity mode both are the exact
     per-response gradients."""
-    from setgrpo_verl.sketch import hooks
+    from setgrpo_verl.sketch import hooks, layouts
 
     model = tiny_llama(dtype=torch.float32, tie=tie)
     ids, am, rm = verl_batch()
     cfg = SketchConfig(identity=True) if identity else SketchConfig(rank_out=2, rank_in=2, copies=4, seed=3)
+    _without_logits_to_keep(monkeypatch, layouts)  # the head builds every row's logits
     products = _VocabProducts(model.config.vocab_size)
     original = GradientSketcher.backward
 
