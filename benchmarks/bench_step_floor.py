@@ -43,8 +43,9 @@ import floors  # noqa: E402
 
 import torch  # noqa: E402
 
-#: The default profile's sizes (setgrpo_verl.runner.cli.PROFILES["default"], the launcher's micro-batch and
-#: ``rollout.max_num_seqs``).
+#: The judge profile's sizes (setgrpo_verl.runner.profiles.PROFILES["judge"], the main job's before it moved to the
+#: rules grader; the floor table of docs/benchmarks.md was measured at them), the launcher's micro-batch and
+#: ``rollout.max_num_seqs``.
 GROUPS, K, PROMPT, RESPONSE = 4, 4, 96, 24
 CALIBRATION_GROUPS, ROLLOUT_BATCH, MICRO = 32, 64, 16
 #: New tokens of the decode measurement with ``--quick``.

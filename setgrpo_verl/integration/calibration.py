@@ -445,6 +445,8 @@ class CalibrationPhase:
         """Refuse to finish when the groups of ``shards`` (batch index -> shard) left out because grading failed are
         more than ``calibration.max_grading_failure_ratio`` of their groups (:func:`check_grading_failure_share`)."""
         failed = {b: int(s.dropped.get("grading_failed", 0)) for b, s in sorted(shards.items())}
+        if not any(failed.values()):  # only the dual reward manager fails grading; other managers have no grader
+            return
         check_grading_failure_share(sum(failed.values()), sum(len(s.prompts) for s in shards.values()),
                                     float(self.setgrpo.calibration.max_grading_failure_ratio),
                                     describe_judge(grader_config(self.config)),

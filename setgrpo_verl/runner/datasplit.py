@@ -61,7 +61,7 @@ def split_data(
     """Validate the rubric rows, drop overlong prompts, shuffle and split them into verl RL rows (nothing written).
 
     With ``rules_only`` (the ``rules`` grader) the embedded default is the IFBench rows with their rule criteria only,
-    or with ``default_data="validation"`` (``setgrpo-verl validate``) the composite validation rubrics
+    or with ``default_data="validation"`` (every command with ``--judge rules``) the composite validation rubrics
     (:func:`setgrpo_verl.grading.load_validation_rubrics`, docs/validation.md#validation-rubrics), and every
     criterion of a ``data`` file must carry a rule. Without ``rules_only`` the default is the IFBench rows with
     their judged criteria whatever ``default_data`` says.

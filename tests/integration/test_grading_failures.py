@@ -193,3 +193,34 @@ def test_the_reward_manager_reports_a_calibration_grading_failure_as_a_row(tmp_p
     assert "reference_score" not in failed and "score" not in failed and out[1]["reward_score"] == 0.0
     with pytest.raises(GradingError, match="judge down"):  # outside calibration the session fails, as before
         _score(worker, ["fine", "fail here"], calibration=False)
+
+
+def test_a_failed_group_is_left_out_of_the_truth_as_well():
+    """The noisy rules grader writes the truth beside the reference; a failed row carries neither, and the groups
+    kept have the truth of exactly their rows."""
+    from setgrpo_verl.integration.config import TRUTH_SCORE_KEY
+
+    data = _rows({"a": 0, "b": 2, "c": 0})
+    for row, info in enumerate(r["reward_extra_info"] for r in data["extra_fields"]):
+        if not info[GRADING_ERROR_KEY]:
+            info[TRUTH_SCORE_KEY] = 0.01 * row
+    groups = calibration_groups(data, "reference_score", k=K)
+    assert groups.uids == ["a", "c"] and groups.grading_failed == {"b": ERROR}
+    np.testing.assert_allclose(groups.truth.numpy(), [[0.00, 0.01, 0.02, 0.03], [0.08, 0.09, 0.10, 0.11]])
+
+
+def test_a_reward_without_a_grader_passes_the_share_check_when_nothing_failed():
+    """Calibration with another reward manager (no ``reward.reward_kwargs.grader``) must not need a judge's name."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from setgrpo_verl.integration.calibration import CalibrationPhase
+
+    phase = SimpleNamespace(config=OmegaConf.create({"reward": {"reward_manager": {"name": "naive"}}}),
+                            setgrpo=SimpleNamespace(calibration=SimpleNamespace(max_grading_failure_ratio=0.02)))
+    shards = {0: SimpleNamespace(dropped={"incomplete": 1, "grading_failed": 0}, prompts=["a", "b"])}
+    CalibrationPhase._check_grading_share(phase, shards)  # no ValueError about a missing grader
+    shards[0].dropped["grading_failed"] = 1
+    with pytest.raises(ValueError, match="grader"):  # with a failure the judge is named, and here there is none
+        CalibrationPhase._check_grading_share(phase, shards)
