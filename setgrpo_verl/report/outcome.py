@@ -37,17 +37,25 @@ _BASELINES = ("grpo", "grpo_mean2")
 class Curve:
     """One run's held-out truth reward at its validated steps (``steps``: int [V], 0 first, ascending; ``truth``:
     float [V] in [0, 1]) and what had been spent by then: training grader calls (``calls``: float [V]) and
-    wall-clock seconds of training steps and validations (``seconds``: float [V], 0 at step 0)."""
+    wall-clock seconds of training steps and validations (``seconds``: float [V], 0 at step 0). ``lost``: the
+    training steps whose metrics row a crash took after their checkpoint (a resumed run continues after them), whose
+    calls and seconds are the run's median step's."""
 
     steps: np.ndarray
     truth: np.ndarray
     calls: np.ndarray
     seconds: np.ndarray
+    lost: tuple[int, ...] = ()
 
 
 def read_curve(path: str | os.PathLike) -> Curve:
     """The :class:`Curve` of one run's verl metrics file (``metrics.jsonl``; a step logged twice counts with its
     last row, as after a resume).
+
+    verl logs a step's row after its checkpoint, so a run that crashed between the two and was resumed from that
+    checkpoint has trained the step without its row (and without its validation). Such a step, one after which the
+    run logged again, is in :attr:`Curve.lost`: its grader calls and seconds are the run's median step's (the
+    calls of every step of an arm are the same; the seconds an estimate).
 
     Raises:
         ReportError: no held-out truth reward (validation off, or a grader without a truth), none before the first
@@ -74,13 +82,18 @@ def read_curve(path: str | os.PathLike) -> Curve:
     if 0 not in truth:
         raise ReportError(f"{path}: no held-out truth reward before the first step (trainer.val_before_train)")
     steps = np.array(sorted(truth))
-    missing = sorted(set(range(1, int(steps[-1]) + 1)) - set(spent))
-    if missing:
-        raise ReportError(f"{path}: training steps {missing[:5]} are missing, so grader calls and wall-clock time up "
-                          "to the later validations are unknown")
-    calls = np.cumsum([0.0] + [spent[s][0] for s in range(1, int(steps[-1]) + 1)])
-    seconds = np.cumsum([0.0] + [spent[s][1] for s in range(1, int(steps[-1]) + 1)])
-    return Curve(steps=steps, truth=np.array([truth[s] for s in steps]), calls=calls[steps], seconds=seconds[steps])
+    last = int(steps[-1])
+    lost = sorted(set(range(1, last + 1)) - set(spent))
+    if lost and (not spent or lost[-1] > max(spent)):
+        raise ReportError(f"{path}: training steps {lost[:5]} are missing and no step after them was logged, so "
+                          "grader calls and wall-clock time up to the later validations are unknown")
+    if lost:
+        median = (float(np.median([c for c, _ in spent.values()])), float(np.median([t for _, t in spent.values()])))
+        spent = {**spent, **{s: median for s in lost}}
+    calls = np.cumsum([0.0] + [spent[s][0] for s in range(1, last + 1)])
+    seconds = np.cumsum([0.0] + [spent[s][1] for s in range(1, last + 1)])
+    return Curve(steps=steps, truth=np.array([truth[s] for s in steps]), calls=calls[steps], seconds=seconds[steps],
+                 lost=tuple(lost))
 
 
 def _band(x: np.ndarray) -> tuple[float, float]:
@@ -106,8 +119,9 @@ def outcome_rows(curves: Mapping[str, Mapping[int, Curve]]) -> dict:
 
     Returns:
         ``{"seeds": [int], "steps": int, "arms": [{"arm", "gain", "band", "gains": [per seed], "paired":
-        {baseline: [mean, half_width]}, "calls_per_step", "seconds_per_step", "start", "end"}]}``; ``band`` and the
-        half-widths are 95 % t half-widths over seeds (nan with one seed).
+        {baseline: [mean, half_width]}, "calls_per_step", "seconds_per_step", "start", "end", "lost_steps": {seed:
+        [step]}}]}``; ``band`` and the half-widths are 95 % t half-widths over seeds (nan with one seed);
+        ``lost_steps``: :attr:`Curve.lost` of the arm's runs that have any.
 
     Raises:
         ReportError: no arm, or no seed that every arm has.
@@ -135,6 +149,7 @@ def outcome_rows(curves: Mapping[str, Mapping[int, Curve]]) -> dict:
             "end": float(np.mean([c.truth[at(c, last)] for c in runs])),
             "calls_per_step": float(np.mean([c.calls[at(c, last)] / last for c in runs])) if last else math.nan,
             "seconds_per_step": float(np.mean([c.seconds[at(c, last)] / last for c in runs])) if last else math.nan,
+            "lost_steps": {str(s): list(curves[arm][s].lost) for s in seeds if curves[arm][s].lost},
         })
     return {"seeds": seeds, "steps": last, "arms": rows}
 

@@ -319,6 +319,10 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
     text = outcome_table(result)
     if left:
         text += f"\nnot finished, left out: {', '.join(left)}"
+    lost = [f"{r['arm']}_s{seed} {steps}" for r in result["arms"] for seed, steps in r["lost_steps"].items()]
+    if lost:
+        text += ("\nsteps trained without a metrics row (a crash after their checkpoint; calls and seconds set to the "
+                 f"run's median step): {', '.join(lost)}")
     text += "\n" + outcome_line(result)
     write_atomic(out / "outcome.json", json.dumps(result, indent=1) + "\n")
     write_atomic(out / "outcome.txt", text + "\n")

@@ -164,6 +164,30 @@ def test_a_run_without_validation_before_training_is_refused(tmp_path):
         read_curve(tmp_path / "metrics.jsonl")
 
 
+def test_a_step_lost_to_a_crash_after_its_checkpoint_counts_as_the_runs_median_step(tmp_path):
+    """A run resumed from the checkpoint of step 2 trained step 2 without its row (verl logs after the checkpoint):
+    its calls and seconds are the median step's, and the curve names it."""
+    _metrics(tmp_path, [0.5, 0.52, 0.55], calls=64.0, seconds=30.0)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows[3]["data"]["timing_s/step"] = 50.0  # steps 1, 3, 4 took 30, 50 and 30 + 6 s of validation: median 36 s
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] != 2))
+    curve = read_curve(tmp_path / "metrics.jsonl")
+    assert curve.lost == (2,) and curve.steps.tolist() == [0, 4]
+    assert curve.calls.tolist() == [0.0, 256.0]
+    assert curve.seconds.tolist() == [0.0, 30.0 + 36.0 + 50.0 + 36.0]
+    result = outcome_rows({"grpo": {0: curve}})
+    assert result["arms"][0]["lost_steps"] == {"0": [2]}
+
+
+def test_missing_steps_after_the_last_logged_one_are_refused(tmp_path):
+    _metrics(tmp_path, [0.5, 0.52, 0.55], calls=64.0, seconds=30.0)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows[-1]["data"] = {k: v for k, v in rows[-1]["data"].items() if not k.startswith(("timing_s", "setgrpo/"))}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ReportError, match=r"training steps \[4\] are missing and no step after them was logged"):
+        read_curve(tmp_path / "metrics.jsonl")
+
+
 def test_outcome_rows_give_each_arms_gain_with_its_paired_t_band(tmp_path):
     truths = {"grpo": [(0.50, 0.53), (0.48, 0.52), (0.51, 0.53)],
               "grpo_mean2": [(0.50, 0.55), (0.48, 0.53), (0.51, 0.55)],
