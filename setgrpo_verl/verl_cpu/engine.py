@@ -6,26 +6,28 @@ verl's ``prepare_model_outputs`` takes the entropy of the whole padded logits te
 the valid positions into one packed tensor and takes the log-softmax of it one position at a time; on a 49,152-token
 vocabulary each of those whole-tensor passes writes hundreds of megabytes, and the copies and per-position loops
 come back in the backward. :class:`CPUEngineWithLMHead` computes the same numbers with the same operations, chunk by
-chunk of the valid positions (:func:`padded_log_probs`): verl's ``logprobs_from_logits`` (its CPU arithmetic, on a
-chunk at once instead of one position at a time) and ``entropy_from_logits`` on each chunk of the (temperature-scaled) logits, and in the backward the gradient of that chunk recomputed and
-written into the logits' gradient, zero at the padding, as verl's copies leave it. Every other case (packed
-sequences, fused kernels, entropy with a gradient, distillation, sum of squared probabilities) is verl's own code.
+chunk of the valid positions (:func:`padded_log_probs`): verl's CPU log-softmax arithmetic on a chunk at once and
+``entropy_from_logits`` on each chunk of the (temperature-scaled) logits, and in the backward the gradient of each
+chunk recomputed and written into the logits' gradient, zero at the padding as verl's copies leave it. Every other
+case (packed sequences, fused kernels, entropy with a gradient, distillation, sum of squared probabilities) is
+verl's own code.
 
-Copied from verl 0.9.1 (the padded branch's arithmetic of ``prepare_model_outputs``, of
-``_scale_logits_by_temperature`` and of ``logprobs_from_logits_v2``); tests/verl_cpu/test_engine.py fingerprints the originals and checks the values
-and gradients against them.
+Copied from verl 0.9.1: the padded branch's arithmetic of ``prepare_model_outputs``, ``_scale_logits_by_temperature``
+and ``logprobs_from_logits_v2``. tests/integration/test_cpu_engine.py fingerprints the originals and checks the
+values and gradients against them.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 from tensordict import TensorDict
 
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.dataset_utils import DatasetPadMode
-from verl.utils.torch_functional import entropy_from_logits
+from verl.utils.torch_functional import entropy_from_logits, entropy_from_logits_with_chunking
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 __all__ = ["CHUNK_ROWS", "CPUEngineWithLMHead", "padded_log_probs", "takes_chunked_outputs"]
@@ -61,7 +63,7 @@ class _PaddedLogProbs(torch.autograd.Function):
     """Log-probs (with their gradient) and, without a gradient, entropies of the valid positions of padded logits."""
 
     @staticmethod
-    def forward(ctx, logits, labels, lengths, temperature, with_entropy, rows):
+    def forward(ctx, logits, labels, lengths, temperature, entropy_fn, rows):
         chunks = _chunks(lengths, rows)
         starts = [0]
         for n in lengths:
@@ -71,8 +73,8 @@ class _PaddedLogProbs(torch.autograd.Function):
             t = None if temperature is None else temperature[i: i + 1].unsqueeze(-1)
             x = _scaled(logits[i, a:b], t)
             log_probs.append(_chunk_log_probs(x, labels[starts[i] + a: starts[i] + b]))
-            if with_entropy:
-                entropies.append(entropy_from_logits(x))
+            if entropy_fn is not None:
+                entropies.append(entropy_fn(x))
         ctx.save_for_backward(logits, labels, temperature)
         ctx.chunks, ctx.starts, ctx.lengths = chunks, starts, lengths
         ctx.has_temperature = temperature is not None
@@ -100,7 +102,8 @@ class _PaddedLogProbs(torch.autograd.Function):
 
 
 def padded_log_probs(logits: torch.Tensor, labels: torch.Tensor, lengths: list[int],
-                     temperature: Optional[torch.Tensor] = None, *, entropy: bool = False,
+                     temperature: Optional[torch.Tensor] = None, *,
+                     entropy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                      rows: int = CHUNK_ROWS) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of the next tokens at every valid position of right-padded logits, and their entropies, as verl
     0.9.1's padded ``prepare_model_outputs`` computes them, in chunks of ``rows`` positions.
@@ -112,12 +115,13 @@ def padded_log_probs(logits: torch.Tensor, labels: torch.Tensor, lengths: list[i
         lengths: the ``b`` sequences' valid positions, each in ``[0, S]``.
         temperature: float ``[b]`` per-sequence temperature, or None for temperature 1 (verl's
             ``temperature_is_one``: no scaling).
-        entropy: also return the entropies (nats), without a gradient.
+        entropy: None, or the entropy (nats) of ``[n, V]`` logits per row (verl's ``entropy_from_logits`` or
+            ``entropy_from_logits_with_chunking``), taken of every chunk and returned without a gradient.
         rows: positions per chunk, >= 1.
 
     Returns:
         ``(log_probs, entropy)``: ``[sum(lengths)]`` in ``logits``' dtype (differentiable in ``logits``; the padding's
-        gradient is zero) and ``[sum(lengths)]`` or None.
+        gradient is zero) and ``[sum(lengths)]`` in ``entropy``'s dtype, or None.
 
     Raises:
         ValueError: shapes that do not match, a length outside ``[0, S]`` or ``rows < 1``.
@@ -152,6 +156,15 @@ class CPUEngineWithLMHead(FSDPEngineWithLMHead):
     values; docs/verl_integration.md#cpu-backend). Registered for the device ``cpu`` by
     :func:`setgrpo_verl.verl_cpu.activate`."""
 
+    def _entropy_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """verl's entropy of the engine's settings: ``entropy_from_logits`` (in the logits' dtype, what verl's padded
+        branch always takes), or with ``entropy_from_logits_with_chunking`` its float32 variant, which verl honours in
+        the packed layout only."""
+        config = getattr(self, "engine_config", None)
+        if getattr(config, "entropy_from_logits_with_chunking", False):
+            return partial(entropy_from_logits_with_chunking, chunk_size=config.entropy_from_logits_chunk_size)
+        return entropy_from_logits
+
     def prepare_model_outputs(self, output, output_args, micro_batch: TensorDict, logits_processor_func):
         checkpointing = bool(getattr(getattr(self, "engine_config", None), "entropy_checkpointing", False))
         if not takes_chunked_outputs(micro_batch, entropy_checkpointing=checkpointing):
@@ -160,7 +173,8 @@ class CPUEngineWithLMHead(FSDPEngineWithLMHead):
         temperature = None if output_args.get("temperature_is_one", False) else output_args["temperature"]
         calculate_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         log_probs, entropy = padded_log_probs(output.logits, output_args["input_ids_rmpad_rolled"],
-                                              cu_seqlens.diff().tolist(), temperature, entropy=calculate_entropy)
+                                              cu_seqlens.diff().tolist(), temperature,
+                                              entropy=self._entropy_function() if calculate_entropy else None)
         model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs, cu_seqlens)}
         if calculate_entropy:
             model_output["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, cu_seqlens)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from verl.utils import tensordict_utils as tu
+from verl.utils.torch_functional import entropy_from_logits
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from setgrpo_verl.verl_cpu.engine import CPUEngineWithLMHead, padded_log_probs, takes_chunked_outputs
@@ -90,13 +91,31 @@ def test_log_probs_entropies_and_gradients_are_verls(dtype, temperature):
         check(grads[name], g)
 
 
+class _ChunkedFloatEntropy(_Chunked):
+    def __init__(self, module, dtype):
+        super().__init__(module, dtype)
+        self.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=True,
+                                             entropy_from_logits_chunk_size=3)
+
+
+def test_entropy_with_chunking_is_verls_float32_entropy_in_the_padded_layout():
+    """verl honours ``entropy_from_logits_with_chunking`` (float32 entropies) in the packed layout only; the CPU engine
+    honours it padded too, and the log-probs stay verl's."""
+    verl_out, _ = _run(_Verl, torch.bfloat16, 1.0, grad=False)
+    ours, _ = _run(_ChunkedFloatEntropy, torch.bfloat16, 1.0, grad=False)
+    assert ours["entropy"].dtype == torch.float32 and verl_out["entropy"].dtype == torch.bfloat16
+    assert not torch.equal(ours["entropy"].values().bfloat16(), verl_out["entropy"].values())
+    torch.testing.assert_close(ours["entropy"].values(), verl_out["entropy"].values().float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(ours["log_probs"].values(), verl_out["log_probs"].values())
+
+
 def test_padded_log_probs_chunks_and_zero_padding_gradient():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 6, 11, generator=g, dtype=torch.float64, requires_grad=True)
     lengths = [6, 2, 4]
     labels = torch.randint(0, 11, (12,), generator=g)
-    whole, entropy = padded_log_probs(logits, labels, lengths, entropy=True, rows=100)
-    chunked, _ = padded_log_probs(logits, labels, lengths, entropy=False, rows=1)
+    whole, entropy = padded_log_probs(logits, labels, lengths, entropy=entropy_from_logits, rows=100)
+    chunked, _ = padded_log_probs(logits, labels, lengths, rows=1)
     expected = torch.cat([torch.log_softmax(logits[i, :n], -1) for i, n in enumerate(lengths)])
     expected = expected.gather(-1, labels[:, None]).squeeze(-1)
     torch.testing.assert_close(whole, expected)
@@ -132,8 +151,9 @@ def test_the_cpu_engine_is_registered_for_the_cpu():
     import setgrpo_verl.verl_cpu as verl_cpu
 
     verl_cpu.activate()
-    for backend in ("fsdp", "fsdp2"):
-        assert EngineRegistry._engines["language_model"][backend]["cpu"] is CPUEngineWithLMHead
+    with cpu_platform():  # what a worker of a CPU run asks the registry for
+        for backend in ("fsdp", "fsdp2"):
+            assert EngineRegistry.get_engine_cls("language_model", backend) is CPUEngineWithLMHead
 
 
 #: sha256 of the verl 0.9.1 sources whose arithmetic setgrpo_verl.verl_cpu.engine copies.
