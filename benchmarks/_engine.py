@@ -18,6 +18,8 @@ import verl  # noqa: E402,F401  (first: its plugin loading activates the CPU bac
 import setgrpo_verl.verl_cpu.platform  # noqa: E402,F401  (registers verl's "cpu" platform)
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
 
+from setgrpo_verl.verl_cpu.engine import CPUEngineWithLMHead  # noqa: E402
+
 
 class PlainEngine(FSDPEngineWithLMHead):
     """verl's engine code paths on a plain module: no FSDP wrapping, no optimizer; ``pass_packed_cu_seqlens`` by
@@ -55,6 +57,10 @@ class ActorEngine(PlainEngine):
 
     def get_data_parallel_rank(self):
         return 0
+
+
+class CPUActorEngine(CPUEngineWithLMHead, ActorEngine):
+    """:class:`ActorEngine` with the CPU backend's padded log-probs and entropies (the engine a CPU run builds)."""
 
 
 def single_rank_fsdp2(model: torch.nn.Module, param_dtype: torch.dtype) -> torch.nn.Module:

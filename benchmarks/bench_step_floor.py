@@ -9,7 +9,8 @@ the launcher picks for this CPU (``--precision``):
   (24 new tokens - 1 new token) / 23 of the same batch;
 * reward: the reward manager's ``DualScorer`` with the profile's grader (the local judge), every response twice;
 * fused old-log-prob + sketch pass: ``sketch_and_log_probs`` through verl's engine code on the FSDP2-wrapped actor;
-* actor update: verl's engine ``train_batch`` with verl's ``ppo_loss`` (the composed actor config), AdamW;
+* actor update: verl's engine ``train_batch`` (the CPU backend's engine, setgrpo_verl/verl_cpu/engine.py) with
+  verl's ``ppo_loss`` (the composed actor config), AdamW;
 * weight sync: the rollout adapter's ``full_weights`` and the server's load (in one process: Ray's transfer of the
   weights between processes is not in it);
 * checkpoint: verl's ``FSDPCheckpointManager.save_checkpoint`` (model, optimizer, extra) to a temporary directory.
@@ -37,7 +38,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: what a CPU run sets
 
-from _engine import ActorEngine, single_rank_fsdp2  # noqa: E402  (before verl: selects verl's CPU platform)
+from _engine import CPUActorEngine, single_rank_fsdp2  # noqa: E402  (before verl: selects verl's CPU platform)
 from bench_integration import _batch  # noqa: E402
 import floors  # noqa: E402
 
@@ -240,7 +241,7 @@ def actor_phases(table: Table, model_dir: str, config, compute: torch.dtype, rol
     single_rank_fsdp2(model, compute)
     optimizer = torch.optim.AdamW(model.parameters(), lr=float(actor_cfg.optim.lr),
                                   weight_decay=float(actor_cfg.optim.weight_decay))
-    engine = ActorEngine(model, optimizer, float(actor_cfg.grad_clip), compute)
+    engine = CPUActorEngine(model, optimizer, float(actor_cfg.grad_clip), compute)
     mcfg, rows = model.config, GROUPS * K
     params = sum(p.numel() for p in model.parameters())
     element = torch.finfo(compute).bits // 8

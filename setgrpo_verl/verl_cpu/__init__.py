@@ -7,7 +7,8 @@ Active only in processes whose environment has ``VERL_PLATFORM=cpu`` (the launch
 * registers the verl platform ``cpu`` (:mod:`setgrpo_verl.verl_cpu.platform`: gloo collectives, a logical Ray
   ``GPU`` resource per actor rank) and gives each of verl's worker ranks its share of the node's cores as torch
   threads (Ray starts actors with one);
-* registers verl's FSDP / FSDP2 language-model engine for the device ``cpu``;
+* registers verl's FSDP / FSDP2 language-model engine for the device ``cpu``, with the padded log-probs and
+  entropies computed in row chunks (:mod:`setgrpo_verl.verl_cpu.engine`, the same values);
 * registers the ``transformers`` rollout (:mod:`setgrpo_verl.verl_cpu.rollout`: batched Hugging Face generation in
   a Ray actor, weights pushed from the actor every step);
 * fixes verl's process-group backend string for the CPU (:mod:`setgrpo_verl.verl_cpu._patches`, the one place
@@ -55,10 +56,10 @@ def activate() -> None:
     platform.set_rank_threads()
 
     from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     from . import _patches
+    from .engine import CPUEngineWithLMHead
 
     _patches.patch_process_group()
     _patches.register_rollout_class(ROLLOUT_NAME, "setgrpo_verl.verl_cpu.rollout.TransformersRolloutAdapter")
@@ -67,5 +68,5 @@ def activate() -> None:
     for backend in ("fsdp", "fsdp2"):
         if CPU_PLATFORM not in registered.get(backend, {}):
             EngineRegistry.register(model_type="language_model", backend=backend, device=CPU_PLATFORM)(
-                FSDPEngineWithLMHead
+                CPUEngineWithLMHead
             )
