@@ -250,3 +250,30 @@ def test_the_committed_verl_pilot_re_analyses_to_its_outcome_line():
         curve = curves[arm][0]
         assert list(curve.steps) == [0, 2, 4] and 0.5 < curve.truth[0] < 0.55
         assert curve.calls[-1] == 4 * 64  # 8 groups x K 4 x 2 scorings a step
+
+
+def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line():
+    """validation/outcome_verl/flip0.06: the comparison's finished runs through main_ppo (flip 0.06, 100 steps,
+    docs/outcome.md#through-verl-the-runs). Every committed ``<arm>_s<seed>`` run re-analyses to the committed
+    outcome line and table; what the first run showed is in its metrics: the reliability candidate's held-out truth
+    reward rose from 0.521 to 0.704, 64 grader calls a step, step 10 lost between its checkpoint and its row."""
+    import json
+    from pathlib import Path
+
+    from setgrpo_verl.report.outcome import outcome_line, outcome_rows, outcome_table, read_curve
+
+    root = Path(__file__).resolve().parents[2] / "validation" / "outcome_verl" / "flip0.06"
+    curves: dict = {}
+    for run in sorted(p for p in root.iterdir() if p.is_dir()):
+        arm, seed = run.name.rsplit("_s", 1)
+        curves.setdefault(arm, {})[int(seed)] = read_curve(run / "metrics.jsonl")
+    result = outcome_rows(curves)
+    committed = json.loads((root / "outcome.json").read_text())
+    text = (root / "outcome.txt").read_text().strip().splitlines()
+    assert text[-1] == outcome_line(result) == outcome_line(committed)
+    assert text[:len(outcome_table(result).splitlines())] == outcome_table(result).splitlines()
+    assert committed["steps"] == result["steps"] == 100 and committed["flip_prob"] == 0.06
+    first = curves["setgrpo_reliability"][0]
+    assert first.lost == (10,) and first.steps.tolist() == [0, *range(20, 101, 10)]
+    assert round(first.truth[0], 3) == 0.521 and round(first.truth[-1], 3) == 0.704
+    assert first.calls[-1] == 100 * 64  # 8 groups x K 4 x 2 scorings a step
