@@ -66,9 +66,9 @@ def truth_lines(check: Mapping[str, Any], bands: Mapping[str, tuple[float, float
     live, cov = check["live"], bands.get("coverage")
     band = coverage_band(check["n_cov"], live, check["alpha"]) if live and check["n_cov"] else None
     thresholds = " ".join("none" if t is None else f"{t:.2f}" for t in check["tau_sel"])
-    lines = [f"against the truth (noise-free score; {check['groups']} calibration groups, each held out once in "
-             f"{check['folds']} folds; 95 % bands):",
-             f"  held-out coverage {pct(check['covered'], live, cov)} groups (guarantee >= {1 - check['alpha']:.2f}"
+    lines = [f"held out ({check['groups']} calibration groups, each held out once in {check['folds']} folds; 95 % "
+             "bands; the truth is the noise-free score):",
+             f"  coverage of a re-scoring {pct(check['covered'], live, cov)} groups (guarantee >= {1 - check['alpha']:.2f}"
              + (f"; single calibration {band.lo:.2f}-{band.hi:.2f} under exchangeability)" if band else ")"),
              f"  updates reversing the truth: GRPO {pct(check['grpo_reversals'], check['grpo_judged'], bands['grpo'])}"
              f" groups, SetGRPO {pct(check['setgrpo_reversals'], check['setgrpo_judged'], bands['setgrpo'])} "

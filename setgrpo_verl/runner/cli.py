@@ -30,6 +30,7 @@ import contextlib
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -483,6 +484,9 @@ def _analyse(args: argparse.Namespace, values: dict[str, Any], lifecycle) -> str
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``setgrpo-verl``; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    # verl's engine registry warns once per optional engine it cannot import (megatron, veomni, ...): the command
+    # line never uses them, and those ten lines would bury its own output
+    warnings.filterwarnings("ignore", message=r"\w+ engine is not available", category=UserWarning)
     from ..report import ReportError
     from ..rundir import LaunchError
 

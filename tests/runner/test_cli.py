@@ -483,3 +483,23 @@ def test_dry_run_says_which_checks_it_leaves_out(capsys, tmp_path):
                      "--judge-base-url", "http://127.0.0.1:9/v1", "--judge-model", "m"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith(
         "passed, except the judge probe (a request to --judge-base-url, which only the command makes)")
+
+
+def test_the_command_line_hides_verls_warnings_about_engines_it_never_uses(tmp_path, monkeypatch):
+    """verl warns about each optional engine it cannot import (megatron, veomni, ...) when the pre-Ray checks import
+    it; the main job's console shows its own lines, and other warnings still show."""
+    import warnings
+
+    from setgrpo_verl.runner import cli
+
+    def handler(args):
+        warnings.warn("megatron engine is not available: ModuleNotFoundError(\"No module named 'megatron'\")",
+                      UserWarning)
+        warnings.warn("something else", UserWarning)
+        return ""
+
+    monkeypatch.setitem(cli.HANDLERS, "report", handler)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert cli.main(["report", "--run-dir", str(tmp_path / "r")]) == 0
+    assert [str(w.message) for w in seen] == ["something else"]
