@@ -146,7 +146,10 @@ def _cosine(s: torch.Tensor) -> torch.Tensor:
 def agreement(model, ids, am, rm) -> dict:
     """The sketch with the layers' bfloat16 projections against the same projections in float32, and the response
     log-probs with ``logits_to_keep`` against those of the full logits."""
-    low, ref = sketch(model, ids, am, rm), sketch(model, ids, am, rm, projection_dtype=torch.float32)
+    # the model's dtype explicitly: the trainer's own choice on a GPU, and on the CPU (--tiny), where the trainer
+    # projects in float32, the same comparison
+    low = sketch(model, ids, am, rm, projection_dtype=next(model.parameters()).dtype)
+    ref = sketch(model, ids, am, rm, projection_dtype=torch.float32)
     full = fwd_lp(model, ids, am, rm)
     return {
         "relative": float((low.sketches - ref.sketches).norm() / ref.sketches.norm()),

@@ -18,6 +18,10 @@ CHUNK_BYTES = 1 << 26
 
 #: Dtypes in which a layer's projections run as the layer itself ran; any other layer dtype projects in float32.
 REDUCED = (torch.bfloat16, torch.float16)
+#: Devices on which they do. On the CPU the projections stay float32: oneDNN's AMX bfloat16 matrix product stops the
+#: process with SIGFPE (in its blocking heuristic) on some of the sketch's backward products (torch 2.13, the tiny
+#: Llama of tests/verl_cpu/test_validate_main_ppo.py), and a CPU run is not where their speed matters.
+REDUCED_DEVICES = ("cuda",)
 
 
 def chunk_rows(width: int, itemsize: int = 4) -> int:
@@ -25,12 +29,13 @@ def chunk_rows(width: int, itemsize: int = 4) -> int:
     return max(1, CHUNK_BYTES // (itemsize * max(1, width)))
 
 
-def compute_dtype(layer_dtype: torch.dtype, override: torch.dtype | None = None) -> torch.dtype:
-    """The dtype of a layer's projections: ``override`` when given (a reference precision), else the layer's own
-    dtype when it is bfloat16 or float16, else float32 (float32 and float64 layers)."""
+def compute_dtype(layer_dtype: torch.dtype, device_type: str, override: torch.dtype | None = None) -> torch.dtype:
+    """The dtype of a layer's projections on ``device_type`` (``"cuda"``, ``"cpu"``, ...): ``override`` when given (a
+    reference precision), else the layer's own dtype when it is bfloat16 or float16 on a device of
+    :data:`REDUCED_DEVICES`, else float32 (float32 and float64 layers, and every layer on the CPU)."""
     if override is not None:
         return override
-    return layer_dtype if layer_dtype in REDUCED else torch.float32
+    return layer_dtype if layer_dtype in REDUCED and device_type in REDUCED_DEVICES else torch.float32
 
 
 def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ def test_reward_loop_worker_on_real_responses(ifbench_samples, smollm2_judge):
                               meta_info={"reward_extra_keys": keys})
     reward_tensor, extra = extract_reward(out)
     assert set(keys) == {"score", "reference_score", "point_verdicts", "reference_verdicts", "unparsed", "judged",
-                         "judged_disagreement", "scorings", "no_answer"}
+                         "judged_disagreement", "scorings", "no_answer", "grading_error"}
     # judge verdicts of both scorings per response: twice the criteria without a rule
     assert extra["judged"].tolist() == [2 * sum(c.rule is None for c in Rubric.from_row(r).criteria) for r in rows]
     assert grading_metrics({"extra_fields": [{"reward_extra_info": info} for info in infos]}) == {

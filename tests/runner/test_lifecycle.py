@@ -188,15 +188,17 @@ def test_resume_of_the_combined_stage_keeps_a_finished_calibration(tmp_path):
 
 def test_quickstart_resume_trains_with_the_kept_record(tmp_path, capsys):
     run = tmp_path / "run"
-    assert cli.main(["quickstart", "--run-dir", str(run), "--profile", "smoke", "--no-baseline", "--dry-run"]) == 0
+    # the judge path: the smoke profile's 80-token prompts are the IFBench rows, which the rules grader does not read
+    assert cli.main(["quickstart", "--run-dir", str(run), "--profile", "smoke", "--judge", "local", "--no-baseline",
+                     "--dry-run"]) == 0
     capsys.readouterr()
     split = launch.split_data(data=None, model_path=embedded_model_dir(), max_prompt_length=80,
                               calibration_prompts=12, seed=1)
     launch.write_data(run, split)
     _make(run, {"calibration": C, "train_setgrpo": P})
     # this calibration has no record: the dry run makes the run's own check, which refuses it after the plan
-    assert cli.main(["quickstart", "--run-dir", str(run), "--profile", "smoke", "--no-baseline", "--resume",
-                     "--dry-run"]) == 2
+    assert cli.main(["quickstart", "--run-dir", str(run), "--profile", "smoke", "--judge", "local", "--no-baseline",
+                     "--resume", "--dry-run"]) == 2
     out, err = capsys.readouterr()
     assert "record.json: no such file" in err
     assert "calibration/ (complete): keep" in out and "train_setgrpo/ (partial): replace" in out

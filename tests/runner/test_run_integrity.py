@@ -62,7 +62,8 @@ def finished(tmp_path):
     return run, data, split
 
 
-@pytest.mark.parametrize("command", [["calibrate"], ["quickstart", "--no-baseline"], ["validate", "--judge", "local"]])
+@pytest.mark.parametrize("command", [["calibrate"], ["quickstart", "--no-baseline", "--judge", "local"],
+                                     ["validate", "--judge", "local"]])
 def test_rerun_without_overwrite_touches_nothing(capsys, finished, command):
     run, data, _ = finished
     before = _digest(run)

@@ -49,11 +49,11 @@ def test_layers_sharing_an_input_are_projected_with_one_product(dtype, tol, pack
     torch.testing.assert_close(stacked.log_probs, single.log_probs, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("model_dtype, expected", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+@pytest.mark.parametrize("model_dtype, expected", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                                    (torch.float64, torch.float32)])
 def test_projections_run_in_the_layers_precision(model_dtype, expected, monkeypatch):
-    """A bfloat16 layer is projected in bfloat16, a float32 or float64 layer in float32; ``projection_dtype`` sets
-    the reference precision."""
+    """On the CPU every layer is projected in float32 (oneDNN's AMX bfloat16 product can stop the process there);
+    ``projection_dtype`` sets the reference precision."""
     from setgrpo_verl.sketch import projections
 
     ids, am, rm = verl_batch()
@@ -72,10 +72,20 @@ def test_bfloat16_projections_agree_with_float32_ones():
     well inside the sketch's own error (docs/sketch.md#precision)."""
     ids, am, rm = verl_batch(bsz=4, t_prompt=8, t_resp=8)
     model = tiny_qwen3(dtype=torch.bfloat16, hidden=64)
-    low = compute_sketches(model, ids, am, rm, SketchConfig()).sketches.double()
+    low = compute_sketches(model, ids, am, rm, SketchConfig(), projection_dtype=torch.bfloat16).sketches.double()
     ref = compute_sketches(model, ids, am, rm, SketchConfig(), projection_dtype=torch.float32).sketches.double()
     assert (low - ref).norm() / ref.norm() < 1e-2
     assert (cosine(low @ low.T) - cosine(ref @ ref.T)).abs().max() < 2e-3
+
+
+@pytest.mark.parametrize("layer, device, override, expected", [
+    (torch.bfloat16, "cuda", None, torch.bfloat16), (torch.float16, "cuda", None, torch.float16),
+    (torch.float32, "cuda", None, torch.float32), (torch.float64, "cuda", None, torch.float32),
+    (torch.bfloat16, "cpu", None, torch.float32), (torch.bfloat16, "cpu", torch.bfloat16, torch.bfloat16)])
+def test_the_projection_dtype_follows_the_layer_on_cuda_and_is_float32_on_the_cpu(layer, device, override, expected):
+    from setgrpo_verl.sketch.chunks import compute_dtype
+
+    assert compute_dtype(layer, device, override) == expected
 
 
 def test_a_bfloat16_product_accumulates_in_float32_on_the_cpu():

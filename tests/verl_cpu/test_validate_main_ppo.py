@@ -42,8 +42,10 @@ def validated(tiny_model, tmp_path_factory):
 def test_stage_stores_the_truth_and_the_noise_identity(validated):
     run, _ = validated
     z = np.load(run / "calibration" / "paired_scores.npz")
-    assert sorted(z.files) == ["dropped_incomplete", "dropped_no_response", "gram", "point", "reference", "truth"]
+    assert sorted(z.files) == ["dropped_grading_failed", "dropped_incomplete", "dropped_no_response", "gram", "point",
+                               "reference", "truth"]
     assert int(z["dropped_incomplete"]) == 0 and int(z["dropped_no_response"]) == 0
+    assert int(z["dropped_grading_failed"]) == 0
     assert z["truth"].shape == z["point"].shape == (24, 3)
     # the validation rubrics: 3-6 rule criteria with distinct points from 1 to 6 (total W in 6..21), so every score
     # is k / W, and the stage holds more than the three values 0, 1/2, 1 of one- or two-criterion rubrics
