@@ -13,7 +13,7 @@ receive the output gradient delta, and each block's per-response gradients sum_t
 
 The model runs in float32, so by default the projections run in float32 too (the precision of the layers,
 docs/sketch.md#precision). ``--projection-dtype bfloat16`` runs every projection in bfloat16 with float32 accumulation,
-as a bfloat16 model's sketch does, on the same float32 forward and backward: the error then includes what the bfloat16
+as a bfloat16 model's sketch does on CUDA, on the same float32 forward and backward: the error then includes what the bfloat16
 projections add, and the script also prints, per seed, the largest difference of the cosines from those of float32
 projections with the same seed.
 

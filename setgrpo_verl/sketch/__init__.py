@@ -26,8 +26,8 @@ call and register a tensor hook on the call's output, then ONE ``torch.autograd.
 objective w.r.t. the input-embedding output.  Autograd only runs the nodes on the path to that
 tensor, so no parameter gradient is computed (``.grad`` stays None, FSDP/FSDP2 gradient state is
 not touched); the tensor hooks receive delta and accumulate the sketch per response.  Per hooked call
-one [tokens, k r_in] matrix is kept, in the projection's dtype: the layer's own bfloat16 / float16 (products with
-float32 accumulation), else float32 (docs/sketch.md#precision); layers called in a row on one input (q/k/v,
+one [tokens, k r_in] matrix is kept, in the projection's dtype: on CUDA the layer's own bfloat16 / float16 (products
+with float32 accumulation), else float32 (docs/sketch.md#precision); layers called in a row on one input (q/k/v,
 gate/up) share one product; the LM head builds only the rows that score a response token where the forward takes
 ``logits_to_keep`` (docs/sketch.md#mechanics; memory: docs/sketch.md#memory).
 

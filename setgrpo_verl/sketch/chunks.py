@@ -1,9 +1,9 @@
 """The sketch's arithmetic on model-dtype tensors: its precision and its row chunks (docs/sketch.md#precision,
 docs/sketch.md#memory).
 
-A projection runs in the precision of the layer it sketches: in bfloat16 (float16) when the layer's own product ran
-in it, with the float32 accumulation of the matrix product (the result is rounded to that dtype once), and in float32
-otherwise. Each response's sum over its tokens is float32. Tensors that must be copied first (a gather of rows, a cast)
+On CUDA a projection runs in the precision of the layer it sketches: in bfloat16 (float16) when the layer's own
+product ran in it, with the float32 accumulation of the matrix product (the result is rounded to that dtype once), and
+in float32 otherwise; off CUDA (the CPU) always in float32 (:data:`REDUCED_DEVICES`). Each response's sum over its tokens is float32. Tensors that must be copied first (a gather of rows, a cast)
 are copied a few rows at a time, so no copy of a whole [tokens, width] tensor (logits: [tokens, V]) is ever made. All
 products run with autocast off, so the chosen dtype holds inside the engine's autocast region.
 """
@@ -29,10 +29,10 @@ def chunk_rows(width: int, itemsize: int = 4) -> int:
     return max(1, CHUNK_BYTES // (itemsize * max(1, width)))
 
 
-def compute_dtype(layer_dtype: torch.dtype, device_type: str, override: torch.dtype | None = None) -> torch.dtype:
+def compute_dtype(layer_dtype: torch.dtype, device_type: str, *, override: torch.dtype | None = None) -> torch.dtype:
     """The dtype of a layer's projections on ``device_type`` (``"cuda"``, ``"cpu"``, ...): ``override`` when given (a
     reference precision), else the layer's own dtype when it is bfloat16 or float16 on a device of
-    :data:`REDUCED_DEVICES`, else float32 (float32 and float64 layers, and every layer on the CPU)."""
+    :data:`REDUCED_DEVICES`, else float32 (float32 and float64 layers, and every layer off CUDA)."""
     if override is not None:
         return override
     return layer_dtype if layer_dtype in REDUCED and device_type in REDUCED_DEVICES else torch.float32

@@ -99,8 +99,8 @@ class GradientSketcher:
         model: an ``nn.Module`` with ``get_input_embeddings()`` (HF convention) or exactly one
             ``nn.Embedding``.
         config: :class:`SketchConfig` (default settings if None).
-        projection_dtype: None (what the trainer runs): each layer's projections run in the precision of the
-            layer's own product, bfloat16 / float16 with float32 accumulation, else float32
+        projection_dtype: None (what the trainer runs): on CUDA each layer's projections run in the precision of
+            the layer's own product, bfloat16 / float16 with float32 accumulation, else (and off CUDA) float32
             (docs/sketch.md#precision); a dtype: every ``nn.Linear`` and embedding projection in that dtype
             (reference arithmetic for measuring the precision, as ``benchmarks/bench_sketch_accuracy.py`` and
             ``benchmarks/gpu_check.sh`` do).
@@ -359,7 +359,7 @@ class GradientSketcher:
                 f"layer {block.name!r}: output does not require grad during the sketch forward (forward under "
                 "torch.no_grad(), or reentrant activation checkpointing: use use_reentrant=False as verl does)"
             )
-        dtype = compute_dtype(output.dtype, output.device.type, self._projection_dtype)
+        dtype = compute_dtype(output.dtype, output.device.type, override=self._projection_dtype)
         slot, replaced = _Slot(), None
         if self._head_only(block):
             if self._head_rows_only:  # the head's input holds the loss rows only (logits_to_keep)
@@ -396,7 +396,7 @@ class GradientSketcher:
         if block.p_out is None:
             a = (d if rows is None else d[rows]).float()
         else:
-            dtype = compute_dtype(d.dtype, d.device.type, self._projection_dtype)
+            dtype = compute_dtype(d.dtype, d.device.type, override=self._projection_dtype)
             a = project(d, on_device(block.p_out, d.device, dtype).T, rows)
         self._accumulate(block, a, slot.value, self._head_onehot if head else None)
         return None
@@ -422,7 +422,7 @@ class GradientSketcher:
             a = torch.nn.functional.one_hot(ids, block.rows).float()
             b = torch.cat([g, g.new_zeros(g.shape[0], block.cols - g.shape[1])], 1)
         else:
-            dtype = compute_dtype(g.dtype, g.device.type, self._projection_dtype)
+            dtype = compute_dtype(g.dtype, g.device.type, override=self._projection_dtype)
             a = on_device(block.p_out, g.device, dtype)[:, ids].T
             b = project(g, on_device(block.p_in, g.device, dtype)[:, : g.shape[1]].T)
         self._accumulate(block, a, b)

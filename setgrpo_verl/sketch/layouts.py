@@ -295,8 +295,8 @@ def compute_sketches(
         use_remove_padding: run the forward on the packed layout (valid tokens of all rows
             concatenated into [1, nnz], ``attention_mask=None``, per-sequence position ids: verl's
             remove-padding path).  Same sketches as the padded layout to float tolerance.
-        projection_dtype: None: each layer's projections in the precision of its own product
-            (docs/sketch.md#precision); a dtype: every ``nn.Linear`` and embedding projection in it (reference
+        projection_dtype: None: on CUDA each layer's projections in the precision of its own product, off CUDA
+            float32 (docs/sketch.md#precision); a dtype: every ``nn.Linear`` and embedding projection in it (reference
             arithmetic, :class:`GradientSketcher`).
 
     Returns:

@@ -63,8 +63,21 @@ def test_projections_run_in_the_layers_precision(model_dtype, expected, monkeypa
     assert {key[2] for key in projections._DEVICE_COPIES} == {expected}
     assert out.sketches.dtype == torch.float32
     monkeypatch.setattr(projections, "_DEVICE_COPIES", {})
-    compute_sketches(model, ids, am, rm, CFG, projection_dtype=torch.float32)
-    assert {key[2] for key in projections._DEVICE_COPIES} == {torch.float32}
+    compute_sketches(model, ids, am, rm, CFG, projection_dtype=torch.float64)
+    assert {key[2] for key in projections._DEVICE_COPIES} == {torch.float64}
+
+
+@pytest.mark.parametrize("model_dtype, expected", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+def test_on_a_reduced_precision_device_the_hooks_project_in_the_layers_precision(model_dtype, expected, monkeypatch):
+    """What CUDA runs, with the CPU counted as such a device: the hooks pass each tensor's device to the rule."""
+    from setgrpo_verl.sketch import chunks, projections
+
+    ids, am, rm = verl_batch()
+    model = tiny_qwen3(dtype=model_dtype)
+    monkeypatch.setattr(chunks, "REDUCED_DEVICES", ("cpu",))
+    monkeypatch.setattr(projections, "_DEVICE_COPIES", {})
+    compute_sketches(model, ids, am, rm, CFG)
+    assert {key[2] for key in projections._DEVICE_COPIES} == {expected}
 
 
 def test_bfloat16_projections_agree_with_float32_ones():
@@ -85,7 +98,7 @@ def test_bfloat16_projections_agree_with_float32_ones():
 def test_the_projection_dtype_follows_the_layer_on_cuda_and_is_float32_on_the_cpu(layer, device, override, expected):
     from setgrpo_verl.sketch.chunks import compute_dtype
 
-    assert compute_dtype(layer, device, override) == expected
+    assert compute_dtype(layer, device, override=override) == expected
 
 
 def test_a_bfloat16_product_accumulates_in_float32_on_the_cpu():
