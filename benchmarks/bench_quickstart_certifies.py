@@ -34,14 +34,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from setgrpo_verl.core import (
-    CalibrationRecord,
-    clopper_pearson_upper,
-    coverage_risk_split,
-    degenerate_groups,
-    reversal_events,
-    setgrpo_coefficients,
-)
+from setgrpo_verl.core import CalibrationRecord, setgrpo_coefficients
+from setgrpo_verl.core.calibration import coverage_risk_split
+from setgrpo_verl.core.grpo import degenerate_groups
+from setgrpo_verl.core.reversal import reversal_events
+from setgrpo_verl.core.srgo import clopper_pearson_upper
 
 
 def run_split(point: torch.Tensor, record: CalibrationRecord) -> tuple[np.ndarray, np.ndarray]:

@@ -47,20 +47,18 @@ import torch
 from scipy import stats
 
 from setgrpo_verl.core import (
+    calibrate,
     CalibrationRecord,
     CalibrationSettings,
-    CoefficientSets,
-    OnlineRiskMonitor,
-    calibrate,
-    conformal_radius,
-    degenerate_groups,
     grpo_coefficients,
-    projections,
+    OnlineRiskMonitor,
     reliability_coefficients,
     reliability_weights,
-    set_shape,
     setgrpo_coefficients,
 )
+from setgrpo_verl.core.ggsr import projections
+from setgrpo_verl.core.grpo import degenerate_groups
+from setgrpo_verl.core.jrsc import CoefficientSets, conformal_radius, set_shape
 
 # One thread: the lab's tensors are small (thread start-up and spin-waiting cost more than they save on a busy
 # machine), and one summation order gives the same numbers on every host.

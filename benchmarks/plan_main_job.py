@@ -14,7 +14,7 @@ matrices do not depend on the grader, so the groups can be scored again at anoth
 Groups whose Gram matrix is zero (sketches skipped for a group tied on the original scores) are left out. Per flip
 rate: the share of non-degenerate groups SetGRPO accepts (NUR) and the reversal rates against the truth of its
 accepted updates and of GRPO's, from one calibration on every group; the calibration size that certifies with
-probability 0.9 (``core.power_plan``); and the share of ``--trials`` calibrations on random subsets of each
+probability 0.9 (``core.srgo.power_plan``); and the share of ``--trials`` calibrations on random subsets of each
 ``--sizes`` that certify a threshold.
 
     python benchmarks/plan_main_job.py validation/paper --flips 0.04 0.06 0.08 --sizes 96 128
@@ -31,8 +31,10 @@ import time
 import numpy as np
 import torch
 
-from setgrpo_verl.core import (CalibrationSettings, calibrate, degenerate_groups, power_plan, reference_coefficients,
-                               reversal_events, setgrpo_coefficients)
+from setgrpo_verl.core import calibrate, CalibrationSettings, setgrpo_coefficients
+from setgrpo_verl.core.grpo import degenerate_groups
+from setgrpo_verl.core.reversal import reference_coefficients, reversal_events
+from setgrpo_verl.core.srgo import power_plan
 
 #: The flip rate of the committed paper-profile shards (validation/paper/README.md).
 PAPER_FLIP = 0.1

@@ -66,7 +66,7 @@ def test_a_rename_aside_flushes_the_directory(tmp_path, monkeypatch):
 
 def _writers(tmp_path):
     """Each whole-file writer of the package and the file it writes."""
-    from setgrpo_verl.core import load_shards, record_from_shards, shard_name, write_calibration, write_shard
+    from setgrpo_verl.core.shards import load_shards, record_from_shards, shard_name, write_calibration, write_shard
     from setgrpo_verl.grading import write_verl_parquet
     from setgrpo_verl.integration.resume import write_state
     from setgrpo_verl.rundir import mark_complete

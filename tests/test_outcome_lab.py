@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl.core import CalibrationSettings, calibrate, degenerate_groups, grpo_coefficients
+from setgrpo_verl.core import calibrate, CalibrationSettings, grpo_coefficients
+from setgrpo_verl.core.grpo import degenerate_groups
 from setgrpo_verl.integration.config import SetGRPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -75,3 +76,15 @@ def check_gram(gram: torch.Tensor, groups: int, k: int, rtol: float = 1e-6) -> t
         )
     return m
 
+
+def check_counts(values, name: str) -> np.ndarray:
+    """``values`` as an int64 array; refuses non-integer values (a count of 1.5 reversals is a caller's bug)."""
+    arr = np.asarray(values)
+    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise ValueError(f"{name} must be integer counts, got {values!r} (dtype {arr.dtype})")
+    if np.issubdtype(arr.dtype, np.floating):
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if bad.any():
+            raise ValueError(f"{name} must be integer counts, got {float(arr[bad].ravel()[0])!r} among {values!r}; count "
+                             "whole groups (a Clopper-Pearson bound is defined for integer counts only)")
+    return arr.astype(np.int64)

@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..core import question_key
+from ..core.record import question_key
 from ..atomic import atomic_file
 from .rubric import Criterion, Rubric, RubricRowError, Rule
 from .rubrichub import release_row
@@ -161,7 +161,7 @@ def read_rubric_rows(path: str | os.PathLike, *, duplicate_criteria: str = "erro
 
 def prompt_identity(row: Mapping[str, Any] | Rubric) -> tuple[str | None, str]:
     """``(id, question key)`` by which two rubric rows are the same prompt: the row's ``id`` as a string (None when
-    it has none) and its question text after :func:`setgrpo_verl.core.question_key` (whitespace runs collapsed,
+    it has none) and its question text after :func:`setgrpo_verl.core.record.question_key` (whitespace runs collapsed,
     case folded), the same key the calibration record's fingerprints hash (docs/record.md#fields).
 
     Args:

@@ -33,7 +33,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from ..core import question_key
+from ..core.record import question_key
 from .rubrichub import release_row, rule_from_tags
 from .rules import UnknownRuleError, validate_rule
 from .types import GradingError, RubricRowError, Rule, Verdict
@@ -72,7 +72,7 @@ class Criterion:
 
 def question_id(question: str) -> str:
     """The id of a rubric row that has none: ``q-`` and the first 16 hex digits of the SHA-256 of its question
-    text after :func:`setgrpo_verl.core.question_key`, so that rows without ids stay distinct prompts and a row
+    text after :func:`setgrpo_verl.core.record.question_key`, so that rows without ids stay distinct prompts and a row
     given twice keeps one id (docs/grading.md#rubric-rows)."""
     return "q-" + hashlib.sha256(question_key(question).encode("utf-8")).hexdigest()[:16]
 

@@ -31,10 +31,24 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 
 from setgrpo_verl.atomic import replace_durably
-from setgrpo_verl.core import (DROP_REASONS, SHARD_DIR, CalibrationRecord, CalibrationShard, degenerate_groups, in_part,
-                               load_shards, package_versions, pilot_source, prompt_fingerprint, record_from_shards,
-                               shard_identity, shard_name, shard_start_source, shard_versions, write_calibration,
-                               write_shard)
+from setgrpo_verl.core import CalibrationRecord
+from setgrpo_verl.core.grpo import degenerate_groups
+from setgrpo_verl.core.record import package_versions, prompt_fingerprint
+from setgrpo_verl.core.shards import (
+    CalibrationShard,
+    DROP_REASONS,
+    in_part,
+    load_shards,
+    pilot_source,
+    record_from_shards,
+    SHARD_DIR,
+    shard_identity,
+    shard_name,
+    shard_start_source,
+    shard_versions,
+    write_calibration,
+    write_shard,
+)
 
 from .batch import (dense_sketches, grading_errors_from, reference_scores_from, sketch_rows_field, sketched_rows,
                     truth_verdicts_from)
@@ -308,7 +322,7 @@ class CalibrationPhase:
         The calibration batches are streamed: each chunk of ``calibration.chunk_batches`` batches (1 by default;
         fewer when :func:`calibration_chunk_prompts` limits what TransferQueue holds) is rolled out, the rollout
         sleeps (freeing its memory, as verl's sync trainer does before its actor passes), and each batch is scored,
-        sketched and written at once to ``<record dir>/shards/`` (:func:`setgrpo_verl.core.write_shard`). The policy
+        sketched and written at once to ``<record dir>/shards/`` (:func:`setgrpo_verl.core.shards.write_shard`). The policy
         does not change during calibration, so a further chunk wakes the rollout with one weight sync of the same
         weights; when training follows, one more sync wakes it for the first step.
 
@@ -319,7 +333,7 @@ class CalibrationPhase:
         existing shards are refused. With ``calibration.shard=I/N`` (N > 1) only every N-th batch from I is
         calibrated and no record is written (``setgrpo-verl merge-calibration`` builds it from all parts). Otherwise
         the record is built from the complete shard set read back from disk
-        (:func:`setgrpo_verl.core.record_from_shards`): the same record however the set was reached.
+        (:func:`setgrpo_verl.core.shards.record_from_shards`): the same record however the set was reached.
 
         verl's replay buffer samples the calibration prompts only (:func:`calibration_sampling`); a group that lost
         some of its K responses to a failed rollout session, or all of them, or one of whose responses could not be
@@ -478,8 +492,8 @@ class CalibrationPhase:
             ValueError: shards under ``trainer.resume_mode=disable``, of another run (file and field named),
                 holding other prompts than their batch, or that the record would refuse with the new shards'
                 ``provenance`` (another major.minor of setgrpo-verl or verl, another ``tau_start`` source:
-                :func:`~setgrpo_verl.core.shard_versions`, :func:`~setgrpo_verl.core.shard_start_source`).
-            OSError: a shard the file system failed to read (:func:`~setgrpo_verl.core.read_shard`), file named.
+                :func:`~setgrpo_verl.core.shards.shard_versions`, :func:`~setgrpo_verl.core.shards.shard_start_source`).
+            OSError: a shard the file system failed to read (:func:`~setgrpo_verl.core.shards.read_shard`), file named.
         """
         if not os.path.isdir(shard_dir):
             return {}

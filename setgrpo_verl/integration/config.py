@@ -18,7 +18,9 @@ from hydra.experimental.callback import Callback
 from verl.base_config import BaseConfig
 from verl.trainer.config.algorithm import AlgoConfig
 
-from setgrpo_verl.core import ABLATIONS, DEFAULT_TAU_GRID, CalibrationRecord, CalibrationSettings, parse_part
+from setgrpo_verl.core import ABLATIONS, CalibrationRecord, CalibrationSettings
+from setgrpo_verl.core.shards import parse_part
+from setgrpo_verl.core.srgo import DEFAULT_TAU_GRID
 from setgrpo_verl.sketch import SketchConfig
 
 from .gpu_env import check_driver_gpus
@@ -426,7 +428,7 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
 
     Args:
         config: the composed verl config (``main_ppo``'s).
-        calibration_prompts: the :func:`setgrpo_verl.core.prompt_fingerprint` list of the prompts the run will
+        calibration_prompts: the :func:`setgrpo_verl.core.record.prompt_fingerprint` list of the prompts the run will
             calibrate on, when they are known before the files are written (the command line's split); None =
             every row of the files the calibration samples.
         environment: False leaves out the GPU checks: the installed kernel packages and the driver (a dry run).

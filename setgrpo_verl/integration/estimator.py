@@ -19,8 +19,8 @@ import torch
 
 from verl.trainer.ppo.core_algos import register_adv_est
 
-from setgrpo_verl.core import (CalibrationRecord, degenerate_groups, reliability_coefficients, reliability_weights,
-                               setgrpo_coefficients)
+from setgrpo_verl.core import CalibrationRecord, reliability_coefficients, reliability_weights, setgrpo_coefficients
+from setgrpo_verl.core.grpo import degenerate_groups
 
 from .config import SETGRPO_NAME, TRAINER_MODE_OVERRIDE
 from .groups import complete_group_rows, group_gram

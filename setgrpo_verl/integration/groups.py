@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from setgrpo_verl.core import DEGENERATE_RTOL, degenerate_groups
+from setgrpo_verl.core.grpo import degenerate_groups, DEGENERATE_RTOL
 
 __all__ = ["complete_group_rows", "group_gram", "rows_to_sketch"]
 
@@ -97,7 +97,7 @@ def rows_to_sketch(index: Any, response_mask: torch.Tensor, scores: torch.Tensor
     """The rows whose sketches can be read: those of the complete groups whose point scores are not tied
     (docs/sketch.md#skipped-rows).
 
-    A degenerate group (:func:`setgrpo_verl.core.degenerate_groups` with ``degenerate_rtol``, the test calibration
+    A degenerate group (:func:`setgrpo_verl.core.grpo.degenerate_groups` with ``degenerate_rtol``, the test calibration
     and training apply) gets a zero update from GRPO and SetGRPO and is left out of calibration; a group with fewer
     than ``k`` responses is rejected in training and left out of calibration (:func:`complete_group_rows`). Neither
     reads its Gram matrix, so their rows need old log-probs only.
@@ -113,7 +113,7 @@ def rows_to_sketch(index: Any, response_mask: torch.Tensor, scores: torch.Tensor
         bool [B], True for the rows to sketch.
 
     Raises:
-        ValueError: as :func:`complete_group_rows` and :func:`setgrpo_verl.core.degenerate_groups`.
+        ValueError: as :func:`complete_group_rows` and :func:`setgrpo_verl.core.grpo.degenerate_groups`.
     """
     groups, _, _ = complete_group_rows(index, response_mask, k)
     point = scores.detach().to(dtype=torch.float64, device="cpu")

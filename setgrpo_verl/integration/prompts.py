@@ -3,7 +3,7 @@
 A leaf module (no verl import). A row's identity is ``(id, question, rubric)``: from the rubric that our converters
 put in ``reward_model.ground_truth`` (a RubricHub row as JSON, docs/verl_integration.md), else from
 ``extra_info.id`` and the last user turn of the prompt. The positional ``extra_info.index`` is never an id (it
-restarts at 0 in every split). :func:`setgrpo_verl.core.prompt_fingerprint` turns an identity into the record's
+restarts at 0 in every split). :func:`setgrpo_verl.core.record.prompt_fingerprint` turns an identity into the record's
 entry (docs/record.md#fields).
 """
 
@@ -80,9 +80,9 @@ def read_prompt_identities(files: str | os.PathLike | Sequence[str | os.PathLike
 
 
 def prompt_fingerprints(rows: Iterable[Mapping[str, Any]], *, prompt_key: str = "prompt") -> list[dict[str, str]]:
-    """The record's :func:`setgrpo_verl.core.prompt_fingerprint` of each verl RL row (a mapping with
+    """The record's :func:`setgrpo_verl.core.record.prompt_fingerprint` of each verl RL row (a mapping with
     ``reward_model``, ``extra_info`` and ``prompt_key``), as the calibration computes them (docs/record.md#fields)."""
-    from setgrpo_verl.core import prompt_fingerprint
+    from setgrpo_verl.core.record import prompt_fingerprint
 
     return [prompt_fingerprint(*prompt_identity(r.get("reward_model"), r.get("extra_info"), r.get(prompt_key)))
             for r in rows]
@@ -95,7 +95,7 @@ def calibration_fingerprints(files: str | os.PathLike | Sequence[str | os.PathLi
     Raises:
         ValueError: a file that is not readable parquet (the message names it).
     """
-    from setgrpo_verl.core import prompt_fingerprint
+    from setgrpo_verl.core.record import prompt_fingerprint
 
     return [prompt_fingerprint(*identity) for identity in _read_identities(files, prompt_key)]
 
@@ -133,7 +133,7 @@ def check_calibration_disjoint(config: Any) -> None:
     ``calibration.only`` false) is checked here; a run with a record is checked against the record's prompts.
     ``calibration.files=null`` takes the calibration prompts from ``data.train_files``, which training then uses
     too; otherwise no row of ``calibration.files`` may share an id or a question text
-    (:func:`setgrpo_verl.core.question_key`) with a row of ``data.train_files``: the calibration groups certify
+    (:func:`setgrpo_verl.core.record.question_key`) with a row of ``data.train_files``: the calibration groups certify
     the guarantees for fresh prompts only.
 
     Args:
@@ -142,7 +142,7 @@ def check_calibration_disjoint(config: Any) -> None:
     Raises:
         ValueError: ``calibration.files=null``, or the first shared prompt and how many there are, with the fix.
     """
-    from setgrpo_verl.core import question_key
+    from setgrpo_verl.core.record import question_key
 
     setgrpo = config.algorithm.setgrpo
     cal = setgrpo.calibration
@@ -190,7 +190,7 @@ def check_start_pilot(config: Any, setgrpo: Any, calibration_prompts: Sequence[d
         None without a pilot, else ``{"kind": "pilot", "record_sha256": ...}``.
 
     Raises:
-        ValueError: a missing or invalid pilot file, or what :func:`setgrpo_verl.core.pilot_source` refuses (a
+        ValueError: a missing or invalid pilot file, or what :func:`setgrpo_verl.core.shards.pilot_source` refuses (a
             reject-all pilot, one that lists no calibration prompts, shared prompts, another start), each
             prefixed with the key and the file.
     """
@@ -204,7 +204,8 @@ def check_start_pilot(config: Any, setgrpo: Any, calibration_prompts: Sequence[d
         cal = setgrpo.calibration
         files = cal.files if cal.files is not None else config.data.train_files
         calibration_prompts = calibration_fingerprints(files, prompt_key=str(config.data.get("prompt_key", "prompt")))
-    from setgrpo_verl.core import CalibrationRecord, pilot_source
+    from setgrpo_verl.core import CalibrationRecord
+    from setgrpo_verl.core.shards import pilot_source
 
     settings = setgrpo.calibration_settings(norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)))
     try:

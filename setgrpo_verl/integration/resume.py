@@ -53,7 +53,8 @@ def record_sha256(path: str) -> str:
     Raises:
         ValueError: the record does not load (see ``CalibrationRecord.from_json``).
     """
-    from setgrpo_verl.core import CalibrationRecord, content_sha256
+    from setgrpo_verl.core import CalibrationRecord
+    from setgrpo_verl.core.record import content_sha256
 
     return content_sha256(CalibrationRecord.from_json(path))
 

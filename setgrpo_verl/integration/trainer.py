@@ -53,7 +53,10 @@ from verl.utils.debug import marked_timer
 from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.workers.utils.padding import response_to_nested
 
-from setgrpo_verl.core import DEGENERATE_RTOL, SHARD_DIR, CalibrationRecord, OnlineRiskMonitor, content_sha256
+from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor
+from setgrpo_verl.core.grpo import DEGENERATE_RTOL
+from setgrpo_verl.core.record import content_sha256
+from setgrpo_verl.core.shards import SHARD_DIR
 
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
 from .calibration import CalibrationPhase

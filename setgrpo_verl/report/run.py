@@ -115,7 +115,7 @@ def _record_path(path: str | os.PathLike) -> Path:
 def _guarantees(record, paired_path: Path, seeds: int) -> list[str]:
     """The record's coverage and risk against their bands under exchangeability (docs/record.md#reading-the-guarantees),
     with ``seeds`` re-splits of the paired scores at ``paired_path`` when that file exists."""
-    from ..core import guarantee_lines, resplit
+    from ..core.bands import guarantee_lines, resplit
 
     if not paired_path.is_file():
         return guarantee_lines(record) + [f"(no {paired_path.name} next to the record: no re-splits)"]
@@ -135,7 +135,8 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False, resplit
     Raises:
         ReportError: no record at ``path`` or the record does not validate (edited, wrong schema).
     """
-    from ..core import CalibrationRecord, RecordVersionWarning
+    from ..core import CalibrationRecord
+    from ..core.record import RecordVersionWarning
 
     p = _record_path(path)
     try:
@@ -236,7 +237,9 @@ def coverage_curve(point, reference, gram, record, *, alphas=None, seeds: int = 
     """
     import torch
 
-    from ..core import calibrate, degenerate_groups, min_calibration_groups
+    from ..core import calibrate
+    from ..core.grpo import degenerate_groups
+    from ..core.jrsc import min_calibration_groups
 
     n_live = int((~degenerate_groups(torch.as_tensor(point))).sum())
     alphas = alphas or [0.05, 0.1, 0.2, 0.3, 0.4, 0.5]

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..atomic import atomic_file, write_atomic
-from ..core import coverage_band, risk_share_floor
+from ..core.bands import coverage_band, risk_share_floor
 
 __all__ = ["plot_validation", "summary_table", "truth_lines", "write_validation"]
 

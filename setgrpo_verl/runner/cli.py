@@ -262,7 +262,7 @@ def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> P
 
 def _cmd_calibrate(args: argparse.Namespace) -> str | None:
     """``calibrate``: split the data, then the calibration stage (the frozen record)."""
-    from ..core import parse_part
+    from ..core.shards import parse_part
     from .preflight import check_calibration_size
     from ..rundir import LaunchError
 

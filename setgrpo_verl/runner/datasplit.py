@@ -72,7 +72,7 @@ def split_data(
     ``data.filter_overlong_prompts`` would, but before the split so that the counts are exact.
 
     A prompt that appears more than once (the same id, or the same question text up to whitespace and case,
-    :func:`setgrpo_verl.core.question_key`) is kept once, at its first row, so the two parts stay disjoint. A
+    :func:`setgrpo_verl.core.record.question_key`) is kept once, at its first row, so the two parts stay disjoint. A
     criterion listed twice in a ``data`` row stops the split, or with ``duplicate_criteria="keep_one"`` keeps its
     first copy (:func:`setgrpo_verl.grading.read_rubric_rows`).
 

@@ -2,7 +2,7 @@
 (docs/record.md#calibration-shards).
 
 Every part (``algorithm.setgrpo.calibration.shard=I/N``, or ``calibrate --shard I/N``) writes the shards of its
-batches; this builds the record from all of them with :func:`setgrpo_verl.core.record_from_shards`, which refuses
+batches; this builds the record from all of them with :func:`setgrpo_verl.core.shards.record_from_shards`, which refuses
 shards of different runs or settings, two shards of one batch (or one prompt twice) and missing batches. The record
 is the one a single run over all batches writes from the same shards, byte for byte.
 """
@@ -13,8 +13,16 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from ..core import (SHARD_DIR, CalibrationRecord, CalibrationSettings, TornShardError, load_shards, pilot_source,
-                   record_from_shards, shard_name, write_calibration)
+from ..core import CalibrationRecord, CalibrationSettings
+from ..core.shards import (
+    load_shards,
+    pilot_source,
+    record_from_shards,
+    SHARD_DIR,
+    shard_name,
+    TornShardError,
+    write_calibration,
+)
 from ..rundir import LaunchError
 from .runlock import run_dir_lock
 
@@ -77,7 +85,7 @@ def merge_calibration(dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
         out: the directory of the record (created; an existing ``record.json`` or ``paired_scores.npz`` there is
             never overwritten).
         pilot: a pilot record calibrated on other prompts: the fixed sequence's ``tau_start`` must be its
-            ``tau_sel`` (:func:`setgrpo_verl.core.pilot_start`), and the record names it as the start's source.
+            ``tau_sel`` (:func:`setgrpo_verl.core.record.pilot_start`), and the record names it as the start's source.
 
     Returns:
         The record written.

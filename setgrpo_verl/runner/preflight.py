@@ -62,7 +62,8 @@ def calibration_minimums(values: Mapping[str, Any]) -> tuple[int, int]:
     Args:
         values: config keys and values (``algorithm.setgrpo.*``; missing ones take the schema defaults).
     """
-    from ..core import min_calibration_groups, required_accepted_groups
+    from ..core.jrsc import min_calibration_groups
+    from ..core.srgo import required_accepted_groups
 
     settings = requested_settings(values)  # the fixed sequence tests at delta: 36 instead of 72 at the paper's levels
     return min_calibration_groups(settings.alpha), required_accepted_groups(

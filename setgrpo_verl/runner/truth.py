@@ -17,7 +17,9 @@ from typing import Any, Mapping
 
 import torch
 
-from ..core import DEGENERATE_RTOL, CalibrationRecord, CalibrationSettings, clopper_pearson_upper, degenerate_groups
+from ..core import CalibrationRecord, CalibrationSettings
+from ..core.grpo import degenerate_groups, DEGENERATE_RTOL
+from ..core.srgo import clopper_pearson_upper
 from .validate import evaluate_grpo, evaluate_method, load_paired
 
 __all__ = ["binomial_band", "check_bands", "fold_groups", "truth_check", "truth_check_of_run", "truth_report_lines"]

@@ -32,20 +32,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..core import (
-    DEGENERATE_RTOL,
-    PROCEDURES,
-    CalibrationRecord,
-    CalibrationSettings,
-    calibrate,
-    degenerate_groups,
-    nonconformity_scores,
-    power_plan,
-    reference_coefficients,
-    required_accepted_groups,
-    reversal_events,
-    setgrpo_coefficients,
-)
+from ..core import calibrate, CalibrationRecord, CalibrationSettings, setgrpo_coefficients
+from ..core.grpo import degenerate_groups, DEGENERATE_RTOL
+from ..core.jrsc import nonconformity_scores
+from ..core.reversal import reference_coefficients, reversal_events
+from ..core.srgo import power_plan, PROCEDURES, required_accepted_groups
 
 __all__ = [
     "ABLATION_METHODS",
@@ -108,7 +99,7 @@ def split_groups(degenerate: torch.Tensor, holdout_fraction: float, seed: int) -
     (docs/algorithm.md#11-degenerate-groups).
 
     Args:
-        degenerate: ``[G]`` bool, degenerate groups (:func:`~setgrpo_verl.core.degenerate_groups` of the point
+        degenerate: ``[G]`` bool, degenerate groups (:func:`~setgrpo_verl.core.grpo.degenerate_groups` of the point
             scores).
         holdout_fraction: in (0, 1).
         seed: seed of the split.

@@ -9,14 +9,14 @@ import torch
 
 from setgrpo_verl.core import (
     ABLATIONS,
+    calibrate,
     CalibrationRecord,
     CalibrationSettings,
-    OnlineRiskMonitor,
-    calibrate,
     grpo_coefficients,
-    nonconformity_scores,
+    OnlineRiskMonitor,
     setgrpo_coefficients,
 )
+from setgrpo_verl.core.jrsc import nonconformity_scores
 
 from .synthetic import make_groups
 

@@ -9,14 +9,8 @@ import numpy as np
 import pytest
 from scipy.stats import betabinom, binom
 
-from setgrpo_verl.core import (
-    CalibrationSettings,
-    calibrate,
-    coverage_band,
-    guarantee_lines,
-    resplit,
-    risk_share_floor,
-)
+from setgrpo_verl.core import calibrate, CalibrationSettings
+from setgrpo_verl.core.bands import coverage_band, guarantee_lines, resplit, risk_share_floor
 
 from .synthetic import make_groups
 

@@ -11,16 +11,9 @@ import json
 import pytest
 import torch
 
-from setgrpo_verl.core import (
-    DEGENERATE_RTOL,
-    SCHEMA_VERSION,
-    CalibrationRecord,
-    CalibrationSettings,
-    calibrate,
-    degenerate_groups,
-    nonconformity_scores,
-    setgrpo_coefficients,
-)
+from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings, SCHEMA_VERSION, setgrpo_coefficients
+from setgrpo_verl.core.grpo import degenerate_groups, DEGENERATE_RTOL
+from setgrpo_verl.core.jrsc import nonconformity_scores
 
 # two rubric scores of equally good responses: (0.1 + 0.2) / 0.6 and 0.3 / 0.6, computed the way rubric_score does
 A = (0.1 + 0.2) / (0.1 + 0.2 + 0.3)

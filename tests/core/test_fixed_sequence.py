@@ -11,24 +11,18 @@ import pytest
 import torch
 from scipy.stats import binom
 
-from setgrpo_verl.core import (
-    CalibrationRecord,
-    CalibrationSettings,
-    OnlineRiskMonitor,
-    calibrate,
+from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings, OnlineRiskMonitor, setgrpo_coefficients
+from setgrpo_verl.core.record import content_sha256, pilot_start, prompt_fingerprint
+from setgrpo_verl.core.reversal import reversal_events
+from setgrpo_verl.core.sequential import risk_evidence
+from setgrpo_verl.core.srgo import (
     certification_power,
     clopper_pearson_upper,
-    content_sha256,
-    pilot_start,
-    prompt_fingerprint,
     required_accepted_groups,
-    reversal_events,
-    risk_evidence,
     select_threshold,
-    setgrpo_coefficients,
     threshold_tests,
 )
-from setgrpo_verl.core._srgo import required_risk_groups
+from setgrpo_verl.core.srgo import required_risk_groups
 
 from .synthetic import make_groups
 
@@ -216,7 +210,7 @@ def test_a_schema_3_record_reads_as_a_bonferroni_record(groups):
     old = {k: v for k, v in data.items() if k not in ("settings", "tau_start_source", "test_order", "test_levels",
                                                       "p_values", "stopped_at", "content_sha256")}
     old.update(flat, schema_version=3)
-    from setgrpo_verl.core._record import _content_hash
+    from setgrpo_verl.core.record import _content_hash
     old["content_sha256"] = _content_hash(old)
     back = CalibrationRecord.from_dict(old)
     assert back.settings.srgo_procedure == "bonferroni" and back.test_order == (0, 1) and back.tau_sel == rec.tau_sel

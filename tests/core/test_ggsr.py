@@ -7,7 +7,9 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from setgrpo_verl.core import CoefficientSets, grpo_coefficients, path_point, projections, recovery_ratios, safe_anchor, set_shape
+from setgrpo_verl.core import grpo_coefficients
+from setgrpo_verl.core.ggsr import path_point, projections, recovery_ratios, safe_anchor
+from setgrpo_verl.core.jrsc import CoefficientSets, set_shape
 
 from .synthetic import make_groups
 

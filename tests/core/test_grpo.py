@@ -5,7 +5,8 @@ import pytest
 import torch
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
-from setgrpo_verl.core import degenerate_groups, grpo_coefficients, grpo_jacobian
+from setgrpo_verl.core import grpo_coefficients, grpo_jacobian
+from setgrpo_verl.core.grpo import degenerate_groups
 
 
 def _verl_grpo(scores: torch.Tensor, norm_by_std: bool) -> torch.Tensor:

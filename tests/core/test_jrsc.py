@@ -5,16 +5,15 @@ import math
 import pytest
 import torch
 
-from setgrpo_verl.core import (
+from setgrpo_verl.core import grpo_coefficients, grpo_jacobian
+from setgrpo_verl.core.jrsc import (
     CoefficientSets,
     conformal_radius,
-    grpo_coefficients,
-    grpo_jacobian,
     min_calibration_groups,
     nonconformity_scores,
     set_shape,
 )
-from setgrpo_verl.core._grpo import centering_projector
+from setgrpo_verl.core.grpo import centering_projector
 
 from .synthetic import make_groups
 

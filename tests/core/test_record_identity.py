@@ -6,15 +6,8 @@ import warnings
 
 import pytest
 
-from setgrpo_verl.core import (
-    CalibrationRecord,
-    CalibrationSettings,
-    RecordVersionWarning,
-    calibrate,
-    package_versions,
-    prompt_fingerprint,
-    question_key,
-)
+from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings
+from setgrpo_verl.core.record import package_versions, prompt_fingerprint, question_key, RecordVersionWarning
 
 from .synthetic import make_groups
 

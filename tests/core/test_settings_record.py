@@ -12,20 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from setgrpo_verl.core import (
-    SCHEMA_VERSION,
-    VARIANTS,
-    CalibrationRecord,
-    CalibrationSettings,
-    CalibrationShard,
-    calibrate,
-    content_sha256,
-    load_shards,
-    pilot_start,
-    read_shard,
-    shard_identity,
-    write_shard,
-)
+from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings, SCHEMA_VERSION, VARIANTS
+from setgrpo_verl.core.record import content_sha256, pilot_start
+from setgrpo_verl.core.shards import CalibrationShard, load_shards, read_shard, shard_identity, write_shard
 
 from .synthetic import make_groups
 

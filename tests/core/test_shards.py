@@ -11,10 +11,23 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl.core import (CalibrationRecord, CalibrationSettings, CalibrationShard, TornShardError, calibrate,
-                               in_part, load_shards, package_versions, parse_part, prompt_fingerprint, read_shard,
-                               record_from_shards, shard_identity, shard_name, shard_start_source, shard_versions,
-                               write_calibration, write_shard)
+from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings
+from setgrpo_verl.core.record import package_versions, prompt_fingerprint
+from setgrpo_verl.core.shards import (
+    CalibrationShard,
+    in_part,
+    load_shards,
+    parse_part,
+    read_shard,
+    record_from_shards,
+    shard_identity,
+    shard_name,
+    shard_start_source,
+    shard_versions,
+    TornShardError,
+    write_calibration,
+    write_shard,
+)
 from setgrpo_verl.runner.merge import merge_calibration
 from setgrpo_verl.rundir import LaunchError
 
@@ -233,7 +246,7 @@ def test_merge_refuses_missing_overlapping_and_foreign_parts(tmp_path):
 
 
 def test_merge_names_a_pilot_as_the_source_of_tau_start_and_refuses_one_that_does_not_give_it(tmp_path):
-    from setgrpo_verl.core import content_sha256
+    from setgrpo_verl.core.record import content_sha256
 
     other = [prompt_fingerprint(f"pilot{i}", f"pilot question {i}", []) for i in range(200)]
     pilot = calibrate(*make_groups(200, K, seed=9), CalibrationSettings(

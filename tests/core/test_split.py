@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from setgrpo_verl.core import CalibrationSettings, calibrate, coverage_risk_split, degenerate_groups
+from setgrpo_verl.core import calibrate, CalibrationSettings
+from setgrpo_verl.core.calibration import coverage_risk_split
+from setgrpo_verl.core.grpo import degenerate_groups
 
 from .synthetic import make_groups
 

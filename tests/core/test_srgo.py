@@ -7,15 +7,12 @@ import pytest
 import torch
 from scipy.stats import binom
 
-from setgrpo_verl.core import (
-    CalibrationSettings,
-    calibrate,
+from setgrpo_verl.core import calibrate, CalibrationSettings, grpo_coefficients, setgrpo_coefficients
+from setgrpo_verl.core.srgo import (
     certification_power,
     clopper_pearson_upper,
-    grpo_coefficients,
     required_accepted_groups,
     select_threshold,
-    setgrpo_coefficients,
 )
 
 from .synthetic import make_groups
@@ -83,7 +80,7 @@ def test_covered_groups_never_reverse_when_tau_nonnegative():
                     CalibrationSettings(alpha=0.1, beta=0.1, delta=0.1, on_infeasible="reject_all",
                                         ablation="fixed_threshold", fixed_tau=0.0))
     res = setgrpo_coefficients(p[1000:], m[1000:], rec)
-    from setgrpo_verl.core import CoefficientSets, set_shape
+    from setgrpo_verl.core.jrsc import CoefficientSets, set_shape
 
     root, pinv = set_shape(p[1000:], rho=rec.settings.rho)
     sets = CoefficientSets(center=grpo_coefficients(p[1000:]), root=root, pinv=pinv, radius=rec.q_alpha)

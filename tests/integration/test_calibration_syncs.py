@@ -22,7 +22,7 @@ from verl.utils import tensordict_utils as tu
 
 import setgrpo_verl.integration.calibration as calibration_module
 import setgrpo_verl.integration.trainer as trainer_module
-from setgrpo_verl.core import prompt_fingerprint
+from setgrpo_verl.core.record import prompt_fingerprint
 from setgrpo_verl.integration.calibration import calibration_chunk_prompts
 from setgrpo_verl.integration.worker import SKETCH_KEY, SKETCH_ROWS_KEY
 
@@ -226,7 +226,7 @@ def test_a_stopped_calibration_resumes_from_its_shards_without_rolling_them_out_
     ids = [p["id"] for p in record.calibration_prompts]
     assert sorted(ids) == sorted(f"p{b}x{i}" for b in range(3) for i in range(8)) and len(set(ids)) == 24
     # the record is the shard set's: building it again from the shards gives the same bytes
-    from setgrpo_verl.core import load_shards, record_from_shards
+    from setgrpo_verl.core.shards import load_shards, record_from_shards
 
     shards, _ = load_shards(tmp_path / "shards")
     again, _ = record_from_shards([(tmp_path / "shards" / f"batch_{b:06d}.npz", s) for b, s in shards.items()])

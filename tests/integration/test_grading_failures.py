@@ -13,7 +13,7 @@ from transfer_queue.metadata import KVBatchMeta
 
 from verl.utils import tensordict_utils as tu
 
-from setgrpo_verl.core import CalibrationShard, read_shard, write_shard
+from setgrpo_verl.core.shards import CalibrationShard, read_shard, write_shard
 from setgrpo_verl.integration.calibration import calibration_groups
 from setgrpo_verl.integration.config import SetGRPOCalibrationConfig
 from setgrpo_verl.integration.grading_failures import check_grading_failure_share

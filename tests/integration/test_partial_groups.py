@@ -22,7 +22,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from verl.utils import tensordict_utils as tu
 
 import setgrpo_verl.integration.calibration as calibration_module
-from setgrpo_verl.core import CalibrationShard
+from setgrpo_verl.core.shards import CalibrationShard
 import setgrpo_verl.integration.trainer as trainer_module
 from setgrpo_verl.integration.worker import SKETCH_KEY, SKETCH_ROWS_KEY
 
@@ -148,7 +148,7 @@ def test_a_group_from_outside_the_calibration_set_is_an_error(tmp_path, monkeypa
 def test_a_resume_refuses_shards_the_record_would_refuse_before_any_rollout(tmp_path, monkeypatch, change):
     """Shards of another setgrpo-verl major.minor, or started from another tau_start source, would make the record
     fail once every batch is rolled out: the resume refuses them first, naming the file."""
-    from setgrpo_verl.core import read_shard, write_shard
+    from setgrpo_verl.core.shards import read_shard, write_shard
 
     batches = [[f"p{b}x{i}" for i in range(8)] for b in range(3)]
     trainer, fake = _setup(tmp_path, monkeypatch)

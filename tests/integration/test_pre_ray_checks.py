@@ -517,7 +517,8 @@ def test_dapo_filter_metrics_are_the_ones_the_reward_manager_emits():
 def test_a_pilot_of_the_same_prompts_is_refused_before_ray(tmp_path):
     """tau_start_pilot is checked against the calibration files before Ray, as the calibration checks it again before
     its first rollout: a pilot sharing a prompt, or one that lists none, is no pilot."""
-    from setgrpo_verl.core import calibrate, content_sha256
+    from setgrpo_verl.core import calibrate
+    from setgrpo_verl.core.record import content_sha256
     from setgrpo_verl.grading import rubrics_to_verl_rows, write_verl_parquet
     from setgrpo_verl.integration.config import setgrpo_config_from
     from setgrpo_verl.integration.prompts import calibration_fingerprints, check_start_pilot

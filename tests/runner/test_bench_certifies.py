@@ -13,7 +13,8 @@ import pytest
 import torch
 from scipy.stats import binom
 
-from setgrpo_verl.core import CalibrationSettings, calibrate, threshold_tests
+from setgrpo_verl.core import calibrate, CalibrationSettings
+from setgrpo_verl.core.srgo import threshold_tests
 
 from ..core.synthetic import make_groups
 

@@ -453,7 +453,8 @@ def test_dry_run_of_an_interrupted_calibration_exits_2_after_its_plan(capsys, tm
 def test_a_pilot_of_the_same_prompts_is_refused_before_anything_is_written(capsys, tmp_path):
     """A pilot record that shares prompts with the split the command is about to write: refused by the dry run and
     by the command, before verl starts."""
-    from setgrpo_verl.core import CalibrationSettings, calibrate, prompt_fingerprint
+    from setgrpo_verl.core import calibrate, CalibrationSettings
+    from setgrpo_verl.core.record import prompt_fingerprint
 
     from ..core.synthetic import make_groups
 

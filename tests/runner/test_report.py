@@ -96,7 +96,8 @@ def test_report_and_inspect_record_show_the_coverage_band_and_flag_a_split_below
     import dataclasses
 
     from setgrpo_verl.runner import cli
-    from setgrpo_verl.core import CalibrationRecord, coverage_band
+    from setgrpo_verl.core import CalibrationRecord
+    from setgrpo_verl.core.bands import coverage_band
 
     path, record = run_dir
     band = coverage_band(record.n_cov, record.n_risk, record.settings.alpha)

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 from setgrpo_verl.runner import cli, launch
-from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate, prompt_fingerprint
+from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings
+from setgrpo_verl.core.record import prompt_fingerprint
 from setgrpo_verl.runner.datasplit import split_matches
 from setgrpo_verl.grading import write_verl_parquet
 from setgrpo_verl.integration.config import check_training_data

@@ -97,7 +97,7 @@ def test_record_names_its_calibration_prompts(smoke_run):
     """Inside verl the calibration rows' ids and rubrics reach the record: exactly data/calibration.parquet's."""
     import pandas as pd
 
-    from setgrpo_verl.core import prompt_fingerprint
+    from setgrpo_verl.core.record import prompt_fingerprint
     from setgrpo_verl.integration.prompts import prompt_identity
 
     run, _ = smoke_run

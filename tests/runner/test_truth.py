@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from setgrpo_verl.core import CalibrationSettings, degenerate_groups
+from setgrpo_verl.core import CalibrationSettings
+from setgrpo_verl.core.grpo import degenerate_groups
 from setgrpo_verl.report.validation import truth_lines
 from setgrpo_verl.runner.truth import binomial_band, check_bands, fold_groups, truth_check
 

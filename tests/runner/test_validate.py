@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from setgrpo_verl.runner import cli
-from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate, degenerate_groups
+from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings
+from setgrpo_verl.core.grpo import degenerate_groups
 from setgrpo_verl.runner.validate import (
     ValidationLevels,
     evaluate_grpo,
@@ -180,7 +181,7 @@ def test_cumulative_recovery_and_nonzero_update_rate(synthetic_result):
 
 def test_sample_size_plan_from_the_records(synthetic_result):
     """Pooled per-threshold counts of the splits' records, and the group count that N(p) accepted groups imply."""
-    from setgrpo_verl.core import required_accepted_groups
+    from setgrpo_verl.core.srgo import required_accepted_groups
     from setgrpo_verl.runner.validate import sample_size_plan
 
     _, result = synthetic_result
@@ -214,7 +215,7 @@ def test_summary_table_shows_the_coverage_band_and_flags_splits_outside_it(synth
     n_cov and held-out groups; splits outside it are named, a mean or risk share outside its band is a WARNING."""
     import copy
 
-    from setgrpo_verl.core import coverage_band
+    from setgrpo_verl.core.bands import coverage_band
 
     _, result = synthetic_result
     report = copy.deepcopy(result.report)

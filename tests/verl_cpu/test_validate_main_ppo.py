@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from setgrpo_verl.core import CalibrationRecord, CalibrationSettings, calibrate, degenerate_groups
+from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings
+from setgrpo_verl.core.grpo import degenerate_groups
 from setgrpo_verl.runner.validate import split_groups
 
 from .conftest import jsonl, tail

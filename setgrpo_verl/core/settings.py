@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ._srgo import DEFAULT_TAU_GRID, PROCEDURES
+from .srgo import DEFAULT_TAU_GRID, PROCEDURES
 
 #: Ablations of docs/algorithm.md#6-diagnostics (``None`` is the full method).
 ABLATIONS = ("spherical_set", "identity_geometry", "safe_anchor_only", "fixed_threshold", "random_discard")

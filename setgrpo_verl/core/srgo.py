@@ -9,23 +9,12 @@ import numpy as np
 from scipy.stats import beta as beta_dist
 from scipy.stats import binom
 
+from ._checks import check_counts
+
 DEFAULT_TAU_GRID = tuple(round(0.05 * j, 2) for j in range(20))  # 0.00, 0.05, ..., 0.95
 #: The testing procedures of docs/algorithm.md#4-srgo: ``bonferroni`` (the paper's: every threshold at delta / m)
 #: and ``fixed_sequence`` (Learn then Test: from a start fixed before calibration, down the grid, each at delta).
 PROCEDURES = ("bonferroni", "fixed_sequence")
-
-
-def _counts(values, name: str) -> np.ndarray:
-    """``values`` as an int64 array; refuses non-integer values (a count of 1.5 reversals is a caller's bug)."""
-    arr = np.asarray(values)
-    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-        raise ValueError(f"{name} must be integer counts, got {values!r} (dtype {arr.dtype})")
-    if np.issubdtype(arr.dtype, np.floating):
-        bad = ~np.isfinite(arr) | (arr != np.round(arr))
-        if bad.any():
-            raise ValueError(f"{name} must be integer counts, got {float(arr[bad].ravel()[0])!r} among {values!r}; count "
-                             "whole groups (a Clopper-Pearson bound is defined for integer counts only)")
-    return arr.astype(np.int64)
 
 
 def clopper_pearson_upper(failures, trials, confidence: float) -> np.ndarray:
@@ -46,8 +35,8 @@ def clopper_pearson_upper(failures, trials, confidence: float) -> np.ndarray:
     Raises:
         ValueError: confidence outside (0, 1), non-integer counts (e.g. 1.5), or counts with F < 0, N < 0 or F > N.
     """
-    f = _counts(failures, "failures")
-    n = _counts(trials, "trials")
+    f = check_counts(failures, "failures")
+    n = check_counts(trials, "trials")
     if not (0.0 < confidence < 1.0):
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     if f.shape != n.shape or (f < 0).any() or (n < 0).any() or (f > n).any():
@@ -72,7 +61,7 @@ def binomial_p_values(failures, trials, beta: float) -> np.ndarray:
     Raises:
         ValueError: as :func:`clopper_pearson_upper`, or beta outside (0, 1).
     """
-    f, n = _counts(failures, "failures"), _counts(trials, "trials")
+    f, n = check_counts(failures, "failures"), check_counts(trials, "trials")
     if not 0.0 < beta < 1.0:
         raise ValueError(f"beta must be in (0, 1), got {beta}")
     if f.shape != n.shape or (f < 0).any() or (f > n).any():
@@ -148,8 +137,8 @@ def threshold_tests(n_accepted, n_reversals, utility, *, beta: float, delta: flo
         ValueError: an unknown procedure, a missing or out-of-range ``start_index`` (or one given to Bonferroni),
             bad counts (:func:`clopper_pearson_upper`), or arrays of different lengths.
     """
-    n_acc = _counts(n_accepted, "n_accepted")
-    n_rev = _counts(n_reversals, "n_reversals")
+    n_acc = check_counts(n_accepted, "n_accepted")
+    n_rev = check_counts(n_reversals, "n_reversals")
     u = np.asarray(utility, dtype=np.float64)
     m = len(n_acc)
     if n_rev.shape != (m,) or u.shape != (m,) or m == 0:
@@ -229,7 +218,7 @@ def certification_power(n_accepted, reversal_rate: float, *, beta: float, level:
     Raises:
         ValueError: non-integer or negative counts, or a level outside its range.
     """
-    n = _counts(n_accepted, "n_accepted")
+    n = check_counts(n_accepted, "n_accepted")
     if (n < 0).any() or not (0.0 < beta < 1.0 and 0.0 < level < 1.0 and 0.0 <= reversal_rate <= 1.0):
         raise ValueError(f"need N >= 0, beta and level in (0, 1), reversal_rate in [0, 1]; got beta={beta}, "
                          f"level={level}, reversal_rate={reversal_rate}")
@@ -330,7 +319,7 @@ def risk_group_power(n_risk, accepted_share: float, reversal_rate: float, *, bet
     Raises:
         ValueError: bad counts or shares.
     """
-    n_all = _counts(n_risk, "n_risk")
+    n_all = check_counts(n_risk, "n_risk")
     if not 0.0 < accepted_share <= 1.0:
         raise ValueError(f"accepted_share must be in (0, 1], got {accepted_share}")
     out = np.empty(n_all.shape, dtype=np.float64)

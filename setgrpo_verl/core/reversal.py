@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._grpo import degenerate_groups, grpo_coefficients
+from .grpo import degenerate_groups, grpo_coefficients
 
 
 def reference_coefficients(reference: torch.Tensor, *, norm_by_std: bool, eps: float,

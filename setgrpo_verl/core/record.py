@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_file
-from ._grpo import DEGENERATE_RTOL
-from ._identity import check_identity
-from ._settings import COVERAGE_GROUPS, CalibrationSettings
-from ._srgo import infeasible_text, threshold_tests
+from .grpo import DEGENERATE_RTOL
+from .identity import check_identity
+from .settings import COVERAGE_GROUPS, CalibrationSettings
+from .srgo import infeasible_text, threshold_tests
 
 #: Version 2 added ``degenerate_rtol`` (the degeneracy tolerance that calibration used and training applies);
 #: version 3 added ``calibration_prompts`` (what the record was calibrated on); version 4 the SRGO testing procedure
@@ -102,7 +102,7 @@ class CalibrationRecord:
     Per-threshold arrays (length m, aligned with ``settings.tau_grid``): ``n_accepted`` N_j,
     ``n_reversals`` F_j, ``ucb`` (Clopper-Pearson at ``1 - delta/m``), ``utility`` U_j.
     ``degenerate_rtol`` is the relative tolerance of the degeneracy test (docs/algorithm.md#1-grpo-map,
-    :func:`setgrpo_verl.core.degenerate_groups`) used to leave groups out of calibration; training
+    :func:`setgrpo_verl.core.grpo.degenerate_groups`) used to leave groups out of calibration; training
     applies the same value, so a group's status never changes between the phases.
     ``tau_sel`` is None only when calibration found no risk-feasible threshold and the user chose
     ``on_infeasible="reject_all"``: such a record rejects every group.

@@ -16,10 +16,11 @@ import numpy as np
 import torch
 from scipy.stats import betabinom, binom
 
-from ._api import calibrate, setgrpo_coefficients
-from ._grpo import degenerate_groups
-from ._record import CalibrationRecord
-from ._reversal import reversal_events
+from .calibration import calibrate
+from .coefficients import setgrpo_coefficients
+from .grpo import degenerate_groups
+from .record import CalibrationRecord
+from .reversal import reversal_events
 
 #: Default share of exchangeable splits a band holds: its ends are the 5 % and 95 % quantiles.
 BAND_LEVEL = 0.90

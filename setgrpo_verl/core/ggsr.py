@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._jrsc import CoefficientSets
+from .grpo import grpo_coefficients
+from .jrsc import CoefficientSets, set_shape
 
 # u(b0) counts as the null update when ||u(b0)||^2 <= NULL_TOL * ||u(a_hat)||^2.
 NULL_TOL = 1e-10
@@ -249,3 +250,50 @@ def path_point(anchor: torch.Tensor, center: torch.Tensor, eta: torch.Tensor) ->
     """``b(eta) = b0 + eta (a_hat - b0)``: ``[..., G, K]`` for eta ``[..., G]`` (eta = 1 gives a_hat exactly)."""
     e = eta[..., None]
     return torch.where(e == 1.0, center.expand_as(anchor + e), anchor + e * (center - anchor))
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    """GGSR's per-group quantities, shared by calibration and application (non-degenerate groups only).
+
+    Attributes:
+        sets: the groups' coefficient sets (docs/algorithm.md#2-jrsc).
+        gram: ``[G, K, K]`` float64 geometry used for recovery (the identity under ``identity_geometry``).
+        anchor: ``[G, K]`` float64 safe anchors b0 (docs/algorithm.md#31-safe-anchor).
+        kkt: ``[G]`` float64 KKT residuals of the anchors.
+        null: ``[G]`` bool, groups whose anchor is the null update.
+    """
+
+    sets: CoefficientSets
+    gram: torch.Tensor  # geometry used for recovery (identity under identity_geometry)
+    anchor: torch.Tensor
+    kkt: torch.Tensor
+    null: torch.Tensor
+
+
+def group_geometry(point: torch.Tensor, gram: torch.Tensor, *, q: float, rho: float, norm_by_std: bool, eps: float,
+                   ablation: str | None) -> GroupGeometry:
+    """Coefficient sets of radius ``q`` around ``T(point)`` and their safe anchors under ``gram``
+    (docs/algorithm.md#3-ggsr); ``ablation`` picks a spherical set (``spherical_set``) or the identity geometry
+    (``identity_geometry``).
+
+    Args:
+        point: ``[G, K]`` float64 point scores of non-degenerate groups.
+        gram: ``[G, K, K]`` float64 Gram matrices.
+        q, rho, norm_by_std, eps: the radius and the set shape's settings (docs/algorithm.md#4-srgo).
+        ablation: None or one of ``core.settings.ABLATIONS``.
+
+    Returns:
+        :class:`GroupGeometry`.
+    """
+    shape = "spherical" if ablation == "spherical_set" else "jacobian"
+    center = grpo_coefficients(point, norm_by_std, eps)
+    root, pinv = set_shape(point, rho=rho, norm_by_std=norm_by_std, eps=eps, shape=shape)
+    sets = CoefficientSets(center=center, root=root, pinv=pinv, radius=q)
+    if ablation == "identity_geometry":
+        gram = torch.eye(point.shape[1], dtype=torch.float64).expand_as(gram)
+    anchor, kkt = safe_anchor(sets, gram)
+    ama = torch.einsum("gi,gij,gj->g", center, gram, center)
+    b0mb0 = torch.einsum("gi,gij,gj->g", anchor, gram, anchor)
+    null = (ama <= 0) | (b0mb0 <= NULL_TOL * ama)
+    return GroupGeometry(sets=sets, gram=gram, anchor=anchor, kkt=kkt, null=null)

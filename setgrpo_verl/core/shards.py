@@ -6,7 +6,7 @@ several jobs (each calibrates a deterministic part of the batches, :func:`in_par
 the complete shard set sorted by batch (:func:`record_from_shards`), the same record byte for byte however that
 set was reached. Every shard carries the run's identity (:func:`shard_identity`: policy, grader, sketch, K, levels
 and settings, the calibration prompt set) and a content hash; the identity is compared with
-:func:`~setgrpo_verl.core._identity.check_identity`, the check a record gets against a run.
+:func:`~setgrpo_verl.core.check_identity`, the check a record gets against a run.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_file
-from ._api import calibrate
-from ._identity import check_identity
-from ._record import CalibrationRecord, differing_versions, pilot_start
-from ._settings import CalibrationSettings
+from .calibration import calibrate
+from .identity import check_identity
+from .record import CalibrationRecord, differing_versions, pilot_start
+from .settings import CalibrationSettings
 
 __all__ = ["DROP_REASONS", "SHARD_DIR", "CalibrationShard", "TornShardError", "in_part", "load_shards", "parse_part",
            "pilot_source", "prompts_sha256", "read_shard", "record_from_shards", "shard_identity", "shard_name",
@@ -58,13 +58,13 @@ class CalibrationShard:
     """The calibration data of one batch.
 
     ``index``: the batch's position among the calibration batches (0-based); ``prompts``: one
-    :func:`~setgrpo_verl.core.prompt_fingerprint` per prompt of the batch, in rollout order; float64 ``point [G, K]``,
+    :func:`~setgrpo_verl.core.record.prompt_fingerprint` per prompt of the batch, in rollout order; float64 ``point [G, K]``,
     ``reference [G, K]``, ``gram [G, K, K]`` and ``truth [G, K]`` (None when the grader has none) of the G complete
     groups, sorted by ``prompt_index`` (int64 [G], each group's position in ``prompts``); ``dropped``: groups left
     out for holding fewer than K responses (``incomplete``), none (``no_response``) or a response whose grading
     failed (``grading_failed``; 0 in shards written before it was counted); ``verdicts``: the judge's
     ``(unparsed, judged)`` verdict counts or None; ``identity``: :func:`shard_identity`; ``created_at``: ISO 8601;
-    ``package_versions``: :func:`~setgrpo_verl.core.package_versions` of the process that rolled the batch out and
+    ``package_versions``: :func:`~setgrpo_verl.core.record.package_versions` of the process that rolled the batch out and
     sketched it; ``tau_start_source``: where the fixed sequence's ``tau_start`` came from
     (:func:`pilot_source`; empty: set by the user). Both are empty in shards written before shards recorded them.
     ``truth_verdicts`` int8 ``[G, K, J]`` (1 met, 0 unmet, -1 no verdict, or past the J_g criteria of group g's
@@ -497,7 +497,7 @@ def pilot_source(pilot: CalibrationRecord, settings: CalibrationSettings, prompt
 
     Raises:
         ValueError: the settings are not a fixed sequence from the pilot's ``tau_sel``, or anything
-            :func:`~setgrpo_verl.core.pilot_start` refuses (a reject-all pilot, a start off the grid, shared
+            :func:`~setgrpo_verl.core.record.pilot_start` refuses (a reject-all pilot, a start off the grid, shared
             prompts).
     """
     tau_start, source = pilot_start(pilot, settings.tau_grid, calibration_prompts=prompts)

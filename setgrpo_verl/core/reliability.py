@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_scores
-from ._grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients
+from .grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients
 
 __all__ = ["reliability_weights", "reliability_coefficients"]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._grpo import centering_projector, grpo_coefficients, grpo_jacobian
+from .grpo import centering_projector, grpo_coefficients, grpo_jacobian
 
 SET_SHAPES = ("jacobian", "spherical")
 

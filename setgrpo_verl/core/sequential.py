@@ -15,7 +15,7 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.special import betainc, betaln
 
-from ._srgo import _counts
+from ._checks import check_counts
 
 
 def _log_mixture(f: np.ndarray, n: np.ndarray, b: np.ndarray, upper: bool) -> np.ndarray:
@@ -28,7 +28,7 @@ def _log_mixture(f: np.ndarray, n: np.ndarray, b: np.ndarray, upper: bool) -> np
 
 
 def _check(failures, trials, beta: float) -> tuple[np.ndarray, np.ndarray]:
-    f, n = _counts(failures, "failures"), _counts(trials, "trials")
+    f, n = check_counts(failures, "failures"), check_counts(trials, "trials")
     if f.shape != n.shape or (f < 0).any() or (f > n).any():
         raise ValueError(f"need 0 <= failures <= trials elementwise, got failures={f}, trials={n}")
     if not 0.0 < beta < 1.0:
