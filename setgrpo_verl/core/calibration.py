@@ -72,10 +72,8 @@ def calibrate(
     Guarantees (exchangeability): coverage ``P(T(r'_new) in C_new) >= 1 - alpha``; with probability
     ``>= 1 - delta`` the conditional reversal risk of accepted groups at ``tau_sel`` is ``<= beta``.
 
-    What is a setting and what is not: ``settings`` holds what the method is (levels, grid, ridge, coefficient
-    map, ablation, procedure, split shares, variant) and is stored whole as ``record.settings``; the keyword
-    arguments describe this one calibration (its split seed, degeneracy tolerance, provenance and time) and are
-    stored as record fields of their own.
+    ``settings`` is stored whole as ``record.settings``; the keyword arguments describe this one calibration and
+    are record fields of their own (docs/algorithm.md#8-core-api).
 
     Args:
         point, reference: ``[G, K]`` float tensors, two independent scorings (reward units).
@@ -108,68 +106,29 @@ def calibrate(
                         "calibrate(point, reference, gram, CalibrationSettings(alpha=0.05, beta=0.08, delta=0.05))")
     check_pair(point, reference)
     s = settings
-    grid = list(s.tau_grid)
     metadata = dict(metadata or {})
     unknown = set(metadata) - set(_METADATA_KEYS)
     if unknown:
         raise ValueError(f"unknown metadata keys {sorted(unknown)}; allowed: {_METADATA_KEYS}")
     g, k = point.shape
     m_true = check_gram(gram, g, k)
-
     p64, r64 = point.to(torch.float64), reference.to(torch.float64)
-    keep = (~degenerate_groups(point, degenerate_rtol)).nonzero().flatten()
-    n = int(keep.numel())
-    cov_pos, risk_pos = coverage_risk_split(n, split_seed=split_seed, risk_fraction=s.risk_fraction,
-                                            coverage_groups=s.coverage_groups)
-    cov, risk = keep[cov_pos], keep[risk_pos]
-    n_risk = int(risk.numel())
-    need = min_calibration_groups(s.alpha)
-    if cov.numel() < need or n_risk < 1:
-        raise ValueError(
-            f"too few calibration groups: {n} of {g} are non-degenerate, giving {cov.numel()} coverage and {n_risk} "
-            f"risk groups; alpha={s.alpha} needs at least {need} coverage groups, i.e. about "
-            f"{math.ceil(need / (1 - s.risk_fraction))} non-degenerate groups (add calibration prompts or raise alpha)"
-        )
+
+    cov, risk = _coverage_and_risk_groups(point, s, split_seed=split_seed, degenerate_rtol=degenerate_rtol)
     shape = "spherical" if s.ablation == "spherical_set" else "jacobian"
     scores = nonconformity_scores(p64[cov], r64[cov], rho=s.rho, norm_by_std=s.norm_by_std, eps=s.eps, shape=shape)
     q_alpha = conformal_radius(scores, s.alpha)
-
-    geo = group_geometry(p64[risk], m_true[risk], q=q_alpha, rho=s.rho, norm_by_std=s.norm_by_std, eps=s.eps,
-                    ablation=s.ablation)
-    taus = torch.tensor(grid, dtype=torch.float64)
-    eta, feasible = recovery_ratios(geo.sets, geo.gram, geo.anchor, taus, grid_size=s.grid_size,
-                                    anchor_only=s.ablation == "safe_anchor_only")
-    accepted = feasible & ~geo.null[None]
-    b_star = path_point(geo.anchor[None], geo.sets.center[None], eta)  # [m, G, K]
-    reversal = reversal_events(b_star, m_true[risk], r64[risk], accepted, norm_by_std=s.norm_by_std, eps=s.eps,
-                               degenerate_rtol=degenerate_rtol)
-    n_acc = accepted.sum(1).tolist()
-    n_rev = reversal.sum(1).tolist()
-    utility = (torch.where(accepted, eta, 0.0).sum(1) / n_risk).tolist()
-    start = None if s.srgo_procedure == "bonferroni" else grid.index(s.tau_start)
-    source = {} if s.srgo_procedure == "bonferroni" else dict(tau_start_source or {"kind": "user"})
+    n_acc, n_rev, utility, coverage = _risk_counts(p64[risk], r64[risk], m_true[risk], q_alpha, s,
+                                                   degenerate_rtol=degenerate_rtol)
+    fixed_sequence = s.srgo_procedure == "fixed_sequence"
     tests = threshold_tests(n_acc, n_rev, utility, beta=s.beta, delta=s.delta, procedure=s.srgo_procedure,
-                            start_index=start)
-    ucb, index = tests.ucb, tests.index
-    if s.ablation == "fixed_threshold":
-        tau_sel = s.fixed_tau
-    elif index is None:
-        if s.on_infeasible == "error":
-            why = infeasible_text(grid, n_acc, n_rev, ucb, beta=s.beta, stopped_at=tests.stopped_at)
-            raise ValueError(
-                f"SRGO found no risk-feasible threshold: {why}. Use "
-                "more calibration groups (tighter bounds), a larger beta, or on_infeasible='reject_all' to train no "
-                "group"
-            )
-        tau_sel = None
-    else:
-        tau_sel = grid[index]
-    a_ref = grpo_coefficients(r64[risk], s.norm_by_std, s.eps)
-    coverage = float((mahalanobis(a_ref - geo.sets.center, geo.sets.pinv) <= q_alpha).double().mean())
+                            start_index=list(s.tau_grid).index(s.tau_start) if fixed_sequence else None)
     return CalibrationRecord(
-        settings=s, q_alpha=q_alpha, n_cov=int(cov.numel()), n_risk=n_risk, n_degenerate=g - n,
+        settings=s, q_alpha=q_alpha, n_cov=int(cov.numel()), n_risk=int(risk.numel()),
+        n_degenerate=g - int(cov.numel()) - int(risk.numel()),
         n_accepted=tuple(int(x) for x in n_acc), n_reversals=tuple(int(x) for x in n_rev),
-        ucb=tuple(float(x) for x in ucb), utility=tuple(float(x) for x in utility), tau_sel=tau_sel,
+        ucb=tuple(float(x) for x in tests.ucb), utility=tuple(float(x) for x in utility),
+        tau_sel=_selected_threshold(s, tests, n_acc, n_rev),
         K=k, coverage_risk_set=coverage, split_seed=int(split_seed),
         loss_agg_mode=str(metadata.get("loss_agg_mode", "token-mean")), sketch=dict(metadata.get("sketch", {})),
         grader=dict(metadata.get("grader", {})), policy=dict(metadata.get("policy", {})),
@@ -178,6 +137,61 @@ def calibrate(
         created_at=created_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         degenerate_rtol=float(degenerate_rtol),
         calibration_prompts=tuple(dict(p) for p in metadata.get("calibration_prompts", ())),
-        tau_start_source=source,
+        tau_start_source=dict(tau_start_source or {"kind": "user"}) if fixed_sequence else {},
     )
 
+
+def _coverage_and_risk_groups(point: torch.Tensor, s: CalibrationSettings, *, split_seed: int,
+                              degenerate_rtol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices of the coverage and risk groups among ``point``'s non-degenerate groups (``[G, K]``); refuses
+    too few coverage groups for ``s.alpha`` or no risk group (ValueError naming the fix)."""
+    keep = (~degenerate_groups(point, degenerate_rtol)).nonzero().flatten()
+    n = int(keep.numel())
+    cov_pos, risk_pos = coverage_risk_split(n, split_seed=split_seed, risk_fraction=s.risk_fraction,
+                                            coverage_groups=s.coverage_groups)
+    cov, risk = keep[cov_pos], keep[risk_pos]
+    need = min_calibration_groups(s.alpha)
+    if cov.numel() < need or risk.numel() < 1:
+        raise ValueError(
+            f"too few calibration groups: {n} of {point.shape[0]} are non-degenerate, giving {cov.numel()} coverage "
+            f"and {risk.numel()} risk groups; alpha={s.alpha} needs at least {need} coverage groups, i.e. about "
+            f"{math.ceil(need / (1 - s.risk_fraction))} non-degenerate groups (add calibration prompts or raise alpha)"
+        )
+    return cov, risk
+
+
+def _risk_counts(point: torch.Tensor, reference: torch.Tensor, gram: torch.Tensor, q_alpha: float,
+                 s: CalibrationSettings, *, degenerate_rtol: float) -> tuple[list, list, list, float]:
+    """On the risk groups (float64 ``point``/``reference`` ``[R, K]``, ``gram`` ``[R, K, K]``), per threshold of
+    ``s.tau_grid``: accepted groups N_j, their reversals F_j and the utility U_j (docs/algorithm.md#4-srgo); and the
+    share of risk groups whose reference coefficients lie in their coefficient set."""
+    geo = group_geometry(point, gram, q=q_alpha, rho=s.rho, norm_by_std=s.norm_by_std, eps=s.eps,
+                         ablation=s.ablation)
+    taus = torch.tensor(list(s.tau_grid), dtype=torch.float64)
+    eta, feasible = recovery_ratios(geo.sets, geo.gram, geo.anchor, taus, grid_size=s.grid_size,
+                                    anchor_only=s.ablation == "safe_anchor_only")
+    accepted = feasible & ~geo.null[None]
+    b_star = path_point(geo.anchor[None], geo.sets.center[None], eta)  # [m, R, K]
+    reversal = reversal_events(b_star, gram, reference, accepted, norm_by_std=s.norm_by_std, eps=s.eps,
+                               degenerate_rtol=degenerate_rtol)
+    utility = (torch.where(accepted, eta, 0.0).sum(1) / point.shape[0]).tolist()
+    a_ref = grpo_coefficients(reference, s.norm_by_std, s.eps)
+    coverage = float((mahalanobis(a_ref - geo.sets.center, geo.sets.pinv) <= q_alpha).double().mean())
+    return accepted.sum(1).tolist(), reversal.sum(1).tolist(), utility, coverage
+
+
+def _selected_threshold(s: CalibrationSettings, tests, n_acc: list, n_rev: list) -> float | None:
+    """tau_sel: the fixed threshold of the ``fixed_threshold`` ablation, else the certified threshold of largest
+    utility, else None under ``on_infeasible="reject_all"``; ValueError under ``on_infeasible="error"``."""
+    grid = list(s.tau_grid)
+    if s.ablation == "fixed_threshold":
+        return s.fixed_tau
+    if tests.index is not None:
+        return grid[tests.index]
+    if s.on_infeasible == "error":
+        why = infeasible_text(grid, n_acc, n_rev, tests.ucb, beta=s.beta, stopped_at=tests.stopped_at)
+        raise ValueError(
+            f"SRGO found no risk-feasible threshold: {why}. Use more calibration groups (tighter bounds), a larger "
+            "beta, or on_infeasible='reject_all' to train no group"
+        )
+    return None

@@ -11,6 +11,7 @@ import torch
 from ._checks import check_gram, check_scores
 from .ggsr import group_geometry, path_point, projections, recovery_ratios
 from .grpo import degenerate_groups
+from .compatibility import check_compatible
 from .record import CalibrationRecord
 from .settings import ABLATIONS
 
@@ -124,7 +125,7 @@ def setgrpo_coefficients(
     """
     check_scores(point, "point")
     g, k = point.shape
-    record.check_compatible(K=k)
+    check_compatible(record, K=k)
     rs = record.settings
     if ablation is not None and ablation != rs.ablation:
         _check_ablation(ablation)

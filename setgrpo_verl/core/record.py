@@ -16,9 +16,8 @@ import numpy as np
 
 from ..atomic import atomic_file
 from .grpo import DEGENERATE_RTOL
-from .identity import check_identity
 from .settings import COVERAGE_GROUPS, CalibrationSettings
-from .srgo import infeasible_text, threshold_tests
+from .srgo import threshold_tests
 
 #: Version 2 added ``degenerate_rtol`` (the degeneracy tolerance that calibration used and training applies);
 #: version 3 added ``calibration_prompts`` (what the record was calibrated on); version 4 the SRGO testing procedure
@@ -73,6 +72,11 @@ def question_key(question: str) -> str:
     return " ".join(str(question).split()).casefold()
 
 
+def question_sha256(question: str) -> str:
+    """SHA-256 hex digest of a question after :func:`question_key`: how a record names a calibration question."""
+    return _sha256(question_key(question))
+
+
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -87,7 +91,7 @@ def prompt_fingerprint(prompt_id: Any, question: str, rubric: Any) -> dict[str, 
         rubric: its rubric (any JSON value, e.g. the list of criteria); hashed as canonical JSON.
     """
     body = json.dumps(rubric, sort_keys=True, ensure_ascii=True, default=str)
-    return {"id": str(prompt_id), "question_sha256": _sha256(question_key(question)), "rubric_sha256": _sha256(body)}
+    return {"id": str(prompt_id), "question_sha256": question_sha256(question), "rubric_sha256": _sha256(body)}
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ class CalibrationRecord:
     compared.
     ``calibration_prompts`` names what the record was calibrated on: one :func:`prompt_fingerprint`
     (id, question hash, rubric hash) per calibration prompt, empty when the caller gave none;
-    :meth:`check_disjoint` refuses training prompts among them.
+    :func:`~setgrpo_verl.core.compatibility.check_disjoint` refuses training prompts among them.
 
     SRGO's tests (docs/algorithm.md#4-srgo): ``settings.srgo_procedure`` (``bonferroni`` or ``fixed_sequence``),
     ``settings.tau_start`` (the fixed sequence's first threshold, None for Bonferroni) and ``tau_start_source``
@@ -126,7 +130,7 @@ class CalibrationRecord:
     they must equal that derivation.
 
     The paper's Table 4 columns are the properties ``N``, ``F``, ``ecr`` and ``U`` together with
-    ``n_cov``, ``n_risk``, ``q_alpha`` and ``tau_sel`` (see :meth:`table4_row`).
+    ``n_cov``, ``n_risk``, ``q_alpha`` and ``tau_sel`` (see :func:`~setgrpo_verl.core.record_text.table4_row`).
     """
 
     settings: CalibrationSettings
@@ -206,130 +210,6 @@ class CalibrationRecord:
         """Clopper-Pearson upper bound at tau_sel (1 for a reject-all record)."""
         return 1.0 if self.sel_index is None else self.ucb[self.sel_index]
 
-    def selection_text(self) -> str:
-        """One line on SRGO's threshold (docs/algorithm.md#4-srgo): the selected tau and its bound, or, for a
-        reject-all record, that no threshold is risk-feasible, the smallest bound, and that no group updates."""
-        s = self.settings
-        if self.tau_sel is not None:
-            return f"tau_sel={self.tau_sel:.2f}, UCB {self.ucb_sel:.4f} <= beta={s.beta}"
-        why = infeasible_text(s.tau_grid, self.n_accepted, self.n_reversals, self.ucb, beta=s.beta,
-                              stopped_at=self.stopped_at if s.srgo_procedure == "fixed_sequence" else None)
-        return (f"no risk-feasible threshold: {why}, so this record accepts no group and SetGRPO updates nothing; "
-                "more calibration groups or a larger beta may certify one")
-
-    def start_text(self) -> str | None:
-        """Where a fixed sequence's ``tau_start`` came from and what its certificate assumes of it
-        (docs/record.md#fields); None for Bonferroni, which has no start."""
-        s, src = self.settings, self.tau_start_source
-        if s.srgo_procedure == "bonferroni":
-            return None
-        if src.get("kind") == "pilot":
-            return (f"tau_start={s.tau_start:.2f} is the tau_sel of pilot record {src['record_sha256'][:12]}, "
-                    "checked to share no prompt with this calibration")
-        return (f"tau_start={s.tau_start:.2f} was set by the user: the certificate assumes it was fixed before the "
-                "calibration data were seen, which nothing in the record can show (a start chosen from these groups "
-                "voids the guarantee, docs/algorithm.md#43-where-the-start-comes-from)")
-
-    def tests_lines(self) -> list[str]:
-        """SRGO's tests as lines of text (docs/algorithm.md#4-srgo): the procedure, where the start came from, and one
-        line per test of a fixed sequence in the order run (threshold, N, F, p-value against its level, passed or
-        failed); for Bonferroni the certified thresholds."""
-        s = self.settings
-        if s.srgo_procedure == "bonferroni":
-            head = (f"SRGO procedure: bonferroni, each of the {len(s.tau_grid)} thresholds tested at level "
-                    f"delta/m = {s.delta / len(s.tau_grid):.4g}")
-        else:
-            src = self.tau_start_source
-            origin = (f"pilot record {src['record_sha256'][:12]}" if src.get("kind") == "pilot" else "set by the user")
-            stop = ("every test passed" if self.stopped_at is None
-                    else f"stopped at tau={s.tau_grid[self.stopped_at]:.2f}")
-            head = (f"SRGO procedure: fixed_sequence from tau_start={s.tau_start:.2f} ({origin}) down the grid, "
-                    f"each test at level delta = {s.delta:g}; {stop}")
-        lines = [head]
-        if s.srgo_procedure == "bonferroni":  # every threshold is tested; the certified ones say it all
-            passed = [f"{s.tau_grid[j]:.2f}" for j in self.test_order
-                      if self.n_accepted[j] > 0 and self.ucb[j] <= s.beta]
-            return lines + [f"  certified thresholds: {', '.join(passed) if passed else 'none'}"]
-        if self.tau_start_source.get("kind") != "pilot":  # the pilot is named in the head line
-            lines.append(f"  {self.start_text()}")
-        for j, level in zip(self.test_order, self.test_levels):
-            ok = self.n_accepted[j] > 0 and self.ucb[j] <= s.beta
-            lines.append(f"  tau={s.tau_grid[j]:.2f}: N={self.n_accepted[j]}, F={self.n_reversals[j]}, "
-                         f"p={self.p_values[j]:.3g} vs level {level:.4g} -> {'passed' if ok else 'failed'}")
-        return lines
-
-    def table4_row(self) -> dict[str, Any]:
-        """The paper's Table 4 row: Cov., Risk, Q_alpha, tau_sel, N, F, ECR, U."""
-        return {"Cov.": self.n_cov, "Risk": self.n_risk, "Qα": self.q_alpha, "τsel": self.tau_sel,
-                "N": self.N, "F": self.F, "ECR": self.ecr, "U": self.U}
-
-    # ----------------------------------------------------------------- compatibility
-    def check_compatible(self, *, sources: dict[str, str] | None = None, **run: Any) -> None:
-        """Refuse to train with a record calibrated for a different run.
-
-        Keyword arguments name record fields (``K``, ``loss_agg_mode``, ``grader``, ``sketch``, ``policy``,
-        ``training``, ...) or fields of its ``settings`` (``norm_by_std``, ``eps``, ``alpha``, ``ablation``, ...);
-        each given value must equal the record's. Dict fields are compared key by key, and the first differing key
-        is named; ``sources`` maps a field (``"policy.top_k"``) to the config key that sets it, named with it.
-
-        Raises:
-            ValueError: naming the first mismatched field, both values, and the fix.
-
-        Warns:
-            IdentityWarning: the record lacks identity fields added since it was written (:func:`check_identity`).
-        """
-        own = {f.name for f in dataclasses.fields(self)} - {"settings"}
-        setting = {f.name for f in dataclasses.fields(self.settings)}
-        for name in run:
-            if name not in own | setting:
-                raise ValueError(f"calibration record has no field {name!r}")
-        stored = {name: getattr(self if name in own else self.settings, name) for name in run}
-        check_identity(stored, run, what="calibration record", holder="record", sources=sources)
-
-    def check_disjoint(self, prompts: Any, *, source: str = "the training data") -> None:
-        """Refuse training prompts that the record was calibrated on (docs/record.md#compatibility-with-a-run).
-
-        Args:
-            prompts: iterable of ``(id, question)`` pairs of the training prompts (id may be None).
-            source: where they come from, for the message (e.g. a file name).
-
-        Raises:
-            ValueError: naming the first calibration prompt found in ``prompts`` (by id or by question text), how
-                many there are, and the fix.
-        """
-        if not self.calibration_prompts:
-            return
-        ids = {p["id"]: p for p in self.calibration_prompts}
-        questions = {p["question_sha256"]: p for p in self.calibration_prompts}
-        found = []
-        for prompt_id, question in prompts:
-            by_id = ids.get(str(prompt_id)) if prompt_id is not None else None
-            by_text = questions.get(_sha256(question_key(question))) if question is not None else None
-            if by_id is not None or by_text is not None:
-                found.append((prompt_id, question, "id" if by_id is not None else "question text",
-                              (by_id or by_text)["id"]))
-        if found:
-            prompt_id, question, how, cal_id = found[0]
-            text = " ".join(str(question).split())
-            raise ValueError(
-                f"{source} contains {len(found)} prompt(s) this record was calibrated on, the first {prompt_id!r} "
-                f"(same {how} as calibration prompt {cal_id!r}: {text[:80]!r}); calibration prompts must stay out "
-                "of training (their groups certify the guarantees for fresh prompts): remove them from the "
-                "training data or recalibrate on disjoint prompts"
-            )
-
-    def version_mismatch(self, installed: dict[str, str] | None = None) -> str | None:
-        """Why this record comes from another major.minor of setgrpo-verl or verl than ``installed`` (default: the
-        installed packages), naming both versions; None when they agree or a version is unknown."""
-        installed = package_versions() if installed is None else installed
-        diffs = [f"{name} {self.package_versions[name]} (installed {installed[name]})"
-                 for name in differing_versions(self.package_versions, installed)]
-        if not diffs:
-            return None
-        return (f"calibration record written by {', '.join(diffs)}: its math and run identity are checked, but "
-                "the calibration may differ from what this version would compute; recalibrate to be sure")
-
-    # ----------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict: all fields, the Table 4 summary, and a content hash."""
         d = dataclasses.asdict(self)
@@ -350,7 +230,7 @@ class CalibrationRecord:
 
         Warns:
             RecordVersionWarning: the record comes from another major.minor of setgrpo-verl or verl
-                (:meth:`version_mismatch`).
+                (:func:`version_mismatch`).
 
         Raises:
             ValueError: unknown schema version, missing/unknown fields, a content hash that does not
@@ -391,7 +271,7 @@ class CalibrationRecord:
         object.__setattr__(record, "_file_sha256", stored)
         if summary is not None and (summary.get("N"), summary.get("F")) != (record.N, record.F):
             raise ValueError("calibration record summary (N, F) disagrees with its per-threshold counts")
-        mismatch = record.version_mismatch()
+        mismatch = version_mismatch(record)
         if mismatch:
             warnings.warn(mismatch, RecordVersionWarning, stacklevel=2)
         return record
@@ -407,6 +287,20 @@ class CalibrationRecord:
         except json.JSONDecodeError as exc:
             raise ValueError(f"calibration record {os.fspath(path)!r} is not valid JSON: {exc}") from None
         return cls.from_dict(data)
+
+
+def version_mismatch(record: CalibrationRecord, installed: dict[str, str] | None = None) -> str | None:
+    """Why this record comes from another major.minor of setgrpo-verl or verl than ``installed`` (default: the
+    installed packages), naming both versions; None when they agree or a version is unknown."""
+    installed = package_versions() if installed is None else installed
+    diffs = [f"{name} {record.package_versions[name]} (installed {installed[name]})"
+             for name in differing_versions(record.package_versions, installed)]
+    if not diffs:
+        return None
+    return (f"calibration record written by {', '.join(diffs)}: its math and run identity are checked, but "
+            "the calibration may differ from what this version would compute; recalibrate to be sure")
+
+# ----------------------------------------------------------------- serialisation
 
 
 def _content_hash(d: dict[str, Any]) -> str:

@@ -49,6 +49,7 @@ from setgrpo_verl.core.shards import (
     write_calibration,
     write_shard,
 )
+from setgrpo_verl.core.record_text import selection_text, table4_row
 
 from .batch import (dense_sketches, grading_errors_from, reference_scores_from, sketch_rows_field, sketched_rows,
                     truth_verdicts_from)
@@ -450,9 +451,9 @@ class CalibrationPhase:
             grading[UNPARSED_RATIO_METRIC] = unparsed_ratio(float(paired["unparsed_verdicts"]),
                                                             float(paired["judged_verdicts"]))
         self._log_record(record, grading, timing_s=time.perf_counter() - t0)
-        logger.warning("SetGRPO: calibration record written to %s: %s", out, record.table4_row())
+        logger.warning("SetGRPO: calibration record written to %s: %s", out, table4_row(record))
         if record.tau_sel is None:
-            logger.warning("SetGRPO: %s", record.selection_text())
+            logger.warning("SetGRPO: %s", selection_text(record))
         return record
 
     def _check_grading_share(self, shards: dict) -> None:

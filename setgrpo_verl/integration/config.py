@@ -21,6 +21,7 @@ from verl.trainer.config.algorithm import AlgoConfig
 from setgrpo_verl.core import ABLATIONS, CalibrationRecord, CalibrationSettings
 from setgrpo_verl.core.shards import parse_part
 from setgrpo_verl.core.srgo import DEFAULT_TAU_GRID
+from setgrpo_verl.core.compatibility import check_compatible, check_disjoint
 from setgrpo_verl.sketch import SketchConfig
 
 from .gpu_env import check_driver_gpus
@@ -382,7 +383,7 @@ def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
     Warns:
         IdentityWarning: a record written before some identity fields existed, naming them (not checked).
     """
-    record.check_compatible(
+    check_compatible(record, 
         sources=IDENTITY_SOURCES,
         K=int(config.actor_rollout_ref.rollout.n),
         norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)),
@@ -562,7 +563,7 @@ def check_training_data(record: CalibrationRecord, train_files: Any, *, prompt_k
         ValueError: naming the file(s), the first overlapping prompt and how many there are.
     """
     files = [train_files] if isinstance(train_files, (str, os.PathLike)) else list(train_files)
-    record.check_disjoint(read_prompt_identities(files, prompt_key=prompt_key),
+    check_disjoint(record, read_prompt_identities(files, prompt_key=prompt_key),
                           source=f"data.train_files ({', '.join(str(f) for f in files)})")
 
 

@@ -57,6 +57,7 @@ from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor
 from setgrpo_verl.core.grpo import DEGENERATE_RTOL
 from setgrpo_verl.core.record import content_sha256
 from setgrpo_verl.core.shards import SHARD_DIR
+from setgrpo_verl.core.record_text import table4_row
 
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
 from .calibration import CalibrationPhase
@@ -315,7 +316,7 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
         if record_path:
             record = CalibrationRecord.from_json(os.path.expanduser(record_path))
             self._check_record(record)
-            logger.warning("SetGRPO: loaded calibration record %s: %s", record_path, record.table4_row())
+            logger.warning("SetGRPO: loaded calibration record %s: %s", record_path, table4_row(record))
             return record, record_path
         if os.path.exists(out):
             raise ValueError(

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import atomic_file, write_atomic
+from ..core.record import version_mismatch
+from ..core.record_text import selection_text, start_text, table4_row, threshold_test_lines
 
 __all__ = ["ReportError", "format_table4", "inspect_record", "load_metrics", "make_report"]
 
@@ -92,7 +94,7 @@ TABLE4_COLUMNS = (
 
 def format_table4(record, label: str = "this run") -> str:
     """The paper's Table 4 row (Cov., Risk, Q_alpha, tau_sel, N, F, ECR, U) of a record, as a fixed-width table."""
-    row = record.table4_row()
+    row = table4_row(record)
     cells = [label, str(row["Cov."]), str(row["Risk"]), f"{row['Qα']:.3f}",
              "none" if row["τsel"] is None else f"{row['τsel']:.2f}", str(row["N"]), str(row["F"]),
              "nan" if math.isnan(row["ECR"]) else f"{row['ECR']:.4f}", f"{row['U']:.3f}"]
@@ -151,11 +153,11 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False, resplit
              f"alpha={rec.settings.alpha}  beta={rec.settings.beta}  delta={rec.settings.delta}  "
              f"rho={rec.settings.rho}  K={rec.K}  norm_by_std={rec.settings.norm_by_std}  "
              f"loss_agg_mode={rec.loss_agg_mode}  ablation={rec.settings.ablation}",
-             rec.selection_text(), *rec.tests_lines(), f"degenerate groups dropped={rec.n_degenerate}",
+             selection_text(rec), *threshold_test_lines(rec), f"degenerate groups dropped={rec.n_degenerate}",
              *_guarantees(rec, p.parent / "paired_scores.npz", resplits),
              f"grader: {rec.grader}", f"policy: {rec.policy}", f"created {rec.created_at}, file {p}",
              f"written by: {versions}; {len(rec.calibration_prompts)} calibration prompts recorded"]
-    mismatch = rec.version_mismatch()
+    mismatch = version_mismatch(rec)
     if mismatch:
         lines.append(f"warning: {mismatch}")
     if thresholds:
@@ -450,8 +452,8 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200, truth: list[
 
     lines = ["Table 4 row (frozen calibration record):", table, "",
              f"alpha={record.settings.alpha} beta={record.settings.beta} delta={record.settings.delta}; "
-             f"{record.selection_text()}",
-             *([record.start_text()] if record.start_text() else []), *guarantees, *(truth or []), ""]
+             f"{selection_text(record)}",
+             *([start_text(record)] if start_text(record) else []), *guarantees, *(truth or []), ""]
     if runs["setgrpo"]:
         lines.append("SetGRPO per step: accepted-group ratio, mean recovery ratio, reward (point), truth reward, "
                      "entropy")

@@ -34,6 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from ..core.record_text import table4_row
 from .compare import add_parser as _add_compare, run_compare
 from .profiles import FLAGS, MAIN_JOB_FLIP_PROB, PROFILES, default_profile, profile_help
 from .run import (Plan, check_before_ray, dir_plan, dry_run_text, hold_lock, make_plan, make_split, record_path,
@@ -411,7 +412,7 @@ def _cmd_merge_calibration(args: argparse.Namespace) -> str:
     from .merge import merge_calibration
 
     record = merge_calibration(args.dirs, args.out, pilot=args.pilot)
-    return f"record written to {args.out / 'record.json'}: {record.table4_row()}"
+    return f"record written to {args.out / 'record.json'}: {table4_row(record)}"
 
 
 #: The handler of each subcommand: ``handler(args) -> text to print or None``.

@@ -159,15 +159,16 @@ def check_training_prompts(record: str | os.PathLike, run_dir: str | os.PathLike
     """Refuse a training split that holds a prompt the record was calibrated on (by id or question text).
 
     Raises:
-        LaunchError: naming the first such prompt (:meth:`setgrpo_verl.core.CalibrationRecord.check_disjoint`), or a
+        LaunchError: naming the first such prompt (:func:`setgrpo_verl.core.compatibility.check_disjoint`), or a
             record that does not validate.
     """
     from ..core import CalibrationRecord
+    from ..core.compatibility import check_disjoint
     from ..integration.prompts import read_prompt_identities
 
     train = Path(run_dir) / "data" / "train.parquet"
     try:
-        CalibrationRecord.from_json(record).check_disjoint(read_prompt_identities(train), source=str(train))
+        check_disjoint(CalibrationRecord.from_json(record), read_prompt_identities(train), source=str(train))
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
 

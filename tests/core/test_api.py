@@ -17,6 +17,8 @@ from setgrpo_verl.core import (
     setgrpo_coefficients,
 )
 from setgrpo_verl.core.jrsc import nonconformity_scores
+from setgrpo_verl.core.compatibility import check_compatible
+from setgrpo_verl.core.record_text import selection_text, table4_row
 
 from .synthetic import make_groups
 
@@ -43,7 +45,7 @@ def test_record_is_consistent_table4(record, data):
     assert record.ecr == pytest.approx(record.F / record.N)
     assert record.ucb_sel <= record.settings.beta and record.tau_sel in record.settings.tau_grid
     assert 0 < record.U <= 1 and record.q_alpha > 0
-    row = record.table4_row()
+    row = table4_row(record)
     assert row["N"] == record.N and row["Qα"] == record.q_alpha
     assert record.coverage_risk_set >= 0.8
 
@@ -85,10 +87,10 @@ def test_mismatched_run_refused(record, data):
     with pytest.raises(ValueError, match="mismatch in K"):
         setgrpo_coefficients(p[:, :4], m[:, :4, :4], record)
     with pytest.raises(ValueError, match="mismatch in norm_by_std"):
-        record.check_compatible(norm_by_std=False)
+        check_compatible(record, norm_by_std=False)
     with pytest.raises(ValueError, match="grader.temperature"):
-        record.check_compatible(grader={**GRADER, "temperature": 0.7})
-    record.check_compatible(K=6, norm_by_std=True, grader=dict(GRADER), loss_agg_mode="token-mean")
+        check_compatible(record, grader={**GRADER, "temperature": 0.7})
+    check_compatible(record, K=6, norm_by_std=True, grader=dict(GRADER), loss_agg_mode="token-mean")
     with pytest.raises(ValueError, match="differs from the record"):
         setgrpo_coefficients(p[800:], m[800:], record, ablation="identity_geometry")
 
@@ -159,12 +161,12 @@ def test_infeasible_risk_is_an_error_or_reject_all(data):
     assert not res.accepted.any() and (res.coefficients == 0).all()
     # the record says so, with the smallest bound the error would have named
     j = min(range(len(rec.ucb)), key=rec.ucb.__getitem__)
-    text = rec.selection_text()
+    text = selection_text(rec)
     assert text.startswith("no risk-feasible threshold") and "accepts no group" in text
     tau = rec.settings.tau_grid[j]
     assert f"{rec.ucb[j]:.4f} at tau={tau:.2f} (N={rec.n_accepted[j]}, F={rec.n_reversals[j]})" in text
     feasible = calibrate(p[:800], r[:800], m[:800], CalibrationSettings(alpha=0.1, beta=0.5, delta=0.05))
-    assert feasible.selection_text() == (f"tau_sel={feasible.tau_sel:.2f}, UCB {feasible.ucb_sel:.4f} <= beta=0.5")
+    assert selection_text(feasible) == (f"tau_sel={feasible.tau_sel:.2f}, UCB {feasible.ucb_sel:.4f} <= beta=0.5")
 
 
 @pytest.mark.parametrize("ablation", ABLATIONS)

@@ -23,6 +23,7 @@ from setgrpo_verl.core.srgo import (
     threshold_tests,
 )
 from setgrpo_verl.core.srgo import required_risk_groups
+from setgrpo_verl.core.record_text import threshold_test_lines
 
 from .synthetic import make_groups
 
@@ -162,7 +163,7 @@ def test_fixed_sequence_record_round_trips_and_its_check_rederives_the_tests(gro
     data = json.loads(path.read_text())
     assert data["schema_version"] == 6 and data["test_order"] == list(rec.test_order)
     assert CalibrationRecord.from_json(path) == rec
-    assert "fixed_sequence from tau_start=0.40 (set by the user)" in "\n".join(rec.tests_lines())
+    assert "fixed_sequence from tau_start=0.40 (set by the user)" in "\n".join(threshold_test_lines(rec))
     from setgrpo_verl.report import inspect_record
     shown = inspect_record(path)
     assert "fixed_sequence from tau_start=0.40 (set by the user)" in shown and "vs level 0.1 -> passed" in shown

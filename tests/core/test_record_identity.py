@@ -8,6 +8,7 @@ import pytest
 
 from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings
 from setgrpo_verl.core.record import package_versions, prompt_fingerprint, question_key, RecordVersionWarning
+from setgrpo_verl.core.compatibility import check_disjoint
 
 from .synthetic import make_groups
 
@@ -38,14 +39,14 @@ def test_fingerprints_round_trip_and_hash_the_normalised_question(record, tmp_pa
 
 def test_training_prompts_from_the_calibration_set_are_refused_by_id_or_text(record):
     fresh = [(f"t{i}", f"A fresh question {i}.") for i in range(5)]
-    record.check_disjoint(fresh)
+    check_disjoint(record, fresh)
     with pytest.raises(ValueError, match=r"train.parquet contains 1 prompt\(s\) this record was calibrated on, the "
                                          r"first 'p7' \(same id as calibration prompt 'p7'"):
-        record.check_disjoint(fresh + [("p7", "another text")], source="train.parquet")
+        check_disjoint(record, fresh + [("p7", "another text")], source="train.parquet")
     # same question under another id, with other spacing and case
     with pytest.raises(ValueError, match=r"2 prompt\(s\).*first 'new-3' \(same question text as calibration prompt "
                                          r"'p3'"):
-        record.check_disjoint(fresh + [("new-3", "  write a two-line poem about TOPIC number 3. "),
+        check_disjoint(record, fresh + [("new-3", "  write a two-line poem about TOPIC number 3. "),
                                        (None, QUESTIONS[9])])
 
 
