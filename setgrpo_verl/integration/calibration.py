@@ -57,8 +57,7 @@ from .config import TRUTH_SCORE_KEY
 from .groups import complete_group_rows, group_gram
 from .prompts import prompt_identity
 from .grading_failures import all_failed_error, check_grading_failure_share
-from .judge_access import describe_judge
-from .reward_config import CALIBRATION_MARK, GRADING_ERROR_KEY, grader_config
+from .reward_config import CALIBRATION_MARK, GRADING_ERROR_KEY, grader_in_messages
 from .reward_manager import (GRADING_COUNT_KEYS, TRUTH_VERDICTS_KEY, UNPARSED_RATIO_METRIC, grading_counts,
                              unparsed_ratio)
 from .worker import SKETCH_KEY
@@ -464,7 +463,7 @@ class CalibrationPhase:
             return
         check_grading_failure_share(sum(failed.values()), sum(len(s.prompts) for s in shards.values()),
                                     float(self.setgrpo.calibration.max_grading_failure_ratio),
-                                    describe_judge(grader_config(self.config)),
+                                    grader_in_messages(self.config),
                                     [shard_name(b) for b, n in failed.items() if n])
 
     def _grading_failures(self, index: int, groups: CalibrationGroups) -> None:
@@ -478,7 +477,7 @@ class CalibrationPhase:
         if not failed:
             return
         first = next(iter(failed.values()))
-        judge = describe_judge(grader_config(self.config))
+        judge = grader_in_messages(self.config)
         if not groups.uids and not groups.incomplete:
             raise RuntimeError(all_failed_error(index, len(failed), judge, first))
         logger.warning("SetGRPO calibration: batch %d: %d group(s) left out because grading failed (%s; first: %s)",

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from ..grading import grader_identity as _grader_identity
+from .judge_access import describe_judge
 
 __all__ = [
     "POINT_KEY",
@@ -28,6 +29,7 @@ __all__ = [
     "filter_metrics",
     "grader_config",
     "grader_identity",
+    "grader_in_messages",
     "point_mode",
     "reference_score_key",
     "scorings",
@@ -93,6 +95,15 @@ def grader_config(config: Any) -> dict:
         cfg["path"] = _get(custom, "path")
         cfg.setdefault("name", _get(custom, "name") or "compute_score")
     return cfg
+
+
+def grader_in_messages(config: Any) -> str:
+    """The run's grader as error messages name it (:func:`describe_judge` of ``reward.reward_kwargs.grader``), or
+    ``"the reward"`` when the reward manager is not ``setgrpo_dual`` and so has no grader of ours to name."""
+    manager = _get(_get(config, "reward") or {}, "reward_manager") or {}
+    if str(_get(manager, "name") or "") != REWARD_MANAGER_NAME:
+        return "the reward"
+    return describe_judge(grader_config(config))
 
 
 def grader_identity(config: Any) -> dict:

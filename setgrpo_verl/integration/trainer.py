@@ -68,8 +68,7 @@ from .groups import rows_to_sketch
 from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
                      write_state)
 from .grading_failures import empty_batch_error
-from .judge_access import describe_judge
-from .reward_config import REWARD_MANAGER_NAME, grader_config
+from .reward_config import grader_in_messages
 from .reward_manager import GRADING_COUNT_KEYS, grading_metrics
 from .worker import (SKETCH_CONFIG_KEY, SKETCH_KEY, SKETCH_ROWS_KEY, CheckedActorRolloutRefWorker,
                      SetGRPOActorRolloutRefWorker)
@@ -151,12 +150,6 @@ def _reliability_log_rows(step: Any, global_step: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _dual_reward(config: Any) -> bool:
-    """True when the run's reward manager is ``setgrpo_dual`` (which has a grader to name)."""
-    manager = (config.get("reward") or {}).get("reward_manager") or {}
-    return str(manager.get("name", "")) == REWARD_MANAGER_NAME
-
-
 class _SyncMode:
     """A trainer registered under its own name (``registered_mode``) that verl's base class sees as ``sync``: the base
     class branches on ``trainer_mode == "sync"`` (replay buffer, refill, checkpoint restore), and both trainers here
@@ -176,8 +169,7 @@ class _SyncMode:
         """verl's balance, after refusing a batch to which no response came back (:func:`empty_batch_error`), which
         verl would report as ``number of items:[0] < k_partitions``."""
         if not any(not (tag or {}).get("is_padding", False) for tag in batch.tags):
-            grader = describe_judge(grader_config(self.config)) if _dual_reward(self.config) else "the reward"
-            raise RuntimeError(empty_batch_error(grader))
+            raise RuntimeError(empty_batch_error(grader_in_messages(self.config)))
         return super()._balance_batch(batch, metrics, *args, **kwargs)
 
     @property

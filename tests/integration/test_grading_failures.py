@@ -222,5 +222,21 @@ def test_a_reward_without_a_grader_passes_the_share_check_when_nothing_failed():
     shards = {0: SimpleNamespace(dropped={"incomplete": 1, "grading_failed": 0}, prompts=["a", "b"])}
     CalibrationPhase._check_grading_share(phase, shards)  # no ValueError about a missing grader
     shards[0].dropped["grading_failed"] = 1
-    with pytest.raises(ValueError, match="grader"):  # with a failure the judge is named, and here there is none
-        CalibrationPhase._check_grading_share(phase, shards)
+    with pytest.raises(ValueError, match=r"left out because grading failed \(the reward\), above"):
+        CalibrationPhase._check_grading_share(phase, shards)  # a failure is refused, naming what graded
+
+
+def test_messages_name_the_graders_judge_through_its_noise_or_the_reward_without_the_dual_manager():
+    from omegaconf import OmegaConf
+
+    from setgrpo_verl.integration.reward_config import grader_in_messages
+
+    judge = {"type": "openai", "base_url": "http://judge:8000/v1", "model": "qwen"}
+    dual = OmegaConf.create({"reward": {"reward_manager": {"name": "setgrpo_dual"},
+                                        "reward_kwargs": {"grader": {"type": "noisy", "base": judge}}}})
+    assert grader_in_messages(dual) == "judge 'qwen' at http://judge:8000/v1"
+    rules = OmegaConf.create({"reward": {"reward_manager": {"name": "setgrpo_dual"},
+                                         "reward_kwargs": {"grader": {"type": "rules"}}}})
+    assert grader_in_messages(rules) == "the 'rules' grader"
+    naive = OmegaConf.create({"reward": {"reward_manager": {"name": "naive"}}})
+    assert grader_in_messages(naive) == "the reward"
