@@ -57,17 +57,15 @@ def calibrate(
 ) -> CalibrationRecord:
     """Calibrate SetGRPO on paired scorings: JRSC radius on coverage groups, SRGO threshold on risk groups.
 
-    Implements docs/algorithm.md#2-jrsc and #4-srgo. Degenerate groups (no spread of the point scores
-    beyond ``degenerate_rtol`` times the group's largest |score|, see :func:`degenerate_groups`)
-    are dropped first; the rest are split at random (``split_seed``) into coverage groups
-    (``1 - settings.risk_fraction`` of them, at most ``settings.coverage_groups``) and disjoint risk groups. On
-    coverage groups the nonconformity scores give the conformal radius ``Q_alpha``. On risk groups, for every
-    threshold tau_j the GGSR recovery gives accepted groups (N_j), their reversals (:func:`reversal_events`:
-    ``b*^T M a' < 0`` in the true geometry, never for a reference group without spread) (F_j), and the utility
-    ``U_j = sum_accepted eta* / n_risk``. SRGO tests the thresholds (``settings.srgo_procedure``: ``bonferroni``,
-    every threshold with the Clopper-Pearson bound at ``1 - delta/m``; ``fixed_sequence``, from ``tau_start`` down
-    the grid at ``1 - delta`` each, stopping at the first failure) and ``tau_sel`` maximises U among the certified
-    thresholds (ties: larger tau).
+    Implements docs/algorithm.md#2-jrsc and #4-srgo. Degenerate groups (:func:`degenerate_groups` at
+    ``degenerate_rtol``) are dropped first; the rest are split at random by :func:`coverage_risk_split`
+    (``split_seed``, ``settings.risk_fraction``, ``settings.coverage_groups``) into coverage groups and disjoint
+    risk groups. On coverage groups the nonconformity scores give the conformal radius ``Q_alpha``. On risk groups,
+    for every threshold tau_j the GGSR recovery gives accepted groups (N_j), their reversals
+    (:func:`reversal_events`: ``b*^T M a' < 0`` in the true geometry, never for a reference group without spread)
+    (F_j), and the utility ``U_j = sum_accepted eta* / n_risk``. SRGO tests the thresholds with Clopper-Pearson
+    bounds (``settings.srgo_procedure``: ``bonferroni`` or ``fixed_sequence`` from ``tau_start``) and ``tau_sel``
+    maximises U among the certified thresholds (ties: larger tau).
 
     Guarantees (exchangeability): coverage ``P(T(r'_new) in C_new) >= 1 - alpha``; with probability
     ``>= 1 - delta`` the conditional reversal risk of accepted groups at ``tau_sel`` is ``<= beta``.
@@ -77,16 +75,16 @@ def calibrate(
 
     Args:
         point, reference: ``[G, K]`` float tensors, two independent scorings (reward units).
-        gram: ``[G, K, K]`` float tensor, Gram matrices of per-response gradients at the
-            calibration policy (symmetric PSD).
+        gram: ``[G, K, K]`` float tensor, Gram matrices of per-response gradients at the calibration policy
+            (symmetric PSD).
         settings: the validated :class:`CalibrationSettings` (docs/algorithm.md#41-defaults), e.g.
             ``CalibrationSettings(alpha=0.05, beta=0.08, delta=0.05)``.
         split_seed: seed of the coverage/risk split (recorded).
-        metadata: optional dict with keys ``loss_agg_mode`` (str), ``sketch``, ``grader``, ``policy``
-            (dicts) stored in the record for later compatibility checks, and ``calibration_prompts``
-            (one :func:`prompt_fingerprint` per calibration prompt: what the record was calibrated on).
-        degenerate_rtol: relative tolerance of the degeneracy test (stored in the record; training
-            applies the same value, so a group is degenerate in both phases or in neither).
+        metadata: optional dict with keys ``loss_agg_mode`` (str), ``sketch``, ``grader``, ``policy``, ``training``
+            (dicts) stored in the record for later compatibility checks, and ``calibration_prompts`` (one
+            :func:`prompt_fingerprint` per calibration prompt: what the record was calibrated on).
+        degenerate_rtol: relative tolerance of the degeneracy test (stored in the record; training applies the
+            same value, so a group is degenerate in both phases or in neither).
         tau_start_source: where ``settings.tau_start`` came from, stored in the record: ``{"kind": "user"}`` (the
             default for a fixed sequence) or ``{"kind": "pilot", "record_sha256": ...}`` from :func:`pilot_start`.
         created_at: the record's ``created_at`` (ISO 8601, UTC); default now. Calibration from shards passes the
@@ -101,17 +99,9 @@ def calibrate(
             keys, or no risk-feasible threshold with ``on_infeasible="error"`` (the message gives the
             smallest UCB reached).
     """
-    if not isinstance(settings, CalibrationSettings):
-        raise TypeError(f"settings must be a CalibrationSettings, got {type(settings).__name__}: build one, e.g. "
-                        "calibrate(point, reference, gram, CalibrationSettings(alpha=0.05, beta=0.08, delta=0.05))")
-    check_pair(point, reference)
+    metadata, m_true = _checked_inputs(point, reference, gram, settings, metadata)
     s = settings
-    metadata = dict(metadata or {})
-    unknown = set(metadata) - set(_METADATA_KEYS)
-    if unknown:
-        raise ValueError(f"unknown metadata keys {sorted(unknown)}; allowed: {_METADATA_KEYS}")
     g, k = point.shape
-    m_true = check_gram(gram, g, k)
     p64, r64 = point.to(torch.float64), reference.to(torch.float64)
 
     cov, risk = _coverage_and_risk_groups(point, s, split_seed=split_seed, degenerate_rtol=degenerate_rtol)
@@ -120,25 +110,43 @@ def calibrate(
     q_alpha = conformal_radius(scores, s.alpha)
     n_acc, n_rev, utility, coverage = _risk_counts(p64[risk], r64[risk], m_true[risk], q_alpha, s,
                                                    degenerate_rtol=degenerate_rtol)
-    fixed_sequence = s.srgo_procedure == "fixed_sequence"
-    tests = threshold_tests(n_acc, n_rev, utility, beta=s.beta, delta=s.delta, procedure=s.srgo_procedure,
-                            start_index=list(s.tau_grid).index(s.tau_start) if fixed_sequence else None)
+    tests = _threshold_tests(n_acc, n_rev, utility, s)
     return CalibrationRecord(
         settings=s, q_alpha=q_alpha, n_cov=int(cov.numel()), n_risk=int(risk.numel()),
         n_degenerate=g - int(cov.numel()) - int(risk.numel()),
         n_accepted=tuple(int(x) for x in n_acc), n_reversals=tuple(int(x) for x in n_rev),
         ucb=tuple(float(x) for x in tests.ucb), utility=tuple(float(x) for x in utility),
         tau_sel=_selected_threshold(s, tests, n_acc, n_rev),
-        K=k, coverage_risk_set=coverage, split_seed=int(split_seed),
-        loss_agg_mode=str(metadata.get("loss_agg_mode", "token-mean")), sketch=dict(metadata.get("sketch", {})),
-        grader=dict(metadata.get("grader", {})), policy=dict(metadata.get("policy", {})),
-        training=dict(metadata.get("training", {})),
+        K=k, coverage_risk_set=coverage, split_seed=int(split_seed), **_metadata_fields(metadata),
         package_versions=package_versions(),
         created_at=created_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         degenerate_rtol=float(degenerate_rtol),
-        calibration_prompts=tuple(dict(p) for p in metadata.get("calibration_prompts", ())),
-        tau_start_source=dict(tau_start_source or {"kind": "user"}) if fixed_sequence else {},
+        tau_start_source=dict(tau_start_source or {"kind": "user"}) if s.srgo_procedure == "fixed_sequence" else {},
     )
+
+
+def _checked_inputs(point: torch.Tensor, reference: torch.Tensor, gram: torch.Tensor, settings: CalibrationSettings,
+                    metadata: dict | None) -> tuple[dict, torch.Tensor]:
+    """:func:`calibrate`'s input checks, in order (settings type, score pair, metadata keys, Gram matrices); returns
+    the metadata as a dict and the float64 Gram matrices ``[G, K, K]``."""
+    if not isinstance(settings, CalibrationSettings):
+        raise TypeError(f"settings must be a CalibrationSettings, got {type(settings).__name__}: build one, e.g. "
+                        "calibrate(point, reference, gram, CalibrationSettings(alpha=0.05, beta=0.08, delta=0.05))")
+    check_pair(point, reference)
+    metadata = dict(metadata or {})
+    unknown = set(metadata) - set(_METADATA_KEYS)
+    if unknown:
+        raise ValueError(f"unknown metadata keys {sorted(unknown)}; allowed: {_METADATA_KEYS}")
+    g, k = point.shape
+    return metadata, check_gram(gram, g, k)
+
+
+def _metadata_fields(metadata: dict) -> dict:
+    """The record fields that ``metadata`` sets (:data:`_METADATA_KEYS`), with their defaults when absent."""
+    return {"loss_agg_mode": str(metadata.get("loss_agg_mode", "token-mean")),
+            "sketch": dict(metadata.get("sketch", {})), "grader": dict(metadata.get("grader", {})),
+            "policy": dict(metadata.get("policy", {})), "training": dict(metadata.get("training", {})),
+            "calibration_prompts": tuple(dict(p) for p in metadata.get("calibration_prompts", ()))}
 
 
 def _coverage_and_risk_groups(point: torch.Tensor, s: CalibrationSettings, *, split_seed: int,
@@ -178,6 +186,13 @@ def _risk_counts(point: torch.Tensor, reference: torch.Tensor, gram: torch.Tenso
     a_ref = grpo_coefficients(reference, s.norm_by_std, s.eps)
     coverage = float((mahalanobis(a_ref - geo.sets.center, geo.sets.pinv) <= q_alpha).double().mean())
     return accepted.sum(1).tolist(), reversal.sum(1).tolist(), utility, coverage
+
+
+def _threshold_tests(n_acc: list, n_rev: list, utility: list, s: CalibrationSettings):
+    """SRGO's tests of ``s.tau_grid``'s thresholds (``s.srgo_procedure``; a fixed sequence from ``s.tau_start``)."""
+    start = list(s.tau_grid).index(s.tau_start) if s.srgo_procedure == "fixed_sequence" else None
+    return threshold_tests(n_acc, n_rev, utility, beta=s.beta, delta=s.delta, procedure=s.srgo_procedure,
+                           start_index=start)
 
 
 def _selected_threshold(s: CalibrationSettings, tests, n_acc: list, n_rev: list) -> float | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checks import check_gram, check_scores
-from .ggsr import group_geometry, path_point, projections, recovery_ratios
+from .ggsr import group_geometry, GroupGeometry, path_point, projections, recovery_ratios
 from .grpo import degenerate_groups
 from .compatibility import check_compatible
 from .record import CalibrationRecord
@@ -127,13 +127,7 @@ def setgrpo_coefficients(
     g, k = point.shape
     check_compatible(record, K=k)
     rs = record.settings
-    if ablation is not None and ablation != rs.ablation:
-        _check_ablation(ablation)
-        raise ValueError(
-            f"ablation {ablation!r} differs from the record's ({rs.ablation!r}); the record certifies the variant "
-            "it was calibrated with - recalibrate with calibrate(..., settings.replace(ablation=...))"
-        )
-    ablation = rs.ablation
+    ablation = _record_ablation(record, ablation)
     m_all = check_gram(gram, g, k)
     t0 = time.perf_counter()
     p64 = point.to(torch.float64)
@@ -141,7 +135,8 @@ def setgrpo_coefficients(
     keep = (~degenerate).nonzero().flatten()
     nan = torch.full((g,), math.nan, dtype=torch.float64)
     coefficients, anchor, grpo = (torch.zeros(g, k, dtype=torch.float64) for _ in range(3))
-    eta_all, kkt, m_full, m_reward = torch.zeros(g, dtype=torch.float64), torch.zeros(g, dtype=torch.float64), nan, nan.clone()
+    eta_all, kkt = torch.zeros(g, dtype=torch.float64), torch.zeros(g, dtype=torch.float64)
+    m_full, m_reward = nan, nan.clone()
     status = ["degenerate"] * g
     accepted = torch.zeros(g, dtype=torch.bool)
     t1 = t0
@@ -149,13 +144,7 @@ def setgrpo_coefficients(
         geo = group_geometry(p64[keep], m_all[keep], q=record.q_alpha, rho=rs.rho, norm_by_std=rs.norm_by_std,
                         eps=rs.eps, ablation=ablation)
         t1 = time.perf_counter()
-        if record.tau_sel is None:
-            eta = torch.zeros(keep.numel(), dtype=torch.float64)
-            feasible = torch.zeros(keep.numel(), dtype=torch.bool)
-        else:
-            eta, feasible = recovery_ratios(geo.sets, geo.gram, geo.anchor, torch.tensor([record.tau_sel]),
-                                            grid_size=rs.grid_size, anchor_only=ablation == "safe_anchor_only")
-            eta, feasible = eta[0], feasible[0]
+        eta, feasible = _recovery_at_tau(geo, record, anchor_only=ablation == "safe_anchor_only")
         acc = feasible & ~geo.null
         b = path_point(geo.anchor, geo.sets.center, eta)
         mf_b, mr_b = projections(b, geo.sets, geo.gram)
@@ -169,16 +158,47 @@ def setgrpo_coefficients(
         for i, a_j, n_j in zip(keep.tolist(), acc.tolist(), geo.null.tolist()):
             status[i] = "accepted" if a_j else ("null_anchor" if n_j else "infeasible")
         if ablation == "random_discard":
-            n_acc = int(acc.sum())
-            chosen = keep[torch.randperm(keep.numel(), generator=torch.Generator().manual_seed(seed))[:n_acc]]
-            accepted = torch.zeros(g, dtype=torch.bool)
-            accepted[chosen] = True
-            coefficients = torch.where(accepted[:, None], grpo, 0.0)
-            eta_all = accepted.to(torch.float64)
-            status = ["accepted" if bool(accepted[i]) else ("degenerate" if bool(degenerate[i]) else "discarded")
-                      for i in range(g)]
+            accepted, coefficients, eta_all, status = _random_discard(keep, int(acc.sum()), degenerate, grpo, seed)
     t2 = time.perf_counter()
     return SetGRPOResult(coefficients=coefficients, accepted=accepted, status=status, recovery_ratio=eta_all,
                          m_full=m_full, m_reward=m_reward, anchor=anchor, grpo=grpo, kkt_residual=kkt, point=p64,
                          timings={"geometry": t1 - t0, "recovery": t2 - t1})
+
+
+def _record_ablation(record: CalibrationRecord, ablation: str | None) -> str | None:
+    """The record's ablation, after refusing a requested one that differs (a record certifies one variant)."""
+    rs = record.settings
+    if ablation is not None and ablation != rs.ablation:
+        _check_ablation(ablation)
+        raise ValueError(
+            f"ablation {ablation!r} differs from the record's ({rs.ablation!r}); the record certifies the variant "
+            "it was calibrated with - recalibrate with calibrate(..., settings.replace(ablation=...))"
+        )
+    return rs.ablation
+
+
+def _recovery_at_tau(geo: GroupGeometry, record: CalibrationRecord, *,
+                     anchor_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """eta* ``[n]`` float64 and feasibility ``[n]`` bool of the kept groups at the record's ``tau_sel``; a
+    ``reject_all`` record (``tau_sel = None``) makes none feasible."""
+    n = geo.anchor.shape[0]
+    if record.tau_sel is None:
+        return torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.bool)
+    eta, feasible = recovery_ratios(geo.sets, geo.gram, geo.anchor, torch.tensor([record.tau_sel]),
+                                    grid_size=record.settings.grid_size, anchor_only=anchor_only)
+    return eta[0], feasible[0]
+
+
+def _random_discard(keep: torch.Tensor, n_acc: int, degenerate: torch.Tensor, grpo: torch.Tensor,
+                    seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """The ``random_discard`` ablation: as many groups as SetGRPO accepted, drawn at random among the kept ones,
+    train with their GRPO coefficients; returns accepted, coefficients, recovery ratio and status over all G."""
+    g = degenerate.shape[0]
+    chosen = keep[torch.randperm(keep.numel(), generator=torch.Generator().manual_seed(seed))[:n_acc]]
+    accepted = torch.zeros(g, dtype=torch.bool)
+    accepted[chosen] = True
+    coefficients = torch.where(accepted[:, None], grpo, 0.0)
+    status = ["accepted" if bool(accepted[i]) else ("degenerate" if bool(degenerate[i]) else "discarded")
+              for i in range(g)]
+    return accepted, coefficients, accepted.to(torch.float64), status
 

@@ -322,9 +322,9 @@ class CalibrationPhase:
         The calibration batches are streamed: each chunk of ``calibration.chunk_batches`` batches (1 by default;
         fewer when :func:`calibration_chunk_prompts` limits what TransferQueue holds) is rolled out, the rollout
         sleeps (freeing its memory, as verl's sync trainer does before its actor passes), and each batch is scored,
-        sketched and written at once to ``<record dir>/shards/`` (:func:`setgrpo_verl.core.shards.write_shard`). The policy
-        does not change during calibration, so a further chunk wakes the rollout with one weight sync of the same
-        weights; when training follows, one more sync wakes it for the first step.
+        sketched and written at once to ``<record dir>/shards/`` (:func:`setgrpo_verl.core.shards.write_shard`). The
+        policy does not change during calibration, so a further chunk wakes the rollout with one weight sync of the
+        same weights; when training follows, one more sync wakes it for the first step.
 
         Batches that already have a shard (a stopped calibration, resumed) are not rolled out again: their shards
         are checked against this run's identity (refused, naming the file and field, when another run wrote them)
@@ -368,22 +368,9 @@ class CalibrationPhase:
         identity = shard_identity(k=k, settings=settings, split_seed=cfg.calibration.split_seed,
                                   run=self._run_identity(), prompts=self._calibration_prompts,
                                   batch_size=len(batches[0][0]))
-        source = None  # where tau_start came from, checked before any rollout
-        if cfg.tau_start_pilot:
-            path = os.path.expanduser(cfg.tau_start_pilot)
-            source = pilot_source(CalibrationRecord.from_json(path), settings, self._calibration_prompts,
-                                  name=f"algorithm.setgrpo.tau_start_pilot={path}")
-        # what every new shard records about how it was made: the running versions, and where the fixed
-        # sequence's tau_start came from (the pilot, or the user's own value)
-        fixed = settings.srgo_procedure == "fixed_sequence"
-        provenance = {"package_versions": package_versions(),
-                      "tau_start_source": source or ({"kind": "user"} if fixed else {})}
+        source, provenance = self._shard_provenance(settings)
         done = self._existing_shards(shard_dir, identity, batches, provenance)
-        part, parts = cfg.calibration.part()
-        if part >= len(batches):  # check_run_config counts calibration.num_prompts; the files held fewer rows
-            raise ValueError(f"algorithm.setgrpo.calibration.shard={cfg.calibration.shard}: part {part} holds no "
-                             f"batch, since the calibration prompts make {len(batches)} batch(es): split it into at "
-                             f"most {len(batches)} parts")
+        part, parts = self._calibration_part(len(batches))
         todo = [b for b in range(len(batches)) if in_part(b, part, parts) and b not in done]
         logger.warning("SetGRPO calibration: %d batches of %d prompts in part %d/%d, %d with a shard already, %d to "
                        "calibrate; shards in %s", len(batches), len(self._calibration_prompts), part, parts,
@@ -391,18 +378,47 @@ class CalibrationPhase:
         progress = _Progress(len(todo), sum(len(batches[b][0]) for b in done))
         asleep = self._calibrate_batches(shard_dir, batches, todo, identity, k, progress, provenance)
         if parts > 1:
-            if not cfg.calibration.only:  # check_run_config refuses this; a stopped part never trains
-                raise RuntimeError("a part of a sharded calibration cannot train: calibration.only=true is needed")
-            shards, _ = load_shards(shard_dir, identity)
-            self._check_grading_share({b: s for b, s in shards.items() if in_part(b, part, parts)})
-            logger.warning("SetGRPO calibration: part %d/%d finished in %.0f s; build the record from every part's "
-                           "shard directory with `setgrpo-verl merge-calibration`", part, parts,
-                           time.perf_counter() - t0)
+            self._finish_part(shard_dir, identity, part, parts, t0)
             return None
         record = self._write_record(shard_dir, identity, source, out, t0)
         if not cfg.calibration.only and asleep:  # training follows: verl's sync trainer starts with the rollout awake
             self.checkpoint_manager.update_weights(self.global_steps)
         return record
+
+    def _shard_provenance(self, settings: Any) -> tuple[Optional[dict], dict]:
+        """Where ``tau_start`` came from (the pilot's source, checked before any rollout, or None) and what every new
+        shard records about how it was made: the running versions and that source (the pilot, or the user's own)."""
+        cfg = self.setgrpo
+        source = None
+        if cfg.tau_start_pilot:
+            path = os.path.expanduser(cfg.tau_start_pilot)
+            source = pilot_source(CalibrationRecord.from_json(path), settings, self._calibration_prompts,
+                                  name=f"algorithm.setgrpo.tau_start_pilot={path}")
+        fixed = settings.srgo_procedure == "fixed_sequence"
+        return source, {"package_versions": package_versions(),
+                        "tau_start_source": source or ({"kind": "user"} if fixed else {})}
+
+    def _calibration_part(self, n_batches: int) -> tuple[int, int]:
+        """``calibration.shard``'s part I of N, refused when it holds none of the ``n_batches`` batches
+        (check_run_config counts calibration.num_prompts; the files may hold fewer rows)."""
+        cal = self.setgrpo.calibration
+        part, parts = cal.part()
+        if part >= n_batches:
+            raise ValueError(f"algorithm.setgrpo.calibration.shard={cal.shard}: part {part} holds no "
+                             f"batch, since the calibration prompts make {n_batches} batch(es): split it into at "
+                             f"most {n_batches} parts")
+        return part, parts
+
+    def _finish_part(self, shard_dir: str, identity: dict, part: int, parts: int, t0: float) -> None:
+        """End a part of a sharded calibration: its grading-failure share checked, no record (merge-calibration
+        builds it from every part)."""
+        if not self.setgrpo.calibration.only:  # check_run_config refuses this; a stopped part never trains
+            raise RuntimeError("a part of a sharded calibration cannot train: calibration.only=true is needed")
+        shards, _ = load_shards(shard_dir, identity)
+        self._check_grading_share({b: s for b, s in shards.items() if in_part(b, part, parts)})
+        logger.warning("SetGRPO calibration: part %d/%d finished in %.0f s; build the record from every part's "
+                       "shard directory with `setgrpo-verl merge-calibration`", part, parts,
+                       time.perf_counter() - t0)
 
     def _calibrate_batches(self, shard_dir: str, batches: list, todo: list[int], identity: dict, k: int,
                            progress: _Progress, provenance: dict) -> bool:

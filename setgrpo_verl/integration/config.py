@@ -383,17 +383,10 @@ def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
     Warns:
         IdentityWarning: a record written before some identity fields existed, naming them (not checked).
     """
-    check_compatible(record, 
-        sources=IDENTITY_SOURCES,
-        K=int(config.actor_rollout_ref.rollout.n),
-        norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)),
-        alpha=setgrpo.alpha,
-        beta=setgrpo.beta,
-        delta=setgrpo.delta,
-        rho=setgrpo.rho,
-        ablation=setgrpo.ablation,
-        **run_identity(config, setgrpo),
-    )
+    check_compatible(record, sources=IDENTITY_SOURCES, K=int(config.actor_rollout_ref.rollout.n),
+                     norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)), alpha=setgrpo.alpha,
+                     beta=setgrpo.beta, delta=setgrpo.delta, rho=setgrpo.rho, ablation=setgrpo.ablation,
+                     **run_identity(config, setgrpo))
 
 
 def _check_reward(config: Any, *, setgrpo: bool, needs_reference: Optional[str] = None) -> None:
@@ -438,49 +431,32 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
         The validated :class:`SetGRPOConfig` when the run uses SetGRPO, else None.
 
     Raises:
-        ValueError: ``algorithm.adv_estimator=setgrpo`` without ``trainer.v1.trainer_mode=setgrpo`` (the message
-            names the missing override) or the reverse; with the ``setgrpo_dual`` reward manager (any trainer mode),
-            a grader config that verl's reward worker could not build (unknown type, misspelled or missing key) or
-            a ``reward.reward_kwargs.reference_score_key`` or ``reward.reward_kwargs.scorings`` other than 1 or 2
-            (for SetGRPO, other than 2: it reads the reference score); ``actor_rollout_ref.rollout.n < 2``, an
-            invalid ``algorithm.setgrpo`` block (the levels, grid, rho, ablation and recovery grid as
+        ValueError: ``algorithm.adv_estimator=setgrpo`` without ``trainer.v1.trainer_mode=setgrpo`` (the message names
+            the missing override) or the reverse; with the ``setgrpo_dual`` reward manager (any trainer mode), a grader
+            config that verl's reward worker could not build (unknown type, misspelled or missing key) or a
+            ``reward.reward_kwargs.reference_score_key`` or ``reward.reward_kwargs.scorings`` other than 1 or 2 (for
+            SetGRPO, other than 2: it reads the reference score); ``actor_rollout_ref.rollout.n < 2``, an invalid
+            ``algorithm.setgrpo`` block (the levels, grid, rho, ablation and recovery grid as
             :class:`setgrpo_verl.core.CalibrationSettings` validates them for ``calibrate``), a fixed sketch
             micro-batch that does not divide a rank's batch (:func:`check_sketch_micro_batch`), or an
             ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run
             (:func:`check_record`), a policy whose files the run identity cannot read
-            (:func:`~setgrpo_verl.integration.identity.run_identity`), or training data holding one of its
-            calibration prompts (:func:`check_training_data`); for a run that calibrates, a ``calibration.shard`` part that holds no
-            batch (:func:`check_calibration_part`) or a ``tau_start_pilot`` that is no pilot of these prompts
-            (:func:`~.prompts.check_start_pilot`); DAPO group filtering (``algorithm.filter_groups``) in a calibration run
-            or on a metric the reward manager does not emit
-            (:func:`~setgrpo_verl.integration.reward_config.check_filter_groups`); for any trainer mode, unless
-            ``environment`` is False, an actor ``attn_implementation`` whose kernel
-            package is not importable (:func:`~setgrpo_verl.integration.support.check_attention_kernels`) and, with
-            an NVIDIA driver here, a GPU environment verl cannot run in (:func:`~.gpu_env.check_driver_gpus`); with
-            ``setgrpo_dual``, a judge a reward worker could not use (:func:`~.judge_access.check_judge_access`); for
-            SetGRPO, ``trainer.use_v1=false``, an actor strategy other than fsdp / fsdp2 or a sketch token budget
-            below one full-length sequence
-            (:func:`~setgrpo_verl.integration.support.check_trainer_settings`).
+            (:func:`~.identity.run_identity`), or training data holding one of its calibration prompts
+            (:func:`check_training_data`); for a run that calibrates, a ``calibration.shard`` part that holds no batch
+            (:func:`check_calibration_part`) or a ``tau_start_pilot`` that is no pilot of these prompts
+            (:func:`~.prompts.check_start_pilot`); DAPO group filtering (``algorithm.filter_groups``) in a calibration
+            run or on a metric the reward manager does not emit (:func:`~.reward_config.check_filter_groups`); for any
+            trainer mode, unless ``environment`` is False, an actor ``attn_implementation`` whose kernel package is not
+            importable (:func:`~.support.check_attention_kernels`) and, with an NVIDIA driver here, a GPU environment
+            verl cannot run in (:func:`~.gpu_env.check_driver_gpus`); with ``setgrpo_dual``, a judge a reward worker
+            could not use (:func:`~.judge_access.check_judge_access`); for SetGRPO, ``trainer.use_v1=false``, an actor
+            strategy other than fsdp / fsdp2 or a sketch token budget below one full-length sequence
+            (:func:`~.support.check_trainer_settings`).
     """
-    estimator = config.algorithm.adv_estimator
-    trainer_mode = config.trainer.v1.trainer_mode
-    if estimator == SETGRPO_NAME and trainer_mode != SETGRPO_NAME:
-        raise ValueError(
-            f"algorithm.adv_estimator={SETGRPO_NAME} needs the per-response gradient sketches that only the SetGRPO "
-            f"trainer mode computes, but trainer.v1.trainer_mode={trainer_mode}: add the override "
-            f"`{TRAINER_MODE_OVERRIDE}` (or use algorithm.adv_estimator=grpo for plain GRPO)"
-        )
-    if trainer_mode == SETGRPO_NAME and estimator != SETGRPO_NAME:
-        raise ValueError(
-            f"{TRAINER_MODE_OVERRIDE} computes SetGRPO advantages: set algorithm.adv_estimator={SETGRPO_NAME} "
-            f"(got {estimator!r})"
-        )
-    if trainer_mode != SETGRPO_NAME:
+    if not _uses_setgrpo(config):
         _check_reward(config, setgrpo=False)
         check_filter_groups(config, setgrpo=False, calibration_only=False)
-        if environment:
-            check_attention_kernels(config)
-            check_driver_gpus(config)
+        _check_environment(config, environment)
         return None
     if config.actor_rollout_ref.rollout.n < 2:
         raise ValueError("SetGRPO needs groups: set actor_rollout_ref.rollout.n >= 2 (the paper uses 8)")
@@ -491,39 +467,66 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
         _check_reward(config, setgrpo=True, needs_reference="the reliability variant trains on the mean of the two")
         check_filter_groups(config, setgrpo=False, calibration_only=False)  # no record whose groups it could skew
         check_resume(config, setgrpo)
-        if environment:
-            check_attention_kernels(config)
-            check_driver_gpus(config)
+        _check_environment(config, environment)
         return setgrpo
     check_trainer_settings(config, setgrpo)
     check_sketch_micro_batch(config, setgrpo)
     check_sketch_support(config, setgrpo.sketch.to_sketch_config())
-    monitor = setgrpo.monitor.get("enable", True) if isinstance(setgrpo.monitor, Mapping) else setgrpo.monitor.enable
-    readers = (["calibration fits the coefficient set and the risk gate on it"] if not setgrpo.record_path else []) + (
-        ["the online monitor reads it during training"] if monitor else [])
-    _check_reward(config, setgrpo=True, needs_reference="; ".join(readers) or None)
+    _check_reward(config, setgrpo=True, needs_reference=_reference_readers(setgrpo))
     check_filter_groups(config, setgrpo=True, calibration_only=setgrpo.calibration.only and not setgrpo.record_path)
     check_calibration_disjoint(config)
     if not setgrpo.record_path:
         check_calibration_part(config, setgrpo)
         check_start_pilot(config, setgrpo, calibration_prompts)
     if setgrpo.record_path:
-        path = os.path.expanduser(setgrpo.record_path)
-        if not os.path.isfile(path):
-            raise ValueError(f"algorithm.setgrpo.record_path={setgrpo.record_path}: no such file; pass the record a "
-                             "calibration run wrote, or null to calibrate first")
-        record = CalibrationRecord.from_json(path)
-        check_record(record, config, setgrpo)
-        if not setgrpo.calibration.only:
-            prompt_key = str(config.data.get("prompt_key", "prompt"))
-            check_training_data(record, config.data.train_files, prompt_key=prompt_key)
+        _check_record_path(config, setgrpo)
     else:  # the identity calibration will record: the policy's files are read now, not after the first rollout
         run_identity(config, setgrpo)
     check_resume(config, setgrpo)
-    if environment:  # the environment last: a wrong setting is named before a missing package
+    _check_environment(config, environment)  # the environment last: a wrong setting is named before a missing package
+    return setgrpo
+
+
+def _uses_setgrpo(config: Any) -> bool:
+    """Whether the run uses SetGRPO; refuses the SetGRPO estimator without the SetGRPO trainer mode or the reverse."""
+    estimator = config.algorithm.adv_estimator
+    trainer_mode = config.trainer.v1.trainer_mode
+    if estimator == SETGRPO_NAME and trainer_mode != SETGRPO_NAME:
+        raise ValueError(f"algorithm.adv_estimator={SETGRPO_NAME} needs the per-response gradient sketches that only "
+                         f"the SetGRPO trainer mode computes, but trainer.v1.trainer_mode={trainer_mode}: add the "
+                         f"override `{TRAINER_MODE_OVERRIDE}` (or use algorithm.adv_estimator=grpo for plain GRPO)")
+    if trainer_mode == SETGRPO_NAME and estimator != SETGRPO_NAME:
+        raise ValueError(f"{TRAINER_MODE_OVERRIDE} computes SetGRPO advantages: set "
+                         f"algorithm.adv_estimator={SETGRPO_NAME} (got {estimator!r})")
+    return trainer_mode == SETGRPO_NAME
+
+
+def _reference_readers(setgrpo: SetGRPOConfig) -> Optional[str]:
+    """What reads the reference score in a paper-variant run, for the reward check's message; None = nothing."""
+    monitor = setgrpo.monitor.get("enable", True) if isinstance(setgrpo.monitor, Mapping) else setgrpo.monitor.enable
+    readers = (["calibration fits the coefficient set and the risk gate on it"] if not setgrpo.record_path else []) + (
+        ["the online monitor reads it during training"] if monitor else [])
+    return "; ".join(readers) or None
+
+
+def _check_record_path(config: Any, setgrpo: SetGRPOConfig) -> None:
+    """Refuse a ``record_path`` that is missing or does not match the run, or training data holding its prompts."""
+    path = os.path.expanduser(setgrpo.record_path)
+    if not os.path.isfile(path):
+        raise ValueError(f"algorithm.setgrpo.record_path={setgrpo.record_path}: no such file; pass the record a "
+                         "calibration run wrote, or null to calibrate first")
+    record = CalibrationRecord.from_json(path)
+    check_record(record, config, setgrpo)
+    if not setgrpo.calibration.only:
+        prompt_key = str(config.data.get("prompt_key", "prompt"))
+        check_training_data(record, config.data.train_files, prompt_key=prompt_key)
+
+
+def _check_environment(config: Any, environment: bool) -> None:
+    """The GPU checks (kernel packages, driver) unless ``environment`` is False (a dry run)."""
+    if environment:
         check_attention_kernels(config)
         check_driver_gpus(config)
-    return setgrpo
 
 
 def check_calibration_part(config: Any, setgrpo: SetGRPOConfig) -> None:

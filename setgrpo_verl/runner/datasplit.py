@@ -85,11 +85,31 @@ def split_data(
             without a rule under ``rules_only``, fewer usable prompts than ``calibration_prompts`` + 1, or
             ``default_data`` not in :data:`DEFAULT_DATA`.
     """
-    from transformers import AutoTokenizer
-
-    from ..grading import as_rubric, drop_duplicate_rows, rubrics_to_verl_rows
-
     rows, source = _rubric_rows(data, rules_only, default_data, duplicate_criteria)
+    rubrics, duplicates = _checked_rubrics(rows, source, rules_only)
+    kept = _fitting_rows(rubrics, model_path, max_prompt_length)
+    if len(kept) <= calibration_prompts:
+        bundled = data is None and rules_only and default_data == "validation"
+        raise LaunchError(_too_few_prompts(source, len(kept), len(rubrics), max_prompt_length, calibration_prompts,
+                                           bundled_validation=bundled))
+    random.Random(seed).shuffle(kept)
+    calibration, train = kept[:calibration_prompts], kept[calibration_prompts:]
+    for split, part in (("calibration", calibration), ("train", train)):
+        for i, row in enumerate(part):
+            row["extra_info"] = {**row["extra_info"], "index": i, "split": split}
+    settings = {"data": None if data is None else str(Path(data).expanduser().resolve()),
+                "calibration_prompts": int(calibration_prompts), "seed": int(seed),
+                "max_prompt_length": int(max_prompt_length), "rules_only": bool(rules_only),
+                "default_data": None if data is not None else default_data}
+    return {"calibration": calibration, "train": train, "source": source, "duplicates": duplicates,
+            "settings": settings}
+
+
+def _checked_rubrics(rows: Sequence[Mapping[str, Any]], source: str, rules_only: bool) -> tuple[list, int]:
+    """The rows as rubrics, each prompt once (with how many duplicates were removed), after refusing a row without
+    positive points or, under ``rules_only``, with a criterion that has no rule."""
+    from ..grading import as_rubric, drop_duplicate_rows
+
     try:
         rubrics = [as_rubric(row) for row in rows]
     except (ValueError, TypeError) as exc:
@@ -104,36 +124,39 @@ def split_data(
         if rules_only and judged:
             raise LaunchError(f"{source}: rubric row {rubric.id!r}, criterion {judged[0]} has no rule, but --judge rules "
                               "checks rule criteria only; give every criterion a rule or choose a judge")
+    return rubrics, duplicates
+
+
+def _fitting_rows(rubrics: Sequence[Any], model_path: str | os.PathLike, max_prompt_length: int) -> list[dict]:
+    """The verl RL rows of ``rubrics`` whose chat-formatted prompt fits in ``max_prompt_length`` tokens of the
+    model's tokenizer (verl's ``data.filter_overlong_prompts``, applied before the split)."""
+    from transformers import AutoTokenizer
+
+    from ..grading import rubrics_to_verl_rows
+
     tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
-    verl_rows = rubrics_to_verl_rows(rubrics)
     kept = []
-    for row in verl_rows:
+    for row in rubrics_to_verl_rows(rubrics):
         ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
         if len(ids) <= max_prompt_length:
             kept.append(row)
-    if len(kept) <= calibration_prompts:
-        more = "pass more prompts with --data"
-        if data is None and rules_only and default_data == "validation":
-            more += (f" (more validation rubrics, the embedded ones first: from the repository root, python "
-                     f"scripts/make_validation_rubrics.py "
-                     f"compose --rows {calibration_prompts + 500} --out rubrics.jsonl, then --data rubrics.jsonl)")
-        # raising the prompt length helps only when prompts were dropped as too long and the file holds enough
-        longer = ("raise --max-prompt-length, " if len(kept) < len(rubrics) and len(rubrics) > calibration_prompts
-                  else "")
-        raise LaunchError(f"{source}: {len(kept)} of {len(rubrics)} prompts fit in {max_prompt_length} prompt tokens, "
-                          f"but calibration needs {calibration_prompts} and training at least one more; {longer}"
-                          f"lower --calib-groups or {more}")
-    random.Random(seed).shuffle(kept)
-    calibration, train = kept[:calibration_prompts], kept[calibration_prompts:]
-    for split, part in (("calibration", calibration), ("train", train)):
-        for i, row in enumerate(part):
-            row["extra_info"] = {**row["extra_info"], "index": i, "split": split}
-    settings = {"data": None if data is None else str(Path(data).expanduser().resolve()),
-                "calibration_prompts": int(calibration_prompts), "seed": int(seed),
-                "max_prompt_length": int(max_prompt_length), "rules_only": bool(rules_only),
-                "default_data": None if data is not None else default_data}
-    return {"calibration": calibration, "train": train, "source": source, "duplicates": duplicates,
-            "settings": settings}
+    return kept
+
+
+def _too_few_prompts(source: str, kept: int, usable: int, max_prompt_length: int, calibration_prompts: int, *,
+                     bundled_validation: bool) -> str:
+    """The message for ``kept`` fitting prompts (of ``usable``) when calibration needs ``calibration_prompts`` and
+    training one more, with the fixes that apply (``bundled_validation``: the embedded validation rubrics)."""
+    more = "pass more prompts with --data"
+    if bundled_validation:
+        more += (f" (more validation rubrics, the embedded ones first: from the repository root, python "
+                 f"scripts/make_validation_rubrics.py "
+                 f"compose --rows {calibration_prompts + 500} --out rubrics.jsonl, then --data rubrics.jsonl)")
+    # raising the prompt length helps only when prompts were dropped as too long and the file holds enough
+    longer = "raise --max-prompt-length, " if kept < usable and usable > calibration_prompts else ""
+    return (f"{source}: {kept} of {usable} prompts fit in {max_prompt_length} prompt tokens, "
+            f"but calibration needs {calibration_prompts} and training at least one more; {longer}"
+            f"lower --calib-groups or {more}")
 
 
 #: The data split's settings file (what :func:`split_data` was called with), next to the parquet files.

@@ -220,54 +220,68 @@ def plan_run(
         state = dir_state(path)
         stale = [u for u in depends[name] if u in fresh]
         if name in reads and name not in writes:
-            if state != "complete":
-                decided[name] = DirPlan(name, state, "refuse",
-                                        f"is incomplete (no {COMPLETE} marker; {state}) and this command needs it "
-                                        "finished: rerun the command that writes it with --resume (or --overwrite)")
-            else:
-                decided[name] = DirPlan(name, state, "keep", "read by this command")
-            continue
-        if name not in writes:
+            decided[name] = _read_plan(name, state)
+        elif name not in writes:
             if stale and state != "absent":
-                if overwrite or state == "partial" or name in _DERIVED:
-                    decided[name] = DirPlan(name, state, "remove", f"derived from the replaced {', '.join(stale)}/")
-                else:
-                    decided[name] = DirPlan(name, state, "refuse",
-                                            f"is {state} and derived from {', '.join(stale)}/, which this command "
-                                            "writes again: pass --overwrite to remove it with them, or choose "
-                                            "another --run-dir")
+                decided[name] = _derived_plan(name, state, stale, overwrite=overwrite)
                 fresh.add(name)
-            continue
-        if state == "absent":
-            action, reason = "create", "written by this command"
-        elif name in _DERIVED:
-            action, reason = "replace", "rewritten from the stages"
-        elif overwrite:
-            action, reason = "replace", "--overwrite"
-        elif (resume and name == "calibration" and state == "checkpointed" and calibration_shards(path)
-              and all(decided[u].state == "absent" for u in stale)):
-            # shards copied into a fresh run directory: the split is made again, and each shard's identity (the
-            # calibration prompt set) is checked against it before any rollout
-            action, reason = "continue", f"continued {_checkpoint_text(path)} (checked against the new data split)"
-        elif stale and state in ("complete", "checkpointed"):
-            action, reason = "refuse", (f"is {state} but made from {', '.join(stale)}/, which this command writes "
-                                        "again: pass --overwrite to replace both, or choose another --run-dir")
-        elif stale:
-            action, reason = "replace", f"made from the rewritten {', '.join(stale)}/"
-        elif name == "data" and state == "complete" and same_data:
-            action, reason = "keep", "already holds this split"
-        elif name == "data" and state == "complete" and same_data is False:
-            action, reason = "refuse", ("already holds another data split: pass --overwrite to replace the run, or "
-                                        "choose another --run-dir")
-        elif resume and state == "complete":
-            action, reason = "keep", "complete, kept (--resume)"
-        elif resume and state == "checkpointed":
-            action, reason = "continue", f"continued {_checkpoint_text(path)}"
-        elif resume:
-            action, reason = "replace", "incomplete without a checkpoint, started over (--resume)"
         else:
-            action, reason = "refuse", _hint(state, path)
-        decided[name] = DirPlan(name, state, action, reason)
-        if action in ("create", "replace"):
-            fresh.add(name)
+            action, reason = _written_action(name, state, path, stale, decided, overwrite=overwrite, resume=resume,
+                                             same_data=same_data)
+            decided[name] = DirPlan(name, state, action, reason)
+            if action in ("create", "replace"):
+                fresh.add(name)
     return RunPlan(run_dir, tuple(decided[n] for n in depends if n in decided))
+
+
+def _read_plan(name: str, state: str) -> DirPlan:
+    """A directory the command only reads: kept when complete, else refused."""
+    if state != "complete":
+        return DirPlan(name, state, "refuse", f"is incomplete (no {COMPLETE} marker; {state}) and this command needs "
+                                              "it finished: rerun the command that writes it with --resume (or "
+                                              "--overwrite)")
+    return DirPlan(name, state, "keep", "read by this command")
+
+
+def _derived_plan(name: str, state: str, stale: Sequence[str], *, overwrite: bool) -> DirPlan:
+    """An existing directory the command does not write but made from ``stale`` ones it replaces: removed, or
+    refused when it is finished work and ``--overwrite`` is not given."""
+    if overwrite or state == "partial" or name in _DERIVED:
+        return DirPlan(name, state, "remove", f"derived from the replaced {', '.join(stale)}/")
+    return DirPlan(name, state, "refuse", f"is {state} and derived from {', '.join(stale)}/, which this command "
+                                          "writes again: pass --overwrite to remove it with them, or choose "
+                                          "another --run-dir")
+
+
+def _written_action(name: str, state: str, path: Path, stale: Sequence[str], decided: Mapping[str, DirPlan], *,
+                    overwrite: bool, resume: bool, same_data: bool | None) -> tuple[str, str]:
+    """The action and reason for a directory the command writes (``decided``: the plans of its inputs so far);
+    the first matching rule wins, so the rules' order is part of the decision."""
+    if state == "absent":
+        return "create", "written by this command"
+    if name in _DERIVED:
+        return "replace", "rewritten from the stages"
+    if overwrite:
+        return "replace", "--overwrite"
+    if (resume and name == "calibration" and state == "checkpointed" and calibration_shards(path)
+            and all(decided[u].state == "absent" for u in stale)):
+        # shards copied into a fresh run directory: the split is made again, and each shard's identity (the
+        # calibration prompt set) is checked against it before any rollout
+        return "continue", f"continued {_checkpoint_text(path)} (checked against the new data split)"
+    if stale and state in ("complete", "checkpointed"):
+        return "refuse", (f"is {state} but made from {', '.join(stale)}/, which this command writes again: pass "
+                          "--overwrite to replace both, or choose another --run-dir")
+    if stale:
+        return "replace", f"made from the rewritten {', '.join(stale)}/"
+    if name == "data" and state == "complete" and same_data:
+        return "keep", "already holds this split"
+    if name == "data" and state == "complete" and same_data is False:
+        return "refuse", ("already holds another data split: pass --overwrite to replace the run, or choose another "
+                          "--run-dir")
+    if resume and state == "complete":
+        return "keep", "complete, kept (--resume)"
+    if resume and state == "checkpointed":
+        return "continue", f"continued {_checkpoint_text(path)}"
+    if resume:
+        return "replace", "incomplete without a checkpoint, started over (--resume)"
+    return "refuse", _hint(state, path)

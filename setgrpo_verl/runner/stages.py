@@ -86,14 +86,7 @@ def run_stage(
         print(f"[setgrpo-verl] {stage}: {run_dir / directory} is complete, kept", flush=True)
         return run_dir / directory
     calibration = run_dir / STAGES["calibrate"]
-    if stage == "calibrate_train":
-        if plan.action("calibration") not in ("create", "replace", "continue"):
-            raise LaunchError(f"{stage}: {calibration} is {plan['calibration'].state} and kept; run the train stage "
-                              "with its record instead of calibrating again")
-        plan.prepare("calibration")
-    stage_dir = plan.prepare(directory)
-    continued = plan.action(directory) == "continue" or (stage == "calibrate_train"
-                                                             and plan.action("calibration") == "continue")
+    stage_dir, continued = _prepare_dirs(plan, stage, directory, calibration)
     resumed_from = latest_checkpoint_step(stage_dir) if continued else None
     env = _stage_env(env, stage_dir)
     metrics = Path(env["VERL_FILE_LOGGER_PATH"])
@@ -116,6 +109,20 @@ def run_stage(
     mark_complete(stage_dir, elapsed)
     print(f"[setgrpo-verl] {stage}: done in {elapsed:.0f} s", flush=True)
     return stage_dir
+
+
+def _prepare_dirs(plan: RunPlan, stage: str, directory: str, calibration: Path) -> tuple[Path, bool]:
+    """Carry out ``plan`` for the stage's directory (and, for ``calibrate_train``, ``calibration/``, refused when
+    kept); returns the stage directory and whether the stage continues earlier work."""
+    if stage == "calibrate_train":
+        if plan.action("calibration") not in ("create", "replace", "continue"):
+            raise LaunchError(f"{stage}: {calibration} is {plan['calibration'].state} and kept; run the train stage "
+                              "with its record instead of calibrating again")
+        plan.prepare("calibration")
+    stage_dir = plan.prepare(directory)
+    continued = plan.action(directory) == "continue" or (stage == "calibrate_train"
+                                                             and plan.action("calibration") == "continue")
+    return stage_dir, continued
 
 
 def _stage_env(env: Mapping[str, str], stage_dir: Path) -> dict[str, str]:

@@ -440,55 +440,24 @@ def run_validation(
         ValueError: ``n_splits < 1``, unknown methods or none for ``setgrpo``, or too few calibration groups
             for alpha (the message of :func:`calibrate`, with the split named).
     """
-    if n_splits < 1:
-        raise ValueError(f"n_splits must be >= 1, got {n_splits}")
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or "setgrpo" not in methods:
-        raise ValueError(f"methods must include 'setgrpo' and come from {METHODS}, got {list(methods)}")
-    methods = [m for m in METHODS if m in methods]
-    g, k = paired["point"].shape
-    has_truth = "truth" in paired
+    methods = _checked_methods(n_splits, methods)
+    g = paired["point"].shape[0]
     degenerate = degenerate_groups(paired["point"], DEGENERATE_RTOL)
     splits, rows, records = [], [], {}
     per_method: dict[str, list[dict]] = {m: [] for m in methods}
     for s in range(n_splits):
-        seed = first_seed + s
-        cal, hold = split_groups(degenerate, holdout_fraction, seed)
-        entry: dict[str, Any] = {"split": s, "seed": seed, "n_calibration": len(cal), "n_held_out": len(hold),
-                                 "methods": {}}
-        rtol = None
-        for method in methods:
-            if method == "grpo":
-                continue
-            ablation = None if method == "setgrpo" else method
-            try:
-                summary, method_rows, record = evaluate_method(paired, cal, hold, levels=levels, ablation=ablation,
-                                                               split_seed=seed, metadata=metadata)
-            except ValueError as exc:
-                raise ValueError(f"split {s} (seed {seed}, {len(cal)} calibration groups), {method}: {exc}") from None
-            rtol = record.degenerate_rtol
-            records[(s, method)] = record
-            entry["methods"][method] = summary
-            rows += [{"split": s, "method": method, **r} for r in method_rows]
-        if "grpo" in methods:
-            summary, method_rows = evaluate_grpo(paired, hold, levels=levels, degenerate_rtol=rtol)
-            entry["methods"]["grpo"] = summary
-            rows += [{"split": s, "method": "grpo", **r} for r in method_rows]
+        entry, split_rows, split_records = _run_split(paired, s, first_seed + s, degenerate, levels=levels,
+                                                      holdout_fraction=holdout_fraction, methods=methods,
+                                                      metadata=metadata)
+        rows += split_rows
+        records.update(split_records)
         for method in methods:
             per_method[method].append(entry["methods"][method])
         splits.append(entry)
     report = {
         "levels": levels.to_dict(),
         "nominal": {"coverage": 1 - levels.alpha, "risk": levels.beta, "share_risk_at_most_beta": 1 - levels.delta},
-        "data": {
-            "groups": g,
-            "K": k,
-            "degenerate_groups": int(degenerate.sum()),
-            "truth": has_truth,
-            "truth_degenerate_groups": int(degenerate_groups(paired["truth"], DEGENERATE_RTOL).sum())
-            if has_truth else None,
-            "mean_abs_point_minus_reference": float((paired["point"] - paired["reference"]).abs().mean()),
-        },
+        "data": _data_summary(paired, degenerate),
         "n_splits": n_splits,
         "holdout_fraction": holdout_fraction,
         "first_seed": first_seed,
@@ -501,3 +470,57 @@ def run_validation(
         "splits": splits,
     }
     return ValidationResult(report=report, rows=rows, records=records)
+
+
+def _checked_methods(n_splits: int, methods: Sequence[str]) -> list[str]:
+    """The requested methods in :data:`METHODS` order, after refusing ``n_splits < 1`` and unknown methods."""
+    if n_splits < 1:
+        raise ValueError(f"n_splits must be >= 1, got {n_splits}")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or "setgrpo" not in methods:
+        raise ValueError(f"methods must include 'setgrpo' and come from {METHODS}, got {list(methods)}")
+    return [m for m in METHODS if m in methods]
+
+
+def _run_split(paired: Mapping[str, torch.Tensor], s: int, seed: int, degenerate: torch.Tensor, *,
+               levels: ValidationLevels, holdout_fraction: float, methods: Sequence[str],
+               metadata: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[dict], dict]:
+    """Split s: its report entry, its per-group rows and its records keyed ``(s, method)``; GRPO is measured last,
+    with the degeneracy tolerance the calibrated methods recorded."""
+    cal, hold = split_groups(degenerate, holdout_fraction, seed)
+    entry: dict[str, Any] = {"split": s, "seed": seed, "n_calibration": len(cal), "n_held_out": len(hold),
+                             "methods": {}}
+    rows, records, rtol = [], {}, None
+    for method in methods:
+        if method == "grpo":
+            continue
+        ablation = None if method == "setgrpo" else method
+        try:
+            summary, method_rows, record = evaluate_method(paired, cal, hold, levels=levels, ablation=ablation,
+                                                           split_seed=seed, metadata=metadata)
+        except ValueError as exc:
+            raise ValueError(f"split {s} (seed {seed}, {len(cal)} calibration groups), {method}: {exc}") from None
+        rtol = record.degenerate_rtol
+        records[(s, method)] = record
+        entry["methods"][method] = summary
+        rows += [{"split": s, "method": method, **r} for r in method_rows]
+    if "grpo" in methods:
+        summary, method_rows = evaluate_grpo(paired, hold, levels=levels, degenerate_rtol=rtol)
+        entry["methods"]["grpo"] = summary
+        rows += [{"split": s, "method": "grpo", **r} for r in method_rows]
+    return entry, rows, records
+
+
+def _data_summary(paired: Mapping[str, torch.Tensor], degenerate: torch.Tensor) -> dict[str, Any]:
+    """The report's ``data`` block: group count, K, degenerate groups and the point/reference gap."""
+    g, k = paired["point"].shape
+    has_truth = "truth" in paired
+    return {
+        "groups": g,
+        "K": k,
+        "degenerate_groups": int(degenerate.sum()),
+        "truth": has_truth,
+        "truth_degenerate_groups": int(degenerate_groups(paired["truth"], DEGENERATE_RTOL).sum())
+        if has_truth else None,
+        "mean_abs_point_minus_reference": float((paired["point"] - paired["reference"]).abs().mean()),
+    }

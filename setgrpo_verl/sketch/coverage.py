@@ -158,6 +158,19 @@ def select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> Selecti
     head = head_getter() if callable(head_getter) else None
     text = _text_modules(model, embedding, head)
     unhookable, forced = _not_sketchable(model)
+    by_param, blocks, linears, norms, sketched, optional = _module_blocks(model, cfg, embedding, head, text,
+                                                                          unhookable)
+    emb_block = _embedding_block(model, cfg, embedding, by_param, blocks)
+    coverage = _coverage(model, text, forced, sketched, optional)
+    return Selection(blocks, linears, norms, embedding, emb_block, coverage)
+
+
+def _module_blocks(model: nn.Module, cfg: SketchConfig, embedding: nn.Module, head: nn.Module | None,
+                   text: set[int] | None, unhookable: set[int]) -> tuple[dict, list, list, list, set[int], set[int]]:
+    """One walk over the text model's modules: the blocks of its trainable nn.Linear modules (one per weight, so tied
+    weights share one) and, with ``include_norms``, of its norms. Returns the linear block of each weight id, the
+    blocks, the (module, block) linears, the (module, block, names) norms, the sketched parameter ids and the ids an
+    option would sketch (the embedding's, the norms')."""
     by_param: dict[int, Block] = {}
     blocks, linears, norms = [], [], []
     sketched: set[int] = set()
@@ -195,22 +208,37 @@ def select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> Selecti
             norms.append((module, block, [n for n, _ in params]))
             blocks.append(block)
             sketched.update(id(p) for _, p in params)
-    emb_block = None
+    return by_param, blocks, linears, norms, sketched, optional
+
+
+def _embedding_block(model: nn.Module, cfg: SketchConfig, embedding: nn.Module, by_param: dict[int, Block],
+                     blocks: list) -> Block | None:
+    """The input embedding's block: the LM head's when they are tied, else a new one appended to ``blocks`` when
+    ``include_embeddings`` sketches it; None when it is not sketched. Refuses an embedding whose gradient is no sum
+    of per-token terms."""
     # tied to the LM head: one parameter, one block, so both of its uses are sketched whatever include_embeddings says
     # (the head's block alone would be only part of the tied parameter's gradient)
     tied = by_param.get(id(embedding.weight)) if embedding.weight.requires_grad else None
-    if (cfg.include_embeddings and embedding.weight.requires_grad) or tied is not None:
-        if embedding.scale_grad_by_freq or embedding.max_norm is not None:
-            raise ValueError(
-                "the input embedding uses scale_grad_by_freq/max_norm, whose gradient is not a sum of per-token "
-                "terms; set include_embeddings=False"
-                + (" and untie it from the LM head (tie_word_embeddings=false)" if tied is not None else "")
-            )
-        emb_block = tied
-        if emb_block is None:
-            emb_block = Block(normalise_name(_module_name(model, embedding)), "embedding",
-                               embedding.num_embeddings, embedding.embedding_dim)
-            blocks.append(emb_block)
+    if not ((cfg.include_embeddings and embedding.weight.requires_grad) or tied is not None):
+        return None
+    if embedding.scale_grad_by_freq or embedding.max_norm is not None:
+        raise ValueError(
+            "the input embedding uses scale_grad_by_freq/max_norm, whose gradient is not a sum of per-token "
+            "terms; set include_embeddings=False"
+            + (" and untie it from the LM head (tie_word_embeddings=false)" if tied is not None else "")
+        )
+    if tied is not None:
+        return tied
+    emb_block = Block(normalise_name(_module_name(model, embedding)), "embedding", embedding.num_embeddings,
+                      embedding.embedding_dim)
+    blocks.append(emb_block)
+    return emb_block
+
+
+def _coverage(model: nn.Module, text: set[int] | None, forced: set[int], sketched: set[int],
+              optional: set[int]) -> SketchCoverage:
+    """Each trainable parameter in one group: outside the text model, refused (``forced`` or unsupported),
+    sketched, or left out (an option's or per-channel)."""
     groups: dict[str, list[str]] = {"sketched": [], "left_out": [], "outside_text": [], "refused": []}
     numel = {"sketched": 0, "left_out": 0}
     for raw_name, p, trainable, owner in _logical_parameters(model):
@@ -229,10 +257,9 @@ def select(model: nn.Module, cfg: SketchConfig, embedding: nn.Module) -> Selecti
         groups[group].append(normalise_name(raw_name))
         if group in numel:
             numel[group] += p.numel()
-    coverage = SketchCoverage(
+    return SketchCoverage(
         **{k: tuple(v) for k, v in groups.items()}, sketched_numel=numel["sketched"], left_out_numel=numel["left_out"]
     )
-    return Selection(blocks, linears, norms, embedding, emb_block, coverage)
 
 
 def _logical_parameters(model: nn.Module):
