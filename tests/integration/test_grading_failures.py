@@ -240,3 +240,17 @@ def test_messages_name_the_graders_judge_through_its_noise_or_the_reward_without
     assert grader_in_messages(rules) == "the 'rules' grader"
     naive = OmegaConf.create({"reward": {"reward_manager": {"name": "naive"}}})
     assert grader_in_messages(naive) == "the reward"
+
+
+def test_a_part_of_a_sharded_calibration_with_no_batch_is_refused_at_run_time():
+    """The calibration files may hold fewer rows than calibration.num_prompts (which the pre-Ray check counts):
+    a part that then holds no batch stops, naming the key and how many parts the batches allow."""
+    from types import SimpleNamespace
+
+    from setgrpo_verl.integration.calibration import CalibrationPhase
+
+    phase = SimpleNamespace(setgrpo=SimpleNamespace(calibration=SetGRPOCalibrationConfig(shard="3/4", only=True)))
+    assert CalibrationPhase._calibration_part(phase, 4) == (3, 4)
+    with pytest.raises(ValueError, match=r"calibration.shard=3/4: part 3 holds no batch, since the calibration "
+                                         r"prompts make 3 batch\(es\): split it into at most 3 parts"):
+        CalibrationPhase._calibration_part(phase, 3)

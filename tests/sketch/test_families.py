@@ -271,3 +271,20 @@ def test_lora_on_parameters_is_refused():
     with pytest.raises(ValueError, match=r"mlp\.experts\.lora_A"):
         with GradientSketcher(model):
             pass
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_an_embedding_whose_gradient_is_not_per_token_is_refused_naming_the_fix(tie):
+    """``scale_grad_by_freq`` / ``max_norm`` make the embedding's gradient depend on the whole batch, so no per-token
+    sketch is exact: refused with include_embeddings, and for a tied embedding also without it (the LM head's use)."""
+    model = tiny_llama(tie=tie)
+    model.get_input_embeddings().scale_grad_by_freq = True
+    untie = " and untie it from the LM head (tie_word_embeddings=false)"
+    with pytest.raises(ValueError, match="scale_grad_by_freq/max_norm") as info:
+        sketch_coverage(model, SketchConfig(include_embeddings=True))
+    assert str(info.value).endswith(untie) == tie
+    if tie:
+        with pytest.raises(ValueError, match="untie it from the LM head"):
+            sketch_coverage(model, SketchConfig(include_embeddings=False))
+    else:
+        sketch_coverage(model, SketchConfig(include_embeddings=False))  # the embedding is not sketched: no refusal
