@@ -14,9 +14,9 @@ The documented API (docs/algorithm.md#8-core-api)::
 The building blocks live in public submodules, for diagnostics and tests: ``core.grpo``, ``core.jrsc`` (coefficient
 sets), ``core.ggsr`` (safe anchor, recovery), ``core.srgo`` (threshold tests, sample size), ``core.sequential``
 (anytime-valid evidence), ``core.reversal``, ``core.calibration``, ``core.coefficients``, ``core.monitor``,
-``core.settings``, ``core.record`` (docs/record.md), ``core.identity``, ``core.shards``
-(docs/record.md#calibration-shards), ``core.bands`` (docs/record.md#reading-the-guarantees) and
-``core.reliability``.
+``core.settings``, ``core.record`` (docs/record.md), ``core.record_text``, ``core.compatibility``,
+``core.identity``, ``core.shards`` (docs/record.md#calibration-shards), ``core.bands``
+(docs/record.md#reading-the-guarantees) and ``core.reliability``.
 """
 
 from .calibration import calibrate

@@ -142,7 +142,7 @@ def setgrpo_coefficients(
     t1 = t0
     if keep.numel():
         geo = group_geometry(p64[keep], m_all[keep], q=record.q_alpha, rho=rs.rho, norm_by_std=rs.norm_by_std,
-                        eps=rs.eps, ablation=ablation)
+                             eps=rs.eps, ablation=ablation)
         t1 = time.perf_counter()
         eta, feasible = _recovery_at_tau(geo, record, anchor_only=ablation == "safe_anchor_only")
         acc = feasible & ~geo.null

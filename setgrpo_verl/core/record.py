@@ -300,9 +300,6 @@ def version_mismatch(record: CalibrationRecord, installed: dict[str, str] | None
     return (f"calibration record written by {', '.join(diffs)}: its math and run identity are checked, but "
             "the calibration may differ from what this version would compute; recalibrate to be sure")
 
-# ----------------------------------------------------------------- serialisation
-
-
 def _content_hash(d: dict[str, Any]) -> str:
     body = {k: v for k, v in d.items() if k != _HASH_KEY}
     return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=True).encode()).hexdigest()

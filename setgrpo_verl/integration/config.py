@@ -567,7 +567,7 @@ def check_training_data(record: CalibrationRecord, train_files: Any, *, prompt_k
     """
     files = [train_files] if isinstance(train_files, (str, os.PathLike)) else list(train_files)
     check_disjoint(record, read_prompt_identities(files, prompt_key=prompt_key),
-                          source=f"data.train_files ({', '.join(str(f) for f in files)})")
+                   source=f"data.train_files ({', '.join(str(f) for f in files)})")
 
 
 class SetGRPOConfigCheck(Callback):

@@ -34,7 +34,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from ..core.record_text import table4_row
 from .compare import add_parser as _add_compare, run_compare
 from .profiles import FLAGS, MAIN_JOB_FLIP_PROB, PROFILES, default_profile, profile_help
 from .run import (Plan, check_before_ray, dir_plan, dry_run_text, hold_lock, make_plan, make_split, record_path,
@@ -409,6 +408,7 @@ def _cmd_inspect_record(args: argparse.Namespace) -> str:
 
 def _cmd_merge_calibration(args: argparse.Namespace) -> str:
     """``merge-calibration``: the record of a sharded calibration from its parts' shard directories."""
+    from ..core.record_text import table4_row
     from .merge import merge_calibration
 
     record = merge_calibration(args.dirs, args.out, pilot=args.pilot)

@@ -19,10 +19,10 @@ from setgrpo_verl.core.srgo import (
     certification_power,
     clopper_pearson_upper,
     required_accepted_groups,
+    required_risk_groups,
     select_threshold,
     threshold_tests,
 )
-from setgrpo_verl.core.srgo import required_risk_groups
 from setgrpo_verl.core.record_text import threshold_test_lines
 
 from .synthetic import make_groups
