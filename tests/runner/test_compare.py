@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from setgrpo_verl.report import ReportError
-from setgrpo_verl.report.outcome import outcome_line, outcome_rows, read_curve
+from setgrpo_verl.report.outcome import outcome_line, outcome_rows, outcome_table, read_curve
 from setgrpo_verl.runner import cli
 from setgrpo_verl.runner.compare import ARMS, arm_overrides, compare_depends, edit_overrides, run_name
 from setgrpo_verl.runner.lifecycle import plan_run
@@ -215,6 +215,26 @@ def test_outcome_rows_give_each_arms_gain_with_its_paired_t_band(tmp_path):
     assert line.endswith("(held-out truth reward gain, 3 seeds, 4 steps)")
 
 
+def test_the_late_gain_averages_the_validations_of_the_last_fifth_of_the_steps(tmp_path):
+    """Validations every 2 of 10 steps: the late window is steps 8 and 10, so a last validation that dips reads as
+    the mean of the two, paired with the baseline seed by seed."""
+    _metrics(tmp_path / "grpo_mean2_s0", [0.50, 0.55, 0.60, 0.65, 0.72, 0.66])
+    _metrics(tmp_path / "setgrpo_reliability_s0", [0.50, 0.52, 0.58, 0.63, 0.67, 0.70])
+    curves = {arm: {0: read_curve(tmp_path / f"{arm}_s0" / "metrics.jsonl")} for arm in ("grpo_mean2", "setgrpo_reliability")}
+    result = outcome_rows(curves)
+    rows = {r["arm"]: r for r in result["arms"]}
+    assert result["late_from"] == 8.0
+    assert rows["grpo_mean2"]["gain"] == pytest.approx(0.16) and rows["grpo_mean2"]["late_gain"] == pytest.approx(0.19)
+    assert rows["setgrpo_reliability"]["late_gain"] == pytest.approx(0.185)
+    assert rows["setgrpo_reliability"]["paired"]["grpo_mean2"][0] == pytest.approx(0.04)
+    assert rows["setgrpo_reliability"]["late_paired"]["grpo_mean2"][0] == pytest.approx(-0.005)
+    assert math.isnan(rows["setgrpo_reliability"]["late_band"])
+    table = outcome_table(result).splitlines()
+    assert table[3] == "late window: the mean of each run's validations at steps >= 8, minus step 0"
+    assert table[5].split() == ["setgrpo_reliability", "+0.185", "[n/a:", "one", "seed]", "-", "-0.005", "[n/a:", "one",
+                                "seed]"]
+
+
 def test_analysis_only_reads_the_finished_runs_and_prints_the_outcome_last(tmp_path, capsys):
     run = tmp_path / "run"
     for arm, gain in (("grpo", 0.02), ("setgrpo_paper", 0.0)):
@@ -256,7 +276,8 @@ def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line():
     """validation/outcome_verl/flip0.06: the comparison's finished runs through main_ppo (flip 0.06, 100 steps,
     docs/outcome.md#through-verl-the-runs). Every committed ``<arm>_s<seed>`` run re-analyses to the committed
     outcome line and table; what the first run showed is in its metrics: the reliability candidate's held-out truth
-    reward rose from 0.521 to 0.704, 64 grader calls a step, step 10 lost between its checkpoint and its row."""
+    reward rose from 0.521 to 0.704, 64 grader calls a step, step 10 lost between its checkpoint and its row; GRPO on
+    the mean of two scorings, the same seed, ended 0.037 lower and tied it over the late window."""
     import json
     from pathlib import Path
 
@@ -277,3 +298,9 @@ def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line():
     assert first.lost == (10,) and first.steps.tolist() == [0, *range(20, 101, 10)]
     assert round(first.truth[0], 3) == 0.521 and round(first.truth[-1], 3) == 0.704
     assert first.calls[-1] == 100 * 64  # 8 groups x K 4 x 2 scorings a step
+    mean2 = curves["grpo_mean2"][0]
+    assert mean2.lost == () and round(mean2.truth[-1], 3) == 0.668 and round(mean2.truth.max(), 3) == 0.715
+    arms = {r["arm"]: r for r in result["arms"]}
+    # one seed: the last validation puts the candidate 0.037 ahead; the late window (steps 80-100) ties them
+    assert round(arms["setgrpo_reliability"]["paired"]["grpo_mean2"][0], 3) == 0.037
+    assert abs(arms["setgrpo_reliability"]["late_paired"]["grpo_mean2"][0]) < 0.001
