@@ -277,7 +277,8 @@ def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line():
     docs/outcome.md#through-verl-the-runs). Every committed ``<arm>_s<seed>`` run re-analyses to the committed
     outcome line and table; what the first run showed is in its metrics: the reliability candidate's held-out truth
     reward rose from 0.521 to 0.704, 64 grader calls a step, step 10 lost between its checkpoint and its row; GRPO on
-    the mean of two scorings, the same seed, ended 0.037 lower and tied it over the late window."""
+    the mean of two scorings, the same seed, ended 0.037 lower and tied it over the late window; plain GRPO (one
+    scoring) rose to 0.620."""
     import json
     from pathlib import Path
 
@@ -304,3 +305,6 @@ def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line():
     # one seed: the last validation puts the candidate 0.037 ahead; the late window (steps 80-100) ties them
     assert round(arms["setgrpo_reliability"]["paired"]["grpo_mean2"][0], 3) == 0.037
     assert abs(arms["setgrpo_reliability"]["late_paired"]["grpo_mean2"][0]) < 0.001
+    one = curves["grpo"][0]  # plain GRPO scores once: half the grader calls, and behind both two-scoring arms
+    assert one.calls[-1] == 100 * 32 and round(one.truth[-1], 3) == 0.620
+    assert round(arms["grpo_mean2"]["late_paired"]["grpo"][0], 3) == 0.097
