@@ -56,8 +56,8 @@ from verl.workers.utils.padding import response_to_nested
 from setgrpo_verl.core import CalibrationRecord, OnlineRiskMonitor
 from setgrpo_verl.core.grpo import DEGENERATE_RTOL
 from setgrpo_verl.core.record import content_sha256
-from setgrpo_verl.core.shards import SHARD_DIR
 from setgrpo_verl.core.record_text import table4_row
+from setgrpo_verl.core.shards import SHARD_DIR
 
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
 from .calibration import CalibrationPhase

@@ -154,10 +154,11 @@ def outcome_rows(curves: Mapping[str, Mapping[int, Curve]]) -> dict:
     for arm in _arms(curves):
         runs = [curves[arm][s] for s in seeds]
         gain, band = _band(gains[arm])
+        late_gain, late_band = _band(lates[arm])
         rows.append({
             "arm": arm, "gain": gain, "band": band, "gains": gains[arm].tolist(),
             "paired": {b: list(_band(gains[arm] - gains[b])) for b in _BASELINES if b in gains and b != arm},
-            "late_gain": _band(lates[arm])[0], "late_band": _band(lates[arm])[1],
+            "late_gain": late_gain, "late_band": late_band,
             "late_paired": {b: list(_band(lates[arm] - lates[b])) for b in _BASELINES if b in lates and b != arm},
             "start": float(np.mean([c.truth[0] for c in runs])),
             "end": float(np.mean([c.truth[at(c, last)] for c in runs])),
