@@ -268,10 +268,13 @@ class TransformersRolloutServer:
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         new_tokens = out.sequences[:, width:]
         if want_logprobs:
-            logits = torch.stack(out.logits, dim=1).float()  # [B, T, V]
-            if temperature > 0:
-                logits = logits / temperature
-            token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
+            # step by step: the same numbers as one log-softmax over the stacked [B, T, V] logits, without
+            # allocating three copies of them; dividing by a temperature of 1 changes nothing, so it is skipped
+            token_logprobs = torch.stack([
+                torch.log_softmax(logits if temperature in (0.0, 1.0) else logits / temperature, dim=-1)
+                .gather(-1, new_tokens[:, t, None]).squeeze(-1)
+                for t, logits in enumerate(out.logits)
+            ], dim=1)
         results = []
         for i in range(len(prompts)):
             tokens = new_tokens[i].tolist()

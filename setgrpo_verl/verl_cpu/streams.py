@@ -73,8 +73,8 @@ class RequestStreams(LogitsProcessor):
 
 def sampling_processors(temperature: float, top_p: float, top_k: int, seeds: list[int]) -> LogitsProcessorList:
     """The logits processors that sample with temperature, top-k and top-p (in ``generate``'s own order) from each
-    request's random stream; ``temperature`` > 0."""
-    processors: list[LogitsProcessor] = [TemperatureLogitsWarper(temperature)]
+    request's random stream; ``temperature`` > 0 (at 1, which divides nothing, no temperature processor)."""
+    processors: list[LogitsProcessor] = [] if temperature == 1.0 else [TemperatureLogitsWarper(temperature)]
     if top_k > 0:
         processors.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:

@@ -80,3 +80,25 @@ def test_rollout_runs_in_its_dtype_and_returns_the_models_log_probs(tiny_model, 
             logits = server.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(out.log_probs), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 1.3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rollout_log_probs_are_those_of_generates_logits_over_the_temperature(tiny_model, monkeypatch, dtype,
+                                                                              temperature):
+    # bit for bit: log-softmax of generate's float32 logits divided by the temperature (none at 0), taken step by step
+    # as over the stacked [B, T, V] tensor
+    server = TransformersRolloutServer(str(tiny_model), response_length=6, max_batch_size=4, seed=0, dtype=dtype)
+    seen = []
+    generate = server.model.generate
+    monkeypatch.setattr(server.model, "generate", lambda **kw: seen.append(generate(**kw)) or seen[-1])
+    prompts = [[1, 17, 42, 99, 7], [1, 5, 8], [1, 5, 8]]
+    outs = server._generate_batch(prompts, (temperature, 1.0, -1, 6, True))
+    logits = torch.stack(seen[0].logits, dim=1)
+    assert logits.dtype == torch.float32
+    if temperature > 0:
+        logits = logits / temperature
+    new_tokens = seen[0].sequences[:, -logits.shape[1]:]
+    ref = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
+    for i, out in enumerate(outs):
+        assert out.log_probs == ref[i, : len(out.token_ids)].tolist()
