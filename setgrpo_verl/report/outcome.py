@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 
@@ -29,7 +29,7 @@ TRUTH_METRIC = re.compile(r"^val-aux/(?P<source>.+)/truth_score/mean@1$")
 CALLS_METRIC = "setgrpo/grading/calls_per_step"
 #: Arms in the order the outcome line names them: the candidate, the baselines, the paper's procedure.
 ARM_ORDER = ("setgrpo_reliability", "grpo_mean2", "grpo", "setgrpo_paper")
-#: Arms every other arm is compared with, paired by seed.
+#: Arms every other arm is compared with, paired over the seeds both have.
 _BASELINES = ("grpo", "grpo_mean2")
 #: The late window: the validations in the last fifth of the steps. Their mean reads the trained policy with less of
 #: one validation's sampling noise than the last validation alone (on 240 held-out prompts, consecutive validations
@@ -115,58 +115,66 @@ def _arms(curves: Mapping[str, Mapping[int, Curve]]) -> list[str]:
 
 
 def outcome_rows(curves: Mapping[str, Mapping[int, Curve]]) -> dict:
-    """Gain of held-out truth reward from step 0 to the last step every run validated, per arm, over the seeds
-    that every arm has (paired).
+    """Gain of held-out truth reward from step 0 to the last step every run validated, per arm over the seeds it has,
+    and paired with each baseline over the seeds both arms have.
 
     Args:
         curves: ``{arm: {seed: Curve}}``.
 
     Returns:
-        ``{"seeds": [int], "steps": int, "arms": [{"arm", "gain", "band", "gains": [per seed], "paired":
-        {baseline: [mean, half_width]}, "late_gain", "late_band", "late_paired", "calls_per_step", "seconds_per_step",
-        "start", "end", "lost_steps": {seed: [step]}}], "late_from": float}``; ``band`` and the half-widths are 95 % t
-        half-widths over seeds (nan with one seed); the ``late_*`` fields are the same for the late gain: the mean
-        held-out truth reward over a run's validations at steps ``>= late_from`` (the last :data:`LATE_SHARE` of the
-        steps) minus its step-0 value; ``lost_steps``: :attr:`Curve.lost` of the arm's runs that have any.
+        ``{"seeds": [int] (every seed of any arm), "steps": int, "arms": [{"arm", "seeds", "gain", "band", "gains":
+        [per seed], "paired": {baseline: [mean, half_width]}, "paired_seeds": {baseline: [int]}, "late_gain",
+        "late_band", "late_paired", "calls_per_step", "seconds_per_step", "start", "end", "lost_steps": {seed:
+        [step]}}], "late_from": float}``; ``band`` and the half-widths are 95 % t half-widths over seeds (nan with one
+        seed); a baseline that shares no seed with the arm is left out of ``paired``; the ``late_*`` fields are the
+        same for the late gain: the mean held-out truth reward over a run's validations at steps ``>= late_from``
+        (the last :data:`LATE_SHARE` of the steps) minus its step-0 value; ``lost_steps``: :attr:`Curve.lost` of the
+        arm's runs that have any.
 
     Raises:
-        ReportError: no arm, or no seed that every arm has.
+        ReportError: no run.
     """
-    if not curves:
+    if not any(curves.values()):
         raise ReportError("no finished run to analyse")
-    seeds = sorted(set.intersection(*(set(c) for c in curves.values())))
-    if not seeds:
-        raise ReportError(f"no seed has a finished run of every arm ({', '.join(_arms(curves))})")
-    last = min(int(c.steps[-1]) for arm in curves for s, c in curves[arm].items() if s in seeds)
+    curves = {arm: runs for arm, runs in curves.items() if runs}
+    last = min(int(c.steps[-1]) for runs in curves.values() for c in runs.values())
 
     def at(c: Curve, step: int) -> int:
         return int(np.searchsorted(c.steps, step, side="right")) - 1
 
-    gains = {arm: np.array([curves[arm][s].truth[at(curves[arm][s], last)] - curves[arm][s].truth[0] for s in seeds])
-             for arm in curves}
     late_from = last * (1 - LATE_SHARE)
+    gains = {arm: {s: c.truth[at(c, last)] - c.truth[0] for s, c in runs.items()} for arm, runs in curves.items()}
+    lates = {arm: {s: float(c.truth[(c.steps >= late_from) & (c.steps <= last)].mean() - c.truth[0])
+                   for s, c in runs.items()} for arm, runs in curves.items()}
 
-    def late(c: Curve) -> float:
-        return float(c.truth[(c.steps >= late_from) & (c.steps <= last)].mean() - c.truth[0])
+    def paired(by_seed: Mapping[str, Mapping[int, float]], arm: str) -> dict[str, list[float]]:
+        out = {}
+        for b in _BASELINES:
+            common = sorted(set(by_seed[arm]) & set(by_seed.get(b, {})))
+            if b != arm and common:
+                out[b] = list(_band(np.array([by_seed[arm][s] - by_seed[b][s] for s in common])))
+        return out
 
-    lates = {arm: np.array([late(curves[arm][s]) for s in seeds]) for arm in curves}
     rows = []
     for arm in _arms(curves):
+        seeds = sorted(curves[arm])
         runs = [curves[arm][s] for s in seeds]
-        gain, band = _band(gains[arm])
-        late_gain, late_band = _band(lates[arm])
+        gain, band = _band(np.array([gains[arm][s] for s in seeds]))
+        late_gain, late_band = _band(np.array([lates[arm][s] for s in seeds]))
         rows.append({
-            "arm": arm, "gain": gain, "band": band, "gains": gains[arm].tolist(),
-            "paired": {b: list(_band(gains[arm] - gains[b])) for b in _BASELINES if b in gains and b != arm},
-            "late_gain": late_gain, "late_band": late_band,
-            "late_paired": {b: list(_band(lates[arm] - lates[b])) for b in _BASELINES if b in lates and b != arm},
+            "arm": arm, "seeds": seeds, "gain": gain, "band": band, "gains": [float(gains[arm][s]) for s in seeds],
+            "paired": paired(gains, arm),
+            "paired_seeds": {b: sorted(set(curves[arm]) & set(curves[b])) for b in _BASELINES
+                             if b in curves and b != arm and set(curves[arm]) & set(curves[b])},
+            "late_gain": late_gain, "late_band": late_band, "late_paired": paired(lates, arm),
             "start": float(np.mean([c.truth[0] for c in runs])),
             "end": float(np.mean([c.truth[at(c, last)] for c in runs])),
             "calls_per_step": float(np.mean([c.calls[at(c, last)] / last for c in runs])) if last else math.nan,
             "seconds_per_step": float(np.mean([c.seconds[at(c, last)] / last for c in runs])) if last else math.nan,
             "lost_steps": {str(s): list(curves[arm][s].lost) for s in seeds if curves[arm][s].lost},
         })
-    return {"seeds": seeds, "steps": last, "arms": rows, "late_from": late_from}
+    return {"seeds": sorted(set().union(*(set(runs) for runs in curves.values()))), "steps": last, "arms": rows,
+            "late_from": late_from}
 
 
 def _interval(mean: float, half: float) -> str:
@@ -174,23 +182,30 @@ def _interval(mean: float, half: float) -> str:
 
 
 def outcome_line(result: Mapping) -> str:
-    """``outcome: <arm> <gain> [<lo>, <hi>], ... (held-out truth reward gain, S seeds, N steps)``."""
+    """``outcome: <arm> <gain> [<lo>, <hi>], ... (held-out truth reward gain, S seeds, N steps)``; arms with different
+    numbers of seeds give them in the arms' order (``2, 2 and 1 seeds``)."""
     arms = ", ".join(f"{r['arm']} {r['gain']:.3f} {_interval(r['gain'], r['band'])}" for r in result["arms"])
-    n = len(result["seeds"])
-    return f"outcome: {arms} (held-out truth reward gain, {n} seed{'s' * (n != 1)}, {result['steps']} steps)"
+    counts = [len(r["seeds"]) for r in result["arms"]]
+    if len(set(counts)) == 1:
+        seeds = f"{counts[0]} seed{'s' * (counts[0] != 1)}"
+    else:
+        seeds = f"{', '.join(map(str, counts[:-1]))} and {counts[-1]} seeds"
+    return f"outcome: {arms} (held-out truth reward gain, {seeds}, {result['steps']} steps)"
 
 
 def outcome_table(result: Mapping) -> str:
-    """A text table of :func:`outcome_rows`: start and end truth reward, gain and band, the paired differences with
-    the baselines, training grader calls and wall-clock seconds per step; then the same gains over the late window."""
-    lines = [f"{'arm':<20} {'start':>6} {'end':>6} {'gain':>7} {'95% band':>18} {'- grpo':>24} {'- grpo_mean2':>24} "
-             f"{'calls/step':>10} {'s/step':>7}"]
+    """A text table of :func:`outcome_rows`: seeds, start and end truth reward, gain and band, the paired differences
+    with the baselines (over the seeds both arms have), training grader calls and wall-clock seconds per step; then
+    the same gains over the late window."""
+    lines = [f"{'arm':<20} {'seeds':>5} {'start':>6} {'end':>6} {'gain':>7} {'95% band':>18} {'- grpo':>24} "
+             f"{'- grpo_mean2':>24} {'calls/step':>10} {'s/step':>7}"]
     for r in result["arms"]:
         paired = [f"{r['paired'][b][0]:+.3f} {_interval(*r['paired'][b])}" if b in r["paired"] else "-"
                   for b in _BASELINES]
-        lines.append(f"{r['arm']:<20} {r['start']:>6.3f} {r['end']:>6.3f} {r['gain']:>+7.3f} "
+        lines.append(f"{r['arm']:<20} {len(r['seeds']):>5} {r['start']:>6.3f} {r['end']:>6.3f} {r['gain']:>+7.3f} "
                      f"{_interval(r['gain'], r['band']):>18} {paired[0]:>24} {paired[1]:>24} "
                      f"{r['calls_per_step']:>10.1f} {r['seconds_per_step']:>7.1f}")
+    lines.append("paired differences: over the seeds both arms have")
     lines.append(f"late window: the mean of each run's validations at steps >= {result['late_from']:g}, minus step 0")
     lines.append(f"{'arm':<20} {'late gain':>14} {'95% band':>18} {'- grpo':>24} {'- grpo_mean2':>24}")
     for r in result["arms"]:
@@ -201,9 +216,10 @@ def outcome_table(result: Mapping) -> str:
     return "\n".join(lines)
 
 
-def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], seeds: Sequence[int], path: str | os.PathLike) -> Path:
-    """PNG of held-out truth reward (mean over ``seeds`` with its 95 % t-band) against steps, training grader calls
-    and wall-clock hours, one line per arm; the x values of calls and hours are the seeds' means at each validation.
+def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathLike) -> Path:
+    """PNG of held-out truth reward (each arm's mean over its seeds with its 95 % t-band) against steps, training
+    grader calls and wall-clock hours, one line per arm, its seeds in the legend; the x values of calls and hours are
+    the seeds' means at each validation.
 
     Raises:
         ReportError: the runs of an arm validated at different steps.
@@ -217,7 +233,7 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], seeds: Sequence[int]
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
     for arm in _arms(curves):
-        runs = [curves[arm][s] for s in seeds]
+        runs = [curves[arm][s] for s in sorted(curves[arm])]
         steps = runs[0].steps
         if any(not np.array_equal(c.steps, steps) for c in runs):
             raise ReportError(f"the {arm} runs validated at different steps; rerun them with the same --val-every")
@@ -226,7 +242,7 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], seeds: Sequence[int]
         mean = truth.mean(axis=0)
         xs = (steps, np.mean([c.calls for c in runs], axis=0), np.mean([c.seconds for c in runs], axis=0) / 3600)
         for ax, x in zip(axes, xs):
-            line, = ax.plot(x, mean, marker="o", ms=3, label=arm)
+            line, = ax.plot(x, mean, marker="o", ms=3, label=f"{arm} ({len(runs)} seed{'s' * (len(runs) != 1)})")
             if not np.isnan(bands).all():
                 ax.fill_between(x, mean - bands, mean + bands, color=line.get_color(), alpha=0.15)
     for ax, label in zip(axes, ("training step", "training grader calls", "wall-clock hours (steps + validations)")):
@@ -234,7 +250,7 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], seeds: Sequence[int]
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out truth reward")
     axes[0].legend()
-    fig.suptitle(f"held-out truth reward, mean and 95% t-band over {len(seeds)} seed(s)")
+    fig.suptitle("held-out truth reward, mean and 95% t-band over each arm's seeds")
     fig.tight_layout()
     path = Path(path)
     with atomic_file(path) as fh:

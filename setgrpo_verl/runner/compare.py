@@ -326,6 +326,6 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
     text += "\n" + outcome_line(result)
     write_atomic(out / "outcome.json", json.dumps(result, indent=1) + "\n")
     write_atomic(out / "outcome.txt", text + "\n")
-    plot_outcome(curves, result["seeds"], out / "outcome.png")
+    plot_outcome(curves, out / "outcome.png")
     mark_complete(out)
     return f"written: {out / 'outcome.json'}, {out / 'outcome.png'}\n{text}"

@@ -215,6 +215,31 @@ def test_outcome_rows_give_each_arms_gain_with_its_paired_t_band(tmp_path):
     assert line.endswith("(held-out truth reward gain, 3 seeds, 4 steps)")
 
 
+def test_each_arm_has_its_own_seeds_and_pairs_with_a_baseline_over_the_seeds_both_have(tmp_path):
+    """The candidate and GRPO on the mean of two at seeds 0-2, plain GRPO at seed 0 only: each arm's gain and band
+    come from its own seeds, a paired difference from the seeds the two arms share, and the line gives the counts."""
+    truths = {"setgrpo_reliability": [(0.50, 0.56), (0.48, 0.52), (0.51, 0.56)],
+              "grpo_mean2": [(0.50, 0.55), (0.48, 0.53), (0.51, 0.55)], "grpo": [(0.50, 0.53)]}
+    curves = {}
+    for arm, runs in truths.items():
+        for seed, (start, end) in enumerate(runs):
+            _metrics(tmp_path / f"{arm}_s{seed}", [start, (start + end) / 2, end])
+            curves.setdefault(arm, {})[seed] = read_curve(tmp_path / f"{arm}_s{seed}" / "metrics.jsonl")
+    result = outcome_rows(curves)
+    rows = {r["arm"]: r for r in result["arms"]}
+    assert result["seeds"] == [0, 1, 2] and rows["grpo"]["seeds"] == [0]
+    t = 4.302652729911275  # Student t, 97.5 % quantile, 2 degrees of freedom
+    diff = np.array([0.06, 0.04, 0.05]) - np.array([0.05, 0.05, 0.04])
+    assert rows["setgrpo_reliability"]["paired"]["grpo_mean2"] == pytest.approx(
+        [diff.mean(), t * diff.std(ddof=1) / math.sqrt(3)])
+    assert rows["setgrpo_reliability"]["paired_seeds"] == {"grpo": [0], "grpo_mean2": [0, 1, 2]}
+    assert rows["setgrpo_reliability"]["paired"]["grpo"][0] == pytest.approx(0.03)
+    assert math.isnan(rows["setgrpo_reliability"]["paired"]["grpo"][1])  # one shared seed: no band
+    assert rows["grpo"]["gain"] == pytest.approx(0.03) and math.isnan(rows["grpo"]["band"])
+    assert outcome_line(result).endswith("(held-out truth reward gain, 3, 3 and 1 seeds, 4 steps)")
+    assert outcome_table(result).splitlines()[3].split()[:2] == ["grpo", "1"]
+
+
 def test_the_late_gain_averages_the_validations_of_the_last_fifth_of_the_steps(tmp_path):
     """Validations every 2 of 10 steps: the late window is steps 8 and 10, so a last validation that dips reads as
     the mean of the two, paired with the baseline seed by seed."""
@@ -230,8 +255,9 @@ def test_the_late_gain_averages_the_validations_of_the_last_fifth_of_the_steps(t
     assert rows["setgrpo_reliability"]["late_paired"]["grpo_mean2"][0] == pytest.approx(-0.005)
     assert math.isnan(rows["setgrpo_reliability"]["late_band"])
     table = outcome_table(result).splitlines()
-    assert table[3] == "late window: the mean of each run's validations at steps >= 8, minus step 0"
-    assert table[5].split() == ["setgrpo_reliability", "+0.185", "[n/a:", "one", "seed]", "-", "-0.005", "[n/a:", "one",
+    assert table[3] == "paired differences: over the seeds both arms have"
+    assert table[4] == "late window: the mean of each run's validations at steps >= 8, minus step 0"
+    assert table[6].split() == ["setgrpo_reliability", "+0.185", "[n/a:", "one", "seed]", "-", "-0.005", "[n/a:", "one",
                                 "seed]"]
 
 
@@ -240,15 +266,20 @@ def test_analysis_only_reads_the_finished_runs_and_prints_the_outcome_last(tmp_p
     for arm, gain in (("grpo", 0.02), ("setgrpo_paper", 0.0)):
         for seed in (0, 1):
             _metrics(run / "compare" / f"{arm}_s{seed}", [0.5, 0.5 + gain / 2, 0.5 + gain + 0.01 * seed])
-    (run / "compare" / "setgrpo_paper_s1" / COMPLETE).unlink()  # interrupted: left out, with its seed
+    (run / "compare" / "setgrpo_paper_s1" / COMPLETE).unlink()  # interrupted: left out; grpo keeps its seed 1
     assert cli.main(["compare", "--run-dir", str(run), "--flip-prob", "0.06", "--arms", "grpo", "setgrpo_paper",
                      "--seeds", "0", "1", "--analysis-only"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-2] == "not finished, left out: setgrpo_paper_s1"
-    assert out[-1] == ("outcome: grpo 0.020 [n/a: one seed], setgrpo_paper 0.000 [n/a: one seed] (held-out truth "
-                       "reward gain, 1 seed, 4 steps)")
+    # grpo over seeds 0 and 1 (gains 0.02 and 0.03: t with 1 degree of freedom, 12.706 x 0.005)
+    assert out[-1] == ("outcome: grpo 0.025 [-0.039, 0.089], setgrpo_paper 0.000 [n/a: one seed] (held-out truth "
+                       "reward gain, 2 and 1 seeds, 4 steps)")
     assert (run / "outcome" / "outcome.png").stat().st_size > 0 and (run / "outcome" / COMPLETE).is_file()
-    assert json.loads((run / "outcome" / "outcome.json").read_text())["unfinished"] == ["setgrpo_paper_s1"]
+    result = json.loads((run / "outcome" / "outcome.json").read_text())
+    assert result["unfinished"] == ["setgrpo_paper_s1"] and result["seeds"] == [0, 1]
+    paper = result["arms"][1]
+    assert paper["seeds"] == [0] and paper["paired_seeds"] == {"grpo": [0]}
+    assert paper["paired"]["grpo"][0] == pytest.approx(-0.02) and paper["paired"]["grpo"][1] != paper["paired"]["grpo"][1]
 
 
 def test_the_committed_verl_pilot_re_analyses_to_its_outcome_line():
