@@ -132,12 +132,17 @@ def outcome_rows(curves: Mapping[str, Mapping[int, Curve]]) -> dict:
         arm's runs that have any.
 
     Raises:
-        ReportError: no run.
+        ReportError: no run, or finished runs that validated last at different steps.
     """
     if not any(curves.values()):
         raise ReportError("no finished run to analyse")
     curves = {arm: runs for arm, runs in curves.items() if runs}
-    last = min(int(c.steps[-1]) for runs in curves.values() for c in runs.values())
+    ends = {f"{arm}_s{s}": int(c.steps[-1]) for arm, runs in curves.items() for s, c in runs.items()}
+    if len(set(ends.values())) > 1:
+        raise ReportError("finished runs validated last at different steps ("
+                          + ", ".join(f"{run} {step}" for run, step in sorted(ends.items())) + "); analyse runs of "
+                          "the same --steps and --val-every together")
+    last = next(iter(ends.values()))
 
     def at(c: Curve, step: int) -> int:
         return int(np.searchsorted(c.steps, step, side="right")) - 1
@@ -232,7 +237,7 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathL
     from ..atomic import atomic_file
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
-    for arm in _arms(curves):
+    for arm in _arms({arm: runs for arm, runs in curves.items() if runs}):
         runs = [curves[arm][s] for s in sorted(curves[arm])]
         steps = runs[0].steps
         if any(not np.array_equal(c.steps, steps) for c in runs):

@@ -324,8 +324,11 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
         text += ("\nsteps trained without a metrics row (a crash after their checkpoint; calls and seconds set to the "
                  f"run's median step): {', '.join(lost)}")
     text += "\n" + outcome_line(result)
+    try:  # the figure first: runs it cannot draw leave no outcome files
+        plot_outcome(curves, out / "outcome.png")
+    except ReportError as exc:
+        raise LaunchError(f"compare analysis of {args.run_dir}: {exc}") from None
     write_atomic(out / "outcome.json", json.dumps(result, indent=1) + "\n")
     write_atomic(out / "outcome.txt", text + "\n")
-    plot_outcome(curves, out / "outcome.png")
     mark_complete(out)
     return f"written: {out / 'outcome.json'}, {out / 'outcome.png'}\n{text}"

@@ -64,12 +64,15 @@ def _sampling_key(params: dict[str, Any], default_max_tokens: int) -> tuple:
     """(temperature, top_p, top_k, max_new_tokens, logprobs) of a verl sampling-parameter dict.
 
     Raises:
-        ValueError: a sampling setting this rollout does not implement (repetition penalty other than 1).
+        ValueError: a sampling setting this rollout does not implement (repetition penalty other than 1) or a
+            negative temperature.
     """
     repetition_penalty = float(params.get("repetition_penalty", 1.0) or 1.0)
     if repetition_penalty != 1.0:
         raise ValueError(f"the transformers rollout does not implement repetition_penalty={repetition_penalty}")
     temperature = float(params.get("temperature", 1.0) or 0.0)
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}: a sampling temperature is >= 0 (0 decodes greedily)")
     top_p = float(params.get("top_p", 1.0) or 1.0)
     top_k = int(params.get("top_k", -1) or -1)
     max_tokens = int(params.get("max_tokens") or params.get("max_new_tokens") or default_max_tokens)

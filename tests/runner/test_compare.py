@@ -179,6 +179,14 @@ def test_a_step_lost_to_a_crash_after_its_checkpoint_counts_as_the_runs_median_s
     assert result["arms"][0]["lost_steps"] == {"0": [2]}
 
 
+def test_finished_runs_of_different_lengths_are_refused(tmp_path):
+    _metrics(tmp_path / "grpo_s0", [0.5, 0.52, 0.55])
+    _metrics(tmp_path / "grpo_s1", [0.5, 0.52, 0.55, 0.56])
+    curves = {"grpo": {s: read_curve(tmp_path / f"grpo_s{s}" / "metrics.jsonl") for s in (0, 1)}}
+    with pytest.raises(ReportError, match=r"different steps \(grpo_s0 4, grpo_s1 6\); analyse runs of the same"):
+        outcome_rows(curves)
+
+
 def test_missing_steps_after_the_last_logged_one_are_refused(tmp_path):
     _metrics(tmp_path, [0.5, 0.52, 0.55], calls=64.0, seconds=30.0)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -102,3 +102,11 @@ def test_rollout_log_probs_are_those_of_generates_logits_over_the_temperature(ti
     ref = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
     for i, out in enumerate(outs):
         assert out.log_probs == ref[i, : len(out.token_ids)].tolist()
+
+
+def test_a_negative_temperature_is_refused(tiny_model):
+    import asyncio
+
+    server = TransformersRolloutServer(str(tiny_model), response_length=2, max_batch_size=2, seed=0)
+    with pytest.raises(ValueError, match=r"temperature=-0.5: a sampling temperature is >= 0"):
+        asyncio.run(server.generate(prompt_ids=[1, 5], sampling_params={"temperature": -0.5}))
