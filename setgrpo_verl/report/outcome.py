@@ -224,10 +224,11 @@ def outcome_table(result: Mapping) -> str:
 def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathLike) -> Path:
     """PNG of held-out truth reward (each arm's mean over its seeds with its 95 % t-band) against steps, training
     grader calls and wall-clock hours, one line per arm, its seeds in the legend; the x values of calls and hours are
-    the seeds' means at each validation.
+    the seeds' means at each validation. An arm's points are the steps every run of it validated (a validation lost
+    to a crash, :attr:`Curve.lost`, drops that step from the arm's line).
 
     Raises:
-        ReportError: the runs of an arm validated at different steps.
+        ReportError: the runs of an arm share fewer than two validated steps.
     """
     import matplotlib
 
@@ -239,13 +240,16 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathL
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
     for arm in _arms({arm: runs for arm, runs in curves.items() if runs}):
         runs = [curves[arm][s] for s in sorted(curves[arm])]
-        steps = runs[0].steps
-        if any(not np.array_equal(c.steps, steps) for c in runs):
-            raise ReportError(f"the {arm} runs validated at different steps; rerun them with the same --val-every")
-        truth = np.stack([c.truth for c in runs])
+        steps = np.array(sorted(set.intersection(*(set(c.steps.tolist()) for c in runs))))
+        if steps.size < 2:
+            raise ReportError(f"the {arm} runs share fewer than two validated steps; rerun them with the same "
+                              "--val-every")
+        picks = [np.searchsorted(c.steps, steps) for c in runs]
+        truth = np.stack([c.truth[i] for c, i in zip(runs, picks)])
         bands = np.array([_band(truth[:, j])[1] for j in range(truth.shape[1])])
         mean = truth.mean(axis=0)
-        xs = (steps, np.mean([c.calls for c in runs], axis=0), np.mean([c.seconds for c in runs], axis=0) / 3600)
+        xs = (steps, np.mean([c.calls[i] for c, i in zip(runs, picks)], axis=0),
+              np.mean([c.seconds[i] for c, i in zip(runs, picks)], axis=0) / 3600)
         for ax, x in zip(axes, xs):
             line, = ax.plot(x, mean, marker="o", ms=3, label=f"{arm} ({len(runs)} seed{'s' * (len(runs) != 1)})")
             if not np.isnan(bands).all():

@@ -179,6 +179,32 @@ def test_a_step_lost_to_a_crash_after_its_checkpoint_counts_as_the_runs_median_s
     assert result["arms"][0]["lost_steps"] == {"0": [2]}
 
 
+def test_the_figure_draws_an_arm_at_the_steps_every_run_of_it_validated(tmp_path, monkeypatch):
+    """Seed 0 lost its step-2 validation (a crash between checkpoint and metrics row): the arm's line is the mean of
+    both seeds at steps 0 and 4."""
+    import matplotlib.axes
+
+    from setgrpo_verl.report.outcome import plot_outcome
+
+    _metrics(tmp_path / "grpo_s0", [0.50, 0.52, 0.56])
+    _metrics(tmp_path / "grpo_s1", [0.48, 0.51, 0.54])
+    rows = [json.loads(line) for line in (tmp_path / "grpo_s0" / "metrics.jsonl").read_text().splitlines()]
+    (tmp_path / "grpo_s0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] != 2))
+    curves = {"grpo": {s: read_curve(tmp_path / f"grpo_s{s}" / "metrics.jsonl") for s in (0, 1)}}
+    assert curves["grpo"][0].steps.tolist() == [0, 4]
+    drawn = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, x, y, *a, **kw: drawn.append((list(x), list(y), kw["label"])) or plot(self, x, y, *a, **kw))
+    assert plot_outcome(curves, tmp_path / "outcome.png").stat().st_size > 0
+    x, y, label = drawn[0]
+    assert x == [0, 4] and y == pytest.approx([0.49, 0.55]) and label == "grpo (2 seeds)"
+    _metrics(tmp_path / "grpo_s1", [0.48, 0.51], val_every=3)  # validated at steps 0 and 3 only: nothing shared
+    curves["grpo"][1] = read_curve(tmp_path / "grpo_s1" / "metrics.jsonl")
+    with pytest.raises(ReportError, match="the grpo runs share fewer than two validated steps"):
+        plot_outcome(curves, tmp_path / "outcome.png")
+
+
 def test_finished_runs_of_different_lengths_are_refused(tmp_path):
     _metrics(tmp_path / "grpo_s0", [0.5, 0.52, 0.55])
     _metrics(tmp_path / "grpo_s1", [0.5, 0.52, 0.55, 0.56])
@@ -317,7 +343,7 @@ def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line():
     outcome line and table; what the first run showed is in its metrics: the reliability candidate's held-out truth
     reward rose from 0.521 to 0.704, 64 grader calls a step, step 10 lost between its checkpoint and its row; GRPO on
     the mean of two scorings, the same seed, ended 0.037 lower and tied it over the late window; plain GRPO (one
-    scoring) rose to 0.620."""
+    scoring) rose to 0.620; the candidate at seed 1 rose to 0.660."""
     import json
     from pathlib import Path
 
@@ -347,3 +373,9 @@ def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line():
     one = curves["grpo"][0]  # plain GRPO scores once: half the grader calls, and behind both two-scoring arms
     assert one.calls[-1] == 100 * 32 and round(one.truth[-1], 3) == 0.620
     assert round(arms["grpo_mean2"]["late_paired"]["grpo"][0], 3) == 0.097
+    # seed 1 of the candidate: it validated at every tenth step, from the same start, and rose less than at seed 0
+    second = curves["setgrpo_reliability"][1]
+    assert second.lost == () and second.steps.tolist() == list(range(0, 101, 10))
+    assert round(second.truth[0], 3) == 0.521 and round(second.truth[-1], 3) == 0.660
+    assert arms["setgrpo_reliability"]["seeds"] == [0, 1] and arms["setgrpo_reliability"]["paired_seeds"]["grpo_mean2"] == [0]
+    assert round(arms["setgrpo_reliability"]["gain"], 3) == 0.161
