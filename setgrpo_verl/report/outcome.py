@@ -224,7 +224,8 @@ def outcome_table(result: Mapping) -> str:
 def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathLike) -> Path:
     """PNG of held-out truth reward (each arm's mean over its seeds with its 95 % t-band) against steps, training
     grader calls and wall-clock hours, one line per arm, its seeds in the legend; the x values of calls and hours are
-    the seeds' means at each validation. An arm's points are the steps every run of it validated (a validation lost
+    the seeds' means at each validation; the y axis spans the means with 0.1 to spare (bands beyond it are cut). An
+    arm's points are the steps every run of it validated (a validation lost
     to a crash, :attr:`Curve.lost`, drops that step from the arm's line).
 
     Raises:
@@ -238,6 +239,7 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathL
     from ..atomic import atomic_file
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    means = []
     for arm in _arms({arm: runs for arm, runs in curves.items() if runs}):
         runs = [curves[arm][s] for s in sorted(curves[arm])]
         steps = np.array(sorted(set.intersection(*(set(c.steps.tolist()) for c in runs))))
@@ -248,6 +250,7 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathL
         truth = np.stack([c.truth[i] for c, i in zip(runs, picks)])
         bands = np.array([_band(truth[:, j])[1] for j in range(truth.shape[1])])
         mean = truth.mean(axis=0)
+        means.append(mean)
         xs = (steps, np.mean([c.calls[i] for c, i in zip(runs, picks)], axis=0),
               np.mean([c.seconds[i] for c, i in zip(runs, picks)], axis=0) / 3600)
         for ax, x in zip(axes, xs):
@@ -258,6 +261,9 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathL
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out truth reward")
+    # the means set the scale: a band over two seeds (t quantile 12.7) would flatten every line, so it is cut there
+    low, high = float(np.min(np.concatenate(means))), float(np.max(np.concatenate(means)))
+    axes[0].set_ylim(max(0.0, low - 0.1), min(1.0, high + 0.1))
     axes[0].legend()
     fig.suptitle("held-out truth reward, mean and 95% t-band over each arm's seeds")
     fig.tight_layout()
