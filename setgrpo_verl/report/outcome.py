@@ -225,11 +225,11 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathL
     """PNG of held-out truth reward (each arm's mean over its seeds with its 95 % t-band) against steps, training
     grader calls and wall-clock hours, one line per arm, its seeds in the legend; the x values of calls and hours are
     the seeds' means at each validation; the y axis spans the means with 0.1 to spare (bands beyond it are cut). An
-    arm's points are the steps every run of it validated (a validation lost
-    to a crash, :attr:`Curve.lost`, drops that step from the arm's line).
+    arm's points are the steps every run of it validated (a validation lost to a crash, :attr:`Curve.lost`, drops
+    that step from the arm's line).
 
     Raises:
-        ReportError: the runs of an arm share fewer than two validated steps.
+        ReportError: no run, or the runs of an arm share fewer than two validated steps.
     """
     import matplotlib
 
@@ -238,9 +238,24 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathL
 
     from ..atomic import atomic_file
 
+    drawn = _arms({arm: runs for arm, runs in curves.items() if runs})
+    if not drawn:
+        raise ReportError("no run to draw")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    try:
+        _draw(fig, axes, curves, drawn)
+        path = Path(path)
+        with atomic_file(path) as fh:
+            fig.savefig(fh, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _draw(fig, axes, curves: Mapping[str, Mapping[int, Curve]], arms: list[str]) -> None:
+    """Draw :func:`plot_outcome`'s three panels for ``arms`` (each with at least one run) on ``axes``."""
     means = []
-    for arm in _arms({arm: runs for arm, runs in curves.items() if runs}):
+    for arm in arms:
         runs = [curves[arm][s] for s in sorted(curves[arm])]
         steps = np.array(sorted(set.intersection(*(set(c.steps.tolist()) for c in runs))))
         if steps.size < 2:
@@ -267,8 +282,3 @@ def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathL
     axes[0].legend()
     fig.suptitle("held-out truth reward, mean and 95% t-band over each arm's seeds")
     fig.tight_layout()
-    path = Path(path)
-    with atomic_file(path) as fh:
-        fig.savefig(fh, format="png", dpi=110)
-    plt.close(fig)
-    return path

@@ -286,11 +286,12 @@ def run_compare(args: argparse.Namespace) -> str | None:
 
 
 def analyse(args: argparse.Namespace, lifecycle) -> str:
-    """Read every finished run of ``--arms`` x ``--seeds``, write ``outcome/`` (``outcome.json``, ``outcome.png``,
+    """Read every finished run of ``--arms`` x ``--seeds``, write ``outcome/`` (``outcome.png``, ``outcome.json``,
     ``outcome.txt``, then ``COMPLETE``) and return the table, the runs left out and the outcome line (last).
 
     Raises:
-        LaunchError: no run finished, or a metrics file the analysis cannot read (the message names it).
+        LaunchError: no run finished, a metrics file the analysis cannot read, finished runs that validated last at
+            different steps, or runs of an arm the figure cannot draw (the message names them).
     """
     from ..atomic import write_atomic
     from ..report import ReportError

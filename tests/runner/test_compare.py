@@ -337,7 +337,7 @@ def test_the_committed_verl_pilot_re_analyses_to_its_outcome_line():
         assert curve.calls[-1] == 4 * 64  # 8 groups x K 4 x 2 scorings a step
 
 
-def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line():
+def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line(tmp_path):
     """validation/outcome_verl/flip0.06: the comparison's finished runs through main_ppo (flip 0.06, 100 steps,
     docs/outcome.md#through-verl-the-runs). Every committed ``<arm>_s<seed>`` run re-analyses to the committed
     outcome line and table; what the first run showed is in its metrics: the reliability candidate's held-out truth
@@ -379,3 +379,7 @@ def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line():
     assert round(second.truth[0], 3) == 0.521 and round(second.truth[-1], 3) == 0.660
     assert arms["setgrpo_reliability"]["seeds"] == [0, 1] and arms["setgrpo_reliability"]["paired_seeds"]["grpo_mean2"] == [0]
     assert round(arms["setgrpo_reliability"]["gain"], 3) == 0.161
+    # docs/outcome_verl.png is drawn from the same runs
+    from setgrpo_verl.report.outcome import plot_outcome
+
+    assert plot_outcome(curves, tmp_path / "outcome.png").stat().st_size > 0
