@@ -22,6 +22,8 @@ import torch  # noqa: E402
 
 from harness import alternated  # noqa: E402
 
+from setgrpo_verl.verl_cpu.streams import token_log_probs as step_by_step  # noqa: E402
+
 VOCAB = 49152
 
 
@@ -31,15 +33,6 @@ def stacked(logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature:
     if temperature > 0:
         full = full / temperature
     return torch.log_softmax(full, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
-
-
-def step_by_step(logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, T] log-probs the way the server takes them: one step's [B, V] logits at a time."""
-    return torch.stack([
-        torch.log_softmax(step if temperature in (0.0, 1.0) else step / temperature, dim=-1)
-        .gather(-1, tokens[:, t, None]).squeeze(-1)
-        for t, step in enumerate(logits)
-    ], dim=1)
 
 
 def main() -> None:

@@ -152,26 +152,24 @@ def outcome_rows(curves: Mapping[str, Mapping[int, Curve]]) -> dict:
     lates = {arm: {s: float(c.truth[(c.steps >= late_from) & (c.steps <= last)].mean() - c.truth[0])
                    for s, c in runs.items()} for arm, runs in curves.items()}
 
-    def paired(by_seed: Mapping[str, Mapping[int, float]], arm: str) -> dict[str, list[float]]:
-        out = {}
-        for b in _BASELINES:
-            common = sorted(set(by_seed[arm]) & set(by_seed.get(b, {})))
-            if b != arm and common:
-                out[b] = list(_band(np.array([by_seed[arm][s] - by_seed[b][s] for s in common])))
-        return out
-
     rows = []
     for arm in _arms(curves):
         seeds = sorted(curves[arm])
         runs = [curves[arm][s] for s in seeds]
         gain, band = _band(np.array([gains[arm][s] for s in seeds]))
         late_gain, late_band = _band(np.array([lates[arm][s] for s in seeds]))
+        # each baseline that shares a seed with this arm, and the seeds they share
+        shared = {b: sorted(set(curves[arm]) & set(curves[b])) for b in _BASELINES if b in curves and b != arm}
+        shared = {b: common for b, common in shared.items() if common}
+
+        def paired(by_seed: Mapping[str, Mapping[int, float]]) -> dict[str, list[float]]:
+            return {b: list(_band(np.array([by_seed[arm][s] - by_seed[b][s] for s in common])))
+                    for b, common in shared.items()}
+
         rows.append({
             "arm": arm, "seeds": seeds, "gain": gain, "band": band, "gains": [float(gains[arm][s]) for s in seeds],
-            "paired": paired(gains, arm),
-            "paired_seeds": {b: sorted(set(curves[arm]) & set(curves[b])) for b in _BASELINES
-                             if b in curves and b != arm and set(curves[arm]) & set(curves[b])},
-            "late_gain": late_gain, "late_band": late_band, "late_paired": paired(lates, arm),
+            "paired": paired(gains), "paired_seeds": shared,
+            "late_gain": late_gain, "late_band": late_band, "late_paired": paired(lates),
             "start": float(np.mean([c.truth[0] for c in runs])),
             "end": float(np.mean([c.truth[at(c, last)] for c in runs])),
             "calls_per_step": float(np.mean([c.calls[at(c, last)] / last for c in runs])) if last else math.nan,

@@ -34,7 +34,7 @@ from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from setgrpo_verl.verl_cpu.streams import occurrence_indices, request_seed, sampling_processors
+from setgrpo_verl.verl_cpu.streams import occurrence_indices, request_seed, sampling_processors, token_log_probs
 
 from .kv_cache import preallocate
 
@@ -271,13 +271,7 @@ class TransformersRolloutServer:
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         new_tokens = out.sequences[:, width:]
         if want_logprobs:
-            # step by step: the same numbers as one log-softmax over the stacked [B, T, V] logits, without
-            # allocating three copies of them; dividing by a temperature of 1 changes nothing, so it is skipped
-            token_logprobs = torch.stack([
-                torch.log_softmax(logits if temperature in (0.0, 1.0) else logits / temperature, dim=-1)
-                .gather(-1, new_tokens[:, t, None]).squeeze(-1)
-                for t, logits in enumerate(out.logits)
-            ], dim=1)
+            token_logprobs = token_log_probs(out.logits, new_tokens, temperature)
         results = []
         for i in range(len(prompts)):
             tokens = new_tokens[i].tolist()

@@ -71,6 +71,26 @@ class RequestStreams(LogitsProcessor):
         return out.scatter_(-1, chosen, 0.0)
 
 
+def token_log_probs(logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The log-probabilities of the chosen tokens under ``log_softmax(logits / temperature)`` (no division at
+    temperature 0, greedy, nor at 1, where it changes nothing), one step at a time: bit for bit what one
+    log-softmax over the stacked ``[B, T, V]`` logits gives, without allocating its copies.
+
+    Args:
+        logits: T float tensors [B, V], ``generate``'s raw logits of each step (``output_logits``).
+        tokens: [B, T] int64, the tokens chosen at those steps.
+        temperature: the sampling temperature, >= 0.
+
+    Returns:
+        [B, T] float log-probabilities.
+    """
+    return torch.stack([
+        torch.log_softmax(step if temperature in (0.0, 1.0) else step / temperature, dim=-1)
+        .gather(-1, tokens[:, t, None]).squeeze(-1)
+        for t, step in enumerate(logits)
+    ], dim=1)
+
+
 def sampling_processors(temperature: float, top_p: float, top_k: int, seeds: list[int]) -> LogitsProcessorList:
     """The logits processors that sample with temperature, top-k and top-p (in ``generate``'s own order) from each
     request's random stream; ``temperature`` > 0 (at 1, which divides nothing, no temperature processor)."""
