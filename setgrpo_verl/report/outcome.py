@@ -18,8 +18,8 @@ import numpy as np
 
 from .run import ReportError, load_metrics
 
-__all__ = ["ARM_ORDER", "CALLS_METRIC", "TRUTH_METRIC", "Curve", "outcome_line", "outcome_rows", "outcome_table",
-           "plot_outcome", "read_curve"]
+__all__ = ["ARM_ORDER", "CALLS_METRIC", "RUN_NAME", "TRUTH_METRIC", "Curve", "outcome_line", "outcome_report",
+           "outcome_rows", "outcome_table", "plot_outcome", "read_curve", "read_runs", "write_outcome"]
 
 #: verl's validation metric of the held-out truth reward: ``_validate`` logs the mean of each numeric
 #: ``reward_extra_info`` key per data source as ``val-aux/<data_source>/<key>/mean@<n>``, and the noisy rules grader's
@@ -29,6 +29,12 @@ TRUTH_METRIC = re.compile(r"^val-aux/(?P<source>.+)/truth_score/mean@1$")
 CALLS_METRIC = "setgrpo/grading/calls_per_step"
 #: Arms in the order the outcome line names them: the candidate, the baselines, the paper's procedure.
 ARM_ORDER = ("setgrpo_reliability", "grpo_mean2", "grpo", "setgrpo_paper")
+#: A run's directory name, ``<arm>_s<seed>`` (``compare``'s ``compare/`` and the committed runs alike).
+RUN_NAME = re.compile(r"^(?P<arm>[a-z][a-z0-9_]*)_s(?P<seed>[0-9]+)$")
+#: The noisy grader's flip probability in a run's ``command.sh`` (``grader={type:noisy,flip_prob:P,...}``).
+_FLIP = re.compile(r"[{,]flip_prob:(?P<p>[0-9.eE+-]+)[,}]")
+#: What the outcome's truth reward is, as ``outcome.json`` names it.
+_METRIC = "held-out truth reward (val-aux/<data_source>/truth_score/mean@1, greedy)"
 #: Arms every other arm is compared with, paired over the seeds both have.
 _BASELINES = ("grpo", "grpo_mean2")
 #: The late window: the validations in the last fifth of the steps. Their mean reads the trained policy with less of
@@ -217,6 +223,77 @@ def outcome_table(result: Mapping) -> str:
         lines.append(f"{r['arm']:<20} {r['late_gain']:>+14.3f} {_interval(r['late_gain'], r['late_band']):>18} "
                      f"{paired[0]:>24} {paired[1]:>24}")
     return "\n".join(lines)
+
+
+def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], float]:
+    """Every run under ``root`` (a directory ``<arm>_s<seed>`` with verl's ``metrics.jsonl`` and the ``command.sh``
+    that ran it; :data:`RUN_NAME`) as ``({arm: {seed: Curve}}, flip_prob)``: the committed runs of
+    ``validation/outcome_verl/flip<P>/`` or a ``compare`` run directory's ``compare/`` once its runs are finished.
+
+    Raises:
+        ReportError: no run under ``root``, a run whose metrics :func:`read_curve` refuses, a ``command.sh`` that
+            names no noisy grader's ``flip_prob``, or runs at different flip probabilities (one comparison is one
+            grader).
+    """
+    root = Path(root)
+    curves: dict[str, dict[int, Curve]] = {}
+    flips: dict[str, float] = {}
+    for run in sorted(p for p in root.iterdir() if p.is_dir() and RUN_NAME.match(p.name)) if root.is_dir() else []:
+        name = RUN_NAME.match(run.name)
+        try:
+            flip = _FLIP.search((run / "command.sh").read_text())
+        except OSError as exc:
+            raise ReportError(f"{run}: no command.sh ({exc.strerror}); the analysis reads the grader from it") from None
+        if flip is None:
+            raise ReportError(f"{run / 'command.sh'}: no noisy grader's flip_prob; the comparison's runs use one")
+        flips[run.name] = float(flip["p"])
+        curves.setdefault(name["arm"], {})[int(name["seed"])] = read_curve(run / "metrics.jsonl")
+    if not curves:
+        raise ReportError(f"{root}: no run directory <arm>_s<seed> in it")
+    if len(set(flips.values())) > 1:
+        raise ReportError(f"{root}: runs at different flip probabilities ("
+                          + ", ".join(f"{r} {p:g}" for r, p in sorted(flips.items())) + "); analyse each apart")
+    return curves, next(iter(flips.values()))
+
+
+def outcome_report(curves: Mapping[str, Mapping[int, Curve]], *, flip_prob: float,
+                   unfinished: list[str] | tuple[str, ...] = ()) -> tuple[dict, str]:
+    """The analysis as ``outcome.json`` and ``outcome.txt`` hold it: :func:`outcome_rows` with ``flip_prob``, the
+    ``unfinished`` runs left out and the metric's name; the text is :func:`outcome_table`, the runs left out, the
+    steps trained without a metrics row, then :func:`outcome_line` (last).
+
+    Raises:
+        ReportError: as :func:`outcome_rows`.
+    """
+    result = {**outcome_rows(curves), "flip_prob": flip_prob, "unfinished": list(unfinished), "metric": _METRIC}
+    text = outcome_table(result)
+    if unfinished:
+        text += f"\nnot finished, left out: {', '.join(unfinished)}"
+    lost = [f"{r['arm']}_s{seed} {steps}" for r in result["arms"] for seed, steps in r["lost_steps"].items()]
+    if lost:
+        text += ("\nsteps trained without a metrics row (a crash after their checkpoint; calls and seconds set to the "
+                 f"run's median step): {', '.join(lost)}")
+    return result, text + "\n" + outcome_line(result)
+
+
+def write_outcome(out: str | os.PathLike, curves: Mapping[str, Mapping[int, Curve]], result: Mapping, text: str,
+                  figure: str | os.PathLike | None = None) -> Path:
+    """Write :func:`outcome_report`'s ``result`` and ``text`` as ``out/outcome.json`` and ``out/outcome.txt``, after
+    the figure (:func:`plot_outcome`; ``figure``, default ``out/outcome.png``), so that runs it cannot draw leave no
+    outcome files. Returns ``out/outcome.json``.
+
+    Raises:
+        ReportError: as :func:`plot_outcome`.
+    """
+    import json
+
+    from ..atomic import write_atomic
+
+    out = Path(out)
+    plot_outcome(curves, out / "outcome.png" if figure is None else figure)
+    write_atomic(out / "outcome.json", json.dumps(result, indent=1) + "\n")
+    write_atomic(out / "outcome.txt", text + "\n")
+    return out / "outcome.json"
 
 
 def plot_outcome(curves: Mapping[str, Mapping[int, Curve]], path: str | os.PathLike) -> Path:

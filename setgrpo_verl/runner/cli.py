@@ -184,8 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(levels from its record unless given as flags)")
     _add_run_options(p, profile="validate", judge="rules", flip_prob=0.1)
 
-    p = sub.add_parser("report", help="PNG plots and a text summary of a run directory")
-    p.add_argument("--run-dir", required=True, type=Path)
+    p = sub.add_parser("report", help="PNG plots and a text summary of a run directory, or (--outcome) the analysis "
+                       "of finished outcome-comparison runs")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run-dir", type=Path, help="a run directory of calibrate, train, quickstart or validate")
+    which.add_argument("--outcome", type=Path, metavar="DIR",
+                       help="a directory of finished outcome-comparison runs <arm>_s<seed>/ (metrics.jsonl, command.sh): "
+                            "the committed validation/outcome_verl/flip<P>/, or a compare run directory's compare/ "
+                            "once every run in it finished; writes DIR/outcome.json and DIR/outcome.txt")
+    p.add_argument("--figure", type=Path, default=None,
+                   help="with --outcome: where the figure goes (default DIR/outcome.png)")
 
     p = sub.add_parser("merge-calibration", help="one record from the shard directories of calibrate --shard I/N parts")
     p.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
@@ -371,7 +379,26 @@ def _cmd_validate(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_report(args: argparse.Namespace) -> str:
-    """``report``: PNG plots and a text summary of a run directory."""
+    """``report``: PNG plots and a text summary of a run directory; ``--outcome DIR``: the outcome comparison's
+    analysis of the finished runs in ``DIR`` (docs/cli.md#report).
+
+    Raises:
+        LaunchError: ``--figure`` without ``--outcome``.
+        ReportError: a run directory without a finished calibration, or outcome runs the analysis refuses
+            (:func:`~setgrpo_verl.report.outcome.read_runs`, :func:`~setgrpo_verl.report.outcome.outcome_rows`).
+    """
+    if args.outcome is not None:
+        from ..report.outcome import outcome_report, read_runs, write_outcome
+
+        curves, flip_prob = read_runs(args.outcome)
+        result, text = outcome_report(curves, flip_prob=flip_prob)
+        written = write_outcome(args.outcome, curves, result, text, figure=args.figure)
+        return f"written: {written}, {args.outcome / 'outcome.txt'}, {args.figure or args.outcome / 'outcome.png'}\n{text}"
+    if args.figure is not None:
+        from ..rundir import LaunchError
+
+        raise LaunchError("report --figure goes with --outcome DIR (the comparison's figure); a run directory's "
+                          "report writes its figures into <run-dir>/report/")
     if (args.run_dir / "report").exists():
         from .lifecycle import plan_run
 

@@ -17,7 +17,6 @@ Arms (:data:`ARMS`): ``grpo`` (verl's GRPO on one scoring), ``grpo_mean2`` (verl
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -293,9 +292,8 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
         LaunchError: no run finished, a metrics file the analysis cannot read, finished runs that validated last at
             different steps, or runs of an arm the figure cannot draw (the message names them).
     """
-    from ..atomic import write_atomic
     from ..report import ReportError
-    from ..report.outcome import outcome_line, outcome_rows, outcome_table, plot_outcome, read_curve
+    from ..report.outcome import outcome_report, read_curve, write_outcome
     from ..rundir import COMPLETE, LaunchError, mark_complete
 
     curves: dict[str, dict[int, Any]] = {}
@@ -311,25 +309,13 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
             except (OSError, ReportError) as exc:
                 raise LaunchError(f"compare analysis: {exc}") from None
     try:
-        result = outcome_rows(curves)
+        result, text = outcome_report(curves, flip_prob=args.flip_prob, unfinished=left)
     except ReportError as exc:
         raise LaunchError(f"compare analysis of {args.run_dir}: {exc}; finish the runs with --resume") from None
     out = lifecycle.prepare(_OUTCOME)
-    result = {**result, "flip_prob": args.flip_prob, "unfinished": left,
-              "metric": "held-out truth reward (val-aux/<data_source>/truth_score/mean@1, greedy)"}
-    text = outcome_table(result)
-    if left:
-        text += f"\nnot finished, left out: {', '.join(left)}"
-    lost = [f"{r['arm']}_s{seed} {steps}" for r in result["arms"] for seed, steps in r["lost_steps"].items()]
-    if lost:
-        text += ("\nsteps trained without a metrics row (a crash after their checkpoint; calls and seconds set to the "
-                 f"run's median step): {', '.join(lost)}")
-    text += "\n" + outcome_line(result)
-    try:  # the figure first: runs it cannot draw leave no outcome files
-        plot_outcome(curves, out / "outcome.png")
+    try:
+        write_outcome(out, curves, result, text)
     except ReportError as exc:
         raise LaunchError(f"compare analysis of {args.run_dir}: {exc}") from None
-    write_atomic(out / "outcome.json", json.dumps(result, indent=1) + "\n")
-    write_atomic(out / "outcome.txt", text + "\n")
     mark_complete(out)
     return f"written: {out / 'outcome.json'}, {out / 'outcome.png'}\n{text}"

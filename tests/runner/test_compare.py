@@ -316,6 +316,34 @@ def test_analysis_only_reads_the_finished_runs_and_prints_the_outcome_last(tmp_p
     assert paper["paired"]["grpo"][0] == pytest.approx(-0.02) and paper["paired"]["grpo"][1] != paper["paired"]["grpo"][1]
 
 
+def test_report_outcome_writes_what_the_comparisons_analysis_writes_and_refuses_mixed_graders(tmp_path, capsys):
+    """``report --outcome DIR`` on finished runs (the committed layout: ``<arm>_s<seed>/`` with metrics.jsonl and
+    command.sh) writes the same outcome.json and outcome.txt as ``compare --analysis-only``, the grader's flip
+    probability read from the runs' commands; runs at two flip probabilities are refused."""
+    run = tmp_path / "run"
+    for arm, gain in (("grpo", 0.02), ("grpo_mean2", 0.04)):
+        for seed in (0, 1):
+            path = run / "compare" / f"{arm}_s{seed}"
+            _metrics(path, [0.5, 0.5 + gain / 2, 0.5 + gain + 0.01 * seed])
+            (path / "command.sh").write_text("python -m verl.trainer.main_ppo "
+                                             "'+reward.reward_kwargs.grader={type:noisy,flip_prob:0.06,seed:0}'\n")
+    assert cli.main(["compare", "--run-dir", str(run), "--flip-prob", "0.06", "--arms", "grpo", "grpo_mean2",
+                     "--seeds", "0", "1", "--analysis-only"]) == 0
+    capsys.readouterr()
+    figure = tmp_path / "figure.png"
+    assert cli.main(["report", "--outcome", str(run / "compare"), "--figure", str(figure)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("outcome: grpo_mean2 0.045 [-0.019, 0.109], grpo 0.025 ")
+    for name in ("outcome.json", "outcome.txt"):
+        assert (run / "compare" / name).read_text() == (run / "outcome" / name).read_text()
+    assert figure.stat().st_size > 0 and not (run / "compare" / "outcome.png").exists()
+    other = run / "compare" / "grpo_s1" / "command.sh"
+    other.write_text(other.read_text().replace("flip_prob:0.06", "flip_prob:0.1"))
+    assert cli.main(["report", "--outcome", str(run / "compare")]) == 2
+    err = capsys.readouterr().err
+    assert "different flip probabilities (grpo_mean2_s0 0.06, grpo_mean2_s1 0.06, grpo_s0 0.06, grpo_s1 0.1)" in err
+
+
 def test_the_committed_verl_pilot_re_analyses_to_its_outcome_line():
     """validation/outcome_verl/pilot: the compare command's first run through main_ppo (2 arms, 1 seed, 4 steps,
     flip 0.06; docs/outcome.md#through-verl-the-plan). Its metrics re-analyse to the committed outcome, and what
@@ -348,19 +376,17 @@ def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line(tmp_path
     import json
     from pathlib import Path
 
-    from setgrpo_verl.report.outcome import outcome_line, outcome_rows, outcome_table, read_curve
+    from setgrpo_verl.report.outcome import outcome_line, outcome_report, read_runs
 
     root = Path(__file__).resolve().parents[2] / "validation" / "outcome_verl" / "flip0.06"
-    curves: dict = {}
-    for run in sorted(p for p in root.iterdir() if p.is_dir()):
-        arm, seed = run.name.rsplit("_s", 1)
-        curves.setdefault(arm, {})[int(seed)] = read_curve(run / "metrics.jsonl")
-    result = outcome_rows(curves)
+    curves, flip_prob = read_runs(root)
+    result, text = outcome_report(curves, flip_prob=flip_prob)
+    # the committed files are exactly what `setgrpo-verl report --outcome` writes from the runs
+    assert (root / "outcome.txt").read_text() == text + "\n"
+    assert (root / "outcome.json").read_text() == json.dumps(result, indent=1) + "\n"
     committed = json.loads((root / "outcome.json").read_text())
-    text = (root / "outcome.txt").read_text().strip().splitlines()
-    assert text[-1] == outcome_line(result) == outcome_line(committed)
-    assert text[:len(outcome_table(result).splitlines())] == outcome_table(result).splitlines()
-    assert committed["steps"] == result["steps"] == 100 and committed["flip_prob"] == 0.06
+    assert text.splitlines()[-1] == outcome_line(committed)
+    assert committed["steps"] == result["steps"] == 100 and flip_prob == committed["flip_prob"] == 0.06
     first = curves["setgrpo_reliability"][0]
     assert first.lost == (10,) and first.steps.tolist() == [0, *range(20, 101, 10)]
     assert round(first.truth[0], 3) == 0.521 and round(first.truth[-1], 3) == 0.704
