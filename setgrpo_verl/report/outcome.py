@@ -225,35 +225,48 @@ def outcome_table(result: Mapping) -> str:
     return "\n".join(lines)
 
 
-def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], float]:
+def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], float, list[str]]:
     """Every run under ``root`` (a directory ``<arm>_s<seed>`` with verl's ``metrics.jsonl`` and the ``command.sh``
-    that ran it; :data:`RUN_NAME`) as ``({arm: {seed: Curve}}, flip_prob)``: the committed runs of
-    ``validation/outcome_verl/flip<P>/`` or a ``compare`` run directory's ``compare/`` once its runs are finished.
+    that ran it; :data:`RUN_NAME`) as ``({arm: {seed: Curve}}, flip_prob, unfinished)``: the committed runs of
+    ``validation/outcome_verl/flip<P>/``, or a ``compare`` run directory's ``compare/``, whose runs carry a
+    ``COMPLETE`` marker once finished: where any run has one, the runs without it are left out and named in
+    ``unfinished`` (``<arm>_s<seed>``), as ``compare --analysis-only`` does; where none has one (the committed
+    layout), every run counts as finished.
 
     Raises:
-        ReportError: no run under ``root``, a run whose metrics :func:`read_curve` refuses, a ``command.sh`` that
-            names no noisy grader's ``flip_prob``, or runs at different flip probabilities (one comparison is one
-            grader).
+        ReportError: ``root`` is not a directory or holds no run, a run's metrics are missing or refused
+            (:func:`read_curve`), a ``command.sh`` is missing or names no noisy grader's ``flip_prob``, or the runs
+            are at different flip probabilities (one comparison is one grader).
     """
+    from ..rundir import COMPLETE
+
     root = Path(root)
+    if not root.is_dir():
+        raise ReportError(f"{root}: no such directory (give the directory that holds the <arm>_s<seed> runs)")
+    runs = sorted(p for p in root.iterdir() if p.is_dir() and RUN_NAME.match(p.name))
+    if not runs:
+        raise ReportError(f"{root}: no run directory <arm>_s<seed> in it")
+    marked = any((run / COMPLETE).is_file() for run in runs)
+    unfinished = [run.name for run in runs if marked and not (run / COMPLETE).is_file()]
     curves: dict[str, dict[int, Curve]] = {}
     flips: dict[str, float] = {}
-    for run in sorted(p for p in root.iterdir() if p.is_dir() and RUN_NAME.match(p.name)) if root.is_dir() else []:
+    for run in (run for run in runs if run.name not in unfinished):
         name = RUN_NAME.match(run.name)
         try:
             flip = _FLIP.search((run / "command.sh").read_text())
-        except OSError as exc:
-            raise ReportError(f"{run}: no command.sh ({exc.strerror}); the analysis reads the grader from it") from None
+            curve = read_curve(run / "metrics.jsonl")
+        except (OSError, ValueError) as exc:  # a missing file, or a metrics row that is not JSON
+            raise ReportError(f"{run}: {exc}") from None
         if flip is None:
             raise ReportError(f"{run / 'command.sh'}: no noisy grader's flip_prob; the comparison's runs use one")
         flips[run.name] = float(flip["p"])
-        curves.setdefault(name["arm"], {})[int(name["seed"])] = read_curve(run / "metrics.jsonl")
+        curves.setdefault(name["arm"], {})[int(name["seed"])] = curve
     if not curves:
-        raise ReportError(f"{root}: no run directory <arm>_s<seed> in it")
+        raise ReportError(f"{root}: no finished run (none of {', '.join(unfinished)} has its {COMPLETE} marker)")
     if len(set(flips.values())) > 1:
         raise ReportError(f"{root}: runs at different flip probabilities ("
                           + ", ".join(f"{r} {p:g}" for r, p in sorted(flips.items())) + "); analyse each apart")
-    return curves, next(iter(flips.values()))
+    return curves, next(iter(flips.values())), unfinished
 
 
 def outcome_report(curves: Mapping[str, Mapping[int, Curve]], *, flip_prob: float,

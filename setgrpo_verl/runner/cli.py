@@ -383,16 +383,21 @@ def _cmd_report(args: argparse.Namespace) -> str:
     analysis of the finished runs in ``DIR`` (docs/cli.md#report).
 
     Raises:
-        LaunchError: ``--figure`` without ``--outcome``.
+        LaunchError: ``--figure`` without ``--outcome``, or outcome files that cannot be written.
         ReportError: a run directory without a finished calibration, or outcome runs the analysis refuses
             (:func:`~setgrpo_verl.report.outcome.read_runs`, :func:`~setgrpo_verl.report.outcome.outcome_rows`).
     """
     if args.outcome is not None:
         from ..report.outcome import outcome_report, read_runs, write_outcome
 
-        curves, flip_prob = read_runs(args.outcome)
-        result, text = outcome_report(curves, flip_prob=flip_prob)
-        written = write_outcome(args.outcome, curves, result, text, figure=args.figure)
+        from ..rundir import LaunchError
+
+        curves, flip_prob, unfinished = read_runs(args.outcome)
+        result, text = outcome_report(curves, flip_prob=flip_prob, unfinished=unfinished)
+        try:
+            written = write_outcome(args.outcome, curves, result, text, figure=args.figure)
+        except OSError as exc:
+            raise LaunchError(f"report --outcome: cannot write {exc.filename}: {exc.strerror}") from None
         return f"written: {written}, {args.outcome / 'outcome.txt'}, {args.figure or args.outcome / 'outcome.png'}\n{text}"
     if args.figure is not None:
         from ..rundir import LaunchError

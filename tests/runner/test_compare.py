@@ -317,31 +317,41 @@ def test_analysis_only_reads_the_finished_runs_and_prints_the_outcome_last(tmp_p
 
 
 def test_report_outcome_writes_what_the_comparisons_analysis_writes_and_refuses_mixed_graders(tmp_path, capsys):
-    """``report --outcome DIR`` on finished runs (the committed layout: ``<arm>_s<seed>/`` with metrics.jsonl and
-    command.sh) writes the same outcome.json and outcome.txt as ``compare --analysis-only``, the grader's flip
-    probability read from the runs' commands; runs at two flip probabilities are refused."""
+    """``report --outcome DIR`` on a comparison's runs (``<arm>_s<seed>/`` with metrics.jsonl and the command.sh
+    compare writes) writes the same outcome.json and outcome.txt as ``compare --analysis-only``, the grader's flip
+    probability read from the runs' commands and a run without its COMPLETE marker left out and named; runs at two
+    flip probabilities, a run without its metrics and a path that is no directory are refused."""
+    from setgrpo_verl.runner.launch import format_override
+
     run = tmp_path / "run"
     for arm, gain in (("grpo", 0.02), ("grpo_mean2", 0.04)):
         for seed in (0, 1):
             path = run / "compare" / f"{arm}_s{seed}"
             _metrics(path, [0.5, 0.5 + gain / 2, 0.5 + gain + 0.01 * seed])
-            (path / "command.sh").write_text("python -m verl.trainer.main_ppo "
-                                             "'+reward.reward_kwargs.grader={type:noisy,flip_prob:0.06,seed:0}'\n")
+            grader = {"type": "noisy", "flip_prob": 0.06, "seed": seed, "base": {"type": "rules", "seed": 0}}
+            (path / "command.sh").write_text(f"python -m verl.trainer.main_ppo "
+                                             f"'{format_override('+reward.reward_kwargs.grader', grader)}'\n")
+    (run / "compare" / "grpo_mean2_s1" / COMPLETE).unlink()  # interrupted
     assert cli.main(["compare", "--run-dir", str(run), "--flip-prob", "0.06", "--arms", "grpo", "grpo_mean2",
                      "--seeds", "0", "1", "--analysis-only"]) == 0
     capsys.readouterr()
     figure = tmp_path / "figure.png"
     assert cli.main(["report", "--outcome", str(run / "compare"), "--figure", str(figure)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1].startswith("outcome: grpo_mean2 0.045 [-0.019, 0.109], grpo 0.025 ")
+    assert out[-2] == "not finished, left out: grpo_mean2_s1"
+    assert out[-1].startswith("outcome: grpo_mean2 0.040 [n/a: one seed], grpo 0.025 [-0.039, 0.089] ")
     for name in ("outcome.json", "outcome.txt"):
         assert (run / "compare" / name).read_text() == (run / "outcome" / name).read_text()
     assert figure.stat().st_size > 0 and not (run / "compare" / "outcome.png").exists()
     other = run / "compare" / "grpo_s1" / "command.sh"
     other.write_text(other.read_text().replace("flip_prob:0.06", "flip_prob:0.1"))
     assert cli.main(["report", "--outcome", str(run / "compare")]) == 2
-    err = capsys.readouterr().err
-    assert "different flip probabilities (grpo_mean2_s0 0.06, grpo_mean2_s1 0.06, grpo_s0 0.06, grpo_s1 0.1)" in err
+    assert "different flip probabilities (grpo_mean2_s0 0.06, grpo_s0 0.06, grpo_s1 0.1)" in capsys.readouterr().err
+    (run / "compare" / "grpo_s1" / "metrics.jsonl").unlink()
+    assert cli.main(["report", "--outcome", str(run / "compare")]) == 2
+    assert "grpo_s1: [Errno 2] No such file or directory" in capsys.readouterr().err
+    assert cli.main(["report", "--outcome", str(run / "nowhere")]) == 2
+    assert "no such directory" in capsys.readouterr().err
 
 
 def test_the_committed_verl_pilot_re_analyses_to_its_outcome_line():
@@ -376,16 +386,16 @@ def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line(tmp_path
     import json
     from pathlib import Path
 
-    from setgrpo_verl.report.outcome import outcome_line, outcome_report, read_runs
+    from setgrpo_verl.report.outcome import outcome_report, read_runs
 
     root = Path(__file__).resolve().parents[2] / "validation" / "outcome_verl" / "flip0.06"
-    curves, flip_prob = read_runs(root)
+    curves, flip_prob, unfinished = read_runs(root)
+    assert unfinished == []  # committed runs carry no COMPLETE marker: every one counts
     result, text = outcome_report(curves, flip_prob=flip_prob)
     # the committed files are exactly what `setgrpo-verl report --outcome` writes from the runs
     assert (root / "outcome.txt").read_text() == text + "\n"
     assert (root / "outcome.json").read_text() == json.dumps(result, indent=1) + "\n"
     committed = json.loads((root / "outcome.json").read_text())
-    assert text.splitlines()[-1] == outcome_line(committed)
     assert committed["steps"] == result["steps"] == 100 and flip_prob == committed["flip_prob"] == 0.06
     first = curves["setgrpo_reliability"][0]
     assert first.lost == (10,) and first.steps.tolist() == [0, *range(20, 101, 10)]
