@@ -380,7 +380,7 @@ def _cmd_validate(args: argparse.Namespace) -> str | None:
 
 def _cmd_report(args: argparse.Namespace) -> str:
     """``report``: PNG plots and a text summary of a run directory; ``--outcome DIR``: the outcome comparison's
-    analysis of the finished runs in ``DIR`` (docs/cli.md#report).
+    analysis of the finished runs in ``DIR`` (docs/cli.md#compare).
 
     Raises:
         LaunchError: ``--figure`` without ``--outcome``, or outcome files that cannot be written.
