@@ -47,9 +47,9 @@ def step_seconds(metrics_file: Path) -> dict[int, float]:
 
 
 def paired_ratio(setgrpo: dict[int, float], grpo: dict[int, float]) -> tuple[float, int]:
-    """Median over the steps both runs logged, the first step left out, of SetGRPO's step time / GRPO's, and the
-    number of such steps."""
-    steps = sorted(set(setgrpo) & set(grpo) - {min(setgrpo | grpo, default=1)})
+    """Median over the steps both runs logged, each run's first logged step left out (it pays one-off warm-ups), of
+    SetGRPO's step time / GRPO's, and the number of such steps."""
+    steps = sorted((set(setgrpo) - {min(setgrpo, default=0)}) & (set(grpo) - {min(grpo, default=0)}))
     if not steps:
         return math.nan, 0
     return float(np.median([setgrpo[s] / grpo[s] for s in steps])), len(steps)

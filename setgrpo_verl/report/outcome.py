@@ -229,9 +229,10 @@ def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], flo
     """Every run under ``root`` (a directory ``<arm>_s<seed>`` with verl's ``metrics.jsonl`` and the ``command.sh``
     that ran it; :data:`RUN_NAME`) as ``({arm: {seed: Curve}}, flip_prob, unfinished)``: the committed runs of
     ``validation/outcome_verl/flip<P>/``, or a ``compare`` run directory's ``compare/``, whose runs carry a
-    ``COMPLETE`` marker once finished: where any run has one, the runs without it are left out and named in
-    ``unfinished`` (``<arm>_s<seed>``), as ``compare --analysis-only`` does; where none has one (the committed
-    layout), every run counts as finished.
+    ``COMPLETE`` marker once finished: where any run has one or has verl's log ``main_ppo.log`` (the layout
+    ``compare`` writes), the runs without the marker are left out and named in ``unfinished`` (``<arm>_s<seed>``),
+    as ``compare --analysis-only`` does; where none has either (the committed layout), every run counts as
+    finished.
 
     Raises:
         ReportError: ``root`` is not a directory or holds no run, a run's metrics are missing or refused
@@ -246,7 +247,7 @@ def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], flo
     runs = sorted(p for p in root.iterdir() if p.is_dir() and RUN_NAME.match(p.name))
     if not runs:
         raise ReportError(f"{root}: no run directory <arm>_s<seed> in it")
-    marked = any((run / COMPLETE).is_file() for run in runs)
+    marked = any((run / COMPLETE).is_file() or (run / "main_ppo.log").is_file() for run in runs)
     unfinished = [run.name for run in runs if marked and not (run / COMPLETE).is_file()]
     curves: dict[str, dict[int, Curve]] = {}
     flips: dict[str, float] = {}
@@ -255,6 +256,8 @@ def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], flo
         try:
             flip = _FLIP.search((run / "command.sh").read_text())
             curve = read_curve(run / "metrics.jsonl")
+        except ReportError:
+            raise
         except (OSError, ValueError) as exc:  # a missing file, or a metrics row that is not JSON
             raise ReportError(f"{run}: {exc}") from None
         if flip is None:

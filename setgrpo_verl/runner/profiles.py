@@ -80,8 +80,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "algorithm.setgrpo.calibration.on_infeasible": "reject_all",
         "actor_rollout_ref.actor.optim.lr": 1e-5,
         # a checkpoint every 5 steps and after the last (the latest kept): --resume continues an interrupted training
-        # having lost at most 4 steps; a checkpoint (about 1.5 GiB: float32 weights and AdamW's moments) costs 2-5 s,
-        # a fifth of a step, when written after every step
+        # having lost at most 4 finished steps; a checkpoint (about 1.5 GiB: float32 weights and AdamW's moments)
+        # costs 2-5 s, 12-20 % of a step, when written after every step
         "trainer.save_freq": 5,
         "trainer.max_actor_ckpt_to_keep": 1,
     },
