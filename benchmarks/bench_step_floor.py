@@ -1,13 +1,15 @@
-"""Every phase of one default-profile training step and calibration batch on this host, next to its floor.
+"""Every phase of one judge-profile training step and calibration batch on this host, next to its floor.
 
 Runs the phases through the code a CPU run runs, in one process on the embedded SmolLM2-135M-Instruct, at the
-default profile's sizes (``setgrpo-verl quickstart``: a step of 4 groups x K=4, a calibration batch of 32 groups in
-rollout batches of at most 64; 96 prompt + 24 response tokens, the longest the profile allows) and the precision
-the launcher picks for this CPU (``--precision``):
+judge profile's sizes (``setgrpo-verl quickstart --judge local``, the main job's sizes and judge before it moved to
+the rules grader: a step of 4 groups x K=4, a calibration batch of 32 groups in rollout batches of at most 64; 96
+prompt + 24 response tokens, the longest the profile allows) and the precision the launcher picks for this CPU
+(``--precision``):
 
 * rollout: ``TransformersRolloutServer._generate_batch`` (the CPU rollout); the decode step is
   (24 new tokens - 1 new token) / 23 of the same batch;
-* reward: the reward manager's ``DualScorer`` with the profile's grader (the local judge), every response twice;
+* reward: the reward manager's ``DualScorer`` with the profile's grader (the local judge) on IFBench rubrics, every
+  response twice;
 * fused old-log-prob + sketch pass: ``sketch_and_log_probs`` through verl's engine code on the FSDP2-wrapped actor;
 * actor update: verl's engine ``train_batch`` (the CPU backend's engine, setgrpo_verl/verl_cpu/engine.py) with
   verl's ``ppo_loss`` (the composed actor config), AdamW;
@@ -323,7 +325,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     precision = args.precision or cpu_precision()
-    cli = build_parser().parse_args(["quickstart", "--precision", precision])
+    # the judge profile with its local judge: the sizes above and the grader the floor table was measured with
+    cli = build_parser().parse_args(["quickstart", "--judge", "local", "--precision", precision])
     plan = make_plan(cli, overrides_from_args(cli))
     compute = torch.bfloat16 if precision == "bf16" else torch.float32
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
