@@ -487,12 +487,14 @@ def plot(rows: list[dict], path: Path, cells=(("flip", 0.1, 4), ("flip", 0.2, 4)
 
 
 # --------------------------------------------------------------------------------------------------- real geometry
-def real_geometry(shard_dir: Path, batches_per_step: int = 1) -> dict[str, float]:
+def real_geometry(shard_dir: Path, batches_per_step: int = 1, record: Path | None = None) -> dict[str, float]:
     """The arms' per-step alignment with the truth-GRPO update on committed calibration shards.
 
     Each shard (``batch_*.npz``: point, reference, truth ``[G, K]``, gram ``[G, K, K]`` of a real policy) is one
     step; groups are taken as mutually orthogonal, so ``<u(a), u(b)> = sum_g a_g^T M_g b_g``. The first half of the
-    shards calibrates the SetGRPO records, the second half is scored. Returns ``{arm: {"cos": mean cosine,
+    shards calibrates the SetGRPO records, the second half is scored. With ``record`` (a ``record.json``, e.g. the
+    one verl's calibration stage wrote from these shards, so in-sample for them) the arm ``setgrpo_record`` applies
+    it as the trainer does. Returns ``{arm: {"cos": mean cosine,
     "trained": mean share of groups with a nonzero update, "steps": scored shards}}``.
     """
     files = sorted(shard_dir.glob("batch_*.npz"))
@@ -514,6 +516,9 @@ def real_geometry(shard_dir: Path, batches_per_step: int = 1) -> dict[str, float
             "setgrpo_soft": lambda s: grpo_coefficients(s["point"]) * soft_weights(
                 s["point"], s["gram"], records["setgrpo_loose"])[:, None],
             "setgrpo_reliability": lambda s: reliability_coefficients(s["point"], s["reference"])}
+    if record is not None:
+        rec = CalibrationRecord.from_json(record)
+        arms["setgrpo_record"] = lambda s: setgrpo_coefficients(s["point"], s["gram"], rec).coefficients
     cos = {name: [] for name in arms}
     trained = {name: [] for name in arms}
     for s in shards[half:]:
@@ -576,6 +581,8 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", nargs="+", default=None)
     ap.add_argument("--tune-lr", action="store_true", help="GRPO at flip 0.1, K 4 over lr x {0.3, 1, 3, 10, 30}")
     ap.add_argument("--shards", type=Path, default=None, help="the real-geometry instrument on a shard directory")
+    ap.add_argument("--record", type=Path, default=None,
+                    help="with --shards: also apply this record.json as the trainer does (arm setgrpo_record)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None, help="print docs/outcome.md's table of a --json file")
     ap.add_argument("--plot", type=Path, nargs=2, default=None, metavar=("JSON", "PNG"),
@@ -588,7 +595,7 @@ def main(argv=None) -> None:
         print(markdown(json.loads(args.markdown.read_text())["rows"], args.arms))
         return
     if args.shards is not None:
-        cos = real_geometry(args.shards)
+        cos = real_geometry(args.shards, record=args.record)
         print("real geometry: mean cosine with the truth-GRPO update per step, share of groups trained")
         for name, c in cos.items():
             print(f"  {name:>14} {c['cos']:.3f} {c['trained']:.3f}")

@@ -141,3 +141,26 @@ def test_real_geometry_instrument_reproduces(lab):
         assert now[arm]["trained"] == pytest.approx(values["trained"], abs=1e-9)
     assert now["grpo_mean2"]["cos"] > now["grpo"]["cos"] > now["setgrpo_loose"]["cos"]
     assert np.isclose(now["setgrpo_paper"]["trained"], 0.0)
+
+
+def test_the_comparisons_calibration_re_analyses_on_its_own_geometry(lab):
+    """validation/outcome_verl/flip0.06/calibration: the 240 groups verl's calibration stage scored for the
+    comparison's paper arm (SmolLM2-135M at its start, K 4, flip 0.06, fp32) and the record it wrote. The record
+    certifies tau 0 at alpha 0.2, beta 0.3, delta 0.05 (10 reversals in 101 accepted groups, UCB 0.210); applied as
+    the trainer applies it, its update aligns with the truth update less than GRPO's on one scoring, and GRPO on the
+    mean of two aligns best (docs/outcome.md#on-real-geometry-the-committed-paper-profile-shards)."""
+    from setgrpo_verl.core import CalibrationRecord
+
+    calibration = ROOT / "validation" / "outcome_verl" / "flip0.06" / "calibration"
+    record = CalibrationRecord.from_json(calibration / "record.json")
+    assert (record.settings.alpha, record.settings.beta, record.settings.delta) == (0.2, 0.3, 0.05)
+    assert record.tau_sel == 0.0 and record.N == 101 and record.F == 10
+    assert record.ucb_sel == pytest.approx(0.2101, abs=1e-4) and record.ucb_sel <= record.settings.beta
+    committed = json.loads((RESULTS / "real_geometry_flip0.06.json").read_text())["real_geometry"]
+    now = lab.real_geometry(calibration / "shards", record=calibration / "record.json")
+    for arm, values in committed.items():
+        assert now[arm]["cos"] == pytest.approx(values["cos"], abs=1e-9)
+        assert now[arm]["trained"] == pytest.approx(values["trained"], abs=1e-9)
+    assert now["grpo_mean2"]["cos"] > now["setgrpo_reliability"]["cos"] > now["grpo"]["cos"] \
+        > now["setgrpo_record"]["cos"]
+    assert now["setgrpo_record"]["trained"] == pytest.approx(0.805, abs=1e-3)

@@ -18,8 +18,8 @@ import numpy as np
 
 from .run import ReportError, load_metrics
 
-__all__ = ["ARM_ORDER", "CALLS_METRIC", "RUN_NAME", "TRUTH_METRIC", "Curve", "outcome_line", "outcome_report",
-           "outcome_rows", "outcome_table", "plot_outcome", "read_curve", "read_runs", "write_outcome"]
+__all__ = ["ARM_ORDER", "CALLS_METRIC", "RUN_NAME", "TRUTH_METRIC", "Curve", "command_precision", "outcome_line",
+           "outcome_report", "outcome_rows", "outcome_table", "plot_outcome", "read_curve", "read_runs", "write_outcome"]
 
 #: verl's validation metric of the held-out truth reward: ``_validate`` logs the mean of each numeric
 #: ``reward_extra_info`` key per data source as ``val-aux/<data_source>/<key>/mean@<n>``, and the noisy rules grader's
@@ -33,6 +33,11 @@ ARM_ORDER = ("setgrpo_reliability", "grpo_mean2", "grpo", "setgrpo_paper")
 RUN_NAME = re.compile(r"^(?P<arm>[a-z][a-z0-9_]*)_s(?P<seed>[0-9]+)$")
 #: The noisy grader's flip probability in a run's ``command.sh`` (``grader={type:noisy,flip_prob:P,...}``).
 _FLIP = re.compile(r"[{,]flip_prob:(?P<p>[0-9.eE+-]+)[,}]")
+#: The CPU backend's precision in a run's ``command.sh``: the rollout's dtype and the actor's FSDP parameter dtype.
+_ROLLOUT_DTYPE = re.compile(r"actor_rollout_ref\.rollout\.dtype=(?P<d>[A-Za-z0-9_]+)")
+_PARAM_DTYPE = re.compile(r"actor_rollout_ref\.actor\.fsdp_config\.mixed_precision=\{param_dtype:(?P<d>[A-Za-z0-9_]+)")
+_DTYPE_NAMES = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32", "float16": "fp16",
+                "fp16": "fp16"}
 #: What the outcome's truth reward is, as ``outcome.json`` names it.
 _METRIC = "held-out truth reward (val-aux/<data_source>/truth_score/mean@1, greedy)"
 #: Arms every other arm is compared with, paired over the seeds both have.
@@ -225,6 +230,20 @@ def outcome_table(result: Mapping) -> str:
     return "\n".join(lines)
 
 
+def command_precision(command: str) -> str | None:
+    """The compute precision a verl command line sets (a run's ``command.sh``; docs/outcome.md#through-verl-the-plan):
+    ``"bf16"`` or ``"fp32"`` where the rollout's dtype (``actor_rollout_ref.rollout.dtype``) and the actor's FSDP
+    parameter dtype (``actor.fsdp_config.mixed_precision.param_dtype``) agree, ``"rollout <d>, actor <d>"`` where
+    they differ or only one is set, None where the command sets neither (verl's defaults: a GPU recipe's precision).
+    The precision changes every sampled token and gradient, so runs at different precisions are different
+    experiments, like runs at different flip probabilities."""
+    rollout, actor = (m["d"] if (m := rx.search(command)) else None for rx in (_ROLLOUT_DTYPE, _PARAM_DTYPE))
+    rollout, actor = (_DTYPE_NAMES.get(d, d) if d else None for d in (rollout, actor))
+    if rollout is None and actor is None:
+        return None
+    return rollout if rollout == actor else f"rollout {rollout or 'default'}, actor {actor or 'default'}"
+
+
 def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], float, list[str]]:
     """Every run under ``root`` (a directory ``<arm>_s<seed>`` with verl's ``metrics.jsonl`` and the ``command.sh``
     that ran it; :data:`RUN_NAME`) as ``({arm: {seed: Curve}}, flip_prob, unfinished)``: the committed runs of
@@ -237,7 +256,8 @@ def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], flo
     Raises:
         ReportError: ``root`` is not a directory or holds no run, a run's metrics are missing or refused
             (:func:`read_curve`), a ``command.sh`` is missing or names no noisy grader's ``flip_prob``, or the runs
-            are at different flip probabilities (one comparison is one grader).
+            are at different flip probabilities or precisions (:func:`command_precision`; one comparison is one
+            grader and one arithmetic).
     """
     from ..rundir import COMPLETE
 
@@ -251,10 +271,12 @@ def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], flo
     unfinished = [run.name for run in runs if marked and not (run / COMPLETE).is_file()]
     curves: dict[str, dict[int, Curve]] = {}
     flips: dict[str, float] = {}
+    precisions: dict[str, str | None] = {}
     for run in (run for run in runs if run.name not in unfinished):
         name = RUN_NAME.match(run.name)
         try:
-            flip = _FLIP.search((run / "command.sh").read_text())
+            command = (run / "command.sh").read_text()
+            flip = _FLIP.search(command)
             curve = read_curve(run / "metrics.jsonl")
         except ReportError:
             raise
@@ -263,12 +285,17 @@ def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], flo
         if flip is None:
             raise ReportError(f"{run / 'command.sh'}: no noisy grader's flip_prob; the comparison's runs use one")
         flips[run.name] = float(flip["p"])
+        precisions[run.name] = command_precision(command)
         curves.setdefault(name["arm"], {})[int(name["seed"])] = curve
     if not curves:
         raise ReportError(f"{root}: no finished run (none of {', '.join(unfinished)} has its {COMPLETE} marker)")
     if len(set(flips.values())) > 1:
         raise ReportError(f"{root}: runs at different flip probabilities ("
                           + ", ".join(f"{r} {p:g}" for r, p in sorted(flips.items())) + "); analyse each apart")
+    if len(set(precisions.values())) > 1:
+        raise ReportError(f"{root}: runs at different precisions ("
+                          + ", ".join(f"{r} {p or 'verl default'}" for r, p in sorted(precisions.items()))
+                          + "); a precision changes every sampled token and gradient, so analyse each apart")
     return curves, next(iter(flips.values())), unfinished
 
 

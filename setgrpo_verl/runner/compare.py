@@ -215,6 +215,38 @@ def _commands(args: argparse.Namespace, plan, lifecycle) -> list[tuple[str, str,
     return commands
 
 
+def _check_precision(commands, run_dir: Path, lifecycle) -> None:
+    """Refuse commands at another compute precision than the work they join in ``run_dir``: the calibration and
+    the runs under ``compare/`` that are finished or checkpointed (:func:`~setgrpo_verl.runner.lifecycle.dir_state`)
+    and that this command keeps or continues, or does not touch (other arms and seeds). The
+    CPU backend's default precision follows the host (bf16 where the CPU has bf16 units, fp32 elsewhere), and the
+    analysis pairs runs by seed, so a run directory continued on another kind of host would mix two arithmetics.
+
+    Raises:
+        LaunchError: naming the runs, both precisions and the fix (``--precision``, or another ``--run-dir``).
+    """
+    from ..report.outcome import command_precision
+    from ..rundir import LaunchError
+    from .lifecycle import dir_state
+
+    planned = sorted({str(command_precision(" ".join(c))) for _, _, c in commands})
+    others = {}
+    for path in [run_dir / "calibration", *sorted((run_dir / "compare").glob("*"))]:
+        name = "calibration" if path.name == "calibration" else f"compare/{path.name}"
+        if (name in lifecycle and lifecycle.action(name) in ("create", "replace", "remove")) \
+                or dir_state(path) not in ("complete", "checkpointed") or not (path / "command.sh").is_file():
+            continue
+        theirs = str(command_precision((path / "command.sh").read_text()))
+        if theirs not in planned or len(planned) > 1:
+            others[name] = theirs
+    if others:
+        raise LaunchError(f"{run_dir}: " + ", ".join(f"{n} ran at {p}" for n, p in sorted(others.items()))
+                          + f", and this command runs at {' and '.join(planned)} (the CPU's default: bf16 where it "
+                          "has bf16 units, fp32 elsewhere); a comparison is one arithmetic: pass --precision to "
+                          "match them (bf16 is many times slower on a CPU without bf16 units), or use another "
+                          "--run-dir")
+
+
 def _checked(commands, run_dir: Path) -> list[tuple[str, list[str]]]:
     """The commands as the pre-Ray check composes them: ``setgrpo_paper``'s without its record until the calibration
     stage has written it (its own ``main_ppo`` checks the record before Ray)."""
@@ -266,6 +298,7 @@ def run_compare(args: argparse.Namespace) -> str | None:
     lifecycle = plan_run(args.run_dir, writes, overwrite=args.overwrite, resume=args.resume,
                          same_data=split_matches(args.run_dir, split), depends=depends)
     commands = _commands(args, plan, lifecycle)
+    _check_precision(commands, Path(args.run_dir), lifecycle)
     check_before_ray(args, _checked(commands, args.run_dir), lifecycle, split,
                      checks=(lambda: check_training_steps(plan.values, args.overrides, len(split["train"])),))
     header = _header(args, plan, split)

@@ -111,7 +111,9 @@ def test_a_schema_4_record_loads_migrated_to_the_settings_it_was_calibrated_with
     assert old.tau_start_source == {"kind": "user"} and old.created_at == "2026-01-01T00:00:00+00:00"
     # the same record as calibrating anew today, up to the provenance fields
     fresh = calibrate(*groups, SCHEMA_4_SETTINGS, split_seed=3, created_at=old.created_at)
-    assert old == dataclasses.replace(fresh, package_versions={})
+    # the stored file was calibrated on another CPU: its floats (Q_alpha) may differ from today's in the last bits
+    assert old.q_alpha == pytest.approx(fresh.q_alpha, rel=1e-12, abs=0)
+    assert old == dataclasses.replace(fresh, package_versions={}, q_alpha=old.q_alpha)
     # it answers to the hash its file stores (resume state and pilot sources name it so) ...
     assert content_sha256(old) == stored["content_sha256"]
     # ... and lists no calibration prompts, so it can be no pilot: its start would have to be given as the user's

@@ -130,6 +130,38 @@ def test_dry_run_prints_the_plan_and_every_command_and_writes_nothing(tmp_path, 
     assert not run.exists()
 
 
+def test_compare_refuses_to_join_finished_or_checkpointed_runs_at_another_precision(tmp_path, capsys):
+    """The CPU's default precision follows the host (bf16 with bf16 units, fp32 without): a run directory continued
+    on another kind of host would pair runs of two arithmetics, so compare refuses before Ray and names the fix."""
+    from setgrpo_verl.runner.launch import cpu_overrides
+
+    run = tmp_path / "run"
+    args = ["compare", "--run-dir", str(run), "--flip-prob", "0.06", "--arms", "grpo", "--seeds", "1", "--resume",
+            "--dry-run"]
+    assert cli.main(args + ["--precision", "fp32"]) == 0
+    capsys.readouterr()
+    done = run / run_name("grpo", 0)
+    _metrics(done, [0.5, 0.55])
+    (done / "command.sh").write_text("python -m verl.trainer.main_ppo " + " ".join(cpu_overrides(1, "bf16")) + "\n")
+    assert cli.main(args + ["--precision", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "compare/grpo_s0 ran at bf16, and this command runs at fp32" in err and "pass --precision" in err
+    assert cli.main(args + ["--precision", "bf16"]) == 0
+    capsys.readouterr()
+    (done / COMPLETE).unlink()  # interrupted before any checkpoint: nothing of it is kept, so nothing to match
+    assert cli.main(args + ["--precision", "fp32"]) == 0
+
+
+def test_command_precision_reads_the_rollout_and_actor_dtypes():
+    from setgrpo_verl.report.outcome import command_precision
+    from setgrpo_verl.runner.launch import cpu_overrides
+
+    assert command_precision(" ".join(cpu_overrides(1, "bf16"))) == "bf16"
+    assert command_precision(" ".join(cpu_overrides(1, "fp32"))) == "fp32"
+    assert command_precision("actor_rollout_ref.rollout.dtype=bfloat16") == "rollout bf16, actor default"
+    assert command_precision("python -m verl.trainer.main_ppo") is None
+
+
 # --- the analysis, on verl metrics files written as verl's file logger writes them ---
 
 def _metrics(path, truth, *, calls=8.0, seconds=30.0, val_every=2, source="rubrichub"):
@@ -347,6 +379,11 @@ def test_report_outcome_writes_what_the_comparisons_analysis_writes_and_refuses_
     other.write_text(other.read_text().replace("flip_prob:0.06", "flip_prob:0.1"))
     assert cli.main(["report", "--outcome", str(run / "compare")]) == 2
     assert "different flip probabilities (grpo_mean2_s0 0.06, grpo_s0 0.06, grpo_s1 0.1)" in capsys.readouterr().err
+    other.write_text(other.read_text().replace("flip_prob:0.1", "flip_prob:0.06").rstrip("\n")
+                     + " actor_rollout_ref.rollout.dtype=float32\n")
+    assert cli.main(["report", "--outcome", str(run / "compare")]) == 2
+    assert ("different precisions (grpo_mean2_s0 verl default, grpo_s0 verl default, grpo_s1 rollout fp32, actor "
+            "default)") in capsys.readouterr().err
     (run / "compare" / "grpo_s1" / "metrics.jsonl").unlink()
     assert cli.main(["report", "--outcome", str(run / "compare")]) == 2
     assert "grpo_s1: [Errno 2] No such file or directory" in capsys.readouterr().err
