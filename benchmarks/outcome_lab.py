@@ -588,6 +588,8 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", type=Path, nargs=2, default=None, metavar=("JSON", "PNG"),
                     help="draw docs/outcome.md's figure from a --json file")
     args = ap.parse_args(argv)
+    if args.record is not None and args.shards is None:
+        ap.error("--record applies a record on real geometry: pass it with --shards DIR")
     if args.plot is not None:
         plot(json.loads(args.plot[0].read_text())["rows"], args.plot[1])
         return

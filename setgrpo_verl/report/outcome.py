@@ -18,8 +18,9 @@ import numpy as np
 
 from .run import ReportError, load_metrics
 
-__all__ = ["ARM_ORDER", "CALLS_METRIC", "RUN_NAME", "TRUTH_METRIC", "Curve", "command_precision", "outcome_line",
-           "outcome_report", "outcome_rows", "outcome_table", "plot_outcome", "read_curve", "read_runs", "write_outcome"]
+__all__ = ["ARM_ORDER", "CALLS_METRIC", "RUN_NAME", "TRUTH_METRIC", "Curve", "check_one_precision", "command_precision",
+           "outcome_line", "outcome_report", "outcome_rows", "outcome_table", "plot_outcome", "read_curve", "read_runs",
+           "write_outcome"]
 
 #: verl's validation metric of the held-out truth reward: ``_validate`` logs the mean of each numeric
 #: ``reward_extra_info`` key per data source as ``val-aux/<data_source>/<key>/mean@<n>``, and the noisy rules grader's
@@ -35,7 +36,8 @@ RUN_NAME = re.compile(r"^(?P<arm>[a-z][a-z0-9_]*)_s(?P<seed>[0-9]+)$")
 _FLIP = re.compile(r"[{,]flip_prob:(?P<p>[0-9.eE+-]+)[,}]")
 #: The CPU backend's precision in a run's ``command.sh``: the rollout's dtype and the actor's FSDP parameter dtype.
 _ROLLOUT_DTYPE = re.compile(r"actor_rollout_ref\.rollout\.dtype=(?P<d>[A-Za-z0-9_]+)")
-_PARAM_DTYPE = re.compile(r"actor_rollout_ref\.actor\.fsdp_config\.mixed_precision=\{param_dtype:(?P<d>[A-Za-z0-9_]+)")
+_PARAM_DTYPE = re.compile(r"actor_rollout_ref\.actor\.fsdp_config\.mixed_precision"
+                          r"(?:=\{[^}]*?\bparam_dtype:|\.param_dtype=)(?P<d>[A-Za-z0-9_]+)")
 _DTYPE_NAMES = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32", "float16": "fp16",
                 "fp16": "fp16"}
 #: What the outcome's truth reward is, as ``outcome.json`` names it.
@@ -237,11 +239,24 @@ def command_precision(command: str) -> str | None:
     they differ or only one is set, None where the command sets neither (verl's defaults: a GPU recipe's precision).
     The precision changes every sampled token and gradient, so runs at different precisions are different
     experiments, like runs at different flip probabilities."""
-    rollout, actor = (m["d"] if (m := rx.search(command)) else None for rx in (_ROLLOUT_DTYPE, _PARAM_DTYPE))
+    # the last setting wins, as in Hydra (a user's override follows the launcher's)
+    rollout, actor = (ds[-1] if (ds := rx.findall(command)) else None for rx in (_ROLLOUT_DTYPE, _PARAM_DTYPE))
     rollout, actor = (_DTYPE_NAMES.get(d, d) if d else None for d in (rollout, actor))
     if rollout is None and actor is None:
         return None
     return rollout if rollout == actor else f"rollout {rollout or 'default'}, actor {actor or 'default'}"
+
+
+def check_one_precision(precisions: Mapping[str, str | None], where: str) -> None:
+    """Refuse runs of one analysis at different precisions (``{run name: command_precision(...)}``).
+
+    Raises:
+        ReportError: naming each run's precision (``verl default`` for None) and ``where``.
+    """
+    if len(set(precisions.values())) > 1:
+        raise ReportError(f"{where}: runs at different precisions ("
+                          + ", ".join(f"{r} {p or 'verl default'}" for r, p in sorted(precisions.items()))
+                          + "); a precision changes every sampled token and gradient, so analyse each apart")
 
 
 def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], float, list[str]]:
@@ -292,10 +307,7 @@ def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], flo
     if len(set(flips.values())) > 1:
         raise ReportError(f"{root}: runs at different flip probabilities ("
                           + ", ".join(f"{r} {p:g}" for r, p in sorted(flips.items())) + "); analyse each apart")
-    if len(set(precisions.values())) > 1:
-        raise ReportError(f"{root}: runs at different precisions ("
-                          + ", ".join(f"{r} {p or 'verl default'}" for r, p in sorted(precisions.items()))
-                          + "); a precision changes every sampled token and gradient, so analyse each apart")
+    check_one_precision(precisions, str(root))
     return curves, next(iter(flips.values())), unfinished
 
 

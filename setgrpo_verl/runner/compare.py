@@ -215,36 +215,46 @@ def _commands(args: argparse.Namespace, plan, lifecycle) -> list[tuple[str, str,
     return commands
 
 
-def _check_precision(commands, run_dir: Path, lifecycle) -> None:
+def check_precision(commands: Sequence[tuple[str, str, list[str]]], run_dir: Path, lifecycle) -> None:
     """Refuse commands at another compute precision than the work they join in ``run_dir``: the calibration and
     the runs under ``compare/`` that are finished or checkpointed (:func:`~setgrpo_verl.runner.lifecycle.dir_state`)
     and that this command keeps or continues, or does not touch (other arms and seeds). The
     CPU backend's default precision follows the host (bf16 where the CPU has bf16 units, fp32 elsewhere), and the
     analysis pairs runs by seed, so a run directory continued on another kind of host would mix two arithmetics.
 
+    Args:
+        commands: ``(stage, run directory part, verl command)`` of this command's stages.
+        run_dir: the comparison's run directory.
+        lifecycle: this command's :class:`~setgrpo_verl.runner.lifecycle.RunPlan`.
+
     Raises:
-        LaunchError: naming the runs, both precisions and the fix (``--precision``, or another ``--run-dir``).
+        LaunchError: naming the runs, both precisions and the fix (``--precision``, another ``--run-dir``, or for
+            the calibration alone, removing ``calibration/``).
     """
     from ..report.outcome import command_precision
     from ..rundir import LaunchError
     from .lifecycle import dir_state
 
-    planned = sorted({str(command_precision(" ".join(c))) for _, _, c in commands})
+    def precision(text: str) -> str:
+        return command_precision(text) or "verl default"
+
+    planned = sorted({precision(" ".join(c)) for _, _, c in commands})
     others = {}
     for path in [run_dir / "calibration", *sorted((run_dir / "compare").glob("*"))]:
         name = "calibration" if path.name == "calibration" else f"compare/{path.name}"
         if (name in lifecycle and lifecycle.action(name) in ("create", "replace", "remove")) \
                 or dir_state(path) not in ("complete", "checkpointed") or not (path / "command.sh").is_file():
             continue
-        theirs = str(command_precision((path / "command.sh").read_text()))
+        theirs = precision((path / "command.sh").read_text())
         if theirs not in planned or len(planned) > 1:
             others[name] = theirs
     if others:
         raise LaunchError(f"{run_dir}: " + ", ".join(f"{n} ran at {p}" for n, p in sorted(others.items()))
                           + f", and this command runs at {' and '.join(planned)} (the CPU's default: bf16 where it "
                           "has bf16 units, fp32 elsewhere); a comparison is one arithmetic: pass --precision to "
-                          "match them (bf16 is many times slower on a CPU without bf16 units), or use another "
-                          "--run-dir")
+                          "match them (bf16 is many times slower on a CPU without bf16 units), use another "
+                          "--run-dir, or, where only the calibration differs, remove its calibration/ to calibrate "
+                          "again")
 
 
 def _checked(commands, run_dir: Path) -> list[tuple[str, list[str]]]:
@@ -298,9 +308,9 @@ def run_compare(args: argparse.Namespace) -> str | None:
     lifecycle = plan_run(args.run_dir, writes, overwrite=args.overwrite, resume=args.resume,
                          same_data=split_matches(args.run_dir, split), depends=depends)
     commands = _commands(args, plan, lifecycle)
-    _check_precision(commands, Path(args.run_dir), lifecycle)
     check_before_ray(args, _checked(commands, args.run_dir), lifecycle, split,
-                     checks=(lambda: check_training_steps(plan.values, args.overrides, len(split["train"])),))
+                     checks=(lambda: check_precision(commands, Path(args.run_dir), lifecycle),
+                             lambda: check_training_steps(plan.values, args.overrides, len(split["train"]))))
     header = _header(args, plan, split)
     if args.dry_run:
         return header + "\n" + dry_run_text([(n, c) for _, n, c in commands], lifecycle, judge=args.judge)
@@ -322,14 +332,16 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
     ``outcome.txt``, then ``COMPLETE``) and return the table, the runs left out and the outcome line (last).
 
     Raises:
-        LaunchError: no run finished, a metrics file the analysis cannot read, finished runs that validated last at
-            different steps, or runs of an arm the figure cannot draw (the message names them).
+        LaunchError: no run finished, a metrics file the analysis cannot read, finished runs at different
+            precisions or that validated last at different steps, or runs of an arm the figure cannot draw (the
+            message names them).
     """
     from ..report import ReportError
-    from ..report.outcome import outcome_report, read_curve, write_outcome
+    from ..report.outcome import check_one_precision, command_precision, outcome_report, read_curve, write_outcome
     from ..rundir import COMPLETE, LaunchError, mark_complete
 
     curves: dict[str, dict[int, Any]] = {}
+    precisions: dict[str, str | None] = {}
     left = []
     for arm in args.arms:
         for seed in args.seeds:
@@ -339,8 +351,14 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
                 continue
             try:
                 curves.setdefault(arm, {})[seed] = read_curve(path / "metrics.jsonl")
+                if (path / "command.sh").is_file():
+                    precisions[f"{arm}_s{seed}"] = command_precision((path / "command.sh").read_text())
             except (OSError, ReportError) as exc:
                 raise LaunchError(f"compare analysis: {exc}") from None
+    try:
+        check_one_precision(precisions, f"compare analysis of {args.run_dir}")
+    except ReportError as exc:
+        raise LaunchError(str(exc)) from None
     try:
         result, text = outcome_report(curves, flip_prob=args.flip_prob, unfinished=left)
     except ReportError as exc:

@@ -152,6 +152,37 @@ def test_compare_refuses_to_join_finished_or_checkpointed_runs_at_another_precis
     assert cli.main(args + ["--precision", "fp32"]) == 0
 
 
+def test_the_precision_check_counts_kept_continued_and_untouched_work_and_skips_what_is_replaced(tmp_path):
+    from setgrpo_verl.runner.compare import check_precision
+    from setgrpo_verl.runner.launch import cpu_overrides
+    from setgrpo_verl.rundir import LaunchError
+
+    def command(precision):
+        return ["python", "-m", "verl.trainer.main_ppo", *cpu_overrides(1, precision)]
+
+    arms, seeds = ["grpo", "setgrpo_paper"], [0]
+    depends = compare_depends(arms, seeds)
+    _stage(tmp_path / "data", complete=True)
+    for name, kw in (("calibration", {"complete": True}), (run_name("grpo", 0), {"checkpoint": 10}),
+                     (run_name("setgrpo_paper", 0), {})):
+        _stage(tmp_path / name, **kw)
+        (tmp_path / name / "command.sh").write_text(" ".join(command("bf16")) + "\n")
+    (tmp_path / "calibration" / "record.json").write_text("{}")
+    plan = plan_run(tmp_path, list(depends), resume=True, same_data=True, depends=depends)
+    assert (plan.action("calibration"), plan.action("compare/grpo_s0"), plan.action("compare/setgrpo_paper_s0")) \
+        == ("keep", "continue", "replace")
+    commands = [("grpo", "compare/grpo_s0", command("fp32")), ("train", "compare/setgrpo_paper_s0", command("fp32"))]
+    with pytest.raises(LaunchError) as refused:
+        check_precision(commands, tmp_path, plan)
+    # the kept calibration and the continued run are named; the run started over (no checkpoint) is not
+    assert str(refused.value).startswith(f"{tmp_path}: calibration ran at bf16, compare/grpo_s0 ran at bf16, and "
+                                         "this command runs at fp32")
+    assert "remove its calibration/" in str(refused.value)
+    check_precision([(s, n, command("bf16")) for s, n, _ in commands], tmp_path, plan)
+    overwrite = plan_run(tmp_path, list(depends), overwrite=True, same_data=True, depends=depends)
+    check_precision(commands, tmp_path, overwrite)  # everything is written again
+
+
 def test_command_precision_reads_the_rollout_and_actor_dtypes():
     from setgrpo_verl.report.outcome import command_precision
     from setgrpo_verl.runner.launch import cpu_overrides
@@ -160,6 +191,13 @@ def test_command_precision_reads_the_rollout_and_actor_dtypes():
     assert command_precision(" ".join(cpu_overrides(1, "fp32"))) == "fp32"
     assert command_precision("actor_rollout_ref.rollout.dtype=bfloat16") == "rollout bf16, actor default"
     assert command_precision("python -m verl.trainer.main_ppo") is None
+    # the last setting wins, as in Hydra; the dotted key and a dict with param_dtype later on are read too
+    later = " ".join(cpu_overrides(1, "bf16")) + " actor_rollout_ref.rollout.dtype=float32"
+    assert command_precision(later) == "rollout fp32, actor bf16"
+    assert command_precision("actor_rollout_ref.rollout.dtype=float32 "
+                             "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32") == "fp32"
+    assert command_precision("actor_rollout_ref.rollout.dtype=bfloat16 '+actor_rollout_ref.actor.fsdp_config."
+                             "mixed_precision={reduce_dtype:fp32,param_dtype:bf16}'") == "bf16"
 
 
 # --- the analysis, on verl metrics files written as verl's file logger writes them ---
@@ -384,6 +422,9 @@ def test_report_outcome_writes_what_the_comparisons_analysis_writes_and_refuses_
     assert cli.main(["report", "--outcome", str(run / "compare")]) == 2
     assert ("different precisions (grpo_mean2_s0 verl default, grpo_s0 verl default, grpo_s1 rollout fp32, actor "
             "default)") in capsys.readouterr().err
+    assert cli.main(["compare", "--run-dir", str(run), "--flip-prob", "0.06", "--arms", "grpo", "grpo_mean2",
+                     "--seeds", "0", "1", "--analysis-only"]) == 2
+    assert "compare analysis of" in (err := capsys.readouterr().err) and "grpo_s1 rollout fp32, actor default" in err
     (run / "compare" / "grpo_s1" / "metrics.jsonl").unlink()
     assert cli.main(["report", "--outcome", str(run / "compare")]) == 2
     assert "grpo_s1: [Errno 2] No such file or directory" in capsys.readouterr().err
