@@ -487,21 +487,45 @@ def plot(rows: list[dict], path: Path, cells=(("flip", 0.1, 4), ("flip", 0.2, 4)
 
 
 # --------------------------------------------------------------------------------------------------- real geometry
-def real_geometry(shard_dir: Path, batches_per_step: int = 1, record: Path | None = None) -> dict[str, float]:
+def rescored(shard: dict, flip: float, generator: torch.Generator) -> dict:
+    """``shard`` with its point and reference scores drawn again at flip probability ``flip`` from its noise-free
+    rule verdicts (``truth_verdicts`` int8 ``[G, K, J]``: 1 met, 0 unmet, -1 none; ``criterion_points`` ``[G, J]``):
+    every verdict of each scoring flips independently, as the noisy grader's fresh per-call flips do, and a score is
+    the met points over the rubric's points (docs/validation.md#noisy-grader)."""
+    verdicts, points = shard["truth_verdicts"], shard["criterion_points"]
+    out = dict(shard)
+    for key in ("point", "reference"):
+        flips = torch.rand(verdicts.shape, generator=generator, dtype=torch.float64) < flip
+        met = torch.where(flips & (verdicts >= 0), 1 - verdicts, verdicts).clamp_min(0)
+        out[key] = (met * points[:, None, :]).sum(-1) / points.sum(-1)[:, None]
+    return out
+
+
+def real_geometry(shard_dir: Path, batches_per_step: int = 1, record: Path | None = None,
+                  flip: float | None = None, seed: int = 0) -> dict[str, float]:
     """The arms' per-step alignment with the truth-GRPO update on committed calibration shards.
 
     Each shard (``batch_*.npz``: point, reference, truth ``[G, K]``, gram ``[G, K, K]`` of a real policy) is one
     step; groups are taken as mutually orthogonal, so ``<u(a), u(b)> = sum_g a_g^T M_g b_g``. The first half of the
     shards calibrates the SetGRPO records, the second half is scored. With ``record`` (a ``record.json``, e.g. the
     one verl's calibration stage wrote from these shards, so in-sample for them) the arm ``setgrpo_record`` applies
-    it as the trainer does. Returns ``{arm: {"cos": mean cosine,
-    "trained": mean share of groups with a nonzero update, "steps": scored shards}}``.
+    it as the trainer does. With ``flip`` the shards' scores are drawn again at that flip probability from their
+    rule verdicts (:func:`rescored`, seeded by ``seed``), so one policy's geometry is measured at other noise
+    levels. Returns ``{arm: {"cos": mean cosine, "trained": mean share of groups with a nonzero update,
+    "reversed": share of the trained groups whose own update opposes the truth's (``a^T M t < 0``), "steps": scored
+    shards}}``.
     """
     files = sorted(shard_dir.glob("batch_*.npz"))
     if not files:
         raise SystemExit(f"no batch_*.npz shards in {shard_dir}")
-    shards = [{k: torch.from_numpy(np.load(f)[k]).double() for k in ("point", "reference", "truth", "gram")}
-              for f in files]
+    keys = ("point", "reference", "truth", "gram") + (("truth_verdicts", "criterion_points") if flip is not None else ())
+    try:
+        shards = [{k: torch.from_numpy(np.load(f)[k]).double() for k in keys} for f in files]
+    except KeyError as exc:
+        raise SystemExit(f"{shard_dir}: {exc.args[0]} missing: --flip needs shards with the rule verdicts") from None
+    if flip is not None:
+        generator = torch.Generator().manual_seed(seed)
+        shards = [rescored(s, flip, generator) for s in shards]
     half = len(shards) // 2
     cal = {k: torch.cat([s[k] for s in shards[:half]]) for k in ("point", "reference", "gram")}
     records = {"setgrpo_paper": calibrate_levels(cal["point"], cal["reference"], cal["gram"], PAPER_LEVELS),
@@ -521,6 +545,7 @@ def real_geometry(shard_dir: Path, batches_per_step: int = 1, record: Path | Non
         arms["setgrpo_record"] = lambda s: setgrpo_coefficients(s["point"], s["gram"], rec).coefficients
     cos = {name: [] for name in arms}
     trained = {name: [] for name in arms}
+    opposed = {name: [0, 0] for name in arms}  # trained groups whose update opposes the truth's, trained groups
     for s in shards[half:]:
         t = grpo_coefficients(s["truth"])
         tt = torch.einsum("gi,gij,gj->", t, s["gram"], t)
@@ -529,9 +554,21 @@ def real_geometry(shard_dir: Path, batches_per_step: int = 1, record: Path | Non
             aa = torch.einsum("gi,gij,gj->", a, s["gram"], a)
             at = torch.einsum("gi,gij,gj->", a, s["gram"], t)
             cos[name].append(float(at / (aa * tt).sqrt()) if aa > 0 and tt > 0 else 0.0)
-            trained[name].append(float((a.abs().sum(-1) > 0).double().mean()))
+            live = a.abs().sum(-1) > 0
+            trained[name].append(float(live.double().mean()))
+            opposed[name][0] += int((torch.einsum("gi,gij,gj->g", a, s["gram"], t)[live] < 0).sum())
+            opposed[name][1] += int(live.sum())
     return {name: {"cos": float(np.mean(cos[name])), "trained": float(np.mean(trained[name])),
-                   "steps": len(cos[name])} for name in arms}
+                   "reversed": opposed[name][0] / max(opposed[name][1], 1), "steps": len(cos[name])}
+            for name in arms}
+
+
+def rescored_geometry(shard_dir: Path, flip: float, draws: int = 20) -> dict[str, dict[str, float]]:
+    """:func:`real_geometry` with the scores drawn again at ``flip`` (seeds ``0 .. draws - 1``), each measure the
+    mean over the draws (one draw of 128 groups moves a cosine by several hundredths)."""
+    runs = [real_geometry(shard_dir, flip=flip, seed=seed) for seed in range(draws)]
+    return {name: {**{key: float(np.mean([r[name][key] for r in runs])) for key in ("cos", "trained", "reversed")},
+                   "steps": runs[0][name]["steps"], "draws": draws} for name in runs[0]}
 
 
 # --------------------------------------------------------------------------------------------------- command line
@@ -583,13 +620,16 @@ def main(argv=None) -> None:
     ap.add_argument("--shards", type=Path, default=None, help="the real-geometry instrument on a shard directory")
     ap.add_argument("--record", type=Path, default=None,
                     help="with --shards: also apply this record.json as the trainer does (arm setgrpo_record)")
+    ap.add_argument("--rescore", type=float, nargs="+", default=None, metavar="FLIP",
+                    help="with --shards: also draw the shards' scores again at these flip probabilities from their "
+                         "rule verdicts")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None, help="print docs/outcome.md's table of a --json file")
     ap.add_argument("--plot", type=Path, nargs=2, default=None, metavar=("JSON", "PNG"),
                     help="draw docs/outcome.md's figure from a --json file")
     args = ap.parse_args(argv)
-    if args.record is not None and args.shards is None:
-        ap.error("--record applies a record on real geometry: pass it with --shards DIR")
+    if (args.record is not None or args.rescore is not None) and args.shards is None:
+        ap.error("--record and --rescore work on real geometry: pass them with --shards DIR")
     if args.plot is not None:
         plot(json.loads(args.plot[0].read_text())["rows"], args.plot[1])
         return
@@ -598,11 +638,18 @@ def main(argv=None) -> None:
         return
     if args.shards is not None:
         cos = real_geometry(args.shards, record=args.record)
-        print("real geometry: mean cosine with the truth-GRPO update per step, share of groups trained")
+        print("real geometry: mean cosine with the truth-GRPO update per step, share of groups trained, share of "
+              "trained groups opposing the truth")
         for name, c in cos.items():
-            print(f"  {name:>14} {c['cos']:.3f} {c['trained']:.3f}")
+            print(f"  {name:>14} {c['cos']:.3f} {c['trained']:.3f} {c['reversed']:.3f}")
+        out = {"real_geometry": cos}
+        for flip in args.rescore or ():
+            out.setdefault("rescored", {})[f"{flip:g}"] = again = rescored_geometry(args.shards, flip)
+            print(f"re-scored at flip {flip:g} (mean of {next(iter(again.values()))['draws']} draws):")
+            for name, c in again.items():
+                print(f"  {name:>14} {c['cos']:.3f} {c['trained']:.3f} {c['reversed']:.3f}")
         if args.json:
-            args.json.write_text(json.dumps({"real_geometry": cos}, indent=1))
+            args.json.write_text(json.dumps(out, indent=1))
         return
     if args.quick:
         args.flips = [f for f in args.flips if f <= 0.2] if args.flips == [0.05, 0.1, 0.2, 0.3] else args.flips

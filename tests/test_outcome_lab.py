@@ -164,3 +164,22 @@ def test_the_comparisons_calibration_re_analyses_on_its_own_geometry(lab):
     assert now["grpo_mean2"]["cos"] > now["setgrpo_reliability"]["cos"] > now["grpo"]["cos"] \
         > now["setgrpo_record"]["cos"]
     assert now["setgrpo_record"]["trained"] == pytest.approx(0.805, abs=1e-3)
+
+
+def test_the_comparisons_geometry_re_scored_at_other_flips_reproduces(lab):
+    """The same 240 groups with their scores drawn again from their rule verdicts (20 draws per flip): the share of
+    GRPO group updates that oppose the truth's grows with the flip rate, GRPO on the mean of two aligns better than
+    GRPO at every flip, and at the committed draw's own flip 0.06 the re-drawn GRPO sits near the observed one."""
+    committed = json.loads((RESULTS / "real_geometry_flip0.06.json").read_text())
+    shards = ROOT / "validation" / "outcome_verl" / "flip0.06" / "calibration" / "shards"
+    now = lab.rescored_geometry(shards, 0.2, draws=committed["rescored"]["0.2"]["grpo"]["draws"])
+    for arm, values in committed["rescored"]["0.2"].items():
+        for key in ("cos", "trained", "reversed"):
+            assert now[arm][key] == pytest.approx(values[key], abs=1e-9)
+    flips = sorted(committed["rescored"], key=float)
+    reversed_ = [committed["rescored"][f]["grpo"]["reversed"] for f in flips]
+    assert reversed_ == sorted(reversed_) and reversed_[-1] > 0.25 > 0.03 > reversed_[0]
+    for f in flips:
+        assert committed["rescored"][f]["grpo_mean2"]["cos"] > committed["rescored"][f]["grpo"]["cos"]
+    observed, redrawn = committed["real_geometry"]["grpo"], committed["rescored"]["0.06"]["grpo"]
+    assert abs(observed["cos"] - redrawn["cos"]) < 0.05 and abs(observed["reversed"] - redrawn["reversed"]) < 0.02
