@@ -489,15 +489,20 @@ def plot(rows: list[dict], path: Path, cells=(("flip", 0.1, 4), ("flip", 0.2, 4)
 # --------------------------------------------------------------------------------------------------- real geometry
 def rescored(shard: dict, flip: float, generator: torch.Generator) -> dict:
     """``shard`` with its point and reference scores drawn again at flip probability ``flip`` from its noise-free
-    rule verdicts (``truth_verdicts`` int8 ``[G, K, J]``: 1 met, 0 unmet, -1 none; ``criterion_points`` ``[G, J]``):
-    every verdict of each scoring flips independently, as the noisy grader's fresh per-call flips do, and a score is
-    the met points over the rubric's points (docs/validation.md#noisy-grader)."""
-    verdicts, points = shard["truth_verdicts"], shard["criterion_points"]
+    rule verdicts (``truth_verdicts`` int8 ``[G, K, J]``: 1 met, 0 unmet, -1 no verdict or no criterion J;
+    ``criterion_points`` ``[G, J]``): every verdict of each scoring flips independently, as the noisy grader's fresh
+    per-call flips do, and the score is grading's ``rubric_score``: met points over the positive points of the
+    criteria with a verdict (their absolute negative points for an all-negative rubric; docs/algorithm.md#0-notation).
+    At ``flip`` 0 the scores are the shard's ``truth``."""
+    verdicts, points = shard["truth_verdicts"], shard["criterion_points"][:, None, :]
+    parsed = verdicts >= 0
+    positive = torch.where(parsed, points.clamp_min(0), 0).sum(-1)
+    norm = torch.where(positive > 0, positive, torch.where(parsed, (-points).clamp_min(0), 0).sum(-1))
     out = dict(shard)
     for key in ("point", "reference"):
         flips = torch.rand(verdicts.shape, generator=generator, dtype=torch.float64) < flip
-        met = torch.where(flips & (verdicts >= 0), 1 - verdicts, verdicts).clamp_min(0)
-        out[key] = (met * points[:, None, :]).sum(-1) / points.sum(-1)[:, None]
+        met = torch.where(flips & parsed, 1 - verdicts, verdicts).clamp_min(0)
+        out[key] = (met * points).sum(-1) / norm
     return out
 
 
@@ -513,16 +518,22 @@ def real_geometry(shard_dir: Path, batches_per_step: int = 1, record: Path | Non
     rule verdicts (:func:`rescored`, seeded by ``seed``), so one policy's geometry is measured at other noise
     levels. Returns ``{arm: {"cos": mean cosine, "trained": mean share of groups with a nonzero update,
     "reversed": share of the trained groups whose own update opposes the truth's (``a^T M t < 0``), "steps": scored
-    shards}}``.
+    shards}}``; ``reversed`` is over the trained groups whose truth update is not zero (``opposed_groups``: the
+    count and its denominator), None where the arm trained none of them.
     """
     files = sorted(shard_dir.glob("batch_*.npz"))
     if not files:
         raise SystemExit(f"no batch_*.npz shards in {shard_dir}")
     keys = ("point", "reference", "truth", "gram") + (("truth_verdicts", "criterion_points") if flip is not None else ())
-    try:
-        shards = [{k: torch.from_numpy(np.load(f)[k]).double() for k in keys} for f in files]
-    except KeyError as exc:
-        raise SystemExit(f"{shard_dir}: {exc.args[0]} missing: --flip needs shards with the rule verdicts") from None
+    shards = []
+    for f in files:
+        with np.load(f) as npz:
+            missing = [k for k in keys if k not in npz.files]
+            if missing:
+                raise SystemExit(f"{f}: no {', '.join(missing)}"
+                                 + (" (--rescore needs shards that keep the rule verdicts, written since the noisy "
+                                    "grader's verdicts were stored)" if flip is not None else ""))
+            shards.append({k: torch.from_numpy(npz[k]).double() for k in keys})
     if flip is not None:
         generator = torch.Generator().manual_seed(seed)
         shards = [rescored(s, flip, generator) for s in shards]
@@ -545,7 +556,8 @@ def real_geometry(shard_dir: Path, batches_per_step: int = 1, record: Path | Non
         arms["setgrpo_record"] = lambda s: setgrpo_coefficients(s["point"], s["gram"], rec).coefficients
     cos = {name: [] for name in arms}
     trained = {name: [] for name in arms}
-    opposed = {name: [0, 0] for name in arms}  # trained groups whose update opposes the truth's, trained groups
+    # trained groups whose update opposes the truth's, among the trained groups where the truth has a preference
+    opposed = {name: [0, 0] for name in arms}
     for s in shards[half:]:
         t = grpo_coefficients(s["truth"])
         tt = torch.einsum("gi,gij,gj->", t, s["gram"], t)
@@ -556,19 +568,30 @@ def real_geometry(shard_dir: Path, batches_per_step: int = 1, record: Path | Non
             cos[name].append(float(at / (aa * tt).sqrt()) if aa > 0 and tt > 0 else 0.0)
             live = a.abs().sum(-1) > 0
             trained[name].append(float(live.double().mean()))
-            opposed[name][0] += int((torch.einsum("gi,gij,gj->g", a, s["gram"], t)[live] < 0).sum())
-            opposed[name][1] += int(live.sum())
+            counted = live & (t.abs().sum(-1) > 0)
+            opposed[name][0] += int((torch.einsum("gi,gij,gj->g", a, s["gram"], t)[counted] < 0).sum())
+            opposed[name][1] += int(counted.sum())
     return {name: {"cos": float(np.mean(cos[name])), "trained": float(np.mean(trained[name])),
-                   "reversed": opposed[name][0] / max(opposed[name][1], 1), "steps": len(cos[name])}
-            for name in arms}
+                   "reversed": opposed[name][0] / opposed[name][1] if opposed[name][1] else None,
+                   "opposed_groups": opposed[name], "steps": len(cos[name])} for name in arms}
+
+
+def _share(x: float | None) -> str:
+    return "  n/a" if x is None else f"{x:.3f}"
 
 
 def rescored_geometry(shard_dir: Path, flip: float, draws: int = 20) -> dict[str, dict[str, float]]:
-    """:func:`real_geometry` with the scores drawn again at ``flip`` (seeds ``0 .. draws - 1``), each measure the
-    mean over the draws (one draw of 128 groups moves a cosine by several hundredths)."""
+    """:func:`real_geometry` with the scores drawn again at ``flip`` (seeds ``0 .. draws - 1``): the cosine and the
+    trained share as means over the draws (one draw of 128 groups moves a cosine by several hundredths), the opposed
+    share pooled over every draw's counted groups."""
     runs = [real_geometry(shard_dir, flip=flip, seed=seed) for seed in range(draws)]
-    return {name: {**{key: float(np.mean([r[name][key] for r in runs])) for key in ("cos", "trained", "reversed")},
-                   "steps": runs[0][name]["steps"], "draws": draws} for name in runs[0]}
+    out = {}
+    for name in runs[0]:
+        opposed = [sum(r[name]["opposed_groups"][i] for r in runs) for i in (0, 1)]
+        out[name] = {**{key: float(np.mean([r[name][key] for r in runs])) for key in ("cos", "trained")},
+                     "reversed": opposed[0] / opposed[1] if opposed[1] else None, "opposed_groups": opposed,
+                     "steps": runs[0][name]["steps"], "draws": draws}
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- command line
@@ -630,6 +653,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if (args.record is not None or args.rescore is not None) and args.shards is None:
         ap.error("--record and --rescore work on real geometry: pass them with --shards DIR")
+    for flip in args.rescore or ():
+        if not 0.0 <= flip < 1.0:
+            ap.error(f"--rescore {flip:g}: a flip probability is in [0, 1)")
     if args.plot is not None:
         plot(json.loads(args.plot[0].read_text())["rows"], args.plot[1])
         return
@@ -641,13 +667,13 @@ def main(argv=None) -> None:
         print("real geometry: mean cosine with the truth-GRPO update per step, share of groups trained, share of "
               "trained groups opposing the truth")
         for name, c in cos.items():
-            print(f"  {name:>14} {c['cos']:.3f} {c['trained']:.3f} {c['reversed']:.3f}")
+            print(f"  {name:>14} {c['cos']:.3f} {c['trained']:.3f} {_share(c['reversed'])}")
         out = {"real_geometry": cos}
         for flip in args.rescore or ():
             out.setdefault("rescored", {})[f"{flip:g}"] = again = rescored_geometry(args.shards, flip)
             print(f"re-scored at flip {flip:g} (mean of {next(iter(again.values()))['draws']} draws):")
             for name, c in again.items():
-                print(f"  {name:>14} {c['cos']:.3f} {c['trained']:.3f} {c['reversed']:.3f}")
+                print(f"  {name:>14} {c['cos']:.3f} {c['trained']:.3f} {_share(c['reversed'])}")
         if args.json:
             args.json.write_text(json.dumps(out, indent=1))
         return

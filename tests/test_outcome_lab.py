@@ -161,6 +161,9 @@ def test_the_comparisons_calibration_re_analyses_on_its_own_geometry(lab):
     for arm, values in committed.items():
         assert now[arm]["cos"] == pytest.approx(values["cos"], abs=1e-9)
         assert now[arm]["trained"] == pytest.approx(values["trained"], abs=1e-9)
+        assert now[arm]["opposed_groups"] == values["opposed_groups"]
+    assert now["setgrpo_paper"]["reversed"] is None  # trains nothing: no share, not 0
+    assert now["grpo"]["opposed_groups"][1] > 100 and now["grpo"]["reversed"] > now["setgrpo_record"]["reversed"]
     assert now["grpo_mean2"]["cos"] > now["setgrpo_reliability"]["cos"] > now["grpo"]["cos"] \
         > now["setgrpo_record"]["cos"]
     assert now["setgrpo_record"]["trained"] == pytest.approx(0.805, abs=1e-3)
@@ -172,10 +175,13 @@ def test_the_comparisons_geometry_re_scored_at_other_flips_reproduces(lab):
     GRPO at every flip, and at the committed draw's own flip 0.06 the re-drawn GRPO sits near the observed one."""
     committed = json.loads((RESULTS / "real_geometry_flip0.06.json").read_text())
     shards = ROOT / "validation" / "outcome_verl" / "flip0.06" / "calibration" / "shards"
-    now = lab.rescored_geometry(shards, 0.2, draws=committed["rescored"]["0.2"]["grpo"]["draws"])
-    for arm, values in committed["rescored"]["0.2"].items():
-        for key in ("cos", "trained", "reversed"):
-            assert now[arm][key] == pytest.approx(values[key], abs=1e-9)
+    for flip in ("0.06", "0.3"):  # two of the five re-derived (20 draws each take a few seconds)
+        rows = committed["rescored"][flip]
+        now = lab.rescored_geometry(shards, float(flip), draws=rows["grpo"]["draws"])
+        for arm, values in rows.items():
+            assert now[arm]["cos"] == pytest.approx(values["cos"], abs=1e-9)
+            assert now[arm]["trained"] == pytest.approx(values["trained"], abs=1e-9)
+            assert now[arm]["opposed_groups"] == values["opposed_groups"]
     flips = sorted(committed["rescored"], key=float)
     reversed_ = [committed["rescored"][f]["grpo"]["reversed"] for f in flips]
     assert reversed_ == sorted(reversed_) and reversed_[-1] > 0.25 > 0.03 > reversed_[0]
@@ -183,3 +189,18 @@ def test_the_comparisons_geometry_re_scored_at_other_flips_reproduces(lab):
         assert committed["rescored"][f]["grpo_mean2"]["cos"] > committed["rescored"][f]["grpo"]["cos"]
     observed, redrawn = committed["real_geometry"]["grpo"], committed["rescored"]["0.06"]["grpo"]
     assert abs(observed["cos"] - redrawn["cos"]) < 0.05 and abs(observed["reversed"] - redrawn["reversed"]) < 0.02
+
+
+def test_rescoring_without_flips_gives_the_truth_and_flips_only_verdicts_that_exist(lab):
+    """At flip 0 the re-drawn scores are the stored truth (grading's rubric_score of the noise-free verdicts); at
+    flip 1 - epsilon every existing verdict flips, and a criterion without a verdict stays out of the score."""
+    shard = {k: torch.from_numpy(v).double() for k, v in np.load(
+        ROOT / "validation" / "outcome_verl" / "flip0.06" / "calibration" / "shards" / "batch_000003.npz").items()
+        if k in ("truth", "truth_verdicts", "criterion_points", "point", "reference")}
+    same = lab.rescored(shard, 0.0, torch.Generator().manual_seed(0))
+    assert torch.equal(same["point"], shard["truth"]) and torch.equal(same["reference"], shard["truth"])
+    verdicts = torch.tensor([[[1, 0, -1]]], dtype=torch.float64)
+    points = torch.tensor([[2.0, 3.0, 5.0]])
+    toy = {"truth_verdicts": verdicts, "criterion_points": points}
+    assert lab.rescored(toy, 0.0, torch.Generator())["point"].item() == pytest.approx(2 / 5)
+    assert lab.rescored(toy, 1 - 1e-12, torch.Generator())["point"].item() == pytest.approx(3 / 5)

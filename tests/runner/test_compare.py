@@ -168,6 +168,9 @@ def test_the_precision_check_counts_kept_continued_and_untouched_work_and_skips_
         _stage(tmp_path / name, **kw)
         (tmp_path / name / "command.sh").write_text(" ".join(command("bf16")) + "\n")
     (tmp_path / "calibration" / "record.json").write_text("{}")
+    untouched = tmp_path / run_name("grpo", 1)  # a finished run of a seed this command does not run
+    _stage(untouched, complete=True)
+    untouched.joinpath("command.sh").write_text(" ".join(command("bf16")) + "\n")
     plan = plan_run(tmp_path, list(depends), resume=True, same_data=True, depends=depends)
     assert (plan.action("calibration"), plan.action("compare/grpo_s0"), plan.action("compare/setgrpo_paper_s0")) \
         == ("keep", "continue", "replace")
@@ -175,12 +178,13 @@ def test_the_precision_check_counts_kept_continued_and_untouched_work_and_skips_
     with pytest.raises(LaunchError) as refused:
         check_precision(commands, tmp_path, plan)
     # the kept calibration and the continued run are named; the run started over (no checkpoint) is not
-    assert str(refused.value).startswith(f"{tmp_path}: calibration ran at bf16, compare/grpo_s0 ran at bf16, and "
-                                         "this command runs at fp32")
+    assert str(refused.value).startswith(f"{tmp_path}: calibration ran at bf16, compare/grpo_s0 ran at bf16, "
+                                         "compare/grpo_s1 ran at bf16, and this command runs at fp32")
     assert "remove its calibration/" in str(refused.value)
     check_precision([(s, n, command("bf16")) for s, n, _ in commands], tmp_path, plan)
+    untouched.joinpath("command.sh").write_text(" ".join(command("fp32")) + "\n")
     overwrite = plan_run(tmp_path, list(depends), overwrite=True, same_data=True, depends=depends)
-    check_precision(commands, tmp_path, overwrite)  # everything is written again
+    check_precision(commands, tmp_path, overwrite)  # everything this command runs is written again
 
 
 def test_command_precision_reads_the_rollout_and_actor_dtypes():
