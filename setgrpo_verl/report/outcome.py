@@ -12,15 +12,15 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from .run import ReportError, load_metrics
 
-__all__ = ["ARM_ORDER", "CALLS_METRIC", "RUN_NAME", "TRUTH_METRIC", "Curve", "check_one_precision", "command_precision",
-           "outcome_line", "outcome_report", "outcome_rows", "outcome_table", "plot_outcome", "read_curve", "read_runs",
-           "write_outcome"]
+__all__ = ["ARM_ORDER", "CALLS_METRIC", "RUN_NAME", "TRUTH_METRIC", "Curve", "check_one_precision", "check_one_setting",
+           "command_precision", "outcome_line", "outcome_report", "outcome_rows", "outcome_table", "plot_outcome",
+           "read_curve", "read_runs", "write_outcome"]
 
 #: verl's validation metric of the held-out truth reward: ``_validate`` logs the mean of each numeric
 #: ``reward_extra_info`` key per data source as ``val-aux/<data_source>/<key>/mean@<n>``, and the noisy rules grader's
@@ -247,16 +247,30 @@ def command_precision(command: str) -> str | None:
     return rollout if rollout == actor else f"rollout {rollout or 'default'}, actor {actor or 'default'}"
 
 
-def check_one_precision(precisions: Mapping[str, str | None], where: str) -> None:
-    """Refuse runs of one analysis at different precisions (``{run name: command_precision(...)}``).
+def check_one_setting(values: Mapping[str, object], what: str, where: str, *,
+                      show: Callable[[object], str] = str, why: str = "") -> None:
+    """Refuse runs of one analysis that differ in a setting that makes them different experiments: one comparison
+    is one grader (``flip probabilities``) and one arithmetic (``precisions``, :func:`command_precision`).
+
+    Args:
+        values: ``{run name: the run's value}``; compared as they are, shown with ``show``.
+        what: the setting's name in the plural, as the message says it.
+        where: the run directory or analysis the message names first.
+        why: the reason, before ``analyse each apart``.
 
     Raises:
-        ReportError: naming each run's precision (``verl default`` for None) and ``where``.
+        ReportError: ``values`` hold more than one value; names each run's.
     """
-    if len(set(precisions.values())) > 1:
-        raise ReportError(f"{where}: runs at different precisions ("
-                          + ", ".join(f"{r} {p or 'verl default'}" for r, p in sorted(precisions.items()))
-                          + "); a precision changes every sampled token and gradient, so analyse each apart")
+    if len(set(values.values())) > 1:
+        raise ReportError(f"{where}: runs at different {what} ("
+                          + ", ".join(f"{r} {show(v)}" for r, v in sorted(values.items()))
+                          + f"); {why}analyse each apart")
+
+
+def check_one_precision(precisions: Mapping[str, str | None], where: str) -> None:
+    """:func:`check_one_setting` for ``{run name: command_precision(...)}`` (``verl default`` for None)."""
+    check_one_setting(precisions, "precisions", where, show=lambda p: p or "verl default",
+                      why="a precision changes every sampled token and gradient, so ")
 
 
 def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], float, list[str]]:
@@ -304,9 +318,7 @@ def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], flo
         curves.setdefault(name["arm"], {})[int(name["seed"])] = curve
     if not curves:
         raise ReportError(f"{root}: no finished run (none of {', '.join(unfinished)} has its {COMPLETE} marker)")
-    if len(set(flips.values())) > 1:
-        raise ReportError(f"{root}: runs at different flip probabilities ("
-                          + ", ".join(f"{r} {p:g}" for r, p in sorted(flips.items())) + "); analyse each apart")
+    check_one_setting(flips, "flip probabilities", str(root), show=lambda p: f"{p:g}")
     check_one_precision(precisions, str(root))
     return curves, next(iter(flips.values())), unfinished
 
