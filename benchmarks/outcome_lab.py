@@ -129,6 +129,18 @@ class Batch:
     scores: list = field(default_factory=list)  # scorings, each [S, G, K]
 
 
+def rubric_scores(verdicts: torch.Tensor, points: torch.Tensor, flipped: torch.Tensor) -> torch.Tensor:
+    """Grading's ``rubric_score`` of every response after flipping the verdicts where ``flipped``
+    (docs/algorithm.md#0-notation): met points over the positive points of the criteria with a verdict (their
+    absolute negative points for an all-negative rubric). ``verdicts`` ``[..., J]`` (1 met, 0 unmet, -1 no verdict
+    or no criterion J), ``points`` and ``flipped`` broadcast to it; returns ``[...]`` float64."""
+    parsed = verdicts >= 0
+    positive = torch.where(parsed, points.clamp_min(0), 0).sum(-1)
+    norm = torch.where(positive > 0, positive, torch.where(parsed, (-points).clamp_min(0), 0).sum(-1))
+    met = torch.where(flipped & parsed, 1 - verdicts, verdicts).clamp_min(0)
+    return (met * points).sum(-1) / norm
+
+
 def draw(world: World, theta: torch.Tensor, prompt: torch.Tensor, uniform: torch.Tensor, flips: torch.Tensor,
          rate: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
     """Sample with the inverse CDF of ``pi(. | p)`` at ``uniform [S, G, K]``, and score with ``flips [n, S, G, K, J]``
@@ -143,7 +155,7 @@ def draw(world: World, theta: torch.Tensor, prompt: torch.Tensor, uniform: torch
     verdicts = world.verdicts[p_idx, cand]                          # [S, G, K, J]
     points = world.points[prompt][:, :, None]                       # [S, G, 1, J]
     flip_rate = rate(world.length[p_idx, cand])[..., None]          # [S, G, K, 1]
-    scores = [((verdicts + (u < flip_rate).double()) % 2 * points).sum(-1) / points.sum(-1) for u in flips]
+    scores = [rubric_scores(verdicts, points, u < flip_rate) for u in flips]
     return Batch(prompt=prompt, cand=cand, grad=grad, gram=grad @ grad.transpose(-1, -2),
                  truth=world.truth[p_idx, cand], scores=scores)
 
@@ -491,18 +503,12 @@ def rescored(shard: dict, flip: float, generator: torch.Generator) -> dict:
     """``shard`` with its point and reference scores drawn again at flip probability ``flip`` from its noise-free
     rule verdicts (``truth_verdicts`` int8 ``[G, K, J]``: 1 met, 0 unmet, -1 no verdict or no criterion J;
     ``criterion_points`` ``[G, J]``): every verdict of each scoring flips independently, as the noisy grader's fresh
-    per-call flips do, and the score is grading's ``rubric_score``: met points over the positive points of the
-    criteria with a verdict (their absolute negative points for an all-negative rubric; docs/algorithm.md#0-notation).
-    At ``flip`` 0 the scores are the shard's ``truth``."""
+    per-call flips do, scored by :func:`rubric_scores`. At ``flip`` 0 the scores are the shard's ``truth``."""
     verdicts, points = shard["truth_verdicts"], shard["criterion_points"][:, None, :]
-    parsed = verdicts >= 0
-    positive = torch.where(parsed, points.clamp_min(0), 0).sum(-1)
-    norm = torch.where(positive > 0, positive, torch.where(parsed, (-points).clamp_min(0), 0).sum(-1))
     out = dict(shard)
     for key in ("point", "reference"):
-        flips = torch.rand(verdicts.shape, generator=generator, dtype=torch.float64) < flip
-        met = torch.where(flips & parsed, 1 - verdicts, verdicts).clamp_min(0)
-        out[key] = (met * points).sum(-1) / norm
+        flipped = torch.rand(verdicts.shape, generator=generator, dtype=torch.float64) < flip
+        out[key] = rubric_scores(verdicts, points, flipped)
     return out
 
 
@@ -524,7 +530,9 @@ def real_geometry(shard_dir: Path, batches_per_step: int = 1, record: Path | Non
     files = sorted(shard_dir.glob("batch_*.npz"))
     if not files:
         raise SystemExit(f"no batch_*.npz shards in {shard_dir}")
-    keys = ("point", "reference", "truth", "gram") + (("truth_verdicts", "criterion_points") if flip is not None else ())
+    keys = ("point", "reference", "truth", "gram")
+    if flip is not None:
+        keys += ("truth_verdicts", "criterion_points")
     shards = []
     for f in files:
         with np.load(f) as npz:
