@@ -15,8 +15,11 @@ A simulated RL run with exact per-response gradients, driven by the library's ow
   a candidate is ``2 flip l`` with ``l`` in [0, 1] its length, so long responses are scored worse, every time.
 * **Common random numbers**: per seed, every arm sees the same prompts, the same sampling uniforms and the same
   flip uniforms at every step; only what the arms do with them differs.
-* **Training**: ``theta += lr / (G K) sum_g sum_i a_gi g_gi`` (the PPO-clip gradient at ratio 1, token-mean over
-  one-token responses); one learning rate, tuned for GRPO, for every arm.
+* **Training**: the update direction is ``u = 1 / (G K) sum_g sum_i a_gi g_gi`` (the PPO-clip gradient at ratio 1,
+  token-mean over one-token responses). ``--optimizer sgd`` (the default) takes ``theta += lr u``; ``--optimizer
+  adam`` takes a step of ``torch.optim.AdamW`` with verl's actor defaults (betas 0.9 and 0.999, weight decay 0.01; no
+  gradient clipping), under which a constant scale of every coefficient no longer changes the step. One learning
+  rate per optimizer, tuned for GRPO, for every arm.
 * **Measures**: the gain in expected truth reward ``E_p E_{c ~ pi} r*(p, c)`` over the start, at equal steps and at
   equal training grader calls, with 95 % t-bands over seeds and paired bands against ``grpo`` and ``grpo_mean2``;
   the accepted share per step; the cosine of each step's update with the truth-GRPO update on the same samples.
@@ -69,8 +72,12 @@ PAPER_LEVELS = {"alpha": 0.05, "beta": 0.08, "delta": 0.05}
 PRODUCT_DEFAULT = {"variant": "paper", **PAPER_LEVELS}
 LOOSE_LEVELS = {"alpha": 0.2, "beta": 0.3, "delta": 0.1}
 WIDE_LEVELS = {"alpha": 0.5, "beta": 0.5, "delta": 0.2}
-# Tuned for GRPO at flip 0.1, K 4 (``--tune-lr``): the best final gain over lr in {0.3, 1, 3, 10, 30}.
+# Tuned for GRPO at flip 0.1, K 4 (``--tune-lr``): the best final gain over TUNE_GRID's learning rates.
 LR = 30.0
+ADAM_LR = 0.3
+TUNE_GRID = {"sgd": (0.3, 1, 3, 10, 30), "adam": (0.03, 0.1, 0.3, 1, 3)}
+# verl's actor optimizer (actor.optim): AdamW with these betas and weight decay
+ADAM_BETAS, ADAM_WEIGHT_DECAY = (0.9, 0.999), 0.01
 CURVE_EVERY = 5  # the mean truth-reward curve in the --json rows, every 5th step from 0
 ONLINE_EVERY, ONLINE_WINDOW_STEPS = 10, 32  # refit every 10 steps on the last 32 x G groups
 
@@ -274,16 +281,21 @@ def make_arms() -> dict[str, Arm]:
             return a, w > 0
         return arm
 
-    def reliability(step_size_only=False):
+    def reliability(step_size_only=False, normalised=False):
         """GRPO on the mean of the two scorings, each group scaled by its reliability weight (core's
         ``reliability_weights``, pooled over each stream's step). ``step_size_only`` spreads the same total weight
-        evenly over the step's live groups: a control that separates the weighting from the smaller step."""
+        evenly over the step's live groups: a control that separates the weighting from the smaller step.
+        ``normalised`` divides the weights by their mean over the step's live groups, so the step keeps GRPO's total
+        weight and only its distribution over the groups changes (a step with every weight 0 stays 0)."""
         def arm(b, st):
             m = (b.scores[0] + b.scores[1]) / 2
             w = torch.stack([reliability_weights(b.scores[0][s], b.scores[1][s])[0] for s in range(m.shape[0])])
+            live = (~degenerate_groups(_flat(m))).reshape(w.shape).double()
             if step_size_only:
-                live = (~degenerate_groups(_flat(m))).reshape(w.shape).double()
                 w = live * w.sum(-1, keepdim=True) / live.sum(-1, keepdim=True).clamp_min(1)
+            if normalised:
+                mean_w = w.sum(-1, keepdim=True) / live.sum(-1, keepdim=True).clamp_min(1)
+                w = torch.where(mean_w > 0, w / mean_w.clamp_min(1e-300), 0.0)
             return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], (w > 0 if not step_size_only else None)
         return arm
 
@@ -319,6 +331,7 @@ def make_arms() -> dict[str, Arm]:
         Arm("setgrpo_soft_mean2", 2, soft("mean2", mean2=True, scale_key="mean2/soft_scale"), "mean2"),
         Arm("setgrpo_reliability", 2, reliability()),
         Arm("grpo_mean2_stepsize", 2, reliability(step_size_only=True)),
+        Arm("setgrpo_reliability_norm", 2, reliability(normalised=True)),
     ]}
 
 
@@ -376,10 +389,19 @@ class Curves:
 
 
 def train(world: World, arms: dict[str, Arm], state: dict, *, k: int, seeds: int, steps: int, groups: int,
-          lr: float, rate, seed0: int = 0) -> dict[str, Curves]:
-    """Train every arm for ``steps`` steps on ``seeds`` streams (common random numbers across arms)."""
+          lr: float, rate, seed0: int = 0, optimizer: str = "sgd") -> dict[str, Curves]:
+    """Train every arm for ``steps`` steps on ``seeds`` streams (common random numbers across arms).
+
+    ``optimizer`` is ``"sgd"`` (``theta += lr u``) or ``"adam"`` (one ``torch.optim.AdamW`` step on ``u`` as the
+    ascent direction, verl's betas and weight decay; AdamW is elementwise, so the ``[S, D]`` parameters of the
+    streams stay independent). Raises ``ValueError`` for another optimizer.
+    """
+    if optimizer not in TUNE_GRID:
+        raise ValueError(f"optimizer {optimizer!r}: use one of {sorted(TUNE_GRID)}")
     d = world.phi.shape[-1]
     theta = {name: torch.zeros(seeds, d, dtype=torch.float64) for name in arms}
+    opt = {name: torch.optim.AdamW([theta[name]], lr=lr, betas=ADAM_BETAS, weight_decay=ADAM_WEIGHT_DECAY,
+                                   maximize=True) for name in arms} if optimizer == "adam" else {}
     out = {name: Curves(np.zeros((steps + 1, seeds)), np.full((steps, seeds), np.nan), np.zeros((steps, seeds)),
                         arm.scorings) for name, arm in arms.items()}
     for name in arms:
@@ -399,7 +421,11 @@ def train(world: World, arms: dict[str, Arm], state: dict, *, k: int, seeds: int
             update = torch.einsum("sgk,sgkd->sd", a, batch.grad) / (groups * k)
             truth_update = torch.einsum("sgk,sgkd->sd", grpo_coefficients(_flat(batch.truth)).reshape(a.shape),
                                         batch.grad)
-            theta[name] = theta[name] + lr * update
+            if optimizer == "adam":
+                theta[name].grad = update
+                opt[name].step()
+            else:
+                theta[name] = theta[name] + lr * update
             norms = update.norm(dim=-1) * truth_update.norm(dim=-1)
             out[name].cos[t] = torch.where(norms > 0, (update * truth_update).sum(-1) / norms.clamp_min(1e-300),
                                            0.0).numpy()
@@ -460,17 +486,20 @@ def print_rows(rows: list[dict]) -> None:
               f"{r['cos']:5.2f}")
 
 
-def markdown(rows: list[dict], arms: list[str] | None = None) -> str:
+def markdown(rows: list[dict], arms: list[str] | None = None, optimizer: str = "sgd") -> str:
     """docs/outcome.md's table of ``rows``: gain, paired gain over ``grpo_mean2`` at equal steps and at equal training
-    grader calls (mean +- 95 % half-width), paired gain over ``grpo``, accepted share first -> last quarter, cosine."""
-    out = ["| grader | flip | K | arm | gain | - grpo_mean2 | - grpo_mean2, equal calls | - grpo | accepted | cos |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    grader calls (mean +- 95 % half-width), paired gain over ``grpo``, accepted share first -> last quarter, cosine.
+    A run with another optimizer than SGD gets a first column naming it."""
+    lead = "" if optimizer == "sgd" else f"| {optimizer} "
+    out = [("| optimizer " if lead else "")
+           + "| grader | flip | K | arm | gain | - grpo_mean2 | - grpo_mean2, equal calls | - grpo | accepted | cos |",
+           ("| --- " if lead else "") + "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if arms and r["arm"] not in arms:
             continue
         acc = "" if r["accept"] is None else f"{r['accept_first_quarter']:.2f} -> {r['accept_last_quarter']:.2f}"
         pm, pc, pg = r["paired"]["grpo_mean2"], r["paired_calls"]["grpo_mean2"], r["paired"]["grpo"]
-        out.append(f"| {r['grader']} | {r['flip']:g} | {r['K']} | `{r['arm']}` | {r['gain']:.3f} | "
+        out.append(f"{lead}| {r['grader']} | {r['flip']:g} | {r['K']} | `{r['arm']}` | {r['gain']:.3f} | "
                    f"{pm[0]:+.3f} ± {pm[1]:.3f} | {pc[0]:+.3f} ± {pc[1]:.3f} | {pg[0]:+.3f} ± {pg[1]:.3f} | {acc} | "
                    f"{r['cos']:.2f} |")
     return "\n".join(out)
@@ -603,7 +632,8 @@ def rescored_geometry(shard_dir: Path, flip: float, draws: int = 20) -> dict[str
 
 
 # --------------------------------------------------------------------------------------------------- command line
-def run(*, flips, ks, graders, seeds, steps, groups, calib_groups, lr, arms=None, verbose=True) -> list[dict]:
+def run(*, flips, ks, graders, seeds, steps, groups, calib_groups, lr, arms=None, verbose=True,
+        optimizer: str = "sgd") -> list[dict]:
     """Every (grader, flip, K) cell: calibrate, train every arm, analyse. Returns the ``--json`` rows."""
     world = make_world()
     all_arms = make_arms()
@@ -617,7 +647,8 @@ def run(*, flips, ks, graders, seeds, steps, groups, calib_groups, lr, arms=None
             for k in ks:
                 t0 = time.perf_counter()
                 state, calib_calls = calibrate_arms(calibration_data(world, k, calib_groups, rate, seed=0))
-                curves = train(world, chosen, state, k=k, seeds=seeds, steps=steps, groups=groups, lr=lr, rate=rate)
+                curves = train(world, chosen, state, k=k, seeds=seeds, steps=steps, groups=groups, lr=lr, rate=rate,
+                               optimizer=optimizer)
                 cell = analyse(curves, flip=flip, k=k, grader=grader)
                 for row in cell:
                     key = chosen[row["arm"]].record
@@ -644,10 +675,12 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--calib-groups", type=int, default=1000)
-    ap.add_argument("--lr", type=float, default=LR)
+    ap.add_argument("--optimizer", choices=sorted(TUNE_GRID), default="sgd",
+                    help="sgd: theta += lr u; adam: verl's AdamW (betas 0.9, 0.999, weight decay 0.01)")
+    ap.add_argument("--lr", type=float, default=None, help=f"default: {LR:g} (sgd), {ADAM_LR:g} (adam)")
     ap.add_argument("--lr-scale", type=float, default=1.0, help="sensitivity check: 3 and 1/3")
     ap.add_argument("--arms", nargs="+", default=None)
-    ap.add_argument("--tune-lr", action="store_true", help="GRPO at flip 0.1, K 4 over lr x {0.3, 1, 3, 10, 30}")
+    ap.add_argument("--tune-lr", action="store_true", help="GRPO at flip 0.1, K 4 over the optimizer's grid: " + str(TUNE_GRID))
     ap.add_argument("--shards", type=Path, default=None, help="the real-geometry instrument on a shard directory")
     ap.add_argument("--record", type=Path, default=None,
                     help="with --shards: also apply this record.json as the trainer does (arm setgrpo_record)")
@@ -668,7 +701,8 @@ def main(argv=None) -> None:
         plot(json.loads(args.plot[0].read_text())["rows"], args.plot[1])
         return
     if args.markdown is not None:
-        print(markdown(json.loads(args.markdown.read_text())["rows"], args.arms))
+        run_json = json.loads(args.markdown.read_text())
+        print(markdown(run_json["rows"], args.arms, run_json["meta"].get("optimizer", "sgd")))
         return
     if args.shards is not None:
         cos = real_geometry(args.shards, record=args.record)
@@ -688,17 +722,21 @@ def main(argv=None) -> None:
     if args.quick:
         args.flips = [f for f in args.flips if f <= 0.2] if args.flips == [0.05, 0.1, 0.2, 0.3] else args.flips
         args.graders = ["flip"] if args.graders == ["flip", "length"] else args.graders
+    if args.lr is None:
+        args.lr = ADAM_LR if args.optimizer == "adam" else LR
     if args.tune_lr:
-        for scale in (0.3, 1, 3, 10, 30):
+        for scale in TUNE_GRID[args.optimizer]:
             rows = run(flips=[0.1], ks=[4], graders=["flip"], seeds=args.seeds, steps=args.steps, groups=args.groups,
-                       calib_groups=args.calib_groups, lr=scale, arms=["grpo"], verbose=False)
+                       calib_groups=args.calib_groups, lr=scale, arms=["grpo"], verbose=False,
+                       optimizer=args.optimizer)
             r = next(r for r in rows if r["arm"] == "grpo")
             print(f"lr {scale:g}: grpo gain {r['gain']:.4f} +- {r['band']:.4f}")
         return
     t0 = time.perf_counter()
     rows = run(flips=args.flips, ks=args.K, graders=args.graders, seeds=args.seeds, steps=args.steps,
-               groups=args.groups, calib_groups=args.calib_groups, lr=args.lr * args.lr_scale, arms=args.arms)
-    meta = {"seeds": args.seeds, "steps": args.steps, "groups": args.groups, "calib_groups": args.calib_groups,
+               groups=args.groups, calib_groups=args.calib_groups, lr=args.lr * args.lr_scale, arms=args.arms,
+               optimizer=args.optimizer)
+    meta = {"optimizer": args.optimizer, "seeds": args.seeds, "steps": args.steps, "groups": args.groups, "calib_groups": args.calib_groups,
             "lr": args.lr * args.lr_scale, "seconds": time.perf_counter() - t0}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
