@@ -276,3 +276,10 @@ def test_normalised_reliability_weights_trail_grpo_mean2_under_sgd_at_the_tuned_
             assert r["gain"] == pytest.approx(full[key], abs=1e-12), key
         if r["arm"] == "setgrpo_reliability_norm" and r["grader"] == "flip" and r["flip"] <= 0.2:
             assert r["paired"]["grpo_mean2"][0] < 0, key
+    # the step size decides its standing: ahead by a whole band at a third of the rate, behind at three times it
+    for scale, sign in (("0.33", 1), ("3", -1)):
+        rows = json.loads((RESULTS / f"reliability_norm_lr_x{scale}.json").read_text())["rows"]
+        for r in rows:
+            if r["arm"] == "setgrpo_reliability_norm":
+                mean, half = r["paired"]["grpo_mean2"]
+                assert sign * mean - half > 0, (scale, r["flip"])
