@@ -218,7 +218,8 @@ def test_adam_makes_a_constant_scale_of_the_coefficients_irrelevant_and_sgd_does
     kw = dict(k=4, seeds=2, steps=20, groups=8, rate=rate)
     adam = lab.train(world, chosen, {}, lr=lab.ADAM_LR, optimizer="adam", **kw)
     sgd = lab.train(world, chosen, {}, lr=lab.LR, optimizer="sgd", **kw)
-    np.testing.assert_allclose(adam["grpo_quarter"].reward, adam["grpo"].reward, rtol=0, atol=1e-6)
+    # AdamW's epsilon (1e-8 against gradients of about 1e-3) leaves differences of about 5e-7
+    np.testing.assert_allclose(adam["grpo_quarter"].reward, adam["grpo"].reward, rtol=0, atol=5e-6)
     assert float(adam["grpo"].reward[-1].mean() - adam["grpo"].reward[0].mean()) > 0.01
     assert float(np.abs(sgd["grpo_quarter"].reward[-1] - sgd["grpo"].reward[-1]).max()) > 1e-3
     with pytest.raises(ValueError, match="optimizer 'rmsprop'"):
@@ -255,7 +256,9 @@ def test_committed_adam_run_and_its_reading(lab):
 
 def test_a_committed_adam_cell_reproduces_and_the_oracle_beats_grpo_there(lab):
     rows = lab.run(flips=[0.3], ks=[4], graders=["flip"], seeds=8, steps=150, groups=32, calib_groups=300,
-                   lr=lab.ADAM_LR, arms=["grpo", "oracle", "setgrpo_reliability"], verbose=False, optimizer="adam")
+                   lr=lab.ADAM_LR, arms=["grpo", "oracle", "setgrpo_reliability", "setgrpo_reliability_norm"],
+                   verbose=False, optimizer="adam")
+    assert len(rows) == 5  # the four arms and grpo_mean2
     committed = _adam_rows()
     for r in rows:
         assert r["gain"] == pytest.approx(committed[("flip", 0.3, 4, r["arm"])]["gain"], abs=5e-3), r["arm"]
@@ -270,12 +273,15 @@ def test_normalised_reliability_weights_trail_grpo_mean2_under_sgd_at_the_tuned_
     run = json.loads((RESULTS / "reliability_norm.json").read_text())
     assert run["meta"]["optimizer"] == "sgd" and run["meta"]["lr"] == 30.0
     full = {(r["grader"], r["flip"], r["K"], r["arm"]): r["gain"] for r in _rows()}
-    for r in run["rows"]:
-        key = (r["grader"], r["flip"], r["K"], r["arm"])
-        if key in full:
-            assert r["gain"] == pytest.approx(full[key], abs=1e-12), key
-        if r["arm"] == "setgrpo_reliability_norm" and r["grader"] == "flip" and r["flip"] <= 0.2:
-            assert r["paired"]["grpo_mean2"][0] < 0, key
+    shared = [r for r in run["rows"] if (r["grader"], r["flip"], r["K"], r["arm"]) in full]
+    assert len(shared) == 16 * 5  # grpo, grpo_mean2, oracle, reliability and its control in every cell
+    for r in shared:
+        assert r["gain"] == pytest.approx(full[(r["grader"], r["flip"], r["K"], r["arm"])], abs=1e-12), r["arm"]
+    normed = [r for r in run["rows"] if r["arm"] == "setgrpo_reliability_norm" and r["grader"] == "flip"
+              and r["flip"] <= 0.2]
+    assert len(normed) == 6
+    for r in normed:
+        assert r["paired"]["grpo_mean2"][0] < 0, (r["flip"], r["K"])
     # the step size decides its standing: ahead by a whole band at a third of the rate, behind at three times it
     for scale, sign in (("0.33", 1), ("3", -1)):
         rows = json.loads((RESULTS / f"reliability_norm_lr_x{scale}.json").read_text())["rows"]
@@ -283,3 +289,35 @@ def test_normalised_reliability_weights_trail_grpo_mean2_under_sgd_at_the_tuned_
             if r["arm"] == "setgrpo_reliability_norm":
                 mean, half = r["paired"]["grpo_mean2"]
                 assert sign * mean - half > 0, (scale, r["flip"])
+
+
+def test_normalised_reliability_weights_keep_grpos_total_weight(lab):
+    """setgrpo_reliability_norm: its coefficients are the plain reliability arm's times one factor per stream, so that
+    the weights sum to the number of live groups (GRPO's total weight); a stream whose weights are all 0 stays 0."""
+    world = lab.make_world()
+    arms = lab.make_arms()
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, world.phi.shape[0], (3, 16), generator=g)
+    uniform = torch.rand(3, 16, 4, generator=g, dtype=torch.float64)
+    flips = torch.rand(3, 3, 16, 4, 6, generator=g, dtype=torch.float64)
+    batch = lab.draw(world, torch.zeros(3, world.phi.shape[-1], dtype=torch.float64), prompt, uniform, flips,
+                     lab.grader_rate("flip", 0.1))
+    plain, plain_acc = arms["setgrpo_reliability"].coefficients(batch, {})
+    normed, normed_acc = arms["setgrpo_reliability_norm"].coefficients(batch, {})
+    assert torch.equal(plain_acc, normed_acc)
+    m = (batch.scores[0] + batch.scores[1]) / 2
+    grpo = grpo_coefficients(m.reshape(-1, 4)).reshape(m.shape)
+    live = ~degenerate_groups(m.reshape(-1, 4)).reshape(3, 16)
+    assert 0 < int(plain_acc.sum()) < int(live.sum())  # some live groups weighted 0, some not
+    for s in range(3):
+        on = live[s]
+        w = (normed[s][on] * grpo[s][on]).sum(-1) / (grpo[s][on] ** 2).sum(-1)  # each live group's weight
+        assert float(w.sum()) == pytest.approx(float(on.sum()), rel=1e-9)
+        assert float(normed[s][~on].abs().sum()) == 0.0
+        trained = plain_acc[s]
+        ratio = normed[s][trained] / plain[s][trained]
+        assert float(ratio.max() - ratio.min()) < 1e-9 and float(ratio.min()) >= 1.0
+    # a step where every weight is 0 (every group tied) trains nothing and divides by nothing
+    tied = dataclasses.replace(batch, scores=[torch.zeros_like(x) for x in batch.scores])
+    a, acc = arms["setgrpo_reliability_norm"].coefficients(tied, {})
+    assert float(a.abs().max()) == 0.0 and not bool(acc.any()) and bool(torch.isfinite(a).all())
