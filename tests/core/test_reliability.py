@@ -63,6 +63,24 @@ def test_closer_to_the_truth_update_than_grpo_on_the_mean():
     assert np.mean(err_weighted) < 0.5 * np.mean(err_mean)
 
 
+def test_weight_is_the_linear_shrinkage_of_the_truths_grpo_coefficients():
+    """docs/algorithm.md#92-what-it-guarantees, "why the square root": with Gaussian truths of spread tau2 and noise of
+    variance sigma2 on the mean, the regression of the truth's deviations on the observed ones has slope
+    tau2 / (tau2 + sigma2), so the truth's deviations over sqrt(tau2) are best predicted by
+    sqrt(tau2 / (tau2 + sigma2)) times the observed deviations over their spread: the weight at population values."""
+    gen = torch.Generator().manual_seed(5)
+    tau2, sigma2, groups, k = 0.04, 0.02, 200_000, 4
+    truth = 0.5 + tau2 ** 0.5 * torch.randn(groups, k, generator=gen, dtype=torch.float64)
+    mean = truth + sigma2 ** 0.5 * torch.randn(groups, k, generator=gen, dtype=torch.float64)
+    dt, dm = truth - truth.mean(1, keepdim=True), mean - mean.mean(1, keepdim=True)
+    slope = float((dt * dm).sum() / (dm * dm).sum())
+    assert slope == pytest.approx(tau2 / (tau2 + sigma2), abs=0.005)
+    # as a scale of the observed deviations over the population spread sqrt(tau2 + sigma2)
+    target, observed = dt / tau2 ** 0.5, dm / (tau2 + sigma2) ** 0.5
+    scale = float((target * observed).sum() / (observed * observed).sum())
+    assert scale == pytest.approx((tau2 / (tau2 + sigma2)) ** 0.5, abs=0.005)
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="one \\[G, K\\] shape"):
         reliability_weights(torch.zeros(3, 4), torch.zeros(3, 5))
