@@ -17,44 +17,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("VERL_FILE_LOGGER_ROOT", tempfile.mkdtemp(prefix="setgrpo_verl_tests_file_logger_"))
 
 
-#: The modules whose tests run verl's ``main_ppo`` (they hold ``serial_main_ppo``); collection checks the list.
-MAIN_PPO_MODULES = frozenset({
-    "tests/runner/test_compare_e2e.py",
-    "tests/runner/test_smoke_e2e.py",
-    "tests/verl_cpu/test_fsdp_sketches.py",
-    "tests/verl_cpu/test_grpo_main_ppo.py",
-    "tests/verl_cpu/test_rollout_batching.py",
-    "tests/verl_cpu/test_setgrpo_main_ppo.py",
-    "tests/verl_cpu/test_stop_and_resume.py",
-    "tests/verl_cpu/test_validate_main_ppo.py",
-})
-
-
 def pytest_collection_modifyitems(config, items):
-    """The modules of ``MAIN_PPO_MODULES`` are collected first (the suite's longest chain, started at once), and a
-    test that holds ``serial_main_ppo`` outside them, or one inside them that does not, is a usage error."""
-    wrong = sorted({item.nodeid.split("::")[0] for item in items
-                    if ("serial_main_ppo" in item.fixturenames) != (item.nodeid.split("::")[0] in MAIN_PPO_MODULES)})
-    if wrong:
-        raise pytest.UsageError(f"tests/conftest.py MAIN_PPO_MODULES disagrees with the modules that use serial_main_ppo "
-                                f"about {wrong}: list a module there exactly when its tests hold the fixture")
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in MAIN_PPO_MODULES)
-
-
-@pytest.hookimpl(optionalhook=True)  # an xdist hook, unknown where xdist is not loaded
-def pytest_xdist_make_schedule(config, log):
-    """pyproject's ``--dist loadfile`` with the modules of ``MAIN_PPO_MODULES`` as one unit: one worker runs them one
-    after the other while the other runs the rest of the suite, instead of taking turns on the lock."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class VerlRunsOnOneWorker(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "main_ppo" if module in MAIN_PPO_MODULES else module
-
-    return VerlRunsOnOneWorker(config, log)
+    """xdist groups for pyproject's ``--dist loadgroup``: every test that holds ``serial_main_ppo`` runs on one worker,
+    one module after the other, so the other worker runs the rest of the suite instead of waiting for the lock; every
+    other module's tests stay together on one worker, so a module's fixtures are built once. The verl runs' group is
+    collected first, so that it starts at once: it is the suite's longest chain."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = "main_ppo" if "serial_main_ppo" in item.fixturenames else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != "main_ppo")
 
 
 @pytest.fixture(scope="module")
