@@ -291,10 +291,10 @@ def make_arms() -> dict[str, Arm]:
             m = (b.scores[0] + b.scores[1]) / 2
             w = torch.stack([reliability_weights(b.scores[0][s], b.scores[1][s])[0] for s in range(m.shape[0])])
             live = (~degenerate_groups(_flat(m))).reshape(w.shape).double()
+            mean_w = w.sum(-1, keepdim=True) / live.sum(-1, keepdim=True).clamp_min(1)  # over the live groups
             if step_size_only:
-                w = live * w.sum(-1, keepdim=True) / live.sum(-1, keepdim=True).clamp_min(1)
+                w = live * mean_w
             if normalised:
-                mean_w = w.sum(-1, keepdim=True) / live.sum(-1, keepdim=True).clamp_min(1)
                 w = torch.where(mean_w > 0, w / mean_w.clamp_min(1e-300), 0.0)
             return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], (w > 0 if not step_size_only else None)
         return arm
