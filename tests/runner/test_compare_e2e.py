@@ -6,7 +6,8 @@ import pytest
 
 from setgrpo_verl.runner import cli
 
-pytestmark = pytest.mark.slow
+# compare starts verl runs (a Ray instance each): one at a time with the other modules' runs
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000), pytest.mark.usefixtures("serial_main_ppo")]
 
 
 def test_compare_runs_two_arms_and_reads_their_held_out_truth_reward(tmp_path, capsys):

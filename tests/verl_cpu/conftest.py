@@ -28,11 +28,6 @@ def reward_of(text: str) -> float:
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 16**8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_main_ppo_at_a_time(serial_main_ppo):
-    yield
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A randomly initialised 2-layer Llama (hidden 64) saved with the embedded SmolLM2 tokenizer."""

@@ -21,7 +21,7 @@ from .conftest import tail
 
 # a module's first test also waits for the other modules' verl runs (serial_main_ppo), which pytest-timeout
 # counts: its limit covers that wait as well as the module's own runs
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000), pytest.mark.usefixtures("serial_main_ppo")]
 
 _DUMP = '''
 import os

@@ -15,6 +15,9 @@ import pytest
 from setgrpo_verl.verl_cpu import rollout
 from setgrpo_verl.verl_cpu.rollout import TransformersRolloutServer, server_threads
 
+# the batching window is wall-clock time: not beside a verl run, whose processes would stretch the gaps
+pytestmark = pytest.mark.usefixtures("serial_main_ppo")
+
 _PARAMS = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 2, "logprobs": False}
 
 

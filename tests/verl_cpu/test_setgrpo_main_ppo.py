@@ -25,7 +25,7 @@ from .conftest import read_metrics, tail
 
 # a module's first test also waits for the other modules' verl runs (serial_main_ppo), which pytest-timeout
 # counts: its limit covers that wait as well as the module's own runs
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000), pytest.mark.usefixtures("serial_main_ppo")]
 
 _FLAGS = ["--rollout-n", "3", "--groups-per-step", "3", "--steps", "2", "--calib-groups", "6", "--calib-batch-size",
           "6", "--max-prompt-length", "128", "--max-response-length", "8", "--alpha", "0.5", "--beta", "0.9",

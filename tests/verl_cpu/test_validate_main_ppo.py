@@ -24,7 +24,7 @@ from .conftest import jsonl, tail
 
 # a module's first test also waits for the other modules' verl runs (serial_main_ppo), which pytest-timeout
 # counts: its limit covers that wait as well as the module's own runs
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000), pytest.mark.usefixtures("serial_main_ppo")]
 
 _FLAGS = ["--flip-prob", "0.2", "--noise-seed", "3", "-K", "3", "--calib-groups", "24", "--calib-batch-size", "24",
           "--groups-per-step", "3", "--max-prompt-length", "128", "--max-response-length", "8", "--alpha", "0.4",
