@@ -194,7 +194,8 @@ def range_advantages(center: torch.Tensor, half_width: torch.Tensor) -> torch.Te
 
 @dataclass(frozen=True)
 class Arm:
-    """A training arm: how many scorings a training step pays for, and its coefficients from a batch.
+    """A training arm: how many scorings a training step pays for per response (1.25 where a quarter of the groups
+    is scored twice), and its coefficients from a batch.
 
     ``coefficients(batch, state) -> (a [S, G, K], accepted [S, G] bool or None)``; ``state`` holds the arm's
     calibration (records, widths) and running monitors; ``record`` is the key of the calibration it uses in
@@ -202,7 +203,7 @@ class Arm:
     """
 
     name: str
-    scorings: int
+    scorings: float
     coefficients: Callable
     record: str | None = None
 
@@ -299,6 +300,25 @@ def make_arms() -> dict[str, Arm]:
             return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], (w > 0 if not step_size_only else None)
         return arm
 
+    def sampled_reliability(share):
+        """Reliability weights at about one scoring per response: every response is scored once, and the first
+        ``share`` of each step's groups (the groups are drawn at random) a second time, only to pool the grader's
+        noise variance over the step. A re-scored group trains on the mean of its two scorings (noise variance
+        halved), every other group on its one scoring; each group is scaled by ``sqrt(max(0, 1 - noise / s2_g))``
+        with its own point's noise variance."""
+        def arm(b, st):
+            p0, p1 = b.scores[0], b.scores[1]
+            n2 = max(1, round(share * p0.shape[1]))
+            twice = torch.arange(p0.shape[1]) < n2
+            point = torch.where(twice[None, :, None], (p0 + p1) / 2, p0)
+            var1 = (p0[:, :n2] - p1[:, :n2]).square().mean(dim=(1, 2)) / 2  # [S] one scoring's noise variance
+            noise = var1[:, None] / torch.where(twice, 2.0, 1.0)[None, :]
+            spread = point.var(dim=-1, unbiased=True)
+            live = (~degenerate_groups(_flat(point))).reshape(spread.shape) & (spread > 0)
+            w = torch.where(live, (1 - noise / torch.where(live, spread, 1.0)).clamp(0, 1).sqrt(), 0.0)
+            return grpo_coefficients(_flat(point)).reshape(point.shape) * w[..., None], w > 0
+        return arm
+
     def online(b, st):
         """Rolling calibration: the record is refitted every ``ONLINE_EVERY`` steps on the last ``ONLINE_WINDOW``
         groups of the stream's own training steps (point, reference, Gram at the policies that drew them)."""
@@ -332,6 +352,7 @@ def make_arms() -> dict[str, Arm]:
         Arm("setgrpo_reliability", 2, reliability()),
         Arm("grpo_mean2_stepsize", 2, reliability(step_size_only=True)),
         Arm("setgrpo_reliability_norm", 2, reliability(normalised=True)),
+        Arm("setgrpo_reliability_sampled", 1.25, sampled_reliability(0.25)),
     ]}
 
 
@@ -385,7 +406,7 @@ class Curves:
     reward: np.ndarray
     accept: np.ndarray
     cos: np.ndarray
-    scorings: int
+    scorings: float
 
 
 def train(world: World, arms: dict[str, Arm], state: dict, *, k: int, seeds: int, steps: int, groups: int,
@@ -448,8 +469,9 @@ def band(x: np.ndarray) -> tuple[float, float]:
 
 
 def gain_at_calls(c: Curves, steps: int) -> np.ndarray:
-    """Per seed gain at the training grader calls a one-scoring arm spends in ``steps`` steps."""
-    at = steps if c.scorings <= 1 else steps // c.scorings
+    """Per seed gain at the training grader calls a one-scoring arm spends in ``steps`` steps (the arm's step
+    ``steps / scorings``, rounded)."""
+    at = steps if c.scorings <= 1 else int(round(steps / c.scorings))
     return c.reward[at] - c.reward[0]
 
 

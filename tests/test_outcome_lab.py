@@ -321,3 +321,54 @@ def test_normalised_reliability_weights_keep_grpos_total_weight(lab):
     tied = dataclasses.replace(batch, scores=[torch.zeros_like(x) for x in batch.scores])
     a, acc = arms["setgrpo_reliability_norm"].coefficients(tied, {})
     assert float(a.abs().max()) == 0.0 and not bool(acc.any()) and bool(torch.isfinite(a).all())
+
+
+def test_sampled_reliability_reads_only_the_second_scorings_it_pays_for_and_is_grpo_without_noise(lab):
+    """setgrpo_reliability_sampled scores a quarter of a step's groups twice (1.25 scorings a response): changing the
+    second scoring of any other group changes nothing; a noiseless second scoring gives weight 1 to every live group,
+    so the arm is GRPO on the one scoring."""
+    world = lab.make_world()
+    arm = lab.make_arms()["setgrpo_reliability_sampled"]
+    assert arm.scorings == 1.25
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, world.phi.shape[0], (2, 16), generator=g)
+    uniform = torch.rand(2, 16, 4, generator=g, dtype=torch.float64)
+    flips = torch.rand(3, 2, 16, 4, 6, generator=g, dtype=torch.float64)
+    batch = lab.draw(world, torch.zeros(2, world.phi.shape[-1], dtype=torch.float64), prompt, uniform, flips,
+                     lab.grader_rate("flip", 0.2))
+    a, accepted = arm.coefficients(batch, {})
+    assert 0 < int(accepted.sum()) < accepted.numel()  # noisy: some groups weighted 0, some not
+    other = batch.scores[1].clone()
+    other[:, 4:] = torch.rand(other[:, 4:].shape, generator=g, dtype=torch.float64)  # groups 4.. are scored once
+    a2, _ = arm.coefficients(dataclasses.replace(batch, scores=(batch.scores[0], other, batch.scores[2])), {})
+    assert torch.equal(a, a2)
+    clean = dataclasses.replace(batch, scores=(batch.scores[0], batch.scores[0], batch.scores[2]))
+    a3, acc3 = arm.coefficients(clean, {})
+    grpo = grpo_coefficients(batch.scores[0].reshape(-1, 4)).reshape(a3.shape)
+    assert torch.allclose(a3, grpo, rtol=0, atol=1e-12)
+    live = ~degenerate_groups(batch.scores[0].reshape(-1, 4)).reshape(2, 16)
+    assert torch.equal(acc3, live)
+
+
+def test_sampled_reliability_pays_less_but_plain_grpo_is_ahead_at_equal_calls():
+    """validation/outcome_lab/reliability_sampled.json (SGD) and reliability_sampled_adam.json (verl's AdamW): reliability
+    weights on one scoring, the noise level pooled from a quarter of the groups scored twice, stay level with grpo at
+    equal steps (within 0.011 at flip <= 0.2), but at equal training grader calls plain grpo, which runs more steps for
+    the same calls, is ahead of them in every flip-grader cell under both optimizers; the runs' other arms are the full
+    tables' computation."""
+    for name, full in (("reliability_sampled", _rows()), ("reliability_sampled_adam", list(_adam_rows().values()))):
+        run = json.loads((RESULTS / f"{name}.json").read_text())
+        by_key = {(r["grader"], r["flip"], r["K"], r["arm"]): r for r in run["rows"]}
+        old = {(r["grader"], r["flip"], r["K"], r["arm"]): r["gain"] for r in full}
+        shared = [key for key in by_key if key in old]
+        assert len(shared) == 8 * 4  # grpo, grpo_mean2, oracle, setgrpo_reliability at every flip-grader cell
+        for key in shared:
+            assert by_key[key]["gain"] == pytest.approx(old[key], abs=1e-12), (name, key)
+        for flip in (0.05, 0.1, 0.2, 0.3):
+            for k in (4, 8):
+                sampled = by_key[("flip", flip, k, "setgrpo_reliability_sampled")]
+                assert sampled["scorings"] == 1.25
+                at_calls = sampled["paired_calls"]["grpo_mean2"][0]
+                assert at_calls < by_key[("flip", flip, k, "grpo")]["paired_calls"]["grpo_mean2"][0], (name, flip, k)
+                if flip <= 0.2:
+                    assert abs(sampled["paired"]["grpo"][0]) < 0.011, (name, flip, k)
