@@ -308,7 +308,11 @@ def make_arms() -> dict[str, Arm]:
         with its own point's noise variance."""
         def arm(b, st):
             p0, p1 = b.scores[0], b.scores[1]
-            n2 = max(1, round(share * p0.shape[1]))
+            n2 = share * p0.shape[1]
+            if n2 != int(n2) or n2 < 1:
+                raise ValueError(f"setgrpo_reliability_sampled scores {share:g} of a step's groups twice (its "
+                                 f"scorings count): use --groups a multiple of {round(1 / share)}, not {p0.shape[1]}")
+            n2 = int(n2)
             twice = torch.arange(p0.shape[1]) < n2
             point = torch.where(twice[None, :, None], (p0 + p1) / 2, p0)
             var1 = (p0[:, :n2] - p1[:, :n2]).square().mean(dim=(1, 2)) / 2  # [S] one scoring's noise variance
@@ -470,8 +474,8 @@ def band(x: np.ndarray) -> tuple[float, float]:
 
 def gain_at_calls(c: Curves, steps: int) -> np.ndarray:
     """Per seed gain at the training grader calls a one-scoring arm spends in ``steps`` steps (the arm's step
-    ``steps / scorings``, rounded)."""
-    at = steps if c.scorings <= 1 else int(round(steps / c.scorings))
+    ``steps / scorings``, rounded down)."""
+    at = steps if c.scorings <= 1 else math.floor(steps / c.scorings + 1e-9)  # never more calls than grpo's
     return c.reward[at] - c.reward[0]
 
 

@@ -342,6 +342,17 @@ def test_sampled_reliability_reads_only_the_second_scorings_it_pays_for_and_is_g
     other[:, 4:] = torch.rand(other[:, 4:].shape, generator=g, dtype=torch.float64)  # groups 4.. are scored once
     a2, _ = arm.coefficients(dataclasses.replace(batch, scores=(batch.scores[0], other, batch.scores[2])), {})
     assert torch.equal(a, a2)
+    # by hand: one scoring's noise variance from the 4 re-scored groups; their point is the mean, its variance half
+    p0, p1 = batch.scores[0], batch.scores[1]
+    var1 = (p0[:, :4] - p1[:, :4]).square().mean(dim=(1, 2)) / 2
+    for s in range(2):
+        for grp, point, noise in ((1, (p0[s, 1] + p1[s, 1]) / 2, var1[s] / 2), (9, p0[s, 9], var1[s])):
+            spread = point.var(unbiased=True)
+            w = float((1 - noise / spread).clamp(0, 1).sqrt()) if spread > 0 else 0.0
+            expected = grpo_coefficients(point[None])[0] * w
+            assert torch.allclose(a[s, grp], expected, rtol=0, atol=1e-12), (s, grp)
+    with pytest.raises(ValueError, match="a multiple of 4, not 18"):
+        arm.coefficients(dataclasses.replace(batch, scores=[torch.cat([x, x[:, :2]], dim=1) for x in batch.scores]), {})
     clean = dataclasses.replace(batch, scores=(batch.scores[0], batch.scores[0], batch.scores[2]))
     a3, acc3 = arm.coefficients(clean, {})
     grpo = grpo_coefficients(batch.scores[0].reshape(-1, 4)).reshape(a3.shape)
@@ -354,7 +365,7 @@ def test_sampled_reliability_pays_less_but_plain_grpo_is_ahead_at_equal_calls():
     """validation/outcome_lab/reliability_sampled.json (SGD) and reliability_sampled_adam.json (verl's AdamW): reliability
     weights on one scoring, the noise level pooled from a quarter of the groups scored twice, stay level with grpo at
     equal steps (within 0.011 at flip <= 0.2), but at equal training grader calls plain grpo, which runs more steps for
-    the same calls, is ahead of them in every flip-grader cell under both optimizers; the runs' other arms are the full
+    the same calls, is ahead of them in mean in every flip-grader cell under both optimizers; the runs' other arms are the full
     tables' computation."""
     for name, full in (("reliability_sampled", _rows()), ("reliability_sampled_adam", list(_adam_rows().values()))):
         run = json.loads((RESULTS / f"{name}.json").read_text())
