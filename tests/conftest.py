@@ -17,61 +17,63 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("VERL_FILE_LOGGER_ROOT", tempfile.mkdtemp(prefix="setgrpo_verl_tests_file_logger_"))
 
 
-#: The modules whose tests run verl's ``main_ppo`` or need a quiet machine (they hold ``serial_main_ppo``); collection
-#: checks the list against the modules that hold the fixture.
-MAIN_PPO_MODULES = frozenset({
-    "tests/runner/test_compare_e2e.py",
-    "tests/runner/test_smoke_e2e.py",
-    "tests/verl_cpu/test_fsdp_sketches.py",
-    "tests/verl_cpu/test_grpo_main_ppo.py",
-    "tests/verl_cpu/test_rollout_batching.py",
-    "tests/verl_cpu/test_setgrpo_main_ppo.py",
-    "tests/verl_cpu/test_stop_and_resume.py",
-    "tests/verl_cpu/test_validate_main_ppo.py",
-})
-
-#: The xdist work unit of ``MAIN_PPO_MODULES``.
-MAIN_PPO_SCOPE = "main_ppo"
+#: The modules whose tests run verl's ``main_ppo`` (they hold ``serial_main_ppo``), in two chains of about equal
+#: length (about 20 minutes each on a 2-core CPU). A chain's modules run one after the other; the two chains may run
+#: beside each other. Both runs of the embedded 135M policy (several GB each) are in the first chain, so no two of
+#: them overlap; the rest are tiny random models' runs. Collection checks the list against the fixture's holders.
+MAIN_PPO_CHAINS = {
+    "tests/runner/test_smoke_e2e.py": "verl_runs_1",
+    "tests/runner/test_compare_e2e.py": "verl_runs_1",
+    "tests/verl_cpu/test_validate_main_ppo.py": "verl_runs_1",
+    "tests/verl_cpu/test_fsdp_sketches.py": "verl_runs_1",
+    "tests/verl_cpu/test_stop_and_resume.py": "verl_runs_2",
+    "tests/verl_cpu/test_setgrpo_main_ppo.py": "verl_runs_2",
+    "tests/verl_cpu/test_grpo_main_ppo.py": "verl_runs_2",
+}
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test that holds ``serial_main_ppo`` outside ``MAIN_PPO_MODULES``, or a listed module none of whose tests hold
-    it, is a usage error: the schedule below would run it beside a verl run."""
+    """A test that holds ``serial_main_ppo`` outside ``MAIN_PPO_CHAINS``, or a listed module none of whose tests hold
+    it, is a usage error: the schedule below would run it beside a verl run of its own chain."""
     holders = {item.nodeid.split("::")[0] for item in items if "serial_main_ppo" in item.fixturenames}
     collected = {item.nodeid.split("::")[0] for item in items}
-    wrong = sorted(holders - MAIN_PPO_MODULES) + sorted((MAIN_PPO_MODULES & collected) - holders)
+    wrong = sorted(holders - MAIN_PPO_CHAINS.keys()) + sorted((MAIN_PPO_CHAINS.keys() & collected) - holders)
     if wrong:
-        raise pytest.UsageError(f"tests/conftest.py MAIN_PPO_MODULES disagrees with the modules that hold "
+        raise pytest.UsageError(f"tests/conftest.py MAIN_PPO_CHAINS disagrees with the modules that hold "
                                 f"serial_main_ppo about {wrong}: list a module there exactly when its tests hold it")
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # an xdist hook; tryfirst: before xdist's own scheduler choice
 def pytest_xdist_make_scheduler(config, log):
-    """pyproject's ``--dist loadfile`` with the modules of ``MAIN_PPO_MODULES`` as one work unit, handed out first:
-    one worker runs the verl runs one after the other (the suite's longest chain) while the other runs the rest,
-    instead of the two taking turns on the lock."""
+    """pyproject's ``--dist loadfile`` with each chain of ``MAIN_PPO_CHAINS`` as one work unit, the chains handed out
+    first: the suite's two longest units start at once, one per worker, and the other modules fill in after them."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class VerlRunsOnOneWorker(LoadFileScheduling):
+    chains = sorted(set(MAIN_PPO_CHAINS.values()), reverse=True)
+
+    class VerlRunChainsFirst(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return MAIN_PPO_SCOPE if module in MAIN_PPO_MODULES else module
+            return MAIN_PPO_CHAINS.get(module, module)
 
         def _assign_work_unit(self, node) -> None:
-            if MAIN_PPO_SCOPE in self.workqueue:
-                self.workqueue.move_to_end(MAIN_PPO_SCOPE, last=False)
+            for chain in chains:
+                if chain in self.workqueue:
+                    self.workqueue.move_to_end(chain, last=False)
             super()._assign_work_unit(node)
 
-    return VerlRunsOnOneWorker(config, log)
+    return VerlRunChainsFirst(config, log)
 
 
 @pytest.fixture(scope="module")
-def serial_main_ppo():
+def serial_main_ppo(request):
     """Held by a test module for all its runs of verl's ``main_ppo``: each run starts a Ray instance of about a dozen
-    processes (several GB), so the xdist workers take turns instead of running two at once on a 2-core machine."""
-    with open(os.path.join(tempfile.gettempdir(), "setgrpo_verl_tests_main_ppo.lock"), "w") as fh:
+    processes, so the modules of one chain of ``MAIN_PPO_CHAINS`` take turns under any schedule (at most one run of
+    the embedded policy at a time, and at most two runs on a 2-core machine)."""
+    chain = MAIN_PPO_CHAINS[request.node.nodeid.split("::")[0]]
+    with open(os.path.join(tempfile.gettempdir(), f"setgrpo_verl_tests_{chain}.lock"), "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

@@ -6,7 +6,7 @@ import pytest
 
 from setgrpo_verl.runner import cli
 
-# compare starts verl runs (a Ray instance each): one at a time with the other modules' runs
+# compare starts verl runs (a Ray instance each): one at a time with the other runs of its chain (tests/conftest.py)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000), pytest.mark.usefixtures("serial_main_ppo")]
 
 

@@ -21,8 +21,8 @@ from setgrpo_verl.report import load_metrics
 
 from ..verl_cpu.conftest import tail
 
-# a module's first test also waits for the other modules' verl runs (serial_main_ppo), which pytest-timeout
-# counts: its limit covers that wait as well as the module's own runs
+# a module's first test may wait for the verl runs of its chain (serial_main_ppo, tests/conftest.py), which
+# pytest-timeout counts: its limit covers that wait as well as the module's own runs
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
 

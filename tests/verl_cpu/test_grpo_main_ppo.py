@@ -22,8 +22,8 @@ from setgrpo_verl.core import grpo_coefficients
 
 from .conftest import read_metrics, reward_of, run_main_ppo, tail
 
-# a module's first test also waits for the other modules' verl runs (serial_main_ppo), which pytest-timeout
-# counts: its limit covers that wait as well as the module's own runs
+# a module's first test may wait for the verl runs of its chain (serial_main_ppo, tests/conftest.py), which
+# pytest-timeout counts: its limit covers that wait as well as the module's own runs
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000), pytest.mark.usefixtures("serial_main_ppo")]
 
 #: Loaded by verl in every process (``VERL_USE_EXTERNAL_MODULES``): a rollout ``transformers_nosync`` whose server

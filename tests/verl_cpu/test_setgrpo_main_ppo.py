@@ -23,8 +23,8 @@ from setgrpo_verl.sketch import SketchConfig
 
 from .conftest import read_metrics, tail
 
-# a module's first test also waits for the other modules' verl runs (serial_main_ppo), which pytest-timeout
-# counts: its limit covers that wait as well as the module's own runs
+# a module's first test may wait for the verl runs of its chain (serial_main_ppo, tests/conftest.py), which
+# pytest-timeout counts: its limit covers that wait as well as the module's own runs
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000), pytest.mark.usefixtures("serial_main_ppo")]
 
 _FLAGS = ["--rollout-n", "3", "--groups-per-step", "3", "--steps", "2", "--calib-groups", "6", "--calib-batch-size",

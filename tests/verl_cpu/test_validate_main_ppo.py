@@ -22,8 +22,8 @@ from setgrpo_verl.runner.validate import split_groups
 
 from .conftest import jsonl, tail
 
-# a module's first test also waits for the other modules' verl runs (serial_main_ppo), which pytest-timeout
-# counts: its limit covers that wait as well as the module's own runs
+# a module's first test may wait for the verl runs of its chain (serial_main_ppo, tests/conftest.py), which
+# pytest-timeout counts: its limit covers that wait as well as the module's own runs
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000), pytest.mark.usefixtures("serial_main_ppo")]
 
 _FLAGS = ["--flip-prob", "0.2", "--noise-seed", "3", "-K", "3", "--calib-groups", "24", "--calib-batch-size", "24",
