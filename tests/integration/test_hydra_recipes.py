@@ -242,10 +242,11 @@ def test_prepare_rubrichub_writes_disjoint_verl_splits(tmp_path):
      ("algorithm.adv_estimator=grpo", "set algorithm.adv_estimator=setgrpo"),
      ("algorithm.setgrpo.alpha=2", r"algorithm.setgrpo.alpha=2.0 must be a number in the open interval (0, 1)")],
 )
-def test_main_ppo_stops_before_ray_on_inconsistent_setgrpo_settings(override, message):
+def test_main_ppo_stops_before_ray_on_inconsistent_setgrpo_settings(override, message, tmp_path):
     """The Hydra callback of setgrpo_trainer.yaml runs before main_ppo's task (validate_config, Ray)."""
     old = sys.argv
-    sys.argv = ["main_ppo", "--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer", override]
+    sys.argv = ["main_ppo", "--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer",
+                f"hydra.run.dir={tmp_path / 'hydra'}", override]  # not outputs/ under the checkout
     try:
         with pytest.raises(SystemExit) as exc:
             main_ppo.main()

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -156,7 +157,9 @@ def test_unreadable_model_path_is_refused(tmp_path):
 
 def _main_ppo(overrides: list[str]) -> str:
     old = sys.argv
-    sys.argv = ["main_ppo", "--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer", *overrides]
+    # Hydra's run directory in a temporary folder, not outputs/ under the checkout
+    run_dir = f"hydra.run.dir={tempfile.mkdtemp(prefix='setgrpo_verl_tests_hydra_')}"
+    sys.argv = ["main_ppo", "--config-path", CONFIG_DIR, "--config-name", "setgrpo_trainer", run_dir, *overrides]
     try:
         with pytest.raises(SystemExit) as exc:
             main_ppo.main()

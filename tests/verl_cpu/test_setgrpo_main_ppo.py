@@ -13,6 +13,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -111,7 +112,9 @@ def _hand_written(run, tiny_model, reward_file, record, *extra: str, precision: 
 def _main_ppo(cmd: list[str]) -> subprocess.CompletedProcess:
     from setgrpo_verl.runner.launch import cpu_environment
 
-    return subprocess.run(cmd, capture_output=True, text=True, env=cpu_environment(), timeout=900)
+    # from a temporary folder: Hydra writes its run directory (outputs/) under the working directory
+    return subprocess.run(cmd, capture_output=True, text=True, env=cpu_environment(), timeout=900,
+                          cwd=tempfile.mkdtemp(prefix="setgrpo_verl_tests_main_ppo_"))
 
 
 def test_plain_main_ppo_command_accepts_the_record(calibrated, tiny_model, reward_file):
