@@ -291,17 +291,22 @@ def test_normalised_reliability_weights_trail_grpo_mean2_under_sgd_at_the_tuned_
                 assert sign * mean - half > 0, (scale, r["flip"])
 
 
+def _start_batch(lab, *, streams: int, seed: int, flip: float):
+    """One step of ``streams`` x 16 groups x 4 responses of the lab's world at the start (uniform) policy, flip grader."""
+    world = lab.make_world()
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, world.phi.shape[0], (streams, 16), generator=g)
+    uniform = torch.rand(streams, 16, 4, generator=g, dtype=torch.float64)
+    flips = torch.rand(3, streams, 16, 4, 6, generator=g, dtype=torch.float64)
+    return lab.draw(world, torch.zeros(streams, world.phi.shape[-1], dtype=torch.float64), prompt, uniform, flips,
+                    lab.grader_rate("flip", flip))
+
+
 def test_normalised_reliability_weights_keep_grpos_total_weight(lab):
     """setgrpo_reliability_norm: its coefficients are the plain reliability arm's times one factor per stream, so that
     the weights sum to the number of live groups (GRPO's total weight); a stream whose weights are all 0 stays 0."""
-    world = lab.make_world()
     arms = lab.make_arms()
-    g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, world.phi.shape[0], (3, 16), generator=g)
-    uniform = torch.rand(3, 16, 4, generator=g, dtype=torch.float64)
-    flips = torch.rand(3, 3, 16, 4, 6, generator=g, dtype=torch.float64)
-    batch = lab.draw(world, torch.zeros(3, world.phi.shape[-1], dtype=torch.float64), prompt, uniform, flips,
-                     lab.grader_rate("flip", 0.1))
+    batch = _start_batch(lab, streams=3, seed=3, flip=0.1)
     plain, plain_acc = arms["setgrpo_reliability"].coefficients(batch, {})
     normed, normed_acc = arms["setgrpo_reliability_norm"].coefficients(batch, {})
     assert torch.equal(plain_acc, normed_acc)
@@ -327,15 +332,10 @@ def test_sampled_reliability_reads_only_the_second_scorings_it_pays_for_and_is_g
     """setgrpo_reliability_sampled scores a quarter of a step's groups twice (1.25 scorings a response): changing the
     second scoring of any other group changes nothing; a noiseless second scoring gives weight 1 to every live group,
     so the arm is GRPO on the one scoring."""
-    world = lab.make_world()
     arm = lab.make_arms()["setgrpo_reliability_sampled"]
     assert arm.scorings == 1.25
-    g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(0, world.phi.shape[0], (2, 16), generator=g)
-    uniform = torch.rand(2, 16, 4, generator=g, dtype=torch.float64)
-    flips = torch.rand(3, 2, 16, 4, 6, generator=g, dtype=torch.float64)
-    batch = lab.draw(world, torch.zeros(2, world.phi.shape[-1], dtype=torch.float64), prompt, uniform, flips,
-                     lab.grader_rate("flip", 0.2))
+    batch = _start_batch(lab, streams=2, seed=5, flip=0.2)
+    g = torch.Generator().manual_seed(6)
     a, accepted = arm.coefficients(batch, {})
     assert 0 < int(accepted.sum()) < accepted.numel()  # noisy: some groups weighted 0, some not
     other = batch.scores[1].clone()
