@@ -62,6 +62,7 @@ from setgrpo_verl.core import (
 from setgrpo_verl.core.ggsr import projections
 from setgrpo_verl.core.grpo import degenerate_groups
 from setgrpo_verl.core.jrsc import CoefficientSets, conformal_radius, set_shape
+from setgrpo_verl.core.reliability import weights_from_noise
 
 # One thread: the lab's tensors are small (thread start-up and spin-waiting cost more than they save on a busy
 # machine), and one summation order gives the same numbers on every host.
@@ -304,8 +305,8 @@ def make_arms() -> dict[str, Arm]:
         """Reliability weights at about one scoring per response: every response is scored once, and the first
         ``share`` of each step's groups (the groups are drawn at random) a second time, only to pool the grader's
         noise variance over the step. A re-scored group trains on the mean of its two scorings (noise variance
-        halved), every other group on its one scoring; each group is scaled by ``sqrt(max(0, 1 - noise / s2_g))``
-        with its own point's noise variance."""
+        halved), every other group on its one scoring; each group is scaled by core's ``weights_from_noise`` with
+        its own point's noise variance."""
         def arm(b, st):
             p0, p1 = b.scores[0], b.scores[1]
             n2 = share * p0.shape[1]
@@ -317,9 +318,7 @@ def make_arms() -> dict[str, Arm]:
             point = torch.where(twice[None, :, None], (p0 + p1) / 2, p0)
             var1 = (p0[:, :n2] - p1[:, :n2]).square().mean(dim=(1, 2)) / 2  # [S] one scoring's noise variance
             noise = var1[:, None] / torch.where(twice, 2.0, 1.0)[None, :]
-            spread = point.var(dim=-1, unbiased=True)
-            live = (~degenerate_groups(_flat(point))).reshape(spread.shape) & (spread > 0)
-            w = torch.where(live, (1 - noise / torch.where(live, spread, 1.0)).clamp(0, 1).sqrt(), 0.0)
+            w = torch.stack([weights_from_noise(point[s], noise[s]) for s in range(point.shape[0])])
             return grpo_coefficients(_flat(point)).reshape(point.shape) * w[..., None], w > 0
         return arm
 

@@ -7,7 +7,7 @@ import torch
 from ._checks import check_scores
 from .grpo import DEGENERATE_RTOL, degenerate_groups, grpo_coefficients
 
-__all__ = ["reliability_weights", "reliability_coefficients"]
+__all__ = ["reliability_weights", "reliability_coefficients", "weights_from_noise"]
 
 
 def reliability_weights(point: torch.Tensor, reference: torch.Tensor,
@@ -43,13 +43,46 @@ def reliability_weights(point: torch.Tensor, reference: torch.Tensor,
         raise ValueError(f"point {tuple(point.shape)} and reference {tuple(reference.shape)} must have one [G, K] "
                          "shape: score the same responses twice")
     p, r = point.to(torch.float64), reference.to(torch.float64)
-    mean = (p + r) / 2
     noise_var = float((p - r).square().mean() / 4)
+    return weights_from_noise((p + r) / 2, noise_var, rtol), noise_var
+
+
+def weights_from_noise(point: torch.Tensor, noise_var: float | torch.Tensor,
+                       rtol: float = DEGENERATE_RTOL) -> torch.Tensor:
+    """Per-group weights ``w_g = sqrt(max(0, 1 - noise_var_g / s2_g))`` of GRPO on ``point``, given the grader
+    noise variance of ``point`` (docs/algorithm.md#91-definition).
+
+    :func:`reliability_weights` calls it with the pooled noise variance of the mean of two scorings; a caller
+    that estimates the noise level another way (for example from a share of the groups scored twice) passes its
+    own, one per batch or one per group. ``s2_g`` is the unbiased variance of ``point`` within group g; a group
+    whose spread is all noise gets weight 0, a group with zero noise variance weight 1.
+
+    Args:
+        point: ``[G, K]`` float training scores (reward units).
+        noise_var: the noise variance of ``point`` (reward units squared): a float or a 0-d tensor for the
+            whole batch, or a ``[G]`` tensor, one per group.
+        rtol: degeneracy tolerance of :func:`degenerate_groups`.
+
+    Returns:
+        ``[G]`` float64 weights in [0, 1], 0 for degenerate groups.
+
+    Raises:
+        ValueError: wrong ``point`` shape, K < 2 or non-finite scores; a ``noise_var`` that is negative, not
+            finite, or neither a scalar nor one value per group.
+    """
+    check_scores(point, "point")
+    noise = torch.as_tensor(noise_var, dtype=torch.float64)
+    if noise.ndim > 1 or (noise.ndim == 1 and noise.shape[0] != point.shape[0]):
+        raise ValueError(f"noise_var has shape {tuple(noise.shape)}: pass one variance for the batch or one per "
+                         f"group ([{point.shape[0]}])")
+    if not bool(torch.isfinite(noise).all()) or bool((noise < 0).any()):
+        raise ValueError(f"noise_var must be finite and >= 0 (a variance in reward units squared), got {noise_var!r}")
+    mean = point.to(torch.float64)
     spread = mean.var(dim=-1, unbiased=True)
     live = ~degenerate_groups(mean, rtol) & (spread > 0)
-    share = torch.where(live, 1.0 - noise_var / torch.where(live, spread, torch.ones_like(spread)),
+    share = torch.where(live, 1.0 - noise / torch.where(live, spread, torch.ones_like(spread)),
                         torch.zeros_like(spread))
-    return share.clamp(0.0, 1.0).sqrt(), noise_var
+    return share.clamp(0.0, 1.0).sqrt()
 
 
 def reliability_coefficients(point: torch.Tensor, reference: torch.Tensor, norm_by_std: bool = True,

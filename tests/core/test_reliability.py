@@ -7,6 +7,7 @@ import torch
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
 from setgrpo_verl.core import grpo_coefficients, reliability_coefficients, reliability_weights
+from setgrpo_verl.core.reliability import weights_from_noise
 
 
 def _simulate(batches: int, sigma: float, seed: int = 0, groups: int = 64, k: int = 4):
@@ -86,3 +87,26 @@ def test_bad_inputs_are_named():
         reliability_weights(torch.zeros(3, 4), torch.zeros(3, 5))
     with pytest.raises(ValueError, match="reference"):
         reliability_weights(torch.zeros(3, 4), torch.full((3, 4), float("nan")))
+
+
+def test_weights_from_a_given_noise_variance_closed_form():
+    """[0, 1, 0, 1] has unbiased variance 1/3: a noise variance of 1/4 leaves a signal share of 1/4, weight 1/2."""
+    point = torch.tensor([[0.0, 1.0, 0.0, 1.0]] * 3 + [[0.5] * 4], dtype=torch.float64)
+    per_group = torch.tensor([0.25, 0.0, 1.0, 0.0], dtype=torch.float64)
+    assert weights_from_noise(point, per_group).tolist() == pytest.approx([0.5, 1.0, 0.0, 0.0], abs=1e-15)
+    assert weights_from_noise(point, 0.25).tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0], abs=1e-15)
+    # the pooled estimate of two scorings is the noise variance of their mean, which reliability_weights passes on
+    gen = torch.Generator().manual_seed(3)
+    p, r = torch.rand(8, 4, generator=gen, dtype=torch.float64), torch.rand(8, 4, generator=gen, dtype=torch.float64)
+    w, noise = reliability_weights(p, r)
+    assert noise == pytest.approx(float(((p - r) ** 2).mean() / 4), rel=1e-15)
+    assert torch.equal(w, weights_from_noise((p + r) / 2, noise))
+
+
+def test_weights_from_noise_refuses_a_variance_it_cannot_read():
+    point = torch.rand(3, 4, dtype=torch.float64)
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite and >= 0"):
+            weights_from_noise(point, bad)
+    with pytest.raises(ValueError, match="one per group"):
+        weights_from_noise(point, torch.zeros(4))
