@@ -3,6 +3,7 @@
 import fcntl
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,12 +32,21 @@ MAIN_PPO_CHAINS = {
     "tests/verl_cpu/test_grpo_main_ppo.py": "verl_runs_2",
 }
 
+#: The repository root: ``MAIN_PPO_CHAINS`` names modules relative to it, whatever rootdir pytest was given.
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _module(rootpath: Path, nodeid: str) -> str:
+    """The module of a test node id (relative to pytest's ``rootpath``) as ``MAIN_PPO_CHAINS`` names it."""
+    path = (Path(rootpath) / nodeid.split("::", 1)[0]).resolve()
+    return path.relative_to(_REPO).as_posix() if path.is_relative_to(_REPO) else path.as_posix()
+
 
 def pytest_collection_modifyitems(config, items):
     """A test that holds ``serial_main_ppo`` outside ``MAIN_PPO_CHAINS``, or a listed module none of whose tests hold
     it, is a usage error: the schedule below would run it beside a verl run of its own chain."""
-    holders = {item.nodeid.split("::")[0] for item in items if "serial_main_ppo" in item.fixturenames}
-    collected = {item.nodeid.split("::")[0] for item in items}
+    holders = {_module(config.rootpath, item.nodeid) for item in items if "serial_main_ppo" in item.fixturenames}
+    collected = {_module(config.rootpath, item.nodeid) for item in items}
     wrong = sorted(holders - MAIN_PPO_CHAINS.keys()) + sorted((MAIN_PPO_CHAINS.keys() & collected) - holders)
     if wrong:
         raise pytest.UsageError(f"tests/conftest.py MAIN_PPO_CHAINS disagrees with the modules that hold "
@@ -55,8 +65,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class VerlRunChainsFirst(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return MAIN_PPO_CHAINS.get(module, module)
+            return MAIN_PPO_CHAINS.get(_module(config.rootpath, nodeid), nodeid.split("::", 1)[0])
 
         def _assign_work_unit(self, node) -> None:
             for chain in chains:
@@ -72,7 +81,7 @@ def serial_main_ppo(request):
     """Held by a test module for all its runs of verl's ``main_ppo``: each run starts a Ray instance of about a dozen
     processes, so the modules of one chain of ``MAIN_PPO_CHAINS`` take turns under any schedule (at most one run of
     the embedded policy at a time, and at most two runs on a 2-core machine)."""
-    chain = MAIN_PPO_CHAINS[request.node.nodeid.split("::")[0]]
+    chain = MAIN_PPO_CHAINS[_module(request.config.rootpath, request.node.nodeid)]
     with open(os.path.join(tempfile.gettempdir(), f"setgrpo_verl_tests_{chain}.lock"), "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
