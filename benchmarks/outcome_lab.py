@@ -12,7 +12,10 @@ A simulated RL run with exact per-response gradients, driven by the library's ow
   score of those verdicts (docs/algorithm.md#0-notation).
 * **Graders**: ``flip``, the ``NoisyGrader`` rule (docs/validation.md#noisy-grader): every scoring flips every verdict
   independently with probability ``flip``, drawn fresh per call; ``length``, a systematic error: the flip rate of
-  a candidate is ``2 flip l`` with ``l`` in [0, 1] its length, so long responses are scored worse, every time.
+  a candidate is ``2 flip l`` with ``l`` in [0, 1] its length, so long responses are scored worse, every time;
+  ``misread``, heavy-tailed errors: with probability ``flip`` a scoring misreads the whole response and every one of
+  its verdicts flips together (each verdict still flips with probability ``flip``, as under ``flip``, but the errors
+  of a response's criteria come together, as when a judge grades the wrong answer).
 * **Common random numbers**: per seed, every arm sees the same prompts, the same sampling uniforms and the same
   flip uniforms at every step; only what the arms do with them differs.
 * **Training**: the update direction is ``u = 1 / (G K) sum_g sum_i a_gi g_gi`` (the PPO-clip gradient at ratio 1,
@@ -150,9 +153,9 @@ def rubric_scores(verdicts: torch.Tensor, points: torch.Tensor, flipped: torch.T
 
 
 def draw(world: World, theta: torch.Tensor, prompt: torch.Tensor, uniform: torch.Tensor, flips: torch.Tensor,
-         rate: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+         grader: "Grader") -> Batch:
     """Sample with the inverse CDF of ``pi(. | p)`` at ``uniform [S, G, K]``, and score with ``flips [n, S, G, K, J]``
-    (one scoring per leading index: criterion j flips where its uniform is below the candidate's ``rate``)."""
+    (one scoring per leading index: which verdicts flip is ``grader.flipped`` of the uniforms)."""
     phi = world.phi[prompt]                                         # [S, G, C, D]
     pi = torch.softmax(torch.einsum("sgcd,sd->sgc", phi, theta), -1)
     cdf = pi.cumsum(-1)
@@ -162,19 +165,39 @@ def draw(world: World, theta: torch.Tensor, prompt: torch.Tensor, uniform: torch
     p_idx = prompt[..., None].expand_as(cand)
     verdicts = world.verdicts[p_idx, cand]                          # [S, G, K, J]
     points = world.points[prompt][:, :, None]                       # [S, G, 1, J]
-    flip_rate = rate(world.length[p_idx, cand])[..., None]          # [S, G, K, 1]
-    scores = [rubric_scores(verdicts, points, u < flip_rate) for u in flips]
+    length = world.length[p_idx, cand]                              # [S, G, K]
+    scores = [rubric_scores(verdicts, points, grader.flipped(u, length)) for u in flips]
     return Batch(prompt=prompt, cand=cand, grad=grad, gram=grad @ grad.transpose(-1, -2),
                  truth=world.truth[p_idx, cand], scores=scores)
 
 
-def grader_rate(grader: str, flip: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The per-candidate flip rate of a grader: ``flip`` everywhere, or ``2 flip l`` with length ``l`` (capped < 1)."""
-    if grader == "flip":
-        return lambda length: torch.full_like(length, flip)
+@dataclass(frozen=True)
+class Grader:
+    """A simulated grader: ``rate`` maps response lengths ``[...]`` in [0, 1] to each verdict's flip probability;
+    ``whole_response`` flips all of a response's verdicts together, on its first criterion's uniform."""
+
+    rate: Callable[[torch.Tensor], torch.Tensor]
+    whole_response: bool = False
+
+    def flipped(self, uniform: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """``[..., J]`` bool: the verdicts one scoring flips, from its uniforms ``[..., J]`` and lengths ``[...]``."""
+        rate = self.rate(length)[..., None]
+        return (uniform[..., :1] < rate).expand_as(uniform) if self.whole_response else uniform < rate
+
+
+#: The lab's graders (see the module docstring).
+GRADERS = ("flip", "length", "misread")
+
+
+def make_grader(grader: str, flip: float) -> Grader:
+    """A grader of :data:`GRADERS` at ``flip``: ``flip`` per verdict everywhere (``flip``, and ``misread`` with whole
+    responses), or ``2 flip l`` with length ``l`` (``length``, capped below 1). Raises ``ValueError`` for another
+    name."""
+    if grader in ("flip", "misread"):
+        return Grader(lambda length: torch.full_like(length, flip), whole_response=grader == "misread")
     if grader == "length":
-        return lambda length: (2.0 * flip * length).clamp_max(0.95)
-    raise ValueError(f"unknown grader {grader!r}: use 'flip' or 'length'")
+        return Grader(lambda length: (2.0 * flip * length).clamp_max(0.95))
+    raise ValueError(f"unknown grader {grader!r}: use one of {', '.join(GRADERS)}")
 
 
 # --------------------------------------------------------------------------------------------------- the arms
@@ -301,6 +324,15 @@ def make_arms() -> dict[str, Arm]:
             return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], (w > 0 if not step_size_only else None)
         return arm
 
+    def group_reliability(b, st):
+        """GRPO on the mean of the two scorings, each group scaled by ``weights_from_noise`` with the noise variance
+        of the mean estimated from the group's own K pairs, ``mean_i (r_i - r'_i)^2 / 4``: a group whose two scorings
+        disagree is down-weighted by its own disagreement rather than the step's average."""
+        m = (b.scores[0] + b.scores[1]) / 2
+        noise = (b.scores[0] - b.scores[1]).square().mean(-1) / 4  # [S, G]
+        w = torch.stack([weights_from_noise(m[s], noise[s]) for s in range(m.shape[0])])
+        return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], w > 0
+
     def sampled_reliability(share):
         """Reliability weights at about one scoring per response: every response is scored once, and the first
         ``share`` of each step's groups (the groups are drawn at random) a second time, only to pool the grader's
@@ -356,17 +388,18 @@ def make_arms() -> dict[str, Arm]:
         Arm("grpo_mean2_stepsize", 2, reliability(step_size_only=True)),
         Arm("setgrpo_reliability_norm", 2, reliability(normalised=True)),
         Arm("setgrpo_reliability_sampled", 1.25, sampled_reliability(0.25)),
+        Arm("setgrpo_reliability_group", 2, group_reliability),
     ]}
 
 
 # --------------------------------------------------------------------------------------------------- calibration
-def calibration_data(world: World, k: int, groups: int, rate, seed: int) -> Batch:
+def calibration_data(world: World, k: int, groups: int, grader: Grader, seed: int) -> Batch:
     """``groups`` groups at the initial (uniform) policy with three independent scorings."""
     g = torch.Generator().manual_seed(10_000 + seed)
     prompt = torch.randint(0, world.phi.shape[0], (1, groups), generator=g)
     uniform = torch.rand(1, groups, k, generator=g, dtype=torch.float64)
     flips = torch.rand(3, 1, groups, k, 6, generator=g, dtype=torch.float64)
-    return draw(world, torch.zeros(1, world.phi.shape[-1], dtype=torch.float64), prompt, uniform, flips, rate)
+    return draw(world, torch.zeros(1, world.phi.shape[-1], dtype=torch.float64), prompt, uniform, flips, grader)
 
 
 def calibrate_levels(point, reference, gram, levels: dict) -> CalibrationRecord:
@@ -413,7 +446,7 @@ class Curves:
 
 
 def train(world: World, arms: dict[str, Arm], state: dict, *, k: int, seeds: int, steps: int, groups: int,
-          lr: float, rate, seed0: int = 0, optimizer: str = "sgd") -> dict[str, Curves]:
+          lr: float, grader: Grader, seed0: int = 0, optimizer: str = "sgd") -> dict[str, Curves]:
     """Train every arm for ``steps`` steps on ``seeds`` streams (common random numbers across arms).
 
     ``optimizer`` is ``"sgd"`` (``theta += lr u``) or ``"adam"`` (one ``torch.optim.AdamW`` step on ``u`` as the
@@ -440,7 +473,7 @@ def train(world: World, arms: dict[str, Arm], state: dict, *, k: int, seeds: int
         for name, arm in arms.items():
             if name in alias:  # the same procedure on the same random numbers: the same run
                 continue
-            batch = draw(world, theta[name], prompt, uniform, flips, rate)
+            batch = draw(world, theta[name], prompt, uniform, flips, grader)
             a, accepted = arm.coefficients(batch, state)
             update = torch.einsum("sgk,sgkd->sd", a, batch.grad) / (groups * k)
             truth_update = torch.einsum("sgk,sgkd->sd", grpo_coefficients(_flat(batch.truth)).reshape(a.shape),
@@ -668,12 +701,12 @@ def run(*, flips, ks, graders, seeds, steps, groups, calib_groups, lr, arms=None
     rows = []
     for grader in graders:
         for flip in flips:
-            rate = grader_rate(grader, flip)
+            scorer = make_grader(grader, flip)
             for k in ks:
                 t0 = time.perf_counter()
-                state, calib_calls = calibrate_arms(calibration_data(world, k, calib_groups, rate, seed=0))
-                curves = train(world, chosen, state, k=k, seeds=seeds, steps=steps, groups=groups, lr=lr, rate=rate,
-                               optimizer=optimizer)
+                state, calib_calls = calibrate_arms(calibration_data(world, k, calib_groups, scorer, seed=0))
+                curves = train(world, chosen, state, k=k, seeds=seeds, steps=steps, groups=groups, lr=lr,
+                               grader=scorer, optimizer=optimizer)
                 cell = analyse(curves, flip=flip, k=k, grader=grader)
                 for row in cell:
                     key = chosen[row["arm"]].record
@@ -695,7 +728,7 @@ def main(argv=None) -> None:
                     help="the full run's cells at flips 0.05, 0.1, 0.2 with the flip grader only (same numbers)")
     ap.add_argument("--flips", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3])
     ap.add_argument("--K", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--graders", nargs="+", default=["flip", "length"])
+    ap.add_argument("--graders", nargs="+", choices=GRADERS, default=["flip", "length"])
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--groups", type=int, default=32)

@@ -214,8 +214,8 @@ def test_adam_makes_a_constant_scale_of_the_coefficients_irrelevant_and_sgd_does
     arms = lab.make_arms()
     quarter = lab.Arm("grpo_quarter", 1, lambda b, st: (arms["grpo"].coefficients(b, st)[0] * 0.25, None))
     chosen = {"grpo": arms["grpo"], "grpo_quarter": quarter}
-    rate = lab.grader_rate("flip", 0.1)
-    kw = dict(k=4, seeds=2, steps=20, groups=8, rate=rate)
+    rate = lab.make_grader("flip", 0.1)
+    kw = dict(k=4, seeds=2, steps=20, groups=8, grader=rate)
     adam = lab.train(world, chosen, {}, lr=lab.ADAM_LR, optimizer="adam", **kw)
     sgd = lab.train(world, chosen, {}, lr=lab.LR, optimizer="sgd", **kw)
     # AdamW's epsilon (1e-8 against gradients of about 1e-3) leaves differences of about 5e-7
@@ -299,7 +299,7 @@ def _start_batch(lab, *, streams: int, seed: int, flip: float):
     uniform = torch.rand(streams, 16, 4, generator=g, dtype=torch.float64)
     flips = torch.rand(3, streams, 16, 4, 6, generator=g, dtype=torch.float64)
     return lab.draw(world, torch.zeros(streams, world.phi.shape[-1], dtype=torch.float64), prompt, uniform, flips,
-                    lab.grader_rate("flip", flip))
+                    lab.make_grader("flip", flip))
 
 
 def test_normalised_reliability_weights_keep_grpos_total_weight(lab):
