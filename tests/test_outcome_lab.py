@@ -383,3 +383,83 @@ def test_sampled_reliability_pays_less_but_plain_grpo_is_ahead_at_equal_calls():
                 assert at_calls < by_key[("flip", flip, k, "grpo")]["paired_calls"]["grpo_mean2"][0], (name, flip, k)
                 if flip <= 0.2:
                     assert abs(sampled["paired"]["grpo"][0]) < 0.011, (name, flip, k)
+
+
+def test_misread_grader_flips_whole_responses_at_the_flip_graders_verdict_rate(lab):
+    """The misread grader flips all of a response's verdicts or none, on the uniform of its first criterion; each
+    verdict flips with probability ``flip``, as under the flip grader, so the two differ only in how a response's
+    errors come together."""
+    g = torch.Generator().manual_seed(0)
+    uniform = torch.rand(200_000, 6, generator=g, dtype=torch.float64)
+    length = torch.rand(200_000, generator=g, dtype=torch.float64)
+    misread, flip = lab.make_grader("misread", 0.1), lab.make_grader("flip", 0.1)
+    whole = misread.flipped(uniform, length)
+    assert torch.equal(whole.all(-1) | ~whole.any(-1), torch.ones(200_000, dtype=torch.bool))
+    assert torch.equal(whole[:, 0], flip.flipped(uniform, length)[:, 0])
+    for flipped in (whole, flip.flipped(uniform, length)):
+        assert float(flipped.double().mean()) == pytest.approx(0.1, abs=0.003)
+    # a misread response with every criterion met scores 0; under the flip grader such errors are partial
+    verdicts, points = torch.ones(6), torch.tensor([1.0, 2, 3, 4, 5, 6])
+    assert float(lab.rubric_scores(verdicts, points, whole[whole[:, 0]][0])) == 0.0
+    with pytest.raises(ValueError, match="flip, length, misread"):
+        lab.make_grader("coin", 0.1)
+
+
+def test_group_reliability_weights_each_group_by_its_own_disagreement(lab):
+    """setgrpo_reliability_group: GRPO on the mean of two, each group scaled by weights_from_noise with the noise
+    variance of the mean from its own K pairs. A second scoring equal to the first gives GRPO on it; changing one
+    group's second scoring changes that group's coefficients only (the pooled arm's change everywhere)."""
+    arms = lab.make_arms()
+    arm, pooled = arms["setgrpo_reliability_group"], arms["setgrpo_reliability"]
+    batch = _start_batch(lab, streams=2, seed=7, flip=0.1)
+    p0, p1 = batch.scores[0], batch.scores[1]
+    a, accepted = arm.coefficients(batch, {})
+    for s, grp in ((0, 0), (1, 5)):
+        m = (p0[s, grp] + p1[s, grp]) / 2
+        noise = (p0[s, grp] - p1[s, grp]).square().mean() / 4
+        spread = m.var(unbiased=True)
+        w = float((1 - noise / spread).clamp(0, 1).sqrt()) if spread > 0 else 0.0
+        assert torch.allclose(a[s, grp], grpo_coefficients(m[None])[0] * w, rtol=0, atol=1e-12)
+    grp = int(torch.nonzero(accepted[0] & (p0[0] != p1[0]).any(-1))[0])  # a trained group whose scorings differ
+    other = p1.clone()
+    other[0, grp] = p0[0, grp]  # its scorings now agree
+    changed = dataclasses.replace(batch, scores=(p0, other, batch.scores[2]))
+    moved = (arm.coefficients(changed, {})[0] != a).any(-1)
+    assert moved[0, grp] and int(moved.sum()) == 1
+    assert int((pooled.coefficients(changed, {})[0] != pooled.coefficients(batch, {})[0]).any(-1).sum()) > 1
+    clean = dataclasses.replace(batch, scores=(p0, p0, batch.scores[2]))
+    a3, acc3 = arm.coefficients(clean, {})
+    assert torch.allclose(a3, grpo_coefficients(p0.reshape(-1, 4)).reshape(a3.shape), rtol=0, atol=1e-12)
+    assert torch.equal(acc3, ~degenerate_groups(p0.reshape(-1, 4)).reshape(2, 16))
+
+
+def test_heavy_tailed_errors_close_the_gate_earlier_and_the_average_stays_ahead():
+    """validation/outcome_lab/misread.json (SGD) and misread_adam.json (verl's AdamW): under the misread grader (a
+    response's verdicts flip together, at the flip grader's per-verdict rate) the paper's procedure certifies no
+    threshold from flip 0.1, where it still trains under the flip grader; from flip 0.2 every SetGRPO arm, the
+    per-group reliability weights included, trails GRPO on the mean of two scorings in mean, and the mean of two
+    leads plain GRPO. The runs' flip-grader arms are the full tables' computation."""
+    setgrpo_arms = ("setgrpo", "setgrpo_loose", "setgrpo_mean2_wide", "setgrpo_reliability", "setgrpo_reliability_group")
+    for name, full in (("misread", _rows()), ("misread_adam", list(_adam_rows().values()))):
+        run = json.loads((RESULTS / f"{name}.json").read_text())
+        by_key = {(r["grader"], r["flip"], r["K"], r["arm"]): r for r in run["rows"]}
+        old = {(r["grader"], r["flip"], r["K"], r["arm"]): r["gain"] for r in full}
+        shared = [key for key in by_key if key in old]
+        assert len(shared) == 8 * 10  # every flip-grader cell of the ten arms the full tables have
+        for key in shared:
+            assert by_key[key]["gain"] == pytest.approx(old[key], abs=1e-12), (name, key)
+        for k in (4, 8):
+            assert by_key[("flip", 0.1, k, "setgrpo")]["gain"] > 0.2, (name, k)
+            assert by_key[("flip", 0.1, k, "setgrpo")]["tau_sel"] is not None
+            for flip in (0.1, 0.2, 0.3):
+                paper = by_key[("misread", flip, k, "setgrpo")]
+                assert paper["gain"] == 0.0 and paper["tau_sel"] is None, (name, flip, k)
+                # heavy tails widen the calibrated set: a larger Q_alpha than the flip grader's at the same rate
+                assert paper["q_alpha"] > 1.4 * by_key[("flip", flip, k, "setgrpo")]["q_alpha"], (name, flip, k)
+            for flip in (0.2, 0.3):
+                assert by_key[("misread", flip, k, "grpo_mean2")]["paired"]["grpo"][0] > 0, (name, flip, k)
+                for arm in setgrpo_arms:
+                    assert by_key[("misread", flip, k, arm)]["paired"]["grpo_mean2"][0] < 0, (name, flip, k, arm)
+            for flip in (0.05, 0.1, 0.2, 0.3):  # per-group weights never lead the mean of two by a whole band here
+                mean, half = by_key[("misread", flip, k, "setgrpo_reliability_group")]["paired"]["grpo_mean2"]
+                assert mean - half <= 0, (name, flip, k)
