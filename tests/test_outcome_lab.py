@@ -463,3 +463,29 @@ def test_heavy_tailed_errors_close_the_gate_earlier_and_the_average_stays_ahead(
             for flip in (0.05, 0.1, 0.2, 0.3):  # per-group weights never lead the mean of two by a whole band here
                 mean, half = by_key[("misread", flip, k, "setgrpo_reliability_group")]["paired"]["grpo_mean2"]
                 assert mean - half <= 0, (name, flip, k)
+                # per grader call, one scoring and twice the steps still lead the mean of two
+                assert by_key[("misread", flip, k, "grpo")]["paired_calls"]["grpo_mean2"][0] > 0, (name, flip, k)
+
+
+def test_outcome_doc_quotes_the_misread_runs():
+    """Every row of docs/outcome.md's misread table is the committed runs', to the printed precision."""
+    doc = (ROOT / "docs" / "outcome.md").read_text()
+    runs = {opt: {(r["grader"], r["flip"], r["K"], r["arm"]): r
+                  for r in json.loads((RESULTS / name).read_text())["rows"]}
+            for opt, name in (("sgd", "misread.json"), ("adam", "misread_adam.json"))}
+    quoted = re.findall(r"^\| (sgd|adam) \| ([0-9.]+) \| (\d) \| (.+) \|$", doc, flags=re.M)
+    quoted = [q for q in quoted if q[3].count("|") == 6]
+    assert len(quoted) == 16
+    arms = ("setgrpo", "setgrpo_loose", "setgrpo_mean2_wide", "setgrpo_reliability", "setgrpo_reliability_group",
+            "oracle")
+    for opt, flip, k, cells in quoted:
+        row = lambda arm: runs[opt][("misread", float(flip), int(k), arm)]  # noqa: E731
+        first, *rest = [c.strip() for c in cells.split("|")]
+        mean, half = map(float, first.split(" ± "))
+        assert (mean, half) == pytest.approx(tuple(row("grpo_mean2")["paired"]["grpo"]), abs=6e-4)
+        for arm, cell in zip(arms, rest):
+            if cell == "trains nothing":
+                assert row(arm)["gain"] == 0.0, (opt, flip, k, arm)
+            else:
+                mean, half = map(float, cell.split(" ± "))
+                assert (mean, half) == pytest.approx(tuple(row(arm)["paired"]["grpo_mean2"]), abs=6e-4), (opt, arm)

@@ -55,7 +55,7 @@ def weights_from_noise(point: torch.Tensor, noise_var: float | torch.Tensor,
     :func:`reliability_weights` calls it with the pooled noise variance of the mean of two scorings; a caller
     that estimates the noise level another way (for example from a share of the groups scored twice) passes its
     own, one per batch or one per group. ``s2_g`` is the unbiased variance of ``point`` within group g; a group
-    whose spread is all noise gets weight 0, a group with zero noise variance weight 1.
+    whose spread is all noise gets weight 0, a live group with zero noise variance weight 1.
 
     Args:
         point: ``[G, K]`` float training scores (reward units).
@@ -71,7 +71,7 @@ def weights_from_noise(point: torch.Tensor, noise_var: float | torch.Tensor,
             finite, or neither a scalar nor one value per group.
     """
     check_scores(point, "point")
-    noise = torch.as_tensor(noise_var, dtype=torch.float64)
+    noise = torch.as_tensor(noise_var, dtype=torch.float64, device=point.device)
     if noise.ndim > 1 or (noise.ndim == 1 and noise.shape[0] != point.shape[0]):
         raise ValueError(f"noise_var has shape {tuple(noise.shape)}: pass one variance for the batch or one per "
                          f"group ([{point.shape[0]}])")
