@@ -111,6 +111,18 @@ def test_outcome_doc_quotes_the_committed_run():
         assert float(pmh) == pytest.approx(r["paired"]["grpo_mean2"][1], abs=6e-4)
         assert float(pc) == pytest.approx(r["paired_calls"]["grpo_mean2"][0], abs=6e-4)
         assert float(pch) == pytest.approx(r["paired_calls"]["grpo_mean2"][1], abs=6e-4)
+    # the accepted shares and cosines of the same rows
+    full_rows = re.findall(r"^\| (flip|length) \| ([0-9.]+) \| (\d) \| `(\w+)` \| [^|]+\|[^|]+\|[^|]+\|[^|]+\| "
+                           r"([^|]*)\| ([0-9.]+) \|$", doc, flags=re.M)
+    assert len(full_rows) >= 20
+    for grader, flip, k, arm, accepted, cos in full_rows:
+        r = by_key[(grader, float(flip), int(k), arm)]
+        assert float(cos) == pytest.approx(r["cos"], abs=6e-3)
+        if r["accept"] is None:
+            assert accepted.strip() == "", arm
+        else:
+            first, last = map(float, accepted.split(" -> "))
+            assert (first, last) == pytest.approx((r["accept_first_quarter"], r["accept_last_quarter"]), abs=6e-3), arm
 
 
 def test_reliability_weighting_is_more_than_a_smaller_step_and_only_ties_grpo_mean2():
