@@ -330,7 +330,7 @@ def make_arms() -> dict[str, Arm]:
         disagree is down-weighted by its own disagreement rather than the step's average."""
         m = (b.scores[0] + b.scores[1]) / 2
         noise = (b.scores[0] - b.scores[1]).square().mean(-1) / 4  # [S, G]
-        w = torch.stack([weights_from_noise(m[s], noise[s]) for s in range(m.shape[0])])
+        w = weights_from_noise(_flat(m), noise.flatten()).reshape(noise.shape)
         return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], w > 0
 
     def sampled_reliability(share):
@@ -350,7 +350,7 @@ def make_arms() -> dict[str, Arm]:
             point = torch.where(twice[None, :, None], (p0 + p1) / 2, p0)
             var1 = (p0[:, :n2] - p1[:, :n2]).square().mean(dim=(1, 2)) / 2  # [S] one scoring's noise variance
             noise = var1[:, None] / torch.where(twice, 2.0, 1.0)[None, :]
-            w = torch.stack([weights_from_noise(point[s], noise[s]) for s in range(point.shape[0])])
+            w = weights_from_noise(_flat(point), noise.flatten()).reshape(noise.shape)
             return grpo_coefficients(_flat(point)).reshape(point.shape) * w[..., None], w > 0
         return arm
 

@@ -77,9 +77,9 @@ def weights_from_noise(point: torch.Tensor, noise_var: float | torch.Tensor,
                          f"group ([{point.shape[0]}])")
     if not bool(torch.isfinite(noise).all()) or bool((noise < 0).any()):
         raise ValueError(f"noise_var must be finite and >= 0 (a variance in reward units squared), got {noise_var!r}")
-    mean = point.to(torch.float64)
-    spread = mean.var(dim=-1, unbiased=True)
-    live = ~degenerate_groups(mean, rtol) & (spread > 0)
+    scores = point.to(torch.float64)
+    spread = scores.var(dim=-1, unbiased=True)
+    live = ~degenerate_groups(scores, rtol) & (spread > 0)
     share = torch.where(live, 1.0 - noise / torch.where(live, spread, torch.ones_like(spread)),
                         torch.zeros_like(spread))
     return share.clamp(0.0, 1.0).sqrt()
