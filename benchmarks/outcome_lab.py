@@ -15,7 +15,10 @@ A simulated RL run with exact per-response gradients, driven by the library's ow
   a candidate is ``2 flip l`` with ``l`` in [0, 1] its length, so long responses are scored worse, every time;
   ``misread``, heavy-tailed errors: with probability ``flip`` a scoring misreads the whole response and every one of
   its verdicts flips together (each verdict still flips with probability ``flip``, as under ``flip``, but the errors
-  of a response's criteria come together, as when a judge grades the wrong answer).
+  of a response's criteria come together, as when a judge grades the wrong answer); ``uneven``, noise that differs
+  between prompts: prompt ``p`` has its own flip rate ``min(0.5, 4 flip a_p^3)`` with ``a_p`` uniform in [0, 1] per
+  world (mean ``flip`` before the cap; most rubrics graded almost cleanly, a few at up to pure noise, as a judge
+  that cannot grade some rubrics), drawn fresh per verdict and call.
 * **Common random numbers**: per seed, every arm sees the same prompts, the same sampling uniforms and the same
   flip uniforms at every step; only what the arms do with them differs.
 * **Training**: the update direction is ``u = 1 / (G K) sum_g sum_i a_gi g_gi`` (the PPO-clip gradient at ratio 1,
@@ -97,6 +100,7 @@ class World:
         points: ``[P, J]`` criterion points (0 where a prompt has fewer criteria).
         truth: ``[P, C]`` truth rubric scores in [0, 1].
         length: ``[P, C]`` response lengths in [0, 1] (the systematic grader's flip rate grows with them).
+        ambiguity: ``[P]`` per-prompt values in [0, 1] (the ``uneven`` grader's flip rate grows with them).
     """
 
     phi: torch.Tensor
@@ -104,6 +108,7 @@ class World:
     points: torch.Tensor
     truth: torch.Tensor
     length: torch.Tensor
+    ambiguity: torch.Tensor
 
 
 def make_world(seed: int = 0, prompts: int = 512, candidates: int = 16, dim: int = 256) -> World:
@@ -119,7 +124,9 @@ def make_world(seed: int = 0, prompts: int = 512, candidates: int = 16, dim: int
     verdicts = (torch.rand(prompts, candidates, 6, generator=g, dtype=torch.float64) < p_met).double()
     truth = (verdicts * points[:, None]).sum(-1) / points.sum(-1)[:, None]
     length = torch.rand(prompts, candidates, generator=g, dtype=torch.float64)
-    return World(phi=phi / math.sqrt(dim) * 2.0, verdicts=verdicts, points=points, truth=truth, length=length)
+    ambiguity = torch.rand(prompts, generator=g, dtype=torch.float64)  # drawn last: the fields above stay as they were
+    return World(phi=phi / math.sqrt(dim) * 2.0, verdicts=verdicts, points=points, truth=truth, length=length,
+                 ambiguity=ambiguity)
 
 
 def expected_truth(world: World, theta: torch.Tensor) -> torch.Tensor:
@@ -166,37 +173,43 @@ def draw(world: World, theta: torch.Tensor, prompt: torch.Tensor, uniform: torch
     verdicts = world.verdicts[p_idx, cand]                          # [S, G, K, J]
     points = world.points[prompt][:, :, None]                       # [S, G, 1, J]
     length = world.length[p_idx, cand]                              # [S, G, K]
-    scores = [rubric_scores(verdicts, points, grader.flipped(u, length)) for u in flips]
+    ambiguity = world.ambiguity[p_idx]                              # [S, G, K]
+    scores = [rubric_scores(verdicts, points, grader.flipped(u, length, ambiguity)) for u in flips]
     return Batch(prompt=prompt, cand=cand, grad=grad, gram=grad @ grad.transpose(-1, -2),
                  truth=world.truth[p_idx, cand], scores=scores)
 
 
 @dataclass(frozen=True)
 class Grader:
-    """A simulated grader: ``rate`` maps response lengths ``[...]`` in [0, 1] to each verdict's flip probability;
-    ``whole_response`` flips all of a response's verdicts together, on its first criterion's uniform."""
+    """A simulated grader: ``rate`` maps response lengths and their prompts' ambiguities (both ``[...]``, in [0, 1])
+    to each verdict's flip probability; ``whole_response`` flips all of a response's verdicts together, on its first
+    criterion's uniform."""
 
-    rate: Callable[[torch.Tensor], torch.Tensor]
+    rate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     whole_response: bool = False
 
-    def flipped(self, uniform: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        """``[..., J]`` bool: the verdicts one scoring flips, from its uniforms ``[..., J]`` and lengths ``[...]``."""
-        rate = self.rate(length)[..., None]
+    def flipped(self, uniform: torch.Tensor, length: torch.Tensor, ambiguity: torch.Tensor) -> torch.Tensor:
+        """``[..., J]`` bool: the verdicts one scoring flips, from its uniforms ``[..., J]``, the responses' lengths
+        ``[...]`` and their prompts' ambiguities ``[...]``."""
+        rate = self.rate(length, ambiguity)[..., None]
         return (uniform[..., :1] < rate).expand_as(uniform) if self.whole_response else uniform < rate
 
 
 #: The lab's graders (see the module docstring).
-GRADERS = ("flip", "length", "misread")
+GRADERS = ("flip", "length", "misread", "uneven")
 
 
 def make_grader(grader: str, flip: float) -> Grader:
     """A grader of :data:`GRADERS` at ``flip``: ``flip`` per verdict everywhere (``flip``, and ``misread`` with whole
-    responses), or ``2 flip l`` with length ``l`` (``length``, capped below 1). Raises ``ValueError`` for another
-    name."""
+    responses), ``2 flip l`` with length ``l`` (``length``, capped below 1), or ``4 flip a^3`` with the prompt's
+    ambiguity ``a`` (``uneven``, capped at 0.5, where a score no longer depends on the truth). Raises ``ValueError``
+    for another name."""
     if grader in ("flip", "misread"):
-        return Grader(lambda length: torch.full_like(length, flip), whole_response=grader == "misread")
+        return Grader(lambda length, ambiguity: torch.full_like(length, flip), whole_response=grader == "misread")
     if grader == "length":
-        return Grader(lambda length: (2.0 * flip * length).clamp_max(0.95))
+        return Grader(lambda length, ambiguity: (2.0 * flip * length).clamp_max(0.95))
+    if grader == "uneven":
+        return Grader(lambda length, ambiguity: (4.0 * flip * ambiguity.pow(3)).clamp_max(0.5))
     raise ValueError(f"unknown grader {grader!r}: use one of {', '.join(GRADERS)}")
 
 

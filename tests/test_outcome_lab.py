@@ -404,17 +404,39 @@ def test_misread_grader_flips_whole_responses_at_the_flip_graders_verdict_rate(l
     g = torch.Generator().manual_seed(0)
     uniform = torch.rand(200_000, 6, generator=g, dtype=torch.float64)
     length = torch.rand(200_000, generator=g, dtype=torch.float64)
+    ambiguity = torch.rand(200_000, generator=g, dtype=torch.float64)
     misread, flip = lab.make_grader("misread", 0.1), lab.make_grader("flip", 0.1)
-    whole = misread.flipped(uniform, length)
+    whole = misread.flipped(uniform, length, ambiguity)
     assert torch.equal(whole.all(-1) | ~whole.any(-1), torch.ones(200_000, dtype=torch.bool))
-    assert torch.equal(whole[:, 0], flip.flipped(uniform, length)[:, 0])
-    for flipped in (whole, flip.flipped(uniform, length)):
+    assert torch.equal(whole[:, 0], flip.flipped(uniform, length, ambiguity)[:, 0])
+    for flipped in (whole, flip.flipped(uniform, length, ambiguity)):
         assert float(flipped.double().mean()) == pytest.approx(0.1, abs=0.003)
     # a misread response with every criterion met scores 0; under the flip grader such errors are partial
     verdicts, points = torch.ones(6), torch.tensor([1.0, 2, 3, 4, 5, 6])
     assert float(lab.rubric_scores(verdicts, points, whole[whole[:, 0]][0])) == 0.0
-    with pytest.raises(ValueError, match="flip, length, misread"):
+    with pytest.raises(ValueError, match="flip, length, misread, uneven"):
         lab.make_grader("coin", 0.1)
+
+
+def test_uneven_grader_gives_each_prompt_its_own_flip_rate_with_the_flip_graders_mean(lab):
+    """The uneven grader flips a verdict with probability ``min(0.5, 4 flip a^3)`` for its prompt's ambiguity ``a``:
+    the flip grader's rate on average over uniform ambiguities (below the cap), near 0 for most prompts, and pure
+    noise (0.5) where the cap binds; the world's ambiguities are one uniform per prompt, drawn after every other
+    field, so the other graders' worlds are the ones their committed runs used."""
+    g = torch.Generator().manual_seed(0)
+    uniform = torch.rand(400_000, 6, generator=g, dtype=torch.float64)
+    length = torch.rand(400_000, generator=g, dtype=torch.float64)
+    ambiguity = torch.rand(400_000, generator=g, dtype=torch.float64)
+    flipped = lab.make_grader("uneven", 0.1).flipped(uniform, length, ambiguity)
+    assert float(flipped.double().mean()) == pytest.approx(0.1, abs=0.002)
+    low, high = ambiguity < 0.5, ambiguity > 0.95
+    assert float(flipped[low].double().mean()) == pytest.approx(0.4 * 0.5**3 / 4, abs=0.002)  # 4 flip E[a^3 | a < 1/2]
+    capped = lab.make_grader("uneven", 0.3).flipped(uniform, length, ambiguity)
+    assert float(capped[high].double().mean()) == pytest.approx(0.5, abs=0.005)
+    world = lab.make_world()
+    assert world.ambiguity.shape == (512,) and 0 <= float(world.ambiguity.min()) < float(world.ambiguity.max()) <= 1
+    g = torch.Generator().manual_seed(0)  # make_world's first draw: its features are unchanged by the new field
+    assert torch.equal(world.phi, torch.randn(512, 16, 256, generator=g, dtype=torch.float64) / 16 * 2.0)
 
 
 def test_group_reliability_weights_each_group_by_its_own_disagreement(lab):
