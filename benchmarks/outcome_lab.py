@@ -346,6 +346,29 @@ def make_arms() -> dict[str, Arm]:
         w = weights_from_noise(_flat(m), noise.flatten()).reshape(noise.shape)
         return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], w > 0
 
+    def prompt_reliability(b, st):
+        """GRPO on the mean of the two scorings, each group scaled by ``weights_from_noise`` with the noise variance
+        of the mean of its prompt: ``(r - r')^2 / 4`` summed over every pair of scorings the stream has drawn for
+        that prompt so far, this group's included, plus one group's worth (K pairs) of the step's pooled value as a
+        prior, over their count. A judge that grades some rubrics worse than others does so each time a prompt comes
+        back, so a prompt's record of disagreement says more than one group's K pairs. The sums are the arm's state
+        (per stream, as the online monitor's)."""
+        m = (b.scores[0] + b.scores[1]) / 2
+        d = (b.scores[0] - b.scores[1]).square() / 4                      # [S, G, K]
+        s_, g_, k = d.shape
+        size = int(b.prompt.max()) + 1
+        total = st.setdefault("prompt/sum", torch.zeros(s_, 0, dtype=torch.float64))
+        count = st.setdefault("prompt/count", torch.zeros(s_, 0, dtype=torch.float64))
+        if total.shape[1] < size:
+            total = st["prompt/sum"] = torch.cat([total, total.new_zeros(s_, size - total.shape[1])], 1)
+            count = st["prompt/count"] = torch.cat([count, count.new_zeros(s_, size - count.shape[1])], 1)
+        total.scatter_add_(1, b.prompt, d.sum(-1))
+        count.scatter_add_(1, b.prompt, torch.full((s_, g_), float(k), dtype=torch.float64))
+        pooled = d.mean(dim=(1, 2))[:, None]                               # [S, 1]
+        noise = (total.gather(1, b.prompt) + k * pooled) / (count.gather(1, b.prompt) + k)
+        w = weights_from_noise(_flat(m), noise.flatten()).reshape(noise.shape)
+        return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], w > 0
+
     def sampled_reliability(share):
         """Reliability weights at about one scoring per response: every response is scored once, and the first
         ``share`` of each step's groups (the groups are drawn at random) a second time, only to pool the grader's
@@ -402,6 +425,7 @@ def make_arms() -> dict[str, Arm]:
         Arm("setgrpo_reliability_norm", 2, reliability(normalised=True)),
         Arm("setgrpo_reliability_sampled", 1.25, sampled_reliability(0.25)),
         Arm("setgrpo_reliability_group", 2, group_reliability),
+        Arm("setgrpo_reliability_prompt", 2, prompt_reliability),
     ]}
 
 
