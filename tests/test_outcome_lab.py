@@ -467,6 +467,40 @@ def test_group_reliability_weights_each_group_by_its_own_disagreement(lab):
     assert torch.equal(acc3, ~degenerate_groups(p0.reshape(-1, 4)).reshape(2, 16))
 
 
+def test_prompt_reliability_pools_each_prompts_disagreement_over_the_steps_it_came_back(lab):
+    """setgrpo_reliability_prompt: the noise variance of a group's mean is its prompt's ``(r - r')^2 / 4`` summed
+    over every group of that prompt the stream has scored twice, this one included, plus K times the step's pooled
+    value, over the count plus K. On a first step with distinct prompts that is the average of the group's own and
+    the step's level; a prompt that comes back carries its earlier pairs; the state is per stream."""
+    arm = lab.make_arms()["setgrpo_reliability_prompt"]
+    batch = _start_batch(lab, streams=2, seed=7, flip=0.1)
+    p0, p1 = batch.scores[0], batch.scores[1]
+    d = (p0 - p1).square() / 4
+    k = d.shape[-1]
+    first = dataclasses.replace(batch, prompt=torch.arange(32).reshape(2, 16))
+    state = {}
+    a, _ = arm.coefficients(first, state)
+    for s, grp in ((0, 0), (1, 5)):
+        noise = (d[s, grp].sum() + k * d[s].mean()) / (2 * k)
+        m = (p0[s, grp] + p1[s, grp]) / 2
+        w = float(lab.weights_from_noise(m[None], noise[None])[0])
+        assert torch.allclose(a[s, grp], grpo_coefficients(m[None])[0] * w, rtol=0, atol=1e-12)
+    # the next step: stream 0's group 3 draws prompt 0 again (stream 0 saw it in group 0; stream 1 never did)
+    again = torch.arange(32).reshape(2, 16) + 100
+    again[0, 3] = 0
+    again[1, 3] = 0
+    b, _ = arm.coefficients(dataclasses.replace(batch, prompt=again), state)
+    for s in (0, 1):
+        past = d[0, 0].sum() if s == 0 else 0.0
+        noise = (past + d[s, 3].sum() + k * d[s].mean()) / ((2 if s == 0 else 1) * k + k)
+        m = (p0[s, 3] + p1[s, 3]) / 2
+        w = float(lab.weights_from_noise(m[None], noise[None])[0])
+        assert torch.allclose(b[s, 3], grpo_coefficients(m[None])[0] * w, rtol=0, atol=1e-12)
+    clean = dataclasses.replace(batch, scores=(p0, p0, batch.scores[2]))
+    a3, _ = arm.coefficients(clean, {})  # scorings that agree everywhere: GRPO on them
+    assert torch.allclose(a3, grpo_coefficients(p0.reshape(-1, 4)).reshape(a3.shape), rtol=0, atol=1e-12)
+
+
 def test_heavy_tailed_errors_close_the_gate_earlier_and_the_average_stays_ahead():
     """validation/outcome_lab/misread.json (SGD) and misread_adam.json (verl's AdamW): under the misread grader (a
     response's verdicts flip together, at the flip grader's per-verdict rate) the paper's procedure certifies no
@@ -523,3 +557,71 @@ def test_outcome_doc_quotes_the_misread_runs():
             else:
                 mean, half = map(float, cell.split(" ± "))
                 assert (mean, half) == pytest.approx(tuple(row(arm)["paired"]["grpo_mean2"]), abs=6e-4), (opt, arm)
+
+
+def _uneven_runs() -> dict:
+    return {opt: {(r["grader"], r["flip"], r["K"], r["arm"]): r
+                  for r in json.loads((RESULTS / name).read_text())["rows"]}
+            for opt, name in (("sgd", "uneven.json"), ("adam", "uneven_adam.json"))}
+
+
+def test_noise_that_differs_between_prompts_leaves_the_truth_far_ahead_of_every_weight():
+    """validation/outcome_lab/uneven.json (SGD) and uneven_adam.json (verl's AdamW): under the uneven grader (a flip
+    rate per prompt) the paper's procedure certifies nothing from flip 0.2; the truth oracle leads GRPO on the mean of
+    two by a whole band at flip 0.2-0.3, and no reliability weight (pooled, per group, per prompt) gets half way there;
+    the pooled candidate is ahead of the mean of two in mean in 14 of 16 cells and behind it by a whole band in none;
+    the per-group and per-prompt levels lead the mean of two by a whole band in one cell (per group, SGD, flip 0.3,
+    K 4) and the pooled candidate by less than 0.01 everywhere. The flip-grader arms are the full tables'
+    computation."""
+    runs = _uneven_runs()
+    weights = ("setgrpo_reliability", "setgrpo_reliability_group", "setgrpo_reliability_prompt")
+    ahead, whole = 0, 0
+    for opt, full in (("sgd", {(r["grader"], r["flip"], r["K"], r["arm"]): r for r in _rows()}),
+                      ("adam", _adam_rows())):
+        by_key = runs[opt]
+        shared = [key for key in by_key if key in full]
+        assert len(shared) == 8 * 10
+        for key in shared:
+            assert by_key[key]["gain"] == pytest.approx(full[key]["gain"], abs=1e-12), (opt, key)
+        for flip in (0.05, 0.1, 0.2, 0.3):
+            for k in (4, 8):
+                row = lambda arm: by_key[("uneven", flip, k, arm)]  # noqa: E731
+                paper = row("setgrpo")
+                assert (paper["gain"] == 0.0) == (flip >= 0.2), (opt, flip, k)
+                mean, half = row("setgrpo_reliability")["paired"]["grpo_mean2"]
+                ahead, whole = ahead + (mean > 0), whole + (mean - half > 0)
+                assert mean + half > 0, (opt, flip, k)
+                for arm in weights[1:]:
+                    low = row(arm)["paired"]["grpo_mean2"][0] - row(arm)["paired"]["grpo_mean2"][1]
+                    assert low <= 0 or arm == "setgrpo_reliability_group" and (opt, flip, k) == ("sgd", 0.3, 4)
+                    assert row(arm)["gain"] - row("setgrpo_reliability")["gain"] < 0.01, (opt, flip, k, arm)
+                if flip >= 0.2:
+                    oracle, oracle_half = row("oracle")["paired"]["grpo_mean2"]
+                    assert oracle - oracle_half > 0.01, (opt, flip, k)
+                    for arm in weights:
+                        assert row(arm)["paired"]["grpo_mean2"][0] < oracle / 2, (opt, flip, k, arm)
+                # per grader call, one scoring and twice the steps lead the mean of two
+                assert row("grpo")["paired_calls"]["grpo_mean2"][0] > 0.01, (opt, flip, k)
+    assert (ahead, whole) == (14, 3)
+
+
+def test_outcome_doc_quotes_the_uneven_runs():
+    """Every row of docs/outcome.md's uneven-grader table is the committed runs', to the printed precision."""
+    doc = (ROOT / "docs" / "outcome.md").read_text()
+    runs = _uneven_runs()
+    quoted = re.findall(r"^\| (sgd|adam) \| ([0-9.]+) \| (\d) \| (.+) \|$", doc, flags=re.M)
+    quoted = [q for q in quoted if q[3].count("|") == 7]
+    assert len(quoted) == 16
+    arms = ("setgrpo", "setgrpo_loose", "setgrpo_mean2_wide", "setgrpo_reliability", "setgrpo_reliability_group",
+            "setgrpo_reliability_prompt", "oracle")
+    for opt, flip, k, cells in quoted:
+        row = lambda arm: runs[opt][("uneven", float(flip), int(k), arm)]  # noqa: E731
+        first, *rest = [c.strip() for c in cells.split("|")]
+        assert tuple(map(float, first.split(" ± "))) == pytest.approx(
+            tuple(row("grpo_mean2")["paired"]["grpo"]), abs=6e-4)
+        for arm, cell in zip(arms, rest):
+            if cell == "trains nothing":
+                assert row(arm)["gain"] == 0.0, (opt, flip, k, arm)
+            else:
+                assert tuple(map(float, cell.split(" ± "))) == pytest.approx(
+                    tuple(row(arm)["paired"]["grpo_mean2"]), abs=6e-4), (opt, flip, k, arm)
