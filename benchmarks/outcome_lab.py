@@ -145,6 +145,7 @@ class Batch:
     gram: torch.Tensor     # [S, G, K, K]
     truth: torch.Tensor    # [S, G, K]
     scores: list = field(default_factory=list)  # scorings, each [S, G, K]
+    noise_var: torch.Tensor | None = None  # [S, G, K] the variance of one scoring's error, from the grader's rates
 
 
 def rubric_scores(verdicts: torch.Tensor, points: torch.Tensor, flipped: torch.Tensor) -> torch.Tensor:
@@ -176,7 +177,8 @@ def draw(world: World, theta: torch.Tensor, prompt: torch.Tensor, uniform: torch
     ambiguity = world.ambiguity[p_idx]                              # [S, G, K]
     scores = [rubric_scores(verdicts, points, grader.flipped(u, length, ambiguity)) for u in flips]
     return Batch(prompt=prompt, cand=cand, grad=grad, gram=grad @ grad.transpose(-1, -2),
-                 truth=world.truth[p_idx, cand], scores=scores)
+                 truth=world.truth[p_idx, cand], scores=scores,
+                 noise_var=grader.score_noise_var(verdicts, points, length, ambiguity))
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,17 @@ class Grader:
         ``[...]`` and their prompts' ambiguities ``[...]``."""
         rate = self.rate(length, ambiguity)[..., None]
         return (uniform[..., :1] < rate).expand_as(uniform) if self.whole_response else uniform < rate
+
+    def score_noise_var(self, verdicts: torch.Tensor, points: torch.Tensor, length: torch.Tensor,
+                        ambiguity: torch.Tensor) -> torch.Tensor:
+        """``[...]`` the exact variance of one scoring's rubric-score error, for 0/1 ``verdicts [..., J]`` and
+        non-negative ``points`` (broadcast to them): a flip of criterion ``j`` moves the score by
+        ``(1 - 2 v_j) p_j / N`` (``N`` the points' sum), so independent flips at rate ``q`` give
+        ``q (1 - q) sum_j (p_j / N)^2`` and a whole-response flip gives ``q (1 - q) (sum_j (1 - 2 v_j) p_j / N)^2``."""
+        q = self.rate(length, ambiguity)
+        step = (1 - 2 * verdicts) * points / points.sum(-1, keepdim=True)
+        spread = step.sum(-1).square() if self.whole_response else step.square().sum(-1)
+        return q * (1 - q) * spread
 
 
 #: The lab's graders (see the module docstring).
@@ -369,6 +382,14 @@ def make_arms() -> dict[str, Arm]:
         w = weights_from_noise(_flat(m), noise.flatten()).reshape(noise.shape)
         return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], w > 0
 
+    def known_reliability(b, st):
+        """A ceiling, not a method: the reliability weight with the exact noise variance of each group's mean of two
+        scorings, from the grader's rates and the truth verdicts (``Batch.noise_var``), which no run knows."""
+        m = (b.scores[0] + b.scores[1]) / 2
+        noise = b.noise_var.mean(-1) / 2                                   # [S, G]
+        w = weights_from_noise(_flat(m), noise.flatten()).reshape(noise.shape)
+        return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], w > 0
+
     def sampled_reliability(share):
         """Reliability weights at about one scoring per response: every response is scored once, and the first
         ``share`` of each step's groups (the groups are drawn at random) a second time, only to pool the grader's
@@ -426,6 +447,7 @@ def make_arms() -> dict[str, Arm]:
         Arm("setgrpo_reliability_sampled", 1.25, sampled_reliability(0.25)),
         Arm("setgrpo_reliability_group", 2, group_reliability),
         Arm("setgrpo_reliability_prompt", 2, prompt_reliability),
+        Arm("oracle_noise", 2, known_reliability),
     ]}
 
 

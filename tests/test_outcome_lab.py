@@ -625,3 +625,36 @@ def test_outcome_doc_quotes_the_uneven_runs():
             else:
                 assert tuple(map(float, cell.split(" ± "))) == pytest.approx(
                     tuple(row(arm)["paired"]["grpo_mean2"]), abs=6e-4), (opt, flip, k, arm)
+
+
+@pytest.mark.parametrize("grader", ["flip", "length", "misread", "uneven"])
+def test_a_graders_score_noise_variance_is_the_variance_of_its_score_errors(lab, grader):
+    """``Grader.score_noise_var``, the known-noise ceiling's input, against the empirical variance of the rubric-score
+    error over fresh scorings of fixed responses (verdicts, points, lengths and ambiguities of the lab's world)."""
+    world = lab.make_world()
+    scorer = lab.make_grader(grader, 0.2)
+    verdicts, points = world.verdicts[:8, :4], world.points[:8, None]
+    length, ambiguity = world.length[:8, :4], world.ambiguity[:8, None].expand(8, 4)
+    g = torch.Generator().manual_seed(11)
+    uniform = torch.rand(40_000, 8, 4, 6, generator=g, dtype=torch.float64)
+    scores = lab.rubric_scores(verdicts, points, scorer.flipped(uniform, length, ambiguity))
+    exact = scorer.score_noise_var(verdicts, points, length, ambiguity)
+    assert torch.allclose((scores - world.truth[:8, :4]).square().mean(0) - (scores.mean(0) - world.truth[:8, :4])
+                          .square(), exact, rtol=0.05, atol=2e-4)
+    assert float(exact.max()) > 0.01
+
+
+def test_the_noise_oracle_weights_with_the_exact_noise_of_each_groups_mean(lab):
+    """oracle_noise: the reliability weight with ``noise_var`` averaged over the group and halved (the mean of two
+    independent scorings); on the flip grader, where every response of a prompt has the same noise, against a
+    closed form of the rubric's points."""
+    arm = lab.make_arms()["oracle_noise"]
+    batch = _start_batch(lab, streams=2, seed=7, flip=0.1)
+    world = lab.make_world()
+    a, _ = arm.coefficients(batch, {})
+    for s, grp in ((0, 0), (1, 5)):
+        p = world.points[batch.prompt[s, grp]]
+        noise = 0.1 * 0.9 * float((p / p.sum()).square().sum()) / 2
+        m = (batch.scores[0][s, grp] + batch.scores[1][s, grp]) / 2
+        w = float(lab.weights_from_noise(m[None], torch.tensor([noise], dtype=torch.float64))[0])
+        assert torch.allclose(a[s, grp], grpo_coefficients(m[None])[0] * w, rtol=0, atol=1e-12)
