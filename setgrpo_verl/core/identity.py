@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-__all__ = ["IDENTITY_SINCE_6", "IdentityWarning", "check_identity"]
+__all__ = ["ABSENT_AS", "IDENTITY_SINCE_6", "IdentityWarning", "check_identity"]
 
 #: Run-identity keys added with schema 6 (docs/record.md#run-identity), by record field; None: every key of the
 #: field. A record or shard written before lacks them: each is named in an :class:`IdentityWarning`, not refused.
@@ -16,6 +16,9 @@ IDENTITY_SINCE_6 = {"policy": ("weights", "weights_sha256", "tokenizer_sha256", 
 #: Identity keys that name, for people, what was calibrated, and are never compared: ``policy.model`` is the
 #: configured path (the weights are compared by ``policy.weights_sha256``).
 _INFORMATIVE = {"policy": ("model",)}
+#: Identity keys added within schema 6, and the value a record or shard without the key was made with:
+#: ``policy.model_overrides``, the model config overrides (none before the key existed).
+ABSENT_AS = {("policy", "model_overrides"): {}}
 
 
 class IdentityWarning(UserWarning):
@@ -47,7 +50,8 @@ def check_identity(stored: dict[str, Any], current: dict[str, Any], *, what: str
     Raises:
         ValueError: naming the first mismatched field (for dict fields the first differing key, as
             ``name.key``; a key the stored side lacks that predates schema 6 is named as written before that field
-            existed), the config key behind it, both values, why it matters and the fix.
+            existed; one in :data:`ABSENT_AS` reads as the value it was made with), the config key behind it, both
+            values, why it matters and the fix.
 
     Warns:
         IdentityWarning: once, naming every schema-6 identity field (:data:`IDENTITY_SINCE_6`) the stored side
@@ -67,13 +71,13 @@ def check_identity(stored: dict[str, Any], current: dict[str, Any], *, what: str
                 if k not in mine and _since_6(name, k):
                     missing.append(f"{name}.{k}")
                     continue
-                rec, cur = mine.get(k), value.get(k)
+                rec, cur = mine.get(k, ABSENT_AS.get((name, k))), value.get(k)
                 if rec == cur:
                     continue
                 why = ("the coverage and risk guarantees hold only for the grader that was calibrated"
                        if name == "grader" else "the calibration was made under other settings")
                 # a key the stored side lacks was added after it was written: no setting of this run gives it
-                if k in mine:
+                if k in mine or (name, k) in ABSENT_AS:
                     has, fix_k = f"{holder} has {rec!r}", f"recalibrate for this run or run with the {owner} {name}.{k}"
                 else:
                     has, fix_k = f"{holder} has no {name}.{k} (written before that field existed)", \

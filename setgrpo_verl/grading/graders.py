@@ -360,6 +360,39 @@ def check_stochastic_judge(kind: str, temperature: Any) -> None:
             "twice, so the conformal set is a point and SetGRPO becomes GRPO; use a temperature > 0 (default 1.0)")
 
 
+def check_stochastic_grader(config: Mapping[str, Any]) -> None:
+    """Refuse a grader config that scores every response the same way each time, for a run that reads a second
+    scoring (SetGRPO's calibration, its online monitor, the reliability variant).
+
+    The reference score r' must be an independent second scoring (docs/algorithm.md#2-jrsc). A ``rules`` grader
+    alone, a ``noisy`` grader with ``flip_prob`` 0 over such a grader, or a judge at temperature <= 0
+    (:func:`check_stochastic_judge`) gives r' = r: the conformal set is a point, the monitor sees no reversal and
+    reliability weights are all 1, so SetGRPO silently becomes GRPO. A ``function`` grader is the user's to make
+    random (it receives the scoring's seed), so it is not refused here.
+
+    Args:
+        config: a grader mapping as :func:`build_grader` takes it (``reward.reward_kwargs.grader``).
+
+    Raises:
+        ValueError: naming the grader, the key (``reward.reward_kwargs.grader``; the command line's ``--judge rules``
+            without ``--flip-prob``) and the fix.
+    """
+    kind = config.get("type")
+    if kind == "noisy" and float(config.get("flip_prob") or 0.0) > 0:
+        return
+    base = config.get("base") if kind == "noisy" else config
+    base_kind = base.get("type") if isinstance(base, Mapping) else None
+    check_stochastic_judge(str(base_kind), base.get("temperature") if isinstance(base, Mapping) else None)
+    if base_kind == "rules":
+        what = "a rules grader" if kind == "rules" else "a noisy grader with flip_prob 0 over a rules grader"
+        raise ValueError(
+            f"reward.reward_kwargs.grader is {what}, which scores every response the same way twice: SetGRPO reads "
+            "a second, independent scoring (the reference r'), so its conformal set would be a point, its monitor "
+            "would see no reversal and SetGRPO would become GRPO; wrap it in {type: noisy, flip_prob: 0.06, base: "
+            "{type: rules}} (the command line's --flip-prob), use a judge at temperature > 0, or train with "
+            "algorithm.adv_estimator=grpo")
+
+
 def build_grader(config: Mapping[str, Any] | None):
     """Build a grader from a plain mapping (e.g. verl's ``reward.reward_kwargs.grader``).
 

@@ -22,6 +22,7 @@ from setgrpo_verl.core import ABLATIONS, CalibrationRecord, CalibrationSettings
 from setgrpo_verl.core.shards import parse_part
 from setgrpo_verl.core.srgo import DEFAULT_TAU_GRID
 from setgrpo_verl.core.compatibility import check_compatible, check_disjoint
+from setgrpo_verl.grading import check_stochastic_grader
 from setgrpo_verl.sketch import SketchConfig
 
 from .gpu_env import check_driver_gpus
@@ -410,6 +411,8 @@ def _check_reward(config: Any, *, setgrpo: bool, needs_reference: Optional[str] 
                          f"remove the key (it is for the GRPO baseline on the mean of two scorings), or use "
                          "algorithm.setgrpo.variant=reliability, which trains on the mean itself")
     count = scorings(config)  # a value other than 1 and 2 is refused in every trainer mode
+    if needs_reference:
+        check_stochastic_grader(grader_config(config))
     if needs_reference and count == 1:
         raise ValueError(f"{SCORINGS_KEY}=1: SetGRPO needs the reference score r' of a second scoring here "
                          f"({needs_reference}); set {SCORINGS_KEY}=2 or leave it unset (1 is for the GRPO baseline, "
@@ -435,7 +438,8 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
             the missing override) or the reverse; with the ``setgrpo_dual`` reward manager (any trainer mode), a grader
             config that verl's reward worker could not build (unknown type, misspelled or missing key) or a
             ``reward.reward_kwargs.reference_score_key`` or ``reward.reward_kwargs.scorings`` other than 1 or 2 (for
-            SetGRPO, other than 2: it reads the reference score); ``actor_rollout_ref.rollout.n < 2``, an invalid
+            SetGRPO, other than 2: it reads the reference score), and for SetGRPO where it reads the reference a
+            grader that scores every response the same twice (:func:`~setgrpo_verl.grading.check_stochastic_grader`); ``actor_rollout_ref.rollout.n < 2``, an invalid
             ``algorithm.setgrpo`` block (the levels, grid, rho, ablation and recovery grid as
             :class:`setgrpo_verl.core.CalibrationSettings` validates them for ``calibrate``), a fixed sketch
             micro-batch that does not divide a rank's batch (:func:`check_sketch_micro_batch`), or an

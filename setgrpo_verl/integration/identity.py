@@ -38,6 +38,7 @@ IDENTITY_SOURCES = {
     "policy.repetition_penalty": "actor_rollout_ref.rollout.repetition_penalty",
     "policy.response_length": "data.max_response_length",
     "policy.dtype": "actor_rollout_ref.rollout.dtype",
+    "policy.model_overrides": "actor_rollout_ref.model.override_config",
     "training.lora_rank": "actor_rollout_ref.model.lora_rank",
     "training.lora_alpha": "actor_rollout_ref.model.lora_alpha",
     "training.target_modules": "actor_rollout_ref.model.target_modules",
@@ -200,7 +201,10 @@ def policy_identity(config: Any) -> dict[str, Any]:
     (:func:`weights_fingerprint`), the tokenizer's (:func:`tokenizer_sha256`), the SHA-256 of
     ``model.custom_chat_template`` (None: the tokenizer's own), ``data.apply_chat_template_kwargs``, the rollout's
     sampling settings (temperature, top_p, top_k with any value <= 0 as -1, i.e. off; repetition_penalty),
-    ``data.max_response_length`` and the rollout's dtype. Keys absent from ``config`` read as verl 0.9.1's defaults.
+    ``data.max_response_length``, the rollout's dtype and ``model_overrides``: ``actor_rollout_ref.model.override_config``
+    without ``attn_implementation`` (verl applies the rest to the model's config, e.g. ``num_hidden_layers``, so the
+    same files can load another network; the attention kernel computes the same function). Keys absent from
+    ``config`` read as verl 0.9.1's defaults.
 
     Raises:
         ValueError: the model or tokenizer files cannot be read (:func:`model_files`, :func:`weights_fingerprint`).
@@ -226,6 +230,8 @@ def policy_identity(config: Any) -> dict[str, Any]:
         "repetition_penalty": float(config_value(rollout, "repetition_penalty", 1.0)),
         "response_length": int(config.data.max_response_length),
         "dtype": _dtype_name(config_value(rollout, "dtype", "bfloat16")),
+        "model_overrides": {k: v for k, v in (_plain(config_value(model, "override_config", {})) or {}).items()
+                            if k != "attn_implementation"},
     }
 
 

@@ -102,3 +102,23 @@ def test_temperature_zero_is_deterministic(smollm2_judge, ifbench_samples):
         smollm2_judge.temperature = old
     np.testing.assert_array_equal(out.point, out.reference)
     assert all(v.p_yes in (0.0, 1.0) for r in out.point_results for v in r.verdicts if v.source == "judge")
+
+
+def test_a_cut_response_ends_on_a_whole_character_within_the_token_limit(smollm2_judge):
+    """The judge cuts a response to max_response_tokens: with a byte-level tokenizer a token limit can fall inside a
+    multi-byte character, and the cut must still be a prefix of the response (no U+FFFD) that re-encodes to at most
+    the limit."""
+    tok = smollm2_judge.tokenizer
+    texts = ["这是一个关于机器学习的回答，包含很多中文字符。" * 3, "Great answer 🎉🎉 with emoji 👍🏽 and flags 🇫🇷🇯🇵 done",
+             "Résumé: naïve café — ünïcödé ✓ 日本語テキスト"]
+    split = 0
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        for limit in range(1, len(ids)):
+            split += "\ufffd" in tok.decode(ids[:limit])
+            cut = smollm2_judge._truncate(text, limit)
+            assert text.startswith(cut) and "\ufffd" not in cut, (text, limit, cut)
+            assert len(tok.encode(cut, add_special_tokens=False)) <= limit, (text, limit)
+            assert limit - len(tok.encode(cut, add_special_tokens=False)) <= 3, (text, limit)  # no more than a char
+        assert smollm2_judge._truncate(text, len(ids)) == text
+    assert split > 20  # the limits above do fall inside characters

@@ -61,6 +61,13 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job",
     ((LOCAL, "+reward.reward_kwargs.grader.temperature=0", CAL_ONLY),
      "grader temperature 0 (reward.reward_kwargs.grader.temperature, --judge-temperature): SetGRPO calibrates a "
      "stochastic grader"),
+    # so does a rules grader, bare or under flips at rate 0, wherever SetGRPO reads the second scoring
+    (("+reward.reward_kwargs.grader={type:rules}", CAL_ONLY),
+     "reward.reward_kwargs.grader is a rules grader, which scores every response the same way twice"),
+    (("+reward.reward_kwargs.grader={type:noisy,flip_prob:0,base:{type:rules}}", "algorithm.setgrpo.variant=reliability"),
+     "reward.reward_kwargs.grader is a noisy grader with flip_prob 0 over a rules grader"),
+    (("+reward.reward_kwargs.grader={type:noisy,flip_prob:0,base:{type:local_hf,temperature:0}}", CAL_ONLY),
+     "grader temperature 0 (reward.reward_kwargs.grader.temperature, --judge-temperature)"),
     ((LOCAL, "algorithm.setgrpo.rho=0"), "algorithm.setgrpo.rho=0.0 must be > 0"),
     ((LOCAL, "algorithm.setgrpo.variant=reliabilty"), "algorithm.setgrpo.variant='reliabilty': choose one of "
                                                       "('paper', 'reliability')"),
@@ -149,6 +156,16 @@ def test_check_before_ray_refuses(overrides, message):
     with pytest.raises(ValueError) as exc:
         check_run_config(cfg)
     assert message in str(exc.value), str(exc.value)
+
+
+def test_a_grader_random_in_either_layer_is_admitted_and_grpo_may_use_plain_rules():
+    """Flips over rules, or no flips over a judge at temperature > 0, score twice independently; plain GRPO with the
+    dual reward manager reads no second scoring, so an exact rules grader is its to use."""
+    for grader in ("{type:noisy,flip_prob:0.06,base:{type:rules}}", "{type:noisy,flip_prob:0,base:{type:local_hf}}"):
+        assert check_run_config(_compose(f"+reward.reward_kwargs.grader={grader}", CAL_ONLY)) is not None
+    grpo = _compose("+reward.reward_kwargs.grader={type:rules}", "algorithm.adv_estimator=grpo",
+                    "trainer.v1.trainer_mode=graded_sync")
+    assert check_run_config(grpo) is None
 
 
 def test_reliability_variant_skips_the_sketch_and_record_checks():

@@ -5,6 +5,7 @@ records and shards written before these fields existed load, with a warning nami
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -28,7 +29,7 @@ from ..core.synthetic import make_groups
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_5 = REPO / "tests" / "core" / "data" / "record_schema5.json"
 PAPER_SHARD = REPO / "validation" / "paper" / "batch_000000.npz"
-BASE = ("+reward.reward_kwargs.grader.type=rules", "actor_rollout_ref.rollout.n=4",
+BASE = ("+reward.reward_kwargs.grader={type:noisy,flip_prob:0.1,base:{type:rules}}", "actor_rollout_ref.rollout.n=4",
         "data.max_response_length=24")
 
 
@@ -276,3 +277,20 @@ def test_training_with_a_record_and_no_monitor_may_score_once(plain, tmp_path):
                                          r"\(the online monitor reads it during training\)"):
         check_run_config(_compose(*once))
     assert check_run_config(_compose(*once, "algorithm.setgrpo.monitor.enable=false")).monitor.enable is False
+
+
+def test_model_config_overrides_are_part_of_the_identity_but_the_attention_kernel_is_not(plain):
+    """verl applies actor_rollout_ref.model.override_config to the model's config: the same files with two layers
+    are another network, refused naming the key; eager against sdpa attention is the same function. A record
+    written before the key existed was made without overrides."""
+    _, record = plain
+    assert record.policy["model_overrides"] == {}
+    _accepts(record, _compose("+actor_rollout_ref.model.override_config.attn_implementation=sdpa"))
+    text = _refusal(record, _compose("+actor_rollout_ref.model.override_config.num_hidden_layers=2"))
+    assert text.startswith("calibration record mismatch in policy.model_overrides "
+                           "(actor_rollout_ref.model.override_config): record has {}, this run has "
+                           "{'num_hidden_layers': 2}")
+    older = dataclasses.replace(record, policy={k: v for k, v in record.policy.items() if k != "model_overrides"})
+    _accepts(older, _compose())
+    assert "mismatch in policy.model_overrides" in _refusal(
+        older, _compose("+actor_rollout_ref.model.override_config.num_hidden_layers=2"))

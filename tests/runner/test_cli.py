@@ -285,6 +285,14 @@ def test_judge_temperature_zero_is_refused_before_anything_is_written(capsys, tm
     assert not (tmp_path / "run").exists()
 
 
+def test_a_calibration_on_the_exact_rules_grader_is_refused_before_anything_is_written(capsys, tmp_path):
+    """--judge rules without --flip-prob scores every response the same way twice: nothing to calibrate."""
+    err = _fail(capsys, ["calibrate", "--run-dir", str(tmp_path / "run"), "--judge", "rules"])
+    assert "reward.reward_kwargs.grader is a rules grader, which scores every response the same way twice" in err
+    assert "(the command line's --flip-prob)" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_steps_beyond_the_epochs_are_refused_before_verl(capsys, tmp_path):
     from setgrpo_verl.grading import rubrics_to_verl_rows, write_verl_parquet
 
