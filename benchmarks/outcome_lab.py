@@ -201,7 +201,10 @@ class Grader:
         """``[...]`` the exact variance of one scoring's rubric-score error, for 0/1 ``verdicts [..., J]`` and
         non-negative ``points`` (broadcast to them): a flip of criterion ``j`` moves the score by
         ``(1 - 2 v_j) p_j / N`` (``N`` the points' sum), so independent flips at rate ``q`` give
-        ``q (1 - q) sum_j (p_j / N)^2`` and a whole-response flip gives ``q (1 - q) (sum_j (1 - 2 v_j) p_j / N)^2``."""
+        ``q (1 - q) sum_j (p_j / N)^2`` and a whole-response flip gives ``q (1 - q) (sum_j (1 - 2 v_j) p_j / N)^2``.
+        Raises ``ValueError`` for a verdict other than 0/1 or a negative point (``rubric_scores``' other cases)."""
+        if bool(((verdicts != 0) & (verdicts != 1)).any()) or bool((points < 0).any()):
+            raise ValueError("score_noise_var covers 0/1 verdicts and non-negative points, as the lab's world has")
         q = self.rate(length, ambiguity)
         step = (1 - 2 * verdicts) * points / points.sum(-1, keepdim=True)
         spread = step.sum(-1).square() if self.whole_response else step.square().sum(-1)
@@ -383,8 +386,8 @@ def make_arms() -> dict[str, Arm]:
         return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], w > 0
 
     def known_reliability(b, st):
-        """A ceiling, not a method: the reliability weight with the exact noise variance of each group's mean of two
-        scorings, from the grader's rates and the truth verdicts (``Batch.noise_var``), which no run knows."""
+        """Not a method: the reliability weight with the exact noise variance of each group's mean of two scorings,
+        from the grader's rates and the truth verdicts (``Batch.noise_var``), which no run knows."""
         m = (b.scores[0] + b.scores[1]) / 2
         noise = b.noise_var.mean(-1) / 2                                   # [S, G]
         w = weights_from_noise(_flat(m), noise.flatten()).reshape(noise.shape)

@@ -421,8 +421,8 @@ def test_misread_grader_flips_whole_responses_at_the_flip_graders_verdict_rate(l
 def test_uneven_grader_gives_each_prompt_its_own_flip_rate_with_the_flip_graders_mean(lab):
     """The uneven grader flips a verdict with probability ``min(0.5, 4 flip a^3)`` for its prompt's ambiguity ``a``:
     the flip grader's rate on average over uniform ambiguities (below the cap), near 0 for most prompts, and pure
-    noise (0.5) where the cap binds; the world's ambiguities are one uniform per prompt, drawn after every other
-    field, so the other graders' worlds are the ones their committed runs used."""
+    noise (0.5) where the cap binds; the world's ambiguities are one uniform per prompt. That the other graders'
+    worlds are unchanged is checked by the uneven runs' flip-grader gains, equal to the full tables' (below)."""
     g = torch.Generator().manual_seed(0)
     uniform = torch.rand(400_000, 6, generator=g, dtype=torch.float64)
     length = torch.rand(400_000, generator=g, dtype=torch.float64)
@@ -435,8 +435,6 @@ def test_uneven_grader_gives_each_prompt_its_own_flip_rate_with_the_flip_graders
     assert float(capped[high].double().mean()) == pytest.approx(0.5, abs=0.005)
     world = lab.make_world()
     assert world.ambiguity.shape == (512,) and 0 <= float(world.ambiguity.min()) < float(world.ambiguity.max()) <= 1
-    g = torch.Generator().manual_seed(0)  # make_world's first draw: its features are unchanged by the new field
-    assert torch.equal(world.phi, torch.randn(512, 16, 256, generator=g, dtype=torch.float64) / 16 * 2.0)
 
 
 def test_group_reliability_weights_each_group_by_its_own_disagreement(lab):
@@ -575,7 +573,7 @@ def test_noise_that_differs_between_prompts_leaves_the_truth_far_ahead_of_every_
     computation."""
     runs = _uneven_runs()
     weights = ("setgrpo_reliability", "setgrpo_reliability_group", "setgrpo_reliability_prompt")
-    ahead, whole = 0, 0
+    ahead, whole, own_lead = 0, 0, []
     for opt, full in (("sgd", {(r["grader"], r["flip"], r["K"], r["arm"]): r for r in _rows()}),
                       ("adam", _adam_rows())):
         by_key = runs[opt]
@@ -592,8 +590,8 @@ def test_noise_that_differs_between_prompts_leaves_the_truth_far_ahead_of_every_
                 ahead, whole = ahead + (mean > 0), whole + (mean - half > 0)
                 assert mean + half > 0, (opt, flip, k)
                 for arm in weights[1:]:
-                    low = row(arm)["paired"]["grpo_mean2"][0] - row(arm)["paired"]["grpo_mean2"][1]
-                    assert low <= 0 or arm == "setgrpo_reliability_group" and (opt, flip, k) == ("sgd", 0.3, 4)
+                    if row(arm)["paired"]["grpo_mean2"][0] - row(arm)["paired"]["grpo_mean2"][1] > 0:
+                        own_lead.append((arm, opt, flip, k))
                     assert row(arm)["gain"] - row("setgrpo_reliability")["gain"] < 0.01, (opt, flip, k, arm)
                 if flip >= 0.2:
                     oracle, oracle_half = row("oracle")["paired"]["grpo_mean2"]
@@ -603,6 +601,7 @@ def test_noise_that_differs_between_prompts_leaves_the_truth_far_ahead_of_every_
                 # per grader call, one scoring and twice the steps lead the mean of two
                 assert row("grpo")["paired_calls"]["grpo_mean2"][0] > 0.01, (opt, flip, k)
     assert (ahead, whole) == (14, 3)
+    assert own_lead == [("setgrpo_reliability_group", "sgd", 0.3, 4)]
 
 
 def test_outcome_doc_quotes_the_uneven_runs():
@@ -629,7 +628,7 @@ def test_outcome_doc_quotes_the_uneven_runs():
 
 @pytest.mark.parametrize("grader", ["flip", "length", "misread", "uneven"])
 def test_a_graders_score_noise_variance_is_the_variance_of_its_score_errors(lab, grader):
-    """``Grader.score_noise_var``, the known-noise ceiling's input, against the empirical variance of the rubric-score
+    """``Grader.score_noise_var``, the noise oracle's input, against the empirical variance of the rubric-score
     error over fresh scorings of fixed responses (verdicts, points, lengths and ambiguities of the lab's world)."""
     world = lab.make_world()
     scorer = lab.make_grader(grader, 0.2)
@@ -663,9 +662,9 @@ def test_the_noise_oracle_weights_with_the_exact_noise_of_each_groups_mean(lab):
 def test_the_exact_noise_level_does_no_better_than_the_pooled_estimate():
     """validation/outcome_lab/noise_oracle.json (SGD) and noise_oracle_adam.json (verl's AdamW): reliability weights
     with each group's exact noise variance lead GRPO on the mean of two by a whole band in no cell of the uneven and
-    misread graders, trail it by one in 7 misread cells, and lead the pooled estimate by at most 0.002 under the
-    uneven grader. The runs' other arms are the uneven and misread runs' computation."""
-    behind = 0
+    misread graders, trail it by one in 7 misread cells and in no uneven cell, and lead the pooled estimate by at most
+    0.0025 under the uneven grader. The runs' other arms are the uneven and misread runs' computation."""
+    behind = {"uneven": 0, "misread": 0}
     for opt, names in (("sgd", ("uneven.json", "misread.json")), ("adam", ("uneven_adam.json", "misread_adam.json"))):
         run = json.loads((RESULTS / f"noise_oracle{'' if opt == 'sgd' else '_adam'}.json").read_text())
         by_key = {(r["grader"], r["flip"], r["K"], r["arm"]): r for r in run["rows"]}
@@ -681,7 +680,7 @@ def test_the_exact_noise_level_does_no_better_than_the_pooled_estimate():
                     row = lambda arm: by_key[(grader, flip, k, arm)]  # noqa: E731
                     mean, half = row("oracle_noise")["paired"]["grpo_mean2"]
                     assert mean - half <= 0, (opt, grader, flip, k)
-                    behind += mean + half < 0
+                    behind[grader] += mean + half < 0
                     if grader == "uneven":
                         assert row("oracle_noise")["gain"] - row("setgrpo_reliability")["gain"] <= 0.0025
-    assert behind == 7
+    assert behind == {"uneven": 0, "misread": 7}

@@ -71,14 +71,17 @@ def check_identity(stored: dict[str, Any], current: dict[str, Any], *, what: str
                 if k not in mine and _since_6(name, k):
                     missing.append(f"{name}.{k}")
                     continue
-                rec, cur = mine.get(k, ABSENT_AS.get((name, k))), value.get(k)
+                rec, cur = mine.get(k, ABSENT_AS.get((name, k))), value.get(k, ABSENT_AS.get((name, k)))
                 if rec == cur:
                     continue
                 why = ("the coverage and risk guarantees hold only for the grader that was calibrated"
                        if name == "grader" else "the calibration was made under other settings")
                 # a key the stored side lacks was added after it was written: no setting of this run gives it
-                if k in mine or (name, k) in ABSENT_AS:
+                if k in mine:
                     has, fix_k = f"{holder} has {rec!r}", f"recalibrate for this run or run with the {owner} {name}.{k}"
+                elif (name, k) in ABSENT_AS:
+                    has, fix_k = (f"{holder} has no {name}.{k} (written before that field existed, so read as {rec!r})",
+                                  "recalibrate for this run")
                 else:
                     has, fix_k = f"{holder} has no {name}.{k} (written before that field existed)", \
                         "recalibrate for this run"

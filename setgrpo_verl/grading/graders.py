@@ -377,20 +377,23 @@ def check_stochastic_grader(config: Mapping[str, Any]) -> None:
         ValueError: naming the grader, the key (``reward.reward_kwargs.grader``; the command line's ``--judge rules``
             without ``--flip-prob``) and the fix.
     """
-    kind = config.get("type")
-    if kind == "noisy" and float(config.get("flip_prob") or 0.0) > 0:
-        return
-    base = config.get("base") if kind == "noisy" else config
-    base_kind = base.get("type") if isinstance(base, Mapping) else None
-    check_stochastic_judge(str(base_kind), base.get("temperature") if isinstance(base, Mapping) else None)
-    if base_kind == "rules":
-        what = "a rules grader" if kind == "rules" else "a noisy grader with flip_prob 0 over a rules grader"
+    base, wrapped = config, False
+    while isinstance(base, Mapping) and base.get("type") == "noisy":  # flips at a positive rate make it random
+        if float(base.get("flip_prob") or 0.0) > 0:
+            return
+        base, wrapped = base.get("base"), True
+    if not isinstance(base, Mapping):
+        return  # a malformed config is build_grader's to refuse, naming what is wrong
+    check_stochastic_judge(str(base.get("type")), base.get("temperature"))
+    if base.get("type") == "rules":
+        what = "a noisy grader with flip_prob 0 over a rules grader" if wrapped else "a rules grader"
         raise ValueError(
             f"reward.reward_kwargs.grader is {what}, which scores every response the same way twice: SetGRPO reads "
             "a second, independent scoring (the reference r'), so its conformal set would be a point, its monitor "
-            "would see no reversal and SetGRPO would become GRPO; wrap it in {type: noisy, flip_prob: 0.06, base: "
-            "{type: rules}} (the command line's --flip-prob), use a judge at temperature > 0, or train with "
-            "algorithm.adv_estimator=grpo")
+            "would see no reversal and SetGRPO would become GRPO; give the flips a rate, {type: noisy, flip_prob: "
+            "0.06, base: {type: rules}} (the command line's --flip-prob > 0), use a judge at temperature > 0, train "
+            "with algorithm.adv_estimator=grpo, or, training with a record, set algorithm.setgrpo.monitor.enable=false "
+            "so that nothing reads a second scoring")
 
 
 def build_grader(config: Mapping[str, Any] | None):

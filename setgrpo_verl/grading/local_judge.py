@@ -128,18 +128,22 @@ class LocalHFJudge:
         return hashlib.sha256(json.dumps([r.question, r.response, r.criterion]).encode()).hexdigest()
 
     def _truncate(self, text: str, limit: int) -> str:
-        """``text`` cut to its longest prefix of at most ``limit`` tokens that ends on a whole character (unchanged if
-        shorter). A byte-level tokenizer can split a character between two tokens; decoding the first half gives
-        U+FFFD, and the text then re-encodes to more tokens than the cut, so the cut moves back to the last token
-        whose decoded prefix is a prefix of ``text`` and fits ``limit`` tokens."""
+        """``text`` cut to its first ``limit`` tokens, ending on a whole character (unchanged if shorter).
+
+        A byte-level tokenizer can split a character between two tokens: decoding the first half ends in U+FFFD, and
+        the cut then re-encodes to more tokens than ``limit``. The cut moves back, token by token, to the longest one
+        that ends in no U+FFFD the text does not have there and re-encodes to at most ``limit`` tokens (the
+        comparison is not on exact prefixes, since a tokenizer may normalise text or spacing when it decodes); if
+        none does, the plain cut of ``limit`` tokens."""
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if len(ids) <= limit:
             return text
         for n in range(limit, 0, -1):
             cut = self.tokenizer.decode(ids[:n])
-            if text.startswith(cut) and len(self.tokenizer.encode(cut, add_special_tokens=False)) <= limit:
+            split = cut.endswith("\ufffd") and not text[:len(cut)].endswith("\ufffd")
+            if not split and len(self.tokenizer.encode(cut, add_special_tokens=False)) <= limit:
                 return cut
-        return ""
+        return self.tokenizer.decode(ids[:limit])
 
     def _segments(self, r: JudgeRequest) -> tuple[str, str, str]:
         """The chat-templated judge prompt cut into (system + question, response, criterion + generation header):

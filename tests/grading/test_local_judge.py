@@ -122,3 +122,19 @@ def test_a_cut_response_ends_on_a_whole_character_within_the_token_limit(smollm2
             assert limit - len(tok.encode(cut, add_special_tokens=False)) <= 3, (text, limit)  # no more than a char
         assert smollm2_judge._truncate(text, len(ids)) == text
     assert split > 20  # the limits above do fall inside characters
+
+
+def test_a_tokenizer_that_normalises_when_it_decodes_still_gets_a_cut_of_the_limit(smollm2_judge):
+    """A tokenizer may decode to another normal form than the text it encoded (an NFC normaliser): the cut is then
+    no exact prefix of the text, and must still be about ``limit`` tokens long, not empty."""
+    import types
+    import unicodedata
+
+    tok = smollm2_judge.tokenizer
+    nfc = types.SimpleNamespace(encode=tok.encode, decode=lambda ids: unicodedata.normalize("NFC", tok.decode(ids)))
+    text = unicodedata.normalize("NFD", "Café résumé naïve. ") * 60
+    judge = types.SimpleNamespace(tokenizer=nfc)
+    cut = type(smollm2_judge)._truncate(judge, text, 100)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert not text.startswith(cut) and "\ufffd" not in cut
+    assert any(cut == nfc.decode(ids[:n]) for n in range(97, 101))  # the text's first ~100 tokens

@@ -294,3 +294,19 @@ def test_model_config_overrides_are_part_of_the_identity_but_the_attention_kerne
     _accepts(older, _compose())
     assert "mismatch in policy.model_overrides" in _refusal(
         older, _compose("+actor_rollout_ref.model.override_config.num_hidden_layers=2"))
+
+
+def test_identities_with_and_without_model_overrides_compare_in_either_order(plain):
+    """Shards of one calibration written before and after the key existed merge whichever comes first; a run with
+    overrides against a stored identity without the key is refused, saying how the key was read."""
+    from setgrpo_verl.core.identity import check_identity
+
+    _, record = plain
+    new = {"policy": dict(record.policy)}
+    old = {"policy": {k: v for k, v in record.policy.items() if k != "model_overrides"}}
+    for stored, current in ((old, new), (new, old)):
+        check_identity(stored, current, what="calibration shard", holder="shard")
+    layers = {"policy": {**record.policy, "model_overrides": {"num_hidden_layers": 2}}}
+    with pytest.raises(ValueError, match=r"shard has no policy.model_overrides \(written before that field existed, "
+                                         r"so read as \{\}\), this run has \{'num_hidden_layers': 2\}"):
+        check_identity(old, layers, what="calibration shard", holder="shard")
