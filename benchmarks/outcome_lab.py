@@ -124,7 +124,7 @@ def make_world(seed: int = 0, prompts: int = 512, candidates: int = 16, dim: int
     verdicts = (torch.rand(prompts, candidates, 6, generator=g, dtype=torch.float64) < p_met).double()
     truth = (verdicts * points[:, None]).sum(-1) / points.sum(-1)[:, None]
     length = torch.rand(prompts, candidates, generator=g, dtype=torch.float64)
-    ambiguity = torch.rand(prompts, generator=g, dtype=torch.float64)  # drawn last: the fields above stay as they were
+    ambiguity = torch.rand(prompts, generator=g, dtype=torch.float64)  # drawn last: the fields above are unchanged
     return World(phi=phi / math.sqrt(dim) * 2.0, verdicts=verdicts, points=points, truth=truth, length=length,
                  ambiguity=ambiguity)
 

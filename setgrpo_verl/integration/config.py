@@ -384,17 +384,15 @@ def check_record(record: Any, config: Any, setgrpo: SetGRPOConfig) -> None:
     Warns:
         IdentityWarning: a record written before some identity fields existed, naming them (not checked).
     """
-    check_compatible(record, sources=IDENTITY_SOURCES, K=int(config.actor_rollout_ref.rollout.n),
-                     norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)), alpha=setgrpo.alpha,
-                     beta=setgrpo.beta, delta=setgrpo.delta, rho=setgrpo.rho, ablation=setgrpo.ablation,
-                     **run_identity(config, setgrpo))
+    check_compatible(record, sources=IDENTITY_SOURCES, K=int(config.actor_rollout_ref.rollout.n), alpha=setgrpo.alpha,
+                     norm_by_std=bool(config.algorithm.get("norm_adv_by_std_in_grpo", True)), beta=setgrpo.beta,
+                     delta=setgrpo.delta, rho=setgrpo.rho, ablation=setgrpo.ablation, **run_identity(config, setgrpo))
 
 
 def _check_reward(config: Any, *, setgrpo: bool, needs_reference: Optional[str] = None) -> None:
     """The dual-reward manager's grader, reference-score key and scorings, as verl's reward worker will read them;
-    ``setgrpo``: a SetGRPO run, which reads the point score apart from the reference (``point=mean`` is refused);
-    ``needs_reference``: what reads the reference score in this run (then one scoring per response is refused),
-    or None."""
+    ``setgrpo``: a SetGRPO run (``point=mean`` is refused); ``needs_reference``: what reads the reference score in
+    this run (then one scoring, or a grader that scores a response alike twice, is refused), or None."""
     reward = config.get("reward", None) if hasattr(config, "get") else None
     manager = reward.get("reward_manager", None) if reward is not None else None
     if manager is None or str(manager.get("name", "")) != REWARD_MANAGER_NAME:
@@ -438,9 +436,9 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
             the missing override) or the reverse; with the ``setgrpo_dual`` reward manager (any trainer mode), a grader
             config that verl's reward worker could not build (unknown type, misspelled or missing key) or a
             ``reward.reward_kwargs.reference_score_key`` or ``reward.reward_kwargs.scorings`` other than 1 or 2 (for
-            SetGRPO, other than 2: it reads the reference score), and for SetGRPO where it reads the reference a
-            grader that scores every response the same twice (:func:`~setgrpo_verl.grading.check_stochastic_grader`); ``actor_rollout_ref.rollout.n < 2``, an invalid
-            ``algorithm.setgrpo`` block (the levels, grid, rho, ablation and recovery grid as
+            SetGRPO, other than 2: it reads the reference score) and, where SetGRPO reads it, a grader that scores
+            alike twice (:func:`~setgrpo_verl.grading.check_stochastic_grader`); ``actor_rollout_ref.rollout.n < 2``,
+            an invalid ``algorithm.setgrpo`` block (the levels, grid, rho, ablation and recovery grid as
             :class:`setgrpo_verl.core.CalibrationSettings` validates them for ``calibrate``), a fixed sketch
             micro-batch that does not divide a rank's batch (:func:`check_sketch_micro_batch`), or an
             ``algorithm.setgrpo.record_path`` that is missing, does not validate or does not match the run

@@ -201,10 +201,10 @@ def policy_identity(config: Any) -> dict[str, Any]:
     (:func:`weights_fingerprint`), the tokenizer's (:func:`tokenizer_sha256`), the SHA-256 of
     ``model.custom_chat_template`` (None: the tokenizer's own), ``data.apply_chat_template_kwargs``, the rollout's
     sampling settings (temperature, top_p, top_k with any value <= 0 as -1, i.e. off; repetition_penalty),
-    ``data.max_response_length``, the rollout's dtype and ``model_overrides``: ``actor_rollout_ref.model.override_config``
-    without ``attn_implementation`` (verl applies the rest to the model's config, e.g. ``num_hidden_layers``, so the
-    same files can load another network; the attention kernel computes the same function). Keys absent from
-    ``config`` read as verl 0.9.1's defaults.
+    ``data.max_response_length``, the rollout's dtype and ``model_overrides``:
+    ``actor_rollout_ref.model.override_config`` without ``attn_implementation`` (verl applies the rest to the model's
+    config, e.g. ``num_hidden_layers``, so the same files can load another network; the attention kernel computes
+    the same function). Keys absent from ``config`` read as verl 0.9.1's defaults.
 
     Raises:
         ValueError: the model or tokenizer files cannot be read (:func:`model_files`, :func:`weights_fingerprint`).

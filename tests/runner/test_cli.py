@@ -289,7 +289,7 @@ def test_a_calibration_on_the_exact_rules_grader_is_refused_before_anything_is_w
     """--judge rules without --flip-prob scores every response the same way twice: nothing to calibrate."""
     err = _fail(capsys, ["calibrate", "--run-dir", str(tmp_path / "run"), "--judge", "rules"])
     assert "reward.reward_kwargs.grader is a rules grader, which scores every response the same way twice" in err
-    assert "(the command line's --flip-prob)" in err
+    assert "(the command line's --flip-prob > 0)" in err
     assert not (tmp_path / "run").exists()
 
 
