@@ -76,7 +76,9 @@ def test_sigterm_stops_main_ppo_and_its_ray_instance(tiny_model, reward_file, tm
         (main_ppo,) = _children(cli.pid)
         assert "verl.trainer.main_ppo" in _cmdline(main_ppo)
         assert os.getsid(main_ppo) == main_ppo  # its own session
-        raylet = _wait_for(lambda: [p for p in session_members(main_ppo) if "raylet" in _cmdline(p)], 60, "raylet")
+        # the raylet's command line, once its exec is complete (a process just forked still shows its parent's)
+        raylet = _wait_for(lambda: [p for p in session_members(main_ppo)
+                                    if "raylet" in _cmdline(p) and "--session_dir=" in _cmdline(p)], 60, "raylet")
         session_dir = next(a.split("=", 1)[1] for a in _cmdline(raylet[0]).split() if a.startswith("--session_dir="))
         members = session_members(main_ppo)
         assert len(members) >= 3, [_cmdline(p) for p in members]  # main_ppo, GCS, raylet, ...
