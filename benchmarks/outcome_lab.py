@@ -271,6 +271,13 @@ def _setgrpo(point: torch.Tensor, gram: torch.Tensor, record: CalibrationRecord)
     return res, res.coefficients.reshape(s, g, k), res.accepted.reshape(s, g)
 
 
+def _weighted_grpo(point: torch.Tensor, noise: torch.Tensor):
+    """GRPO coefficients of ``point [S, G, K]``, each group scaled by core's ``weights_from_noise`` with its noise
+    variance ``noise [S, G]``; returns ``(a [S, G, K], trained [S, G] bool)``, the reliability arms' output."""
+    w = weights_from_noise(_flat(point), noise.flatten()).reshape(noise.shape)
+    return grpo_coefficients(_flat(point)).reshape(point.shape) * w[..., None], w > 0
+
+
 def soft_weights(point: torch.Tensor, gram: torch.Tensor, record: CalibrationRecord) -> torch.Tensor:
     """``[G]`` certified weights ``w = clip(M_full(a_hat), 0, 1)`` of the GRPO coefficients ``a_hat = T(point)``.
 
@@ -359,8 +366,7 @@ def make_arms() -> dict[str, Arm]:
         disagree is down-weighted by its own disagreement rather than the step's average."""
         m = (b.scores[0] + b.scores[1]) / 2
         noise = (b.scores[0] - b.scores[1]).square().mean(-1) / 4  # [S, G]
-        w = weights_from_noise(_flat(m), noise.flatten()).reshape(noise.shape)
-        return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], w > 0
+        return _weighted_grpo(m, noise)
 
     def prompt_reliability(b, st):
         """GRPO on the mean of the two scorings, each group scaled by ``weights_from_noise`` with the noise variance
@@ -382,16 +388,14 @@ def make_arms() -> dict[str, Arm]:
         count.scatter_add_(1, b.prompt, torch.full((s_, g_), float(k), dtype=torch.float64))
         pooled = d.mean(dim=(1, 2))[:, None]                               # [S, 1]
         noise = (total.gather(1, b.prompt) + k * pooled) / (count.gather(1, b.prompt) + k)
-        w = weights_from_noise(_flat(m), noise.flatten()).reshape(noise.shape)
-        return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], w > 0
+        return _weighted_grpo(m, noise)
 
     def known_reliability(b, st):
         """Not a method: the reliability weight with the exact noise variance of each group's mean of two scorings,
         from the grader's rates and the truth verdicts (``Batch.noise_var``), which no run knows."""
         m = (b.scores[0] + b.scores[1]) / 2
         noise = b.noise_var.mean(-1) / 2                                   # [S, G]
-        w = weights_from_noise(_flat(m), noise.flatten()).reshape(noise.shape)
-        return grpo_coefficients(_flat(m)).reshape(m.shape) * w[..., None], w > 0
+        return _weighted_grpo(m, noise)
 
     def sampled_reliability(share):
         """Reliability weights at about one scoring per response: every response is scored once, and the first
@@ -410,8 +414,7 @@ def make_arms() -> dict[str, Arm]:
             point = torch.where(twice[None, :, None], (p0 + p1) / 2, p0)
             var1 = (p0[:, :n2] - p1[:, :n2]).square().mean(dim=(1, 2)) / 2  # [S] one scoring's noise variance
             noise = var1[:, None] / torch.where(twice, 2.0, 1.0)[None, :]
-            w = weights_from_noise(_flat(point), noise.flatten()).reshape(noise.shape)
-            return grpo_coefficients(_flat(point)).reshape(point.shape) * w[..., None], w > 0
+            return _weighted_grpo(point, noise)
         return arm
 
     def online(b, st):
