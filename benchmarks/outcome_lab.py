@@ -146,6 +146,8 @@ class Batch:
     truth: torch.Tensor    # [S, G, K]
     scores: list = field(default_factory=list)  # scorings, each [S, G, K]
     noise_var: torch.Tensor | None = None  # [S, G, K] the variance of one scoring's error, from the grader's rates
+    observed: list = field(default_factory=list)  # each scoring's 0/1 verdicts as graded, [S, G, K, J]
+    points: torch.Tensor | None = None  # [S, G, 1, J] criterion points (0 beyond a prompt's criteria)
 
 
 def rubric_scores(verdicts: torch.Tensor, points: torch.Tensor, flipped: torch.Tensor) -> torch.Tensor:
@@ -175,10 +177,11 @@ def draw(world: World, theta: torch.Tensor, prompt: torch.Tensor, uniform: torch
     points = world.points[prompt][:, :, None]                       # [S, G, 1, J]
     length = world.length[p_idx, cand]                              # [S, G, K]
     ambiguity = world.ambiguity[p_idx]                              # [S, G, K]
-    scores = [rubric_scores(verdicts, points, grader.flipped(u, length, ambiguity)) for u in flips]
+    flipped = [grader.flipped(u, length, ambiguity) for u in flips]
     return Batch(prompt=prompt, cand=cand, grad=grad, gram=grad @ grad.transpose(-1, -2),
-                 truth=world.truth[p_idx, cand], scores=scores,
-                 noise_var=grader.score_noise_var(verdicts, points, length, ambiguity))
+                 truth=world.truth[p_idx, cand], scores=[rubric_scores(verdicts, points, f) for f in flipped],
+                 noise_var=grader.score_noise_var(verdicts, points, length, ambiguity),
+                 observed=[torch.where(f, 1 - verdicts, verdicts) for f in flipped], points=points)
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,40 @@ def range_advantages(center: torch.Tensor, half_width: torch.Tensor) -> torch.Te
     h = half_width[..., :, None] + half_width[..., None, :]
     kappa = torch.where(d == 0, torch.zeros_like(d), d.square() / (d.square() + h.square()).clamp_min(1e-300))
     return (kappa * d).mean(-1)
+
+
+def flip_rate_from_pairs(o1: torch.Tensor, o2: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """The verdict flip rate ``q`` that two independent scorings' disagreement implies: under symmetric flips at
+    rate ``q``, a verdict pair disagrees with probability ``d = 2 q (1 - q)``, so ``q = (1 - sqrt(1 - 2 d)) / 2``
+    (0.5 where ``d >= 0.5``). ``o1``, ``o2`` ``[S, ..., J]`` 0/1 verdicts, ``live`` broadcast to them (the
+    criteria that exist); returns ``[S]`` float64, pooled over everything but the first dimension."""
+    live = live.expand_as(o1)
+    dims = tuple(range(1, o1.dim()))
+    d = ((o1 != o2) & live).double().sum(dims) / live.double().sum(dims).clamp_min(1)
+    return (1 - (1 - 2 * d).clamp_min(0).sqrt()) / 2
+
+
+def verdict_posterior_scores(observed: list, points: torch.Tensor, q: torch.Tensor, iterations: int = 20):
+    """Rubric scores ``[S, G, K]`` of the verdicts' posterior means, under symmetric flips at rate ``q`` (``[S]``)
+    and a truth rate per (group, criterion) fitted to the group's own verdicts.
+
+    Model: response ``i``'s truth verdict on criterion ``j`` of group ``g`` is Bernoulli(``pi_gj``), independently
+    over ``i``; every scoring flips it independently with probability ``q``. ``pi_gj`` is the MAP under a
+    Beta(2, 2) prior (EM: ``pi <- (sum_i P(v_i = 1 | o_i) + 1) / (K + 2)``), and the score is
+    ``sum_j p_j P(v_ij = 1 | o_ij) / sum_j p_j``. A criterion that nearly every response of the group meets (or
+    fails) pulls a disagreeing pair of scorings toward the group's rate instead of 0.5, so that criterion adds
+    little noise to the group's contrast. At ``q = 0`` the posterior is the verdict itself (GRPO on the scores).
+    ``observed``: one ``[S, G, K, J]`` 0/1 tensor per scoring; ``points`` ``[S, G, 1, J]``, non-negative."""
+    n1 = sum(observed)                                              # [S, G, K, J] scorings that say "met"
+    n = len(observed)
+    qq = q.clamp(1e-9, 0.5).reshape(-1, *([1] * (n1.dim() - 1)))
+    log_ratio = (2 * n1 - n) * (torch.log1p(-qq) - torch.log(qq))     # log L(met) - log L(unmet)
+    pi = torch.full(n1.shape[:2] + n1.shape[3:], 0.5, dtype=torch.float64)[:, :, None]  # [S, G, 1, J]
+    for _ in range(iterations):
+        post = torch.sigmoid(log_ratio + torch.logit(pi))
+        pi = (post.sum(2, keepdim=True) + 1) / (n1.shape[2] + 2)
+    post = torch.sigmoid(log_ratio + torch.logit(pi))
+    return (post * points).sum(-1) / points.sum(-1)
 
 
 @dataclass(frozen=True)
@@ -436,6 +473,21 @@ def make_arms() -> dict[str, Arm]:
             a[s], acc[s] = res.coefficients, res.accepted
         return a, acc
 
+    def posterior(b, st):
+        """GRPO on the verdicts' posterior means given both scorings (:func:`verdict_posterior_scores`), the flip
+        rate pooled over the step's verdict pairs (:func:`flip_rate_from_pairs`)."""
+        live = b.points > 0
+        q = flip_rate_from_pairs(b.observed[0], b.observed[1], live)
+        r = verdict_posterior_scores(b.observed[:2], b.points, q)
+        return grpo_coefficients(_flat(r)).reshape(r.shape), None
+
+    def posterior_one(b, st):
+        """GRPO on the verdicts' posterior means given one scoring, the flip rate estimated once from the
+        calibration groups' two scorings (``st["posterior/q"]``): one scoring per response in training."""
+        q = torch.full((b.truth.shape[0],), st["posterior/q"], dtype=torch.float64)
+        r = verdict_posterior_scores(b.observed[:1], b.points, q)
+        return grpo_coefficients(_flat(r)).reshape(r.shape), None
+
     return {a.name: a for a in [
         Arm("grpo", 1, grpo), Arm("grpo_mean2", 2, grpo_mean2), Arm("drgrpo", 1, drgrpo), Arm("oracle", 0, oracle),
         Arm("range_grpo", 1, range_grpo, "range_q"),
@@ -454,6 +506,8 @@ def make_arms() -> dict[str, Arm]:
         Arm("setgrpo_reliability_group", 2, group_reliability),
         Arm("setgrpo_reliability_prompt", 2, prompt_reliability),
         Arm("oracle_noise", 2, known_reliability),
+        Arm("setgrpo_posterior", 2, posterior),
+        Arm("setgrpo_posterior_one", 1, posterior_one, "posterior/q"),
     ]}
 
 
@@ -495,7 +549,8 @@ def calibrate_arms(data: Batch) -> tuple[dict, dict]:
     live = ~degenerate_groups(mean2)
     state["mean2/soft_scale"] = float(soft_weights(mean2[live], gram[live], state["mean2"]).mean())
     state["range_q"] = range_half_width(p0, p1)
-    calls = {"paper": 2, "default": 2, "loose": 2, "mean2": 3, "mean2_paper": 3, "mean2_wide": 3, "range_q": 2}
+    state["posterior/q"] = float(flip_rate_from_pairs(data.observed[0], data.observed[1], data.points > 0)[0])
+    calls = {"posterior/q": 2, "paper": 2, "default": 2, "loose": 2, "mean2": 3, "mean2_paper": 3, "mean2_wide": 3, "range_q": 2}
     return state, {key: c * p0.numel() for key, c in calls.items()}
 
 
@@ -777,7 +832,7 @@ def run(*, flips, ks, graders, seeds, steps, groups, calib_groups, lr, arms=None
                     key = chosen[row["arm"]].record
                     row["calibration_grader_calls"] = calib_calls.get(key, 0) if key else 0
                     row["training_grader_calls_per_step"] = row["scorings"] * groups * k
-                    rec = state.get(key) if key and key != "range_q" else None
+                    rec = state.get(key) if key and key not in ("range_q", "posterior/q") else None
                     row["tau_sel"] = None if rec is None else rec.tau_sel
                     row["q_alpha"] = None if rec is None else rec.q_alpha
                 rows += cell
