@@ -13,8 +13,8 @@ prompt + 24 response tokens, the longest the profile allows) and the precision t
 * fused old-log-prob + sketch pass: ``sketch_and_log_probs`` through verl's engine code on the FSDP2-wrapped actor;
 * actor update: verl's engine ``train_batch`` (the CPU backend's engine, setgrpo_verl/verl_cpu/engine.py) with
   verl's ``ppo_loss`` (the composed actor config), AdamW;
-* weight sync: the rollout adapter's ``full_weights`` and the server's load (in one process: Ray's transfer of the
-  weights between processes is not in it);
+* weight sync: the rollout adapter's writes into the shared weight buffer and the server's copy from it into its
+  parameters (in one process; between processes only the buffer's layout travels through Ray besides);
 * checkpoint: verl's ``FSDPCheckpointManager.save_checkpoint`` (model, optimizer, extra) to a temporary directory.
 
 Each floor is the larger of the phase's multiply-adds (``benchmarks/floors.py``) at the host's matmul rate measured
@@ -236,7 +236,8 @@ def actor_phases(table: Table, model_dir: str, config, compute: torch.dtype, rol
     from setgrpo_verl.integration.worker import sketch_and_log_probs
     from setgrpo_verl.models import load_causal_lm
     from setgrpo_verl.sketch import SketchConfig
-    from setgrpo_verl.verl_cpu.rollout import TransformersRolloutServer, full_weights
+    from setgrpo_verl.verl_cpu.rollout import TransformersRolloutServer
+    from setgrpo_verl.verl_cpu.weight_buffer import Layout, WeightBuffer
 
     actor_cfg = config.actor_rollout_ref.actor
     model, tokenizer = load_causal_lm(model_dir, dtype=torch.float32)  # verl's fsdp_config.model_dtype=fp32
@@ -286,7 +287,16 @@ def actor_phases(table: Table, model_dir: str, config, compute: torch.dtype, rol
 
     server = TransformersRolloutServer(model_dir, response_length=RESPONSE, max_batch_size=ROLLOUT_BATCH,
                                        dtype=rollout_dtype, num_threads=torch.get_num_threads())
-    sync = lambda: server._load(full_weights(model.state_dict().items(), rollout_dtype), 1)  # noqa: E731
+    state = model.state_dict()
+    buffer = WeightBuffer.create(Layout.of([(n, tuple(t.shape)) for n, t in state.items()], rollout_dtype))
+    del state
+    buffer.unlink()
+
+    def sync():  # the adapter's writes into the shared buffer, then the server's copy into its parameters
+        for name, tensor in model.state_dict().items():
+            buffer.write(name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)
+        server._load(buffer.views, 1)
+
     sync()
     seconds, _ = timed(sync)
     rollout_bytes = torch.finfo(rollout_dtype).bits // 8

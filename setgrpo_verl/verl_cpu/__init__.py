@@ -10,7 +10,7 @@ Active only in processes whose environment has ``VERL_PLATFORM=cpu`` (the launch
 * registers verl's FSDP / FSDP2 language-model engine for the device ``cpu``, with the padded log-probs and
   entropies computed in row chunks (:mod:`setgrpo_verl.verl_cpu.engine`, the same values);
 * registers the ``transformers`` rollout (:mod:`setgrpo_verl.verl_cpu.rollout`: batched Hugging Face generation in
-  a Ray actor, weights pushed from the actor every step);
+  a Ray actor, the actor's weights written into a buffer it shares with the worker on the same host every step);
 * fixes verl's process-group backend string for the CPU (:mod:`setgrpo_verl.verl_cpu._patches`, the one place
   where verl internals without a public hook are touched, checked against the verl version).
 

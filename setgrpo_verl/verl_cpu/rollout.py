@@ -8,8 +8,9 @@ float32; see :meth:`TransformersRolloutServer._shared_prompt_cache`). Every requ
 stream, keyed by the server's seed, the weight version, its prompt and its sample index (:func:`request_seed`), so
 the tokens of a request do not depend on the batch it decodes in, and no two requests of a run share draws.
 :class:`TransformersReplica` launches one server per replica (``actor_rollout_ref.rollout.name=transformers``),
-and :class:`TransformersRolloutAdapter` lives in verl's hybrid actor worker and pushes the actor's full weights to
-the server on verl's weight-sync path (every step), so the rollout always samples from the current policy.
+and :class:`TransformersRolloutAdapter` lives in verl's hybrid actor worker and writes the actor's full weights into a
+buffer it shares with the server (:mod:`~setgrpo_verl.verl_cpu.weight_buffer`) on verl's weight-sync path (every
+step), so the rollout always samples from the current policy.
 
 The model runs in verl's ``rollout.dtype`` (bf16 in the GPU recipes and on CPUs with bf16 units, see
 :func:`setgrpo_verl.runner.launch.cpu_overrides`). Log-probabilities, when verl asks for them
@@ -24,6 +25,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -37,6 +39,7 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from setgrpo_verl.verl_cpu.streams import occurrence_indices, request_seed, sampling_processors, token_log_probs
 
 from .kv_cache import preallocate
+from .weight_buffer import Layout, WeightBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +182,7 @@ class TransformersRolloutServer:
         self._preallocate = True  # the shared prompts' cache written in place (off: concatenated, for comparisons)
         self._pending: dict[tuple, list[_Request]] = {}
         self._drainer: Optional[asyncio.Task] = None
+        self._weights: Optional[WeightBuffer] = None  # the shared weight buffer, mapped at the first sync
         # one thread: generation and weight loading never overlap, and the event loop stays free to queue requests
         self._executor = ThreadPoolExecutor(max_workers=1)
 
@@ -337,15 +341,29 @@ class TransformersRolloutServer:
         cache = self.model(input_ids=torch.tensor([[self.pad_id]]), use_cache=True).past_key_values
         return type(cache) is DynamicCache and all(type(layer) is DynamicLayer for layer in cache.layers)
 
-    async def load_weights(self, state_dict: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> int:
-        """Load the actor's full weights (parameter names as in the Hugging Face model); returns the count.
+    async def load_weights(self, path: str, layout: Layout, global_steps: Optional[int] = None) -> int:
+        """Copy the actor's full weights (parameter names as in the Hugging Face model) from the shared buffer at
+        ``path`` (:mod:`~setgrpo_verl.verl_cpu.weight_buffer`; mapped at the first call and kept) into the model's
+        parameters; returns the count.
 
         Raises:
-            RuntimeError: a parameter of the model is missing from ``state_dict`` (other than a tied LM head) or a
+            RuntimeError: a parameter of the model is missing from the buffer (other than a tied LM head) or a
                 name is unknown: the actor and the rollout would disagree about the policy.
+            ValueError: the file at ``path`` is not ``layout``'s size.
+            FileNotFoundError: no file at ``path`` on this host: the server runs on another host than the actor
+                worker (the CPU backend runs on one host, ``trainer.nnodes=1``).
         """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._load, state_dict, global_steps)
+        return await loop.run_in_executor(self._executor, self._load_buffer, path, layout, global_steps)
+
+    def _load_buffer(self, path: str, layout: Layout, global_steps: Optional[int]) -> int:
+        if self._weights is None or self._weights.path != Path(path) or self._weights.layout != layout:
+            if not Path(path).exists():
+                raise FileNotFoundError(f"the transformers rollout server finds no weight buffer at {path}: it shares "
+                                        "the buffer with the actor worker on one host; run the CPU backend with "
+                                        "trainer.nnodes=1")
+            self._weights = WeightBuffer.open(path, layout)
+        return self._load(self._weights.views, global_steps)
 
     def _load(self, state_dict: dict[str, torch.Tensor], global_steps: Optional[int]) -> int:
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
@@ -420,8 +438,9 @@ class TransformersReplica(RolloutReplica):
 
 
 class TransformersRolloutAdapter(BaseRollout):
-    """verl's rollout object inside the hybrid actor worker: gathers the actor's weights and sends them to the
-    replica's server on every weight sync (``BaseRollout.update_weights``)."""
+    """verl's rollout object inside the hybrid actor worker: gathers the actor's weights and writes them into the
+    replica server's shared weight buffer on every weight sync (``BaseRollout.update_weights``), then has the server
+    load them."""
 
     def __init__(self, config, model_config, device_mesh, *args, **kwargs):
         super().__init__(config, model_config, device_mesh)
@@ -432,6 +451,7 @@ class TransformersRolloutAdapter(BaseRollout):
         self.is_leader = rank % world == 0
         self._server = None
         self.dtype = PrecisionType.to_dtype(self.config.dtype)  # the server model's dtype: weights travel in it
+        self._buffer: Optional[WeightBuffer] = None  # the shared weight buffer, made at the first sync
 
     async def resume(self, tags: list[str]):
         return None
@@ -440,20 +460,44 @@ class TransformersRolloutAdapter(BaseRollout):
         return None
 
     async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
-        """Gather every (possibly sharded) tensor on all ranks, then the replica's leader loads them into the server.
+        """Gather every (possibly sharded) tensor on all ranks; the replica's leader writes them into the shared
+        weight buffer (:mod:`~setgrpo_verl.verl_cpu.weight_buffer`, made at the first sync) and waits for the
+        server to load them, so the next rollout samples from these weights.
 
         Raises:
-            ValueError: ``wire_format`` other than ``named_tensors`` (set ``rollout.checkpoint_engine.backend=naive``).
+            ValueError: ``wire_format`` other than ``named_tensors`` (set ``rollout.checkpoint_engine.backend=naive``),
+                or a weight of another shape than at the first sync.
+            KeyError: a weight the first sync did not have; RuntimeError: one it had is missing.
+            OSError: no room for the buffer (its size and directory named).
         """
         if wire_format != "named_tensors":
             raise ValueError(
                 f"the transformers rollout receives full named tensors, not {wire_format!r}: "
                 "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
             )
-        state = full_weights(weights, self.dtype)
         if not self.is_leader:
+            full_weights(weights, self.dtype)  # the gathers of sharded weights are collective: every rank takes part
             return None
         if self._server is None:
             self._server = ray.get_actor(server_name(self.replica_rank))
-        await self._server.load_weights.remote(state, global_steps=kwargs.get("global_steps"))
+        first = self._buffer is None
+        if first:  # the layout comes from the first sync's weights
+            state = full_weights(weights, self.dtype)
+            self._buffer = WeightBuffer.create(Layout.of([(n, tuple(t.shape)) for n, t in state.items()], self.dtype))
+            weights = state.items()
+        written = set()
+        for name, tensor in weights:
+            if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: gathered, then written in the buffer's dtype
+                tensor = tensor.full_tensor()
+            self._buffer.write(name, tensor)
+            written.add(name)
+        if written != set(self._buffer.views):
+            raise RuntimeError(f"transformers rollout weight sync: the actor's weights miss "
+                               f"{sorted(set(self._buffer.views) - written)[:3]} of the first sync's")
+        try:
+            await self._server.load_weights.remote(str(self._buffer.path), self._buffer.layout,
+                                                   global_steps=kwargs.get("global_steps"))
+        finally:
+            if first:  # both processes hold the mapping (or the run has failed): the name is no longer needed
+                self._buffer.unlink()
         return None

@@ -1,0 +1,119 @@
+"""The CPU backend's weight sync through one shared-memory file (docs/verl_integration.md#cpu-backend).
+
+The actor worker and the rollout server run on one host. Instead of sending the full state dict through Ray's
+object store every step (a serialisation, a copy into the store and one out of it), the worker writes the rollout's
+weights, in the rollout's dtype, into a file both processes map, and the server copies them from there into its
+parameters. Only the :class:`Layout` (names, shapes, offsets) crosses Ray. The file is reserved in full when it is
+created (``posix_fallocate``), so a full file system is an error at creation, never a fault in the middle of a
+write; it lives in ``/dev/shm`` where that has room, else in the temporary directory.
+
+Ordering: the worker writes the next step's weights only after the server has returned from loading the previous
+ones (verl awaits the weight sync before the next rollout), so a load never reads a half-written buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+import torch
+
+#: Where the buffer goes when it has room: memory, not disk.
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each weight lies in the buffer: ``entries`` of ``(name, shape, offset)`` in elements of ``dtype``, in
+    the order the actor yields its weights; ``numel`` elements in all."""
+
+    entries: tuple[tuple[str, tuple[int, ...], int], ...]
+    dtype: torch.dtype
+    numel: int
+
+    @classmethod
+    def of(cls, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> "Layout":
+        """The layout of ``(name, shape)`` pairs packed one after the other. Raises ``ValueError`` for a repeated
+        name (two weights would share one slot)."""
+        entries, offset, seen = [], 0, set()
+        for name, shape in shapes:
+            if name in seen:
+                raise ValueError(f"weight {name!r} appears twice in the actor's weights: each name needs its own slot")
+            seen.add(name)
+            entries.append((name, tuple(int(s) for s in shape), offset))
+            offset += prod(shape)
+        return cls(entries=tuple(entries), dtype=dtype, numel=offset)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _directory(nbytes: int) -> Path:
+    """``/dev/shm`` when it exists and has room for ``nbytes`` and a margin, else the temporary directory."""
+    if SHM_DIR.is_dir():
+        stat = os.statvfs(SHM_DIR)
+        if stat.f_bavail * stat.f_frsize > 2 * nbytes:
+            return SHM_DIR
+    return Path(tempfile.gettempdir())
+
+
+class WeightBuffer:
+    """One mapping of the shared file: ``views`` are tensors of the layout's shapes over it (no copies).
+
+    Create it in the writer with :meth:`create` and open it in the reader with :meth:`open`; once both hold it, the
+    writer may :meth:`unlink` the file (the mappings stay valid until both processes drop them).
+    """
+
+    def __init__(self, path: Path, layout: Layout):
+        self.path = Path(path)
+        self.layout = layout
+        flat = torch.from_file(str(self.path), shared=True, size=layout.numel, dtype=layout.dtype)
+        self.views = {name: flat[offset:offset + prod(shape)].view(shape) for name, shape, offset in layout.entries}
+
+    @classmethod
+    def create(cls, layout: Layout, directory: Path | None = None) -> "WeightBuffer":
+        """A new file of ``layout.nbytes`` bytes, reserved in full, mapped.
+
+        Raises:
+            OSError: the file system has no room for it (``posix_fallocate``); the message names the directory and
+                the size.
+        """
+        directory = Path(directory) if directory is not None else _directory(layout.nbytes)
+        path = directory / f"setgrpo-rollout-weights-{os.getpid()}-{uuid.uuid4().hex}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(1, layout.nbytes))
+        except OSError as err:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise OSError(err.errno, f"the rollout weight buffer needs {layout.nbytes / 2**20:.0f} MiB in {directory}: "
+                                     f"{err.strerror}; free space there or set TMPDIR to a directory with room") from err
+        os.close(fd)
+        return cls(path, layout)
+
+    @classmethod
+    def open(cls, path: str | Path, layout: Layout) -> "WeightBuffer":
+        """Map an existing buffer. Raises ``ValueError`` when the file is not the layout's size."""
+        size = Path(path).stat().st_size
+        if size != layout.nbytes:
+            raise ValueError(f"rollout weight buffer {path}: {size} bytes, its layout needs {layout.nbytes}")
+        return cls(path, layout)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` into its slot, converting to the buffer's dtype as ``Tensor.to`` does. Raises
+        ``KeyError`` for a name the layout does not have and ``ValueError`` for another shape."""
+        if name not in self.views:
+            raise KeyError(f"weight {name!r} is not in the rollout weight buffer's layout (made at the first sync)")
+        view = self.views[name]
+        if tuple(tensor.shape) != tuple(view.shape):
+            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)}, the buffer holds {tuple(view.shape)}")
+        view.copy_(tensor.detach())
+
+    def unlink(self) -> None:
+        """Remove the file's name; the mappings stay valid."""
+        self.path.unlink(missing_ok=True)
