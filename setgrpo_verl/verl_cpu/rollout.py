@@ -135,6 +135,11 @@ def full_weights(weights, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return state
 
 
+def _object_store_bytes() -> int:
+    """The size of Ray's object store in bytes (0 in a process without Ray)."""
+    return int(ray.cluster_resources().get("object_store_memory", 0)) if ray.is_initialized() else 0
+
+
 class TransformersRolloutServer:
     """Ray actor: batched token-in/token-out generation with a Hugging Face causal LM on CPU.
 
@@ -351,7 +356,7 @@ class TransformersRolloutServer:
                 name is unknown: the actor and the rollout would disagree about the policy.
             ValueError: the file at ``path`` is not ``layout``'s size.
             FileNotFoundError: no file at ``path`` on this host: the server runs on another host than the actor
-                worker (the CPU backend runs on one host, ``trainer.nnodes=1``).
+                worker (the CPU backend runs on one host, ``trainer.nnodes=1``) or restarted after the first sync.
         """
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._load_buffer, path, layout, global_steps)
@@ -359,9 +364,10 @@ class TransformersRolloutServer:
     def _load_buffer(self, path: str, layout: Layout, global_steps: Optional[int]) -> int:
         if self._weights is None or self._weights.path != Path(path) or self._weights.layout != layout:
             if not Path(path).exists():
-                raise FileNotFoundError(f"the transformers rollout server finds no weight buffer at {path}: it shares "
-                                        "the buffer with the actor worker on one host; run the CPU backend with "
-                                        "trainer.nnodes=1")
+                raise FileNotFoundError(f"the transformers rollout server finds no weight buffer at {path}: either it "
+                                        "runs on another host than the actor worker (run the CPU backend on one "
+                                        "host, trainer.nnodes=1) or it was restarted after the first weight sync "
+                                        "(restart the run, --resume continues it)")
             self._weights = WeightBuffer.open(path, layout)
         return self._load(self._weights.views, global_steps)
 
@@ -476,28 +482,42 @@ class TransformersRolloutAdapter(BaseRollout):
                 "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
             )
         if not self.is_leader:
-            full_weights(weights, self.dtype)  # the gathers of sharded weights are collective: every rank takes part
+            for _, tensor in weights:  # the gathers of sharded weights are collective: every rank takes part
+                if hasattr(tensor, "full_tensor"):
+                    tensor.full_tensor()
             return None
         if self._server is None:
             self._server = ray.get_actor(server_name(self.replica_rank))
         first = self._buffer is None
-        if first:  # the layout comes from the first sync's weights
+        if first:  # the layout comes from the first sync's weights; Ray's object store keeps its room in /dev/shm
             state = full_weights(weights, self.dtype)
-            self._buffer = WeightBuffer.create(Layout.of([(n, tuple(t.shape)) for n, t in state.items()], self.dtype))
+            self._buffer = WeightBuffer.create(Layout.of([(n, tuple(t.shape)) for n, t in state.items()], self.dtype),
+                                               keep_free=_object_store_bytes())
             weights = state.items()
-        written = set()
+        written, problems = set(), []
         for name, tensor in weights:
             if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: gathered, then written in the buffer's dtype
                 tensor = tensor.full_tensor()
-            self._buffer.write(name, tensor)
-            written.add(name)
+            try:
+                self._buffer.write(name, tensor)
+                written.add(name)
+            except (KeyError, ValueError) as err:  # raised after the loop: the other ranks wait in its gathers
+                problems.append(err)
+        if problems:
+            raise problems[0]
         if written != set(self._buffer.views):
-            raise RuntimeError(f"transformers rollout weight sync: the actor's weights miss "
-                               f"{sorted(set(self._buffer.views) - written)[:3]} of the first sync's")
+            missing = sorted(set(self._buffer.views) - written)
+            raise RuntimeError(f"transformers rollout weight sync: {len(missing)} of the first sync's weights are "
+                               f"missing from this one (e.g. {missing[:3]}); the actor and the rollout must keep one "
+                               "set of parameters for the whole run")
         try:
             await self._server.load_weights.remote(str(self._buffer.path), self._buffer.layout,
                                                    global_steps=kwargs.get("global_steps"))
-        finally:
-            if first:  # both processes hold the mapping (or the run has failed): the name is no longer needed
+        except BaseException:
+            if first:  # the server never mapped it: the next sync makes a new one
                 self._buffer.unlink()
+                self._buffer = None
+            raise
+        if first:  # both processes hold the mapping: the file's name is no longer needed
+            self._buffer.unlink()
         return None

@@ -53,11 +53,13 @@ class Layout:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _directory(nbytes: int) -> Path:
-    """``/dev/shm`` when it exists and has room for ``nbytes`` and a margin, else the temporary directory."""
+def _directory(nbytes: int, keep_free: int = 0) -> Path:
+    """``/dev/shm`` when it exists and has room for ``nbytes`` while leaving ``keep_free`` bytes (Ray's object
+    store, which also lives there and takes its pages as it fills) and a margin of 1 GiB, else the temporary
+    directory."""
     if SHM_DIR.is_dir():
         stat = os.statvfs(SHM_DIR)
-        if stat.f_bavail * stat.f_frsize > 2 * nbytes:
+        if stat.f_bavail * stat.f_frsize >= nbytes + keep_free + 2**30:
             return SHM_DIR
     return Path(tempfile.gettempdir())
 
@@ -76,14 +78,15 @@ class WeightBuffer:
         self.views = {name: flat[offset:offset + prod(shape)].view(shape) for name, shape, offset in layout.entries}
 
     @classmethod
-    def create(cls, layout: Layout, directory: Path | None = None) -> "WeightBuffer":
-        """A new file of ``layout.nbytes`` bytes, reserved in full, mapped.
+    def create(cls, layout: Layout, directory: Path | None = None, keep_free: int = 0) -> "WeightBuffer":
+        """A new file of ``layout.nbytes`` bytes, reserved in full, mapped; in ``directory``, by default
+        ``/dev/shm`` where it has room beyond ``keep_free`` bytes, else the temporary directory.
 
         Raises:
             OSError: the file system has no room for it (``posix_fallocate``); the message names the directory and
                 the size.
         """
-        directory = Path(directory) if directory is not None else _directory(layout.nbytes)
+        directory = Path(directory) if directory is not None else _directory(layout.nbytes, keep_free)
         path = directory / f"setgrpo-rollout-weights-{os.getpid()}-{uuid.uuid4().hex}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -94,7 +97,11 @@ class WeightBuffer:
             raise OSError(err.errno, f"the rollout weight buffer needs {layout.nbytes / 2**20:.0f} MiB in {directory}: "
                                      f"{err.strerror}; free space there or set TMPDIR to a directory with room") from err
         os.close(fd)
-        return cls(path, layout)
+        try:
+            return cls(path, layout)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def open(cls, path: str | Path, layout: Layout) -> "WeightBuffer":
@@ -108,10 +115,12 @@ class WeightBuffer:
         """Copy ``tensor`` into its slot, converting to the buffer's dtype as ``Tensor.to`` does. Raises
         ``KeyError`` for a name the layout does not have and ``ValueError`` for another shape."""
         if name not in self.views:
-            raise KeyError(f"weight {name!r} is not in the rollout weight buffer's layout (made at the first sync)")
+            raise KeyError(f"weight {name!r} is not in the rollout weight buffer's layout (made at the first sync): "
+                           "the actor and the rollout must keep one set of parameters for the whole run")
         view = self.views[name]
         if tuple(tensor.shape) != tuple(view.shape):
-            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)}, the buffer holds {tuple(view.shape)}")
+            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)}, the buffer holds {tuple(view.shape)} from "
+                             "the first sync: the actor and the rollout must keep one set of parameters for the run")
         view.copy_(tensor.detach())
 
     def unlink(self) -> None:

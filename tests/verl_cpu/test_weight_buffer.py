@@ -81,9 +81,12 @@ def test_no_room_for_the_buffer_is_an_error_at_creation_that_names_its_size(tmp_
 
 def test_the_buffer_goes_to_shared_memory_only_where_it_has_room(tmp_path, monkeypatch):
     monkeypatch.setattr(weight_buffer, "SHM_DIR", tmp_path)
-    monkeypatch.setattr(weight_buffer.os, "statvfs", lambda path: SimpleNamespace(f_bavail=1000, f_frsize=1))
+    free = 2**30 + 1000
+    monkeypatch.setattr(weight_buffer.os, "statvfs", lambda path: SimpleNamespace(f_bavail=free, f_frsize=1))
     assert weight_buffer._directory(400) == tmp_path
-    assert weight_buffer._directory(600) != tmp_path  # the temporary directory instead
+    assert weight_buffer._directory(400, keep_free=600) == tmp_path
+    assert weight_buffer._directory(400, keep_free=700) != tmp_path  # Ray's object store keeps its room
+    assert weight_buffer._directory(1001) != tmp_path  # the temporary directory instead
 
 
 class _Remote:
@@ -122,15 +125,28 @@ def test_every_sync_reaches_the_servers_parameters_before_the_next_rollout(tiny_
         got = asyncio.run(server.generate(**prompt))
         want = asyncio.run(fresh.generate(**prompt))
         assert got.token_ids == want.token_ids and got.log_probs == want.log_probs
-    with pytest.raises(RuntimeError, match="miss"):
+    with pytest.raises(RuntimeError, match="1 of the first sync's weights are missing"):
         asyncio.run(adapter.update_weights(iter(list(actor.items())[1:]), global_steps=3))
     with pytest.raises(KeyError, match="'extra.weight' is not in"):
-        asyncio.run(adapter.update_weights(iter([("extra.weight", torch.zeros(1))]), global_steps=3))
+        asyncio.run(adapter.update_weights(iter([("extra.weight", torch.zeros(1)), *actor.items()]), global_steps=3))
+
+
+def test_a_first_sync_the_server_refuses_leaves_no_file_and_the_next_makes_a_new_buffer(tiny_model, monkeypatch):
+    server = TransformersRolloutServer(str(tiny_model), response_length=2, max_batch_size=4, seed=0)
+    adapter = _adapter(server, torch.float32)
+    actor = {n: p.detach().clone() for n, p in server.model.named_parameters()}
+    monkeypatch.setattr(server, "_load", lambda state, steps: (_ for _ in ()).throw(RuntimeError("refused")))
+    with pytest.raises(RuntimeError, match="refused"):
+        asyncio.run(adapter.update_weights(iter(actor.items()), global_steps=1))
+    assert adapter._buffer is None
+    monkeypatch.undo()
+    asyncio.run(adapter.update_weights(iter(actor.items()), global_steps=2))
+    assert server.version == 2 and not adapter._buffer.path.exists()
 
 
 def test_a_server_on_another_host_is_told_the_backend_runs_on_one(tiny_model, tmp_path):
     server = TransformersRolloutServer(str(tiny_model), response_length=2, max_batch_size=4, seed=0)
-    with pytest.raises(FileNotFoundError, match="trainer.nnodes=1"):
+    with pytest.raises(FileNotFoundError, match="trainer.nnodes=1.*restarted after the first weight sync"):
         asyncio.run(server.load_weights(str(tmp_path / "gone"), Layout.of([("w", (1,))], torch.float32), 1))
 
 
@@ -161,17 +177,27 @@ def sharded_sync_rank(rank: int, world: int) -> dict:
         if rank == 0:
             result[f"whole at step {step}"] = loaded["step"] == step and all(
                 torch.equal(loaded["buffer"].views[n], t.to(torch.bfloat16)) for n, t in full.items())
+    # a weight the first sync did not have: the leader raises only after every gather, so no rank is left waiting
+    renamed = [(("renamed." + n) if i == 0 else n, t) for i, (n, t) in enumerate(model.state_dict().items())]
+    try:
+        asyncio.run(adapter.update_weights(iter(renamed), global_steps=3))
+        result["renamed"] = "accepted"
+    except KeyError as err:
+        result["renamed"] = "KeyError" if "renamed." in str(err) else str(err)
+    result["in step after the error"] = all(t.full_tensor().numel() > 0 for t in model.state_dict().values())
     result["buffer"] = adapter._buffer is not None
-    result["ok"] = all(v for k, v in result.items() if k != "buffer") and result["buffer"] == (rank == 0)
+    result["ok"] = result["buffer"] == (rank == 0) and result["in step after the error"] and (
+        rank != 0 or (result["renamed"] == "KeyError" and result["whole at step 1"] and result["whole at step 2"]))
     return result
 
 
 def test_sharded_weights_reach_the_buffer_whole_from_the_replicas_leader(tmp_path):
     """Two gloo ranks holding FSDP2 shards: both take part in every gather, the leader alone writes the whole
-    weights, and the server's mapping sees each step's."""
+    weights, and the server's mapping sees each step's; a weight the leader refuses stops it only after the gathers."""
     from tests.gloo_ranks import run_two_gloo_ranks
 
     results, proc = run_two_gloo_ranks(f"{__name__}:sharded_sync_rank", tmp_path, timeout=300)
     assert proc.returncode == 0, [r.get("traceback") for r in results]
     assert results[0]["whole at step 1"] and results[0]["whole at step 2"] and results[0]["buffer"]
+    assert results[0]["renamed"] == "KeyError" and results[1]["renamed"] == "accepted"
     assert results[1]["buffer"] is False
