@@ -293,8 +293,7 @@ def actor_phases(table: Table, model_dir: str, config, compute: torch.dtype, rol
     buffer.unlink()
 
     def sync():  # the adapter's writes into the shared buffer, then the server's copy into its parameters
-        for name, tensor in model.state_dict().items():
-            buffer.write(name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)
+        buffer.write_all(model.state_dict().items())
         server._load(buffer.views, 1)
 
     sync()

@@ -550,7 +550,8 @@ def calibrate_arms(data: Batch) -> tuple[dict, dict]:
     state["mean2/soft_scale"] = float(soft_weights(mean2[live], gram[live], state["mean2"]).mean())
     state["range_q"] = range_half_width(p0, p1)
     state["posterior/q"] = float(flip_rate_from_pairs(data.observed[0], data.observed[1], data.points > 0)[0])
-    calls = {"posterior/q": 2, "paper": 2, "default": 2, "loose": 2, "mean2": 3, "mean2_paper": 3, "mean2_wide": 3, "range_q": 2}
+    calls = {"paper": 2, "default": 2, "loose": 2, "mean2": 3, "mean2_paper": 3, "mean2_wide": 3, "range_q": 2,
+             "posterior/q": 2}
     return state, {key: c * p0.numel() for key, c in calls.items()}
 
 
@@ -832,7 +833,8 @@ def run(*, flips, ks, graders, seeds, steps, groups, calib_groups, lr, arms=None
                     key = chosen[row["arm"]].record
                     row["calibration_grader_calls"] = calib_calls.get(key, 0) if key else 0
                     row["training_grader_calls_per_step"] = row["scorings"] * groups * k
-                    rec = state.get(key) if key and key not in ("range_q", "posterior/q") else None
+                    rec = state.get(key) if key else None
+                    rec = rec if isinstance(rec, CalibrationRecord) else None  # widths and rates have no tau or Q
                     row["tau_sel"] = None if rec is None else rec.tau_sel
                     row["q_alpha"] = None if rec is None else rec.q_alpha
                 rows += cell

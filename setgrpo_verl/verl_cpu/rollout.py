@@ -494,22 +494,7 @@ class TransformersRolloutAdapter(BaseRollout):
             self._buffer = WeightBuffer.create(Layout.of([(n, tuple(t.shape)) for n, t in state.items()], self.dtype),
                                                keep_free=_object_store_bytes())
             weights = state.items()
-        written, problems = set(), []
-        for name, tensor in weights:
-            if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: gathered, then written in the buffer's dtype
-                tensor = tensor.full_tensor()
-            try:
-                self._buffer.write(name, tensor)
-                written.add(name)
-            except (KeyError, ValueError) as err:  # raised after the loop: the other ranks wait in its gathers
-                problems.append(err)
-        if problems:
-            raise problems[0]
-        if written != set(self._buffer.views):
-            missing = sorted(set(self._buffer.views) - written)
-            raise RuntimeError(f"transformers rollout weight sync: {len(missing)} of the first sync's weights are "
-                               f"missing from this one (e.g. {missing[:3]}); the actor and the rollout must keep one "
-                               "set of parameters for the whole run")
+        self._buffer.write_all(weights)
         try:
             await self._server.load_weights.remote(str(self._buffer.path), self._buffer.layout,
                                                    global_steps=kwargs.get("global_steps"))

@@ -94,8 +94,9 @@ class WeightBuffer:
         except OSError as err:
             os.close(fd)
             path.unlink(missing_ok=True)
-            raise OSError(err.errno, f"the rollout weight buffer needs {layout.nbytes / 2**20:.0f} MiB in {directory}: "
-                                     f"{err.strerror}; free space there or set TMPDIR to a directory with room") from err
+            raise OSError(err.errno, f"the rollout weight buffer needs {layout.nbytes / 2**20:.0f} MiB in "
+                                     f"{directory}: {err.strerror}; free space there or set TMPDIR to a directory "
+                                     "with room") from err
         os.close(fd)
         try:
             return cls(path, layout)
@@ -122,6 +123,32 @@ class WeightBuffer:
             raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)}, the buffer holds {tuple(view.shape)} from "
                              "the first sync: the actor and the rollout must keep one set of parameters for the run")
         view.copy_(tensor.detach())
+
+    def write_all(self, weights) -> None:
+        """Write every ``(name, tensor)`` of ``weights`` (an FSDP2 ``DTensor`` shard is gathered first with
+        ``full_tensor()``, a collective every rank of the mesh must join in the same order), as :meth:`write`.
+
+        Raises:
+            KeyError, ValueError: as :meth:`write`, for the first weight refused, once every weight has been
+                gathered (a rank that stopped early would leave the others waiting in a gather).
+            RuntimeError: a weight of the layout is not among ``weights`` (the server would keep its old value).
+        """
+        written, problems = set(), []
+        for name, tensor in weights:
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            try:
+                self.write(name, tensor)
+                written.add(name)
+            except (KeyError, ValueError) as err:
+                problems.append(err)
+        if problems:
+            raise problems[0]
+        if written != set(self.views):
+            missing = sorted(set(self.views) - written)
+            raise RuntimeError(f"transformers rollout weight sync: {len(missing)} of the first sync's weights are "
+                               f"missing from this one (e.g. {missing[:3]}); the actor and the rollout must keep one "
+                               "set of parameters for the whole run")
 
     def unlink(self) -> None:
         """Remove the file's name; the mappings stay valid."""
