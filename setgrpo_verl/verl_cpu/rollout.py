@@ -115,26 +115,6 @@ def server_threads(num_cpus: int, ranks_per_node: int, ranks_per_replica: int) -
     return max(1, int(num_cpus) // replicas)
 
 
-def full_weights(weights, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The actor's weights as full host tensors in the rollout's dtype, what the server loads.
-
-    Args:
-        weights: (name, tensor) pairs, each tensor whole or an FSDP2 ``DTensor`` shard (gathered here: every rank of
-            the mesh must call this with the same names in the same order).
-        dtype: the rollout model's dtype.
-
-    Returns:
-        name -> a fresh CPU tensor of ``dtype`` (never a view of the actor's parameters, which the next update
-        changes in place).
-    """
-    state = {}
-    for name, tensor in weights:
-        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: every rank takes part in the gather
-            tensor = tensor.full_tensor()
-        state[name] = tensor.detach().to("cpu", dtype=dtype, copy=True)
-    return state
-
-
 def _object_store_bytes() -> int:
     """The size of Ray's object store in bytes (0 in a process without Ray)."""
     return int(ray.cluster_resources().get("object_store_memory", 0)) if ray.is_initialized() else 0
@@ -489,11 +469,11 @@ class TransformersRolloutAdapter(BaseRollout):
         if self._server is None:
             self._server = ray.get_actor(server_name(self.replica_rank))
         first = self._buffer is None
-        if first:  # the layout comes from the first sync's weights; Ray's object store keeps its room in /dev/shm
-            state = full_weights(weights, self.dtype)
-            self._buffer = WeightBuffer.create(Layout.of([(n, tuple(t.shape)) for n, t in state.items()], self.dtype),
+        if first:  # the layout comes from the first sync's weights (a DTensor shard's shape is the whole weight's);
+            # Ray's object store keeps its room in /dev/shm
+            weights = list(weights)
+            self._buffer = WeightBuffer.create(Layout.of([(n, tuple(t.shape)) for n, t in weights], self.dtype),
                                                keep_free=_object_store_bytes())
-            weights = state.items()
         self._buffer.write_all(weights)
         try:
             await self._server.load_weights.remote(str(self._buffer.path), self._buffer.layout,

@@ -202,15 +202,24 @@ def test_a_hybrid_linear_attention_model_decodes_with_generates_own_prefill(tmp_
     assert first[0].token_ids == first[1].token_ids  # greedy: one prompt, one response
 
 
-def test_weights_reach_the_server_as_fresh_copies_in_its_dtype():
+def test_weights_reach_the_server_as_fresh_copies_in_its_dtype(tmp_path):
     import torch
 
+    from setgrpo_verl.verl_cpu.weight_buffer import Layout, WeightBuffer
+
     actor = {"a.weight": torch.tensor([[1.5, -2.25]]), "b.bias": torch.tensor([3.0])}
-    state = rollout.full_weights(actor.items(), torch.bfloat16)
+
+    def synced(dtype):  # what the adapter writes and the server reads: the shared buffer's views
+        layout = Layout.of([(n, tuple(t.shape)) for n, t in actor.items()], dtype)
+        buffer = WeightBuffer.create(layout, tmp_path)
+        buffer.write_all(actor.items())
+        return buffer.views
+
+    state = synced(torch.bfloat16)
     assert list(state) == ["a.weight", "b.bias"]
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in state.values())
     assert state["a.weight"].tolist() == [[1.5, -2.25]]
     actor["a.weight"].add_(1.0)  # the next update changes the actor's parameters in place
     assert state["a.weight"].tolist() == [[1.5, -2.25]]
-    same = rollout.full_weights(actor.items(), torch.float32)
+    same = synced(torch.float32)
     assert same["b.bias"].data_ptr() != actor["b.bias"].data_ptr()
