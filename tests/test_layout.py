@@ -56,3 +56,26 @@ def test_shared_leaves_import_nothing_of_the_package_but_a_leaf():
 def test_no_module_over_600_lines():
     sizes = {str(p.relative_to(PKG)): len(p.read_text(encoding="utf-8").splitlines()) for p in _modules()}
     assert {name: n for name, n in sizes.items() if n > 600} == {}
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or through others (imports inside functions count): a
+    package ``__init__`` re-exports and is left out, its modules are not."""
+    modules = {_module_name(p): p for p in _modules() if p.name != "__init__.py"}
+    graph = {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+    circles = []
+    for start in sorted(graph):
+        seen, stack = set(), [(start, (start,))]
+        while stack:
+            node, trail = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    circles.append(trail)
+                elif nxt not in seen and nxt > start:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + (nxt,)))
+    assert circles == []

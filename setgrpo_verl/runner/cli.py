@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .compare import add_parser as _add_compare, run_compare
-from .profiles import FLAGS, MAIN_JOB_FLIP_PROB, PROFILES, default_profile, profile_help
+from .profiles import (FLAGS, MAIN_JOB_FLIP_PROB, PROFILES, default_profile, flag_dest, overrides_from_args,
+                       profile_help)
 from .run import (Plan, check_before_ray, dir_plan, dry_run_text, hold_lock, make_plan, make_split, record_path,
                   run_stages, stage_commands, start, train_prompts)
 
@@ -58,10 +59,6 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
 
 
 def _add_run_options(p: argparse.ArgumentParser, *, profile: str | None = None, judge: str = "local",
@@ -127,7 +124,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str | None = None, 
                    "or starts over without one, the data split is not rewritten (docs/cli.md#resuming-a-run)")
     c = p.add_argument_group("configuration keys (docs/algorithm.md; any other key: pass key=value)")
     for flag, key, typ, text in FLAGS:
-        kwargs: dict[str, Any] = dict(dest=_dest(flag), type=typ, default=None, help=_flag_help(key, text))
+        kwargs: dict[str, Any] = dict(dest=flag_dest(flag), type=typ, default=None, help=_flag_help(key, text))
         if flag == "--on-infeasible":
             kwargs["choices"] = ("error", "reject_all")
         if flag == "--ablation":
@@ -207,59 +204,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thresholds", action="store_true", help="also print the per-threshold table (N_j, F_j, UCB_j, U_j)")
     _add_compare(sub, _add_run_options)
     return parser
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Config keys and values of a parsed command line: the profile, then the flags (a flag wins).
-
-    Raises:
-        LaunchError: an invalid value (the message names the flag).
-    """
-    from .launch import LaunchError
-
-    args.profile = args.profile or default_profile(args.judge)
-    values = dict(PROFILES[args.profile])
-    for flag, key, _, _ in FLAGS:
-        value = getattr(args, _dest(flag), None)
-        if value is not None:
-            values[key] = value
-    if args.actor_ranks < 1:
-        raise LaunchError(f"--actor-ranks {args.actor_ranks}: need at least one actor rank")
-    if args.judge == "openai" and not (args.judge_base_url and args.judge_model):
-        raise LaunchError("--judge openai needs --judge-base-url and --judge-model")
-    if args.judge != "openai" and (args.judge_max_tokens is not None or args.judge_chat_template_kwargs
-                                   or args.judge_max_concurrency is not None):
-        raise LaunchError("--judge-max-tokens, --judge-chat-template-kwargs and --judge-max-concurrency apply to "
-                          "--judge openai only")
-    for flag, value in (("--judge-max-tokens", args.judge_max_tokens),
-                        ("--judge-max-concurrency", args.judge_max_concurrency)):
-        if value is not None and value < 1:
-            raise LaunchError(f"{flag} {value}: must be a positive integer")
-    if args.judge_max_response_tokens is not None:
-        if args.judge not in ("openai", "local"):
-            raise LaunchError("--judge-max-response-tokens applies to --judge openai or local only")
-        if args.judge_max_response_tokens < 1:
-            raise LaunchError(f"--judge-max-response-tokens {args.judge_max_response_tokens}: must be a positive "
-                              "integer")
-    if args.judge == "rules" and (args.judge_model or args.judge_base_url or args.judge_temperature is not None):
-        raise LaunchError("--judge rules checks rule criteria by code: it takes no --judge-model, --judge-base-url or "
-                          "--judge-temperature")
-    if args.flip_prob is not None:
-        from ..grading.noisy import check_flip_prob
-
-        try:
-            check_flip_prob(args.flip_prob)
-        except ValueError:
-            raise LaunchError(f"--flip-prob {args.flip_prob}: must be in [0, 1)") from None
-    if args.noise_seed is not None and args.flip_prob is None:
-        raise LaunchError("--noise-seed seeds the noisy grader: give --flip-prob too")
-    if (args.judge == "function") != (args.reward_function is not None):
-        raise LaunchError("--reward-function FILE goes with --judge function (and --judge function needs it)")
-    if args.reward_function is not None and not Path(args.reward_function.partition(":")[0]).expanduser().is_file():
-        raise LaunchError(f"--reward-function {args.reward_function}: no such file")
-    if values.get("actor_rollout_ref.rollout.n", 2) < 2:
-        raise LaunchError("--rollout-n must be >= 2: groups need at least two responses")
-    return values
 
 
 def _plan(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Plan:

@@ -287,11 +287,11 @@ def run_compare(args: argparse.Namespace) -> str | None:
     Raises:
         LaunchError: a bad flag, a refused directory, a check that fails before Ray, or a failed stage.
     """
-    from .cli import overrides_from_args
     from .datasplit import split_matches
     from .launch import cpu_environment
     from .lifecycle import plan_run
     from .preflight import check_calibration_size, check_training_steps
+    from .profiles import overrides_from_args
     from .run import check_before_ray, dry_run_text, make_plan, start
     from .stages import run_stage
 

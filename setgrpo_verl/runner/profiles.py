@@ -1,14 +1,16 @@
 """The command line's configuration flags and named presets (profiles) of :mod:`setgrpo_verl.runner.cli`.
 
-A leaf module: the commands (:mod:`.cli`, :mod:`.compare`) read :data:`FLAGS` and :data:`PROFILES`.
+A leaf module: the commands (:mod:`.cli`, :mod:`.compare`) read :data:`FLAGS` and :data:`PROFILES` and the config
+values a parsed command line sets (:func:`overrides_from_args`).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["FLAGS", "MAIN_JOB_FLIP_PROB", "PROFILES", "default_profile", "profile_help"]
+__all__ = ["FLAGS", "MAIN_JOB_FLIP_PROB", "PROFILES", "default_profile", "flag_dest", "overrides_from_args", "profile_help"]
 
 
 def _float_list(text: str) -> list[float]:
@@ -191,3 +193,61 @@ def profile_help(default: str | None) -> str:
     parts = [f"'{name}' ({_PROFILE_TEXT[name]}; {_profile_levels(name)})" for name in PROFILES]
     chosen = default or "'default' with --judge rules, 'judge' otherwise"
     return f"preset sizes (default {chosen}): " + ", ".join(parts)
+
+
+def flag_dest(flag: str) -> str:
+    """The argparse attribute of a flag: ``--flip-prob`` -> ``flip_prob``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Config keys and values of a parsed command line: the profile, then the flags (a flag wins).
+
+    Raises:
+        LaunchError: an invalid value (the message names the flag).
+    """
+    from .launch import LaunchError
+
+    args.profile = args.profile or default_profile(args.judge)
+    values = dict(PROFILES[args.profile])
+    for flag, key, _, _ in FLAGS:
+        value = getattr(args, flag_dest(flag), None)
+        if value is not None:
+            values[key] = value
+    if args.actor_ranks < 1:
+        raise LaunchError(f"--actor-ranks {args.actor_ranks}: need at least one actor rank")
+    if args.judge == "openai" and not (args.judge_base_url and args.judge_model):
+        raise LaunchError("--judge openai needs --judge-base-url and --judge-model")
+    if args.judge != "openai" and (args.judge_max_tokens is not None or args.judge_chat_template_kwargs
+                                   or args.judge_max_concurrency is not None):
+        raise LaunchError("--judge-max-tokens, --judge-chat-template-kwargs and --judge-max-concurrency apply to "
+                          "--judge openai only")
+    for flag, value in (("--judge-max-tokens", args.judge_max_tokens),
+                        ("--judge-max-concurrency", args.judge_max_concurrency)):
+        if value is not None and value < 1:
+            raise LaunchError(f"{flag} {value}: must be a positive integer")
+    if args.judge_max_response_tokens is not None:
+        if args.judge not in ("openai", "local"):
+            raise LaunchError("--judge-max-response-tokens applies to --judge openai or local only")
+        if args.judge_max_response_tokens < 1:
+            raise LaunchError(f"--judge-max-response-tokens {args.judge_max_response_tokens}: must be a positive "
+                              "integer")
+    if args.judge == "rules" and (args.judge_model or args.judge_base_url or args.judge_temperature is not None):
+        raise LaunchError("--judge rules checks rule criteria by code: it takes no --judge-model, --judge-base-url or "
+                          "--judge-temperature")
+    if args.flip_prob is not None:
+        from ..grading.noisy import check_flip_prob
+
+        try:
+            check_flip_prob(args.flip_prob)
+        except ValueError:
+            raise LaunchError(f"--flip-prob {args.flip_prob}: must be in [0, 1)") from None
+    if args.noise_seed is not None and args.flip_prob is None:
+        raise LaunchError("--noise-seed seeds the noisy grader: give --flip-prob too")
+    if (args.judge == "function") != (args.reward_function is not None):
+        raise LaunchError("--reward-function FILE goes with --judge function (and --judge function needs it)")
+    if args.reward_function is not None and not Path(args.reward_function.partition(":")[0]).expanduser().is_file():
+        raise LaunchError(f"--reward-function {args.reward_function}: no such file")
+    if values.get("actor_rollout_ref.rollout.n", 2) < 2:
+        raise LaunchError("--rollout-n must be >= 2: groups need at least two responses")
+    return values
