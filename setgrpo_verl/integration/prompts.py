@@ -14,7 +14,7 @@ import os
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = ["calibration_fingerprints", "check_calibration_disjoint", "check_start_pilot", "prompt_fingerprints",
-           "prompt_identity", "read_prompt_identities"]
+           "prompt_identity", "read_prompt_identities", "read_prompt_rubrics"]
 
 
 def _as_mapping(value: Any) -> Mapping | None:
@@ -77,6 +77,17 @@ def read_prompt_identities(files: str | os.PathLike | Sequence[str | os.PathLike
     """
     for prompt_id, question, _ in _read_identities(files, prompt_key):
         yield prompt_id, question
+
+
+def read_prompt_rubrics(files: str | os.PathLike | Sequence[str | os.PathLike], *,
+                        prompt_key: str = "prompt") -> Iterable[tuple[str | None, str | None, Any]]:
+    """:func:`prompt_identity` ``(id, question, rubric)`` of every row of verl RL parquet file(s) (missing files are
+    skipped), for reading a calibration's rubrics back (docs/record.md#the-judges-regime).
+
+    Raises:
+        ValueError: a file that is not readable parquet (the message names it).
+    """
+    return _read_identities(files, prompt_key)
 
 
 def prompt_fingerprints(rows: Iterable[Mapping[str, Any]], *, prompt_key: str = "prompt") -> list[dict[str, str]]:

@@ -29,6 +29,7 @@ import numpy as np
 from ..atomic import atomic_file, write_atomic
 from ..core.record import version_mismatch
 from ..core.record_text import selection_text, start_text, table4_row, threshold_test_lines
+from .regime import regime_report
 
 __all__ = ["ReportError", "format_table4", "inspect_record", "load_metrics", "make_report"]
 
@@ -154,7 +155,7 @@ def inspect_record(path: str | os.PathLike, *, thresholds: bool = False, resplit
              f"rho={rec.settings.rho}  K={rec.K}  norm_by_std={rec.settings.norm_by_std}  "
              f"loss_agg_mode={rec.loss_agg_mode}  ablation={rec.settings.ablation}",
              selection_text(rec), *threshold_test_lines(rec), f"degenerate groups dropped={rec.n_degenerate}",
-             *_guarantees(rec, p.parent / "paired_scores.npz", resplits),
+             *_guarantees(rec, p.parent / "paired_scores.npz", resplits), *regime_report(p.parent, rec),
              f"grader: {rec.grader}", f"policy: {rec.policy}", f"created {rec.created_at}, file {p}",
              f"written by: {versions}; {len(rec.calibration_prompts)} calibration prompts recorded"]
     mismatch = version_mismatch(rec)
@@ -453,7 +454,8 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200, truth: list[
     lines = ["Table 4 row (frozen calibration record):", table, "",
              f"alpha={record.settings.alpha} beta={record.settings.beta} delta={record.settings.delta}; "
              f"{selection_text(record)}",
-             *([start_text(record)] if start_text(record) else []), *guarantees, *(truth or []), ""]
+             *([start_text(record)] if start_text(record) else []), *guarantees, *regime_report(calib, record),
+             *(truth or []), ""]
     if runs["setgrpo"]:
         lines.append("SetGRPO per step: accepted-group ratio, mean recovery ratio, reward (point), truth reward, "
                      "entropy")
