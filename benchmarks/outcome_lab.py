@@ -339,7 +339,7 @@ def soft_weights(point: torch.Tensor, gram: torch.Tensor, record: CalibrationRec
 
 
 def make_arms() -> dict[str, Arm]:
-    """The lab's arms (docs/outcome.md#arms)."""
+    """The lab's arms (validation/outcome_lab/README.md#arms)."""
 
     def grpo(b, st):
         return grpo_coefficients(_flat(b.scores[0])).reshape(b.truth.shape), None
@@ -633,7 +633,7 @@ def gain_at_calls(c: Curves, steps: int) -> np.ndarray:
 
 
 def analyse(curves: dict[str, Curves], *, flip: float, k: int, grader: str) -> list[dict]:
-    """One row per arm: the ``--json`` row format (docs/outcome.md#the-lab)."""
+    """One row per arm: the ``--json`` row format (validation/outcome_lab/README.md#the-lab)."""
     steps = curves["grpo"].accept.shape[0]
     q = max(1, steps // 4)
     rows = []
@@ -666,7 +666,7 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def markdown(rows: list[dict], arms: list[str] | None = None, optimizer: str = "sgd") -> str:
-    """docs/outcome.md's table of ``rows``: gain, paired gain over ``grpo_mean2`` at equal steps and at equal training
+    """validation/outcome_lab/README.md's table of ``rows``: gain, paired gain over ``grpo_mean2`` at equal steps and at equal training
     grader calls (mean +- 95 % half-width), paired gain over ``grpo``, accepted share first -> last quarter, cosine.
     A run with another optimizer than SGD gets a first column naming it."""
     lead = "" if optimizer == "sgd" else f"| {optimizer} "
@@ -868,7 +868,7 @@ def main(argv=None) -> None:
                     help="with --shards: also draw the shards' scores again at these flip probabilities from their "
                          "rule verdicts")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--markdown", type=Path, default=None, help="print docs/outcome.md's table of a --json file")
+    ap.add_argument("--markdown", type=Path, default=None, help="print validation/outcome_lab/README.md's table of a --json file")
     ap.add_argument("--plot", type=Path, nargs=2, default=None, metavar=("JSON", "PNG"),
                     help="draw docs/outcome.md's figure from a --json file")
     args = ap.parse_args(argv)

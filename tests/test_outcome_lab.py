@@ -99,8 +99,8 @@ def test_committed_lab_run_is_complete_and_consistent():
 
 
 def test_outcome_doc_quotes_the_committed_run():
-    """Every row of docs/outcome.md's lab tables is the committed run's, to the printed precision."""
-    doc = (ROOT / "docs" / "outcome.md").read_text()
+    """Every row of validation/outcome_lab/README.md's lab tables is the committed run's, to the printed precision."""
+    doc = (ROOT / "validation" / "outcome_lab" / "README.md").read_text()
     by_key = {(r["grader"], r["flip"], r["K"], r["arm"]): r for r in _rows()}
     quoted = re.findall(r"^\| (flip|length) \| ([0-9.]+) \| (\d) \| `(\w+)` \| ([+-]?[0-9.]+) \| "
                         r"([+-][0-9.]+) ± ([0-9.]+) \| ([+-][0-9.]+) ± ([0-9.]+) \|", doc, flags=re.M)
@@ -124,6 +124,35 @@ def test_outcome_doc_quotes_the_committed_run():
         else:
             first, last = map(float, accepted.split(" -> "))
             assert (first, last) == pytest.approx((r["accept_first_quarter"], r["accept_last_quarter"]), abs=6e-3), arm
+
+
+def test_the_results_page_quotes_the_committed_runs():
+    """docs/outcome.md, the results page: at most 300 lines; every cell of its per-regime table is the committed lab
+    run's (validation/outcome_lab/full.json) to the printed precision, and its verl block is the committed analysis
+    (validation/outcome_verl/flip0.06/outcome.txt) verbatim; its other figures are the README's, re-read by
+    tests/test_paper_run.py."""
+    doc = (ROOT / "docs" / "outcome.md").read_text()
+    assert len(doc.splitlines()) <= 300
+    by_key = {(r["flip"], r["K"], r["arm"]): r for r in _rows() if r["grader"] == "flip"}
+    pair = r"([+-]?[0-9.]+) ± ([0-9.]+)"
+    quoted = re.findall(rf"^\| ([0-9.]+) \| (\d) \| {pair} \| {pair} \| {pair} \| {pair} \| {pair} \| "
+                        rf"([0-9.]+) -> ([0-9.]+) \| {pair} \|$", doc, flags=re.M)
+    assert len(quoted) == 8
+    for flip, k, *cells in quoted:
+        cell = lambda arm: by_key[(float(flip), int(k), arm)]  # noqa: E731
+        want = [cell("grpo")["gain"], cell("grpo")["band"], *cell("grpo_mean2")["paired"]["grpo"],
+                *cell("grpo")["paired_calls"]["grpo_mean2"], *cell("setgrpo_reliability")["paired"]["grpo_mean2"],
+                *cell("setgrpo_paper")["paired"]["grpo_mean2"], cell("setgrpo_paper")["accept_first_quarter"],
+                cell("setgrpo_paper")["accept_last_quarter"], *cell("oracle")["paired"]["grpo_mean2"]]
+        assert [float(c) for c in cells] == pytest.approx(want, abs=6e-3), (flip, k)
+        assert [float(c) for i, c in enumerate(cells) if i not in (10, 11)] == pytest.approx(
+            [w for i, w in enumerate(want) if i not in (10, 11)], abs=6e-4), (flip, k)
+    block = doc[doc.index("```\narm                  seeds") + 4:]
+    block = block[:block.index("```")]
+    assert block == (ROOT / "validation" / "outcome_verl" / "flip0.06" / "outcome.txt").read_text()
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "reverse in 6.0 % of groups against GRPO's 15.5 %" in readme and \
+        "reverse in 6.0 % of groups against GRPO's 15.5 %" in " ".join(doc.split())
 
 
 def test_reliability_weighting_is_more_than_a_smaller_step_and_only_ties_grpo_mean2():
@@ -161,7 +190,7 @@ def test_the_comparisons_calibration_re_analyses_on_its_own_geometry(lab):
     comparison's paper arm (SmolLM2-135M at its start, K 4, flip 0.06, fp32) and the record it wrote. The record
     certifies tau 0 at alpha 0.2, beta 0.3, delta 0.05 (10 reversals in 101 accepted groups, UCB 0.210); applied as
     the trainer applies it, its update aligns with the truth update less than GRPO's on one scoring, and GRPO on the
-    mean of two aligns best (docs/outcome.md#on-real-geometry-the-committed-paper-profile-shards)."""
+    mean of two aligns best (validation/outcome_lab/README.md#on-real-geometry-the-committed-paper-profile-shards)."""
     from setgrpo_verl.core import CalibrationRecord
 
     calibration = ROOT / "validation" / "outcome_verl" / "flip0.06" / "calibration"
@@ -535,8 +564,8 @@ def test_heavy_tailed_errors_close_the_gate_earlier_and_the_average_stays_ahead(
 
 
 def test_outcome_doc_quotes_the_misread_runs():
-    """Every row of docs/outcome.md's misread table is the committed runs', to the printed precision."""
-    doc = (ROOT / "docs" / "outcome.md").read_text()
+    """Every row of validation/outcome_lab/README.md's misread table is the committed runs', to the printed precision."""
+    doc = (ROOT / "validation" / "outcome_lab" / "README.md").read_text()
     runs = {opt: {(r["grader"], r["flip"], r["K"], r["arm"]): r
                   for r in json.loads((RESULTS / name).read_text())["rows"]}
             for opt, name in (("sgd", "misread.json"), ("adam", "misread_adam.json"))}
@@ -606,8 +635,8 @@ def test_noise_that_differs_between_prompts_leaves_the_truth_far_ahead_of_every_
 
 
 def test_outcome_doc_quotes_the_uneven_runs():
-    """Every row of docs/outcome.md's uneven-grader table is the committed runs', to the printed precision."""
-    doc = (ROOT / "docs" / "outcome.md").read_text()
+    """Every row of validation/outcome_lab/README.md's uneven-grader table is the committed runs', to the printed precision."""
+    doc = (ROOT / "validation" / "outcome_lab" / "README.md").read_text()
     runs = _uneven_runs()
     quoted = re.findall(r"^\| (sgd|adam) \| ([0-9.]+) \| (\d) \| (.+) \|$", doc, flags=re.M)
     quoted = [q for q in quoted if q[3].count("|") == 7]
