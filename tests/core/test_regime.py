@@ -135,3 +135,29 @@ def test_report_prints_the_regime_of_a_run_directorys_calibration(tmp_path):
     assert "\n".join(regime_lines(regime, source)) in text
     shutil.rmtree(calib / "shards")
     assert regime_report(calib)[0].startswith("judge's regime: not read (no calibration shards in")
+
+
+def test_a_judge_without_truth_reads_its_rubrics_from_the_calibration_prompts(tmp_path):
+    """A real judge's shards hold no criterion points: the flip rate then comes from the rubrics of the run's
+    ``data/calibration.parquet``, matched by each prompt's rubric hash, and equals the one from the shards."""
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from setgrpo_verl.core.shards import load_shards, write_shard
+
+    shards, _ = load_shards(ROOT / "validation/outcome_verl/flip0.06/calibration/shards")
+    calib = tmp_path / "run" / "calibration"
+    for shard in shards.values():
+        write_shard(calib / "shards", dataclasses.replace(shard, criterion_points=None, truth_verdicts=None))
+    assert calibration_regime(calib)[0].flip_rate is None  # no points anywhere: no flip rate, the rest still read
+    rows = [json.loads(line) for line in (ROOT / "setgrpo_verl/data/validation_rubrics.jsonl").read_text().splitlines()]
+    (tmp_path / "run" / "data").mkdir()
+    pq.write_table(pa.table({"reward_model": [{"ground_truth": json.dumps(r)} for r in rows],
+                             "extra_info": [{"id": r["id"]} for r in rows]}),
+                   tmp_path / "run" / "data" / "calibration.parquet")
+    regime, source = calibration_regime(calib)
+    assert source.startswith("the rubrics of ") and source.endswith("calibration.parquet")
+    committed, _ = calibration_regime(ROOT / "validation/outcome_verl/flip0.06/calibration")
+    assert regime.flip_rate == committed.flip_rate and regime.noise_var == committed.noise_var
