@@ -16,7 +16,8 @@ sets), ``core.ggsr`` (safe anchor, recovery), ``core.srgo`` (threshold tests, sa
 (anytime-valid evidence), ``core.reversal``, ``core.calibration``, ``core.coefficients``, ``core.monitor``,
 ``core.settings``, ``core.record`` (docs/record.md), ``core.record_text``, ``core.compatibility``,
 ``core.identity``, ``core.shards`` (docs/record.md#calibration-shards), ``core.bands``
-(docs/record.md#reading-the-guarantees) and ``core.reliability``.
+(docs/record.md#reading-the-guarantees), ``core.reliability`` and ``core.regime``
+(docs/record.md#the-judges-regime).
 """
 
 from .calibration import calibrate
