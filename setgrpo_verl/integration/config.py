@@ -34,6 +34,7 @@ from .reward_config import (POINT_KEY, REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_
                             grader_config, grader_identity, point_mode, reference_score_key, scorings)
 from .micro_batch import check_sketch_micro_batch
 from .support import check_attention_kernels, check_sketch_support, check_trainer_settings
+from .unread_settings import check_unread_settings
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
 SETGRPO_NAME = "setgrpo"
@@ -455,6 +456,7 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
             strategy other than fsdp / fsdp2 or a sketch token budget below one full-length sequence
             (:func:`~.support.check_trainer_settings`).
     """
+    check_unread_settings(config, setgrpo=_uses_setgrpo(config), defaults=dataclasses.asdict(SetGRPOConfig()))
     if not _uses_setgrpo(config):
         _check_reward(config, setgrpo=False)
         check_filter_groups(config, setgrpo=False, calibration_only=False)
