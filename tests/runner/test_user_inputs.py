@@ -94,3 +94,52 @@ def test_a_read_only_run_directory_is_named_and_report_writes_elsewhere(tmp_path
     assert cli.main(["report", "--run-dir", str(run), "--out", str(tmp_path / "elsewhere")]) == 2
     err = capsys.readouterr().err
     assert "no finished calibration stage" in err and "LOCK" not in err, err
+
+
+def _finished_comparison(run):
+    from setgrpo_verl.rundir import COMPLETE
+
+    from .test_compare import _metrics
+
+    for arm, gain in (("grpo", 0.02), ("setgrpo_paper", 0.0)):
+        _metrics(run / "compare" / f"{arm}_s0", [0.5, 0.5 + gain / 2, 0.5 + gain])
+    assert (run / "compare" / "grpo_s0" / COMPLETE).is_file()
+    return ["compare", "--run-dir", str(run), "--flip-prob", "0.06", "--arms", "grpo", "setgrpo_paper", "--seeds",
+            "0", "--analysis-only"]
+
+
+def test_a_full_disk_during_the_analysis_names_it_and_leaves_no_outcome(tmp_path, capsys, monkeypatch):
+    from setgrpo_verl.report import outcome
+
+    run = tmp_path / "run"
+    argv = _finished_comparison(run)
+
+    def full(curves, path):
+        open(path, "wb").close()  # PIL created the file, then the disk was full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outcome, "plot_outcome", full)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write the comparison's analysis to {run / 'outcome'}: No space left on "
+                          "device (errno ENOSPC"), err
+    assert not (run / "outcome").exists()
+
+
+def test_the_analysis_of_a_read_only_run_directory_goes_to_out(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    argv = _finished_comparison(run)
+    real_open = runlock.os.open
+
+    def read_only(path, flags, *args):
+        if str(path).startswith(str(run)) and flags & (runlock.os.O_RDWR | runlock.os.O_WRONLY | runlock.os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(runlock.os, "open", read_only)
+    assert cli.main(argv) == 2
+    assert "compare --analysis-only --out DIR" in capsys.readouterr().err
+    monkeypatch.setattr("setgrpo_verl.runner.writes.writable", lambda path: False)
+    assert cli.main([*argv, "--out", str(tmp_path / "analysis")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("outcome: grpo 0.020")
+    assert (tmp_path / "analysis" / "outcome.json").is_file() and not (run / "outcome").exists()
