@@ -1,6 +1,6 @@
-"""What stands between this process and an HTTP judge, named in the judge's transport errors (docs/grading.md#judge-
-over-https-and-proxies): a TLS certificate the client does not trust, and a proxy that the environment routes the
-judge's URL through.
+"""What stands between this process and an HTTP judge, named in the judge's transport errors: a TLS certificate the
+client does not trust, and a proxy that the environment routes the judge's URL through
+(docs/grading.md#judge-over-https-and-proxies).
 
 The openai client (httpx) reads the system's CA bundle, ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``, and the proxy
 variables ``http_proxy`` / ``https_proxy`` / ``all_proxy`` with ``no_proxy``, loopback addresses included; its

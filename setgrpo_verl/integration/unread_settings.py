@@ -167,9 +167,12 @@ def check_ray_gpus(config: Any, environ: Optional[Mapping[str, str]] = None) -> 
                                              "ray_kwargs.ray_init.num_gpus"))
 
 
-def check_unread_settings(config: Any, *, setgrpo: bool, defaults: Optional[Mapping[str, Any]] = None) -> None:
+def check_unread_settings(config: Any, *, setgrpo: bool, defaults: Optional[Mapping[str, Any]] = None) -> bool:
     """Every check of this module (module docstring), in order: SetGRPO keys, verl's reward function, the
     mini-batch, the GPUs asked of Ray.
+
+    Returns:
+        ``setgrpo``, unchanged (the caller branches on it).
 
     Raises:
         ValueError: the first refusal (see each check).
@@ -178,3 +181,4 @@ def check_unread_settings(config: Any, *, setgrpo: bool, defaults: Optional[Mapp
     check_reward_function(config)
     check_mini_batch(config)
     check_ray_gpus(config)
+    return setgrpo
