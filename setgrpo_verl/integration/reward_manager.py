@@ -67,6 +67,7 @@ from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
 
 from ..grading import DualScorer, GradingError, GradingItem, Rubric, RubricRowError
+from ..core.reliability import noise_scale
 from ..grading.answers import prompt_opens_thinking, visible_response
 from .reward_config import (
     CALIBRATION_MARK,
@@ -323,6 +324,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
             "judged": int(metrics["judged"]),
             "scorings": scores.scorings,
             "no_answer": int(scores.no_answer[0]),
+            # the reliability variant's per-rubric noise scale (docs/algorithm.md#94-rubrics-of-different-scales)
+            "noise_scale": noise_scale([c.points for c in rubric.criteria]) if rubric is not None else 1.0,
             GRADING_ERROR_KEY: "",
         }
         if scores.reference is not None:
@@ -343,7 +346,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
         message = str(exc) or type(exc).__name__
         logger.warning("grading a calibration response failed; calibration leaves its group out: %s", message)
         return {"reward_score": 0.0, "reward_extra_info": {"unparsed": 0, "judged": 0, "scorings": self.scorings,
-                                                           "no_answer": 0, GRADING_ERROR_KEY: message}}
+                                                           "no_answer": 0, "noise_scale": 1.0,
+                                                           GRADING_ERROR_KEY: message}}
 
 
 #: Prompt tokens whose text says whether the chat template opened a thinking block in the generation prompt.
