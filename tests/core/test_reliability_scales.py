@@ -61,3 +61,20 @@ def test_one_scale_for_every_group_is_the_pooled_estimate():
     assert torch.allclose(reliability_coefficients(p, r), reliability_coefficients(p, r, scale=torch.full((8,), 3.0)))
     with pytest.raises(ValueError, match="one finite value > 0 per group"):
         reliability_weights(p, r, scale=torch.zeros(8))
+
+
+def test_the_trainers_step_reads_each_responses_noise_scale():
+    """reliability_step takes the reward manager's per-response ``noise_scale`` (one per row, read per group)."""
+    from setgrpo_verl.integration.estimator import reliability_step
+
+    gen = torch.Generator().manual_seed(2)
+    p, r, s = _batch(gen, -10)
+    g, k = p.shape
+    rewards = torch.zeros(g * k, 3)
+    rewards[:, -1] = p.reshape(-1).float()
+    mask = torch.ones(g * k, 3)
+    uid = [f"g{i}" for i in range(g) for _ in range(k)]
+    scaled = reliability_step(rewards, mask, uid, r.reshape(-1), k, noise_scales=s.repeat_interleave(k).numpy())
+    pooled = reliability_step(rewards, mask, uid, r.reshape(-1), k)
+    assert torch.allclose(scaled.weights, reliability_weights(p, r, scale=s)[0], atol=1e-6)
+    assert torch.allclose(pooled.weights, reliability_weights(p, r)[0], atol=1e-6)

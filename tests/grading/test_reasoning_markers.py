@@ -58,6 +58,7 @@ def test_the_answer_is_graded_and_a_cut_reasoning_has_no_answer(policy):
     special, closed, cut = CASES[policy]
     out = _score(special, closed)
     assert (out["reward_score"], out["reward_extra_info"]["no_answer"]) == (1.0, 0), out
+    assert out["reward_extra_info"]["noise_scale"] == 1.0  # one 1-point criterion
     out = _score(special, cut)
     assert (out["reward_score"], out["reward_extra_info"]["no_answer"]) == (0.0, 1), out
 

@@ -106,3 +106,9 @@ def test_the_dry_run_refuses_an_empty_cuda_visible_devices(capsys, monkeypatch, 
     err = capsys.readouterr().err
     assert "CUDA_VISIBLE_DEVICES='' lists 0 device(s)" in err and "unset CUDA_VISIBLE_DEVICES" in err, err
     assert not run.exists()
+
+
+def test_ignore_eos_on_the_cpu_backends_rollout_is_refused():
+    text = _refusal(_compose(*GRPO, *cpu_overrides(), "actor_rollout_ref.rollout.ignore_eos=true"))
+    assert text.startswith("actor_rollout_ref.rollout.ignore_eos=true has no effect on the CPU backend's "
+                           "transformers rollout"), text
