@@ -239,11 +239,14 @@ def policy_identity(config: Any) -> dict[str, Any]:
         "top_p": float(rollout.top_p),
         "top_k": top_k if top_k > 0 else -1,
         "repetition_penalty": float(config_value(rollout, "repetition_penalty", 1.0)),
-        "response_length": int(rollout.response_length),
+        # absent from a hand-built config: verl's defaults, ${oc.select:data.max_response_length,512} and the like
+        "response_length": int(config_value(rollout, "response_length",
+                                            config_value(config, "data.max_response_length", 512))),
         "ignore_eos": bool(config_value(rollout, "ignore_eos", False)),
-        "prompt_length": int(rollout.prompt_length),
-        "prompt_filter": (int(config.data.max_prompt_length)
-                          if config_value(config, "data.filter_overlong_prompts", True) else None),
+        "prompt_length": int(config_value(rollout, "prompt_length",
+                                          config_value(config, "data.max_prompt_length", 512))),
+        "prompt_filter": (int(config_value(config, "data.max_prompt_length", 512))
+                          if config_value(config, "data.filter_overlong_prompts", False) else None),
         "dtype": _dtype_name(config_value(rollout, "dtype", "bfloat16")),
         "model_config_sha256": model_config_sha256(model),
         "model_overrides": model_overrides(config_value(model, "override_config", {})),
