@@ -11,14 +11,16 @@ __all__ = ["ABSENT_AS", "IDENTITY_SINCE_6", "IdentityWarning", "check_identity"]
 #: Run-identity keys added with schema 6 (docs/record.md#run-identity), by record field; None: every key of the
 #: field. A record or shard written before lacks them: each is named in an :class:`IdentityWarning`, not refused.
 IDENTITY_SINCE_6 = {"policy": ("weights", "weights_sha256", "tokenizer_sha256", "custom_chat_template_sha256",
-                               "chat_template_kwargs", "top_k", "repetition_penalty", "dtype"),
+                               "chat_template_kwargs", "top_k", "repetition_penalty", "dtype", "prompt_length",
+                               "prompt_filter", "model_config_sha256"),
                     "training": None}
 #: Identity keys that name, for people, what was calibrated, and are never compared: ``policy.model`` is the
 #: configured path (the weights are compared by ``policy.weights_sha256``).
 _INFORMATIVE = {"policy": ("model",)}
 #: Identity keys added within schema 6, and the value a record or shard without the key was made with:
-#: ``policy.model_overrides``, the model config overrides (none before the key existed).
-ABSENT_AS = {("policy", "model_overrides"): {}}
+#: ``policy.model_overrides``, the model config overrides (none before the key existed); ``policy.ignore_eos``
+#: (verl's default, False).
+ABSENT_AS = {("policy", "model_overrides"): {}, ("policy", "ignore_eos"): False}
 
 
 class IdentityWarning(UserWarning):
@@ -68,7 +70,7 @@ def check_identity(stored: dict[str, Any], current: dict[str, Any], *, what: str
         if isinstance(mine, dict) and isinstance(value, dict):
             skip = _INFORMATIVE.get(name, ())
             for k in [k for k in [*value, *(k for k in mine if k not in value)] if k not in skip]:
-                if k not in mine and _since_6(name, k):
+                if (k not in mine or k not in value) and _since_6(name, k):  # either side may be the older one
                     missing.append(f"{name}.{k}")
                     continue
                 rec, cur = mine.get(k, ABSENT_AS.get((name, k))), value.get(k, ABSENT_AS.get((name, k)))

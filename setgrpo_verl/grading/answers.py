@@ -9,6 +9,12 @@ graded as the empty answer, by the same grader as every other response, and coun
 (:class:`~.dual.DualScorer` applies the rule and marks such responses in ``DualScores.no_answer``; the reward manager
 reports their share of a batch as ``setgrpo/grading/no_answer_ratio``).
 
+Reasoning markers that are special tokens, which a decode without special tokens loses with the boundary they mark
+(gpt-oss's harmony channels ``<|channel|>analysis<|message|>...<|channel|>final<|message|>answer``, Magistral's
+``[THINK]...[/THINK]``, Seed's ``<seed:think>...</seed:think>``), are read from a decode that keeps special tokens and
+spelled as ``<think>`` / ``</think>`` before the other special tokens are removed (:func:`visible_response`), so
+those policies are graded on their answer too, and a response cut inside its reasoning has no answer.
+
 ``response: full`` on the grader config grades the whole text instead, reasoning included (what this package did
 before); it enters the grader identity, so a record calibrated one way is refused for a run graded the other way.
 """
@@ -19,13 +25,41 @@ from typing import Any, Mapping
 
 from .protocol import strip_reasoning, template_hash
 
-__all__ = ["DEFAULT_RESPONSE_PART", "RESPONSE_PARTS", "check_response_part", "graded_text", "prompt_opens_thinking",
-           "split_response_part", "with_response_part"]
+__all__ = ["DEFAULT_RESPONSE_PART", "REASONING_MARKERS", "RESPONSE_PARTS", "check_response_part", "graded_text",
+           "prompt_opens_thinking", "split_response_part", "visible_response", "with_response_part"]
 
 #: The grader config key (``reward.reward_kwargs.grader.response``) and its values.
 RESPONSE_PARTS = ("answer", "full")
 DEFAULT_RESPONSE_PART = "answer"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: Other spellings of the reasoning block's opening and closing markers (Magistral, Seed-OSS), read as ``<think>`` /
+#: ``</think>``.
+REASONING_MARKERS = (("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>"))
+#: gpt-oss's harmony format: a message's channel, then its text; the ``final`` channel is the answer.
+_CHANNEL, _FINAL = "<|channel|>", "<|channel|>final<|message|>"
+
+
+def visible_response(text: str, special_tokens: Any = ()) -> str:
+    """A response decoded with its special tokens (``skip_special_tokens=False``), with its reasoning block spelled
+    ``<think>...</think>`` (:data:`REASONING_MARKERS`; harmony: everything before the last ``final`` channel is
+    reasoning, and a response with channels but no ``final`` one is unclosed reasoning) and then every other special
+    token of ``special_tokens`` removed: the text :func:`graded_text` reads.
+
+    Args:
+        text: the decoded response (or prompt end) with special tokens kept.
+        special_tokens: the tokenizer's special-token strings (``all_special_tokens`` and the added tokens marked
+            special).
+    """
+    for opening, closing in REASONING_MARKERS:
+        text = text.replace(opening, THINK_OPEN).replace(closing, THINK_CLOSE)
+    if _CHANNEL in text:
+        final = text.rfind(_FINAL)
+        text = (THINK_OPEN + text[:final] + THINK_CLOSE + text[final + len(_FINAL):] if final >= 0
+                else THINK_OPEN + text)
+    for token in sorted(set(special_tokens) - {THINK_OPEN, THINK_CLOSE}, key=len, reverse=True):
+        if token:
+            text = text.replace(token, "")
+    return text
 
 
 def check_response_part(value: Any) -> str:

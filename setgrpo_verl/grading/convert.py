@@ -125,7 +125,7 @@ def read_rubric_rows(path: str | os.PathLike, *, duplicate_criteria: str = "erro
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
         rows, where = [], []
-        with open(p, encoding="utf-8") as f:
+        with open(p, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors, Excel) is not data
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -136,7 +136,7 @@ def read_rubric_rows(path: str | os.PathLike, *, duplicate_criteria: str = "erro
                                      "a .jsonl rubric file holds one RubricHub row per line") from None
                 where.append(f"{p}, line {lineno}")
     elif suffix == ".json":
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = json.loads(p.read_text(encoding="utf-8-sig"))
         if not isinstance(data, list):
             raise ValueError(f"{p}: a .json rubric file must hold a list of rows, got {type(data).__name__}")
         rows, where = data, [f"{p}, row {i + 1}" for i in range(len(data))]

@@ -30,6 +30,7 @@ import re
 from typing import Any, Sequence
 
 from .inflight import InFlightLimit, rate_limited_error, too_slow_error
+from .network import transport_hint
 from .protocol import (
     SAID_CHARS,
     JudgeRequest,
@@ -325,7 +326,8 @@ class OpenAIJudge:
                 if isinstance(exc, openai.APIConnectionError) else "failed")
         return GradingError(
             f"judge {self.model!r} at {self.base_url} {what} after {self.max_retries} retries "
-            f"(timeout {self.timeout}s per attempt): {type(exc).__name__}: {exc}; {hint}"
+            f"(timeout {self.timeout}s per attempt): {type(exc).__name__}: {exc}{transport_hint(exc, self.base_url)}; "
+            f"{hint}"
         )
 
     def _context_error(self, exc: GradingError, request: JudgeRequest) -> JudgeContextError:

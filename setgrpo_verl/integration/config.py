@@ -34,6 +34,7 @@ from .reward_config import (POINT_KEY, REWARD_MANAGER_NAME, SCORINGS_KEY, TRUTH_
                             grader_config, grader_identity, point_mode, reference_score_key, scorings)
 from .micro_batch import check_sketch_micro_batch
 from .support import check_attention_kernels, check_sketch_support, check_trainer_settings
+from .unread_settings import check_unread_settings
 
 #: Name under which the estimator, the trainer mode and the worker are registered in verl.
 SETGRPO_NAME = "setgrpo"
@@ -447,15 +448,14 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
             (:func:`check_training_data`); for a run that calibrates, a ``calibration.shard`` part that holds no batch
             (:func:`check_calibration_part`) or a ``tau_start_pilot`` that is no pilot of these prompts
             (:func:`~.prompts.check_start_pilot`); DAPO group filtering (``algorithm.filter_groups``) in a calibration
-            run or on a metric the reward manager does not emit (:func:`~.reward_config.check_filter_groups`); for any
-            trainer mode, unless ``environment`` is False, an actor ``attn_implementation`` whose kernel package is not
-            importable (:func:`~.support.check_attention_kernels`) and, with an NVIDIA driver here, a GPU environment
-            verl cannot run in (:func:`~.gpu_env.check_driver_gpus`); with ``setgrpo_dual``, a judge a reward worker
-            could not use (:func:`~.judge_access.check_judge_access`); for SetGRPO, ``trainer.use_v1=false``, an actor
-            strategy other than fsdp / fsdp2 or a sketch token budget below one full-length sequence
-            (:func:`~.support.check_trainer_settings`).
+            run or on a metric the reward manager does not emit (:func:`~.reward_config.check_filter_groups`); any
+            trainer mode: settings verl would not read (:func:`~.unread_settings.check_unread_settings`), unless
+            ``environment`` is False an ``attn_implementation`` whose kernel is not importable
+            (:func:`~.support.check_attention_kernels`) or a GPU environment verl cannot run in
+            (:func:`~.gpu_env.check_driver_gpus`); with ``setgrpo_dual``, a judge a reward worker could not use
+            (:func:`~.judge_access.check_judge_access`); for SetGRPO, the settings of :func:`~.support.check_trainer_settings`.
     """
-    if not _uses_setgrpo(config):
+    if not check_unread_settings(config, setgrpo=_uses_setgrpo(config), defaults=dataclasses.asdict(SetGRPOConfig())):
         _check_reward(config, setgrpo=False)
         check_filter_groups(config, setgrpo=False, calibration_only=False)
         _check_environment(config, environment)

@@ -210,7 +210,7 @@ class ReliabilityStep:
 
 def reliability_step(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any,
                      reference_scores: torch.Tensor, k: int, *, norm_by_std: bool = True,
-                     eps: float = 1e-6) -> ReliabilityStep:
+                     eps: float = 1e-6, noise_scales: Any = None) -> ReliabilityStep:
     """Advantages of the ``reliability`` variant: GRPO on the mean of the two scorings, each group weighted by the
     share of its spread that is signal (docs/algorithm.md#9-reliability-weighting). No record, no sketches.
 
@@ -221,6 +221,8 @@ def reliability_step(token_level_rewards: torch.Tensor, response_mask: torch.Ten
         reference_scores: float [B] the second, independent scoring of the same responses.
         k: responses per group (``actor_rollout_ref.rollout.n``); a group with fewer is left out (coefficient 0).
         norm_by_std, eps: verl's ``algorithm.norm_adv_by_std_in_grpo`` and GRPO's epsilon.
+        noise_scales: [B] each response's rubric noise scale (``reward_extra_info["noise_scale"]``,
+            :func:`setgrpo_verl.core.reliability.noise_scale`), or None: one noise variance for the batch.
 
     Returns:
         :class:`ReliabilityStep`. Metrics: ``setgrpo/accepted_ratio`` (groups with a weight above 0),
@@ -238,11 +240,13 @@ def reliability_step(token_level_rewards: torch.Tensor, response_mask: torch.Ten
     groups, incomplete = _complete_groups(index, response_mask, k)
     point = token_level_rewards.detach().to(dtype=torch.float64, device="cpu").sum(dim=-1)[groups]
     reference = ref[groups]
-    weights, noise_var = reliability_weights(point, reference)
+    scale = None if noise_scales is None else torch.as_tensor(
+        np.asarray(noise_scales, dtype=np.float64)).reshape(-1)[groups[:, 0]]
+    weights, noise_var = reliability_weights(point, reference, scale=scale)
     mean = (point + reference) / 2
     live = ~degenerate_groups(mean)
-    coefficients, advantages = _row_advantages(reliability_coefficients(point, reference, norm_by_std, eps), groups,
-                                               response_mask)
+    coefficients, advantages = _row_advantages(reliability_coefficients(point, reference, norm_by_std, eps,
+                                                                        scale=scale), groups, response_mask)
     metrics = {
         "setgrpo/accepted_ratio": float((weights > 0).double().mean()),
         "setgrpo/reliability/weight_mean": float(weights[live].mean()) if bool(live.any()) else 0.0,

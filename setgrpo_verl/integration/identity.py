@@ -22,7 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from .dotted import config_value
 from .reward_config import REWARD_MANAGER_NAME, grader_identity
 
-__all__ = ["IDENTITY_SOURCES", "model_files", "policy_identity", "run_identity", "tokenizer_sha256",
+__all__ = ["IDENTITY_SOURCES", "model_config_sha256", "model_files", "model_overrides", "policy_identity", "run_identity", "tokenizer_sha256",
            "training_identity", "weights_fingerprint"]
 
 #: The config key behind each identity field, named next to the field when a record or shard refuses a run.
@@ -36,9 +36,17 @@ IDENTITY_SOURCES = {
     "policy.top_p": "actor_rollout_ref.rollout.top_p",
     "policy.top_k": "actor_rollout_ref.rollout.top_k",
     "policy.repetition_penalty": "actor_rollout_ref.rollout.repetition_penalty",
-    "policy.response_length": "data.max_response_length",
+    "policy.response_length": "actor_rollout_ref.rollout.response_length (where the rollout and verl's agent loop cut "
+                               "responses; default ${data.max_response_length})",
+    "policy.ignore_eos": "actor_rollout_ref.rollout.ignore_eos",
+    "policy.prompt_length": "actor_rollout_ref.rollout.prompt_length (where verl's agent loop left-truncates prompts; "
+                            "default ${data.max_prompt_length})",
+    "policy.prompt_filter": "data.max_prompt_length with data.filter_overlong_prompts (verl's dataset drops longer "
+                            "prompts)",
+    "policy.model_config_sha256": "actor_rollout_ref.model.hf_config_path (null: the model's own config.json)",
     "policy.dtype": "actor_rollout_ref.rollout.dtype",
-    "policy.model_overrides": "actor_rollout_ref.model.override_config",
+    "policy.model_overrides": "actor_rollout_ref.model.override_config (its model_config block when it has one, as "
+                              "verl applies it)",
     "training.lora_rank": "actor_rollout_ref.model.lora_rank",
     "training.lora_alpha": "actor_rollout_ref.model.lora_alpha",
     "training.target_modules": "actor_rollout_ref.model.target_modules",
@@ -200,11 +208,14 @@ def policy_identity(config: Any) -> dict[str, Any]:
     ``model`` is the configured path, for people only (never compared); then the weights' fingerprint
     (:func:`weights_fingerprint`), the tokenizer's (:func:`tokenizer_sha256`), the SHA-256 of
     ``model.custom_chat_template`` (None: the tokenizer's own), ``data.apply_chat_template_kwargs``, the rollout's
-    sampling settings (temperature, top_p, top_k with any value <= 0 as -1, i.e. off; repetition_penalty),
-    ``data.max_response_length``, the rollout's dtype and ``model_overrides``:
-    ``actor_rollout_ref.model.override_config`` without ``attn_implementation`` (verl applies the rest to the model's
-    config, e.g. ``num_hidden_layers``, so the same files can load another network; the attention kernel computes
-    the same function). Keys absent from ``config`` read as verl 0.9.1's defaults.
+    sampling settings (temperature, top_p, top_k with any value <= 0 as -1, i.e. off; repetition_penalty,
+    ignore_eos), the lengths where they take effect (``rollout.response_length``, at which the rollout and verl's
+    agent loop cut responses; ``rollout.prompt_length``, at which the agent loop left-truncates prompts;
+    ``prompt_filter``, ``data.max_prompt_length`` when ``data.filter_overlong_prompts`` drops longer prompts, else
+    None), the rollout's dtype, the SHA-256 of the ``config.json`` the network is built from
+    (:func:`model_config_sha256`) and ``model_overrides`` (:func:`model_overrides`: verl applies them to the model's
+    config, e.g. ``num_hidden_layers``, so the same files can load another network). Keys absent from ``config``
+    read as verl 0.9.1's defaults.
 
     Raises:
         ValueError: the model or tokenizer files cannot be read (:func:`model_files`, :func:`weights_fingerprint`).
@@ -228,11 +239,41 @@ def policy_identity(config: Any) -> dict[str, Any]:
         "top_p": float(rollout.top_p),
         "top_k": top_k if top_k > 0 else -1,
         "repetition_penalty": float(config_value(rollout, "repetition_penalty", 1.0)),
-        "response_length": int(config.data.max_response_length),
+        # absent from a hand-built config: verl's defaults, ${oc.select:data.max_response_length,512} and the like
+        "response_length": int(config_value(rollout, "response_length",
+                                            config_value(config, "data.max_response_length", 512))),
+        "ignore_eos": bool(config_value(rollout, "ignore_eos", False)),
+        "prompt_length": int(config_value(rollout, "prompt_length",
+                                          config_value(config, "data.max_prompt_length", 512))),
+        "prompt_filter": (int(config_value(config, "data.max_prompt_length", 512))
+                          if config_value(config, "data.filter_overlong_prompts", False) else None),
         "dtype": _dtype_name(config_value(rollout, "dtype", "bfloat16")),
-        "model_overrides": {k: v for k, v in (_plain(config_value(model, "override_config", {})) or {}).items()
-                            if k != "attn_implementation"},
+        "model_config_sha256": model_config_sha256(model),
+        "model_overrides": model_overrides(config_value(model, "override_config", {})),
     }
+
+
+def model_overrides(override_config: Any) -> dict[str, Any]:
+    """The model-config overrides verl 0.9.1 applies (``HFModelConfig.__post_init__``): the ``model_config`` block of
+    ``actor_rollout_ref.model.override_config`` when it has one, else the whole mapping; without
+    ``attn_implementation`` at either level (the attention kernel computes the same function)."""
+    overrides = _plain(override_config) or {}
+    applied = overrides["model_config"] if "model_config" in overrides else overrides
+    return {k: v for k, v in (applied or {}).items() if k != "attn_implementation"}
+
+
+def model_config_sha256(model: Any) -> str | None:
+    """SHA-256 of the ``config.json`` verl builds the network from: ``actor_rollout_ref.model.hf_config_path``'s
+    when set, else the model's (None: the directory has none, as with a model only a remote-code hub loader reads).
+
+    Raises:
+        ValueError: ``hf_config_path`` (or the model path) that is not a local or cached model directory
+            (:func:`model_files`).
+    """
+    source = config_value(model, "hf_config_path")
+    key = "actor_rollout_ref.model.hf_config_path" if source else "actor_rollout_ref.model.path"
+    path = model_files(source or model.path, key=key) / "config.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def training_identity(config: Any) -> dict[str, Any]:

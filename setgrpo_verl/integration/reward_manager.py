@@ -67,7 +67,8 @@ from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
 
 from ..grading import DualScorer, GradingError, GradingItem, Rubric, RubricRowError
-from ..grading.answers import prompt_opens_thinking
+from ..core.reliability import noise_scale
+from ..grading.answers import prompt_opens_thinking, visible_response
 from .reward_config import (
     CALIBRATION_MARK,
     GRADING_ERROR_KEY,
@@ -244,6 +245,9 @@ class SetGRPODualRewardManager(RewardManagerBase):
         self.reference_key = reference_score_key(config)
         self.scorings = scorings(config)
         self.point_mode = point_mode(config)
+        # reasoning markers may be special tokens: decoded with them, then every other one removed (visible_response)
+        self.special_tokens = tuple(set(getattr(tokenizer, "all_special_tokens", ())) | {
+            t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)})
         key = json.dumps([self.grader_cfg, self.scorings], sort_keys=True, default=str)
         scorer = self._scorers.get(key)
         if scorer is None:
@@ -277,8 +281,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
         valid_ids = response_ids[:valid]
         prompt_tail = _prompt_tail(item)
         response, prompt_end = await self.loop.run_in_executor(
-            None, lambda: (self.tokenizer.decode(valid_ids, skip_special_tokens=True),
-                           self.tokenizer.decode(prompt_tail, skip_special_tokens=True))
+            None, lambda: tuple(visible_response(self.tokenizer.decode(ids, skip_special_tokens=False),
+                                                 self.special_tokens) for ids in (valid_ids, prompt_tail))
         )
         ntb = item.non_tensor_batch
         ground_truth = ntb["reward_model"]["ground_truth"]
@@ -320,6 +324,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
             "judged": int(metrics["judged"]),
             "scorings": scores.scorings,
             "no_answer": int(scores.no_answer[0]),
+            # the reliability variant's per-rubric noise scale (docs/algorithm.md#94-rubrics-of-different-scales)
+            "noise_scale": noise_scale([c.points for c in rubric.criteria]) if rubric is not None else 1.0,
             GRADING_ERROR_KEY: "",
         }
         if scores.reference is not None:
@@ -340,7 +346,8 @@ class SetGRPODualRewardManager(RewardManagerBase):
         message = str(exc) or type(exc).__name__
         logger.warning("grading a calibration response failed; calibration leaves its group out: %s", message)
         return {"reward_score": 0.0, "reward_extra_info": {"unparsed": 0, "judged": 0, "scorings": self.scorings,
-                                                           "no_answer": 0, GRADING_ERROR_KEY: message}}
+                                                           "no_answer": 0, "noise_scale": 1.0,
+                                                           GRADING_ERROR_KEY: message}}
 
 
 #: Prompt tokens whose text says whether the chat template opened a thinking block in the generation prompt.

@@ -528,7 +528,8 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
         if self._reliability:
             step = reliability_step(data.batch["token_level_rewards"], data.batch["response_mask"],
                                     data.non_tensor_batch["uid"], reference, int(self.config.actor_rollout_ref.rollout.n),
-                                    norm_by_std=bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True)))
+                                    norm_by_std=bool(self.config.algorithm.get("norm_adv_by_std_in_grpo", True)),
+                                    noise_scales=data.non_tensor_batch.get("noise_scale"))
             data.batch["advantages"] = data.batch["returns"] = step.advantages
             metrics.update(step.metrics)
             self._accepted_groups = int((step.weights > 0).sum())

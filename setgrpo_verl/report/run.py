@@ -408,8 +408,9 @@ def _fmt(x, spec: str = ".3f") -> str:
     return "  n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def make_report(run_dir: str | os.PathLike, *, resplits: int = 200, truth: list[str] | None = None) -> str:
-    """Write ``<run_dir>/report/`` (PNG figures, ``table4.txt``, ``summary.txt``, ``COMPLETE``) and return the
+def make_report(run_dir: str | os.PathLike, *, resplits: int = 200, truth: list[str] | None = None,
+                out: str | os.PathLike | None = None) -> str:
+    """Write ``<run_dir>/report/`` (or ``out``: PNG figures, ``table4.txt``, ``summary.txt``, ``COMPLETE``) and return the
     summary text; coverage and risk come with their bands and ``resplits`` re-splits of the stored paired scores
     (docs/record.md#reading-the-guarantees), then the ``truth`` lines (the check against the noise-free score of
     docs/cli.md#what-the-main-job-prints) where the grader knew it, and per training step the truth reward of its
@@ -428,8 +429,8 @@ def make_report(run_dir: str | os.PathLike, *, resplits: int = 200, truth: list[
                              "`setgrpo-verl calibrate --run-dir ...` (or quickstart) first")
     record = CalibrationRecord.from_json(calib / "record.json")
     paired = np.load(calib / "paired_scores.npz")
-    out = run_dir / "report"
-    out.mkdir(exist_ok=True)
+    out = run_dir / "report" if out is None else Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / COMPLETE).unlink(missing_ok=True)
     runs = {}
     for name in ("setgrpo", "grpo"):

@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "once every run in it finished; writes DIR/outcome.json and DIR/outcome.txt")
     p.add_argument("--figure", type=Path, default=None,
                    help="with --outcome: where the figure goes (default DIR/outcome.png)")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="write the report to DIR instead of <run-dir>/report/ (with --outcome: instead of DIR/) - "
+                        "for a directory this user cannot write")
 
     p = sub.add_parser("merge-calibration", help="one record from the shard directories of calibrate --shard I/N parts")
     p.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
@@ -334,28 +337,31 @@ def _cmd_report(args: argparse.Namespace) -> str:
     if args.outcome is not None:
         from ..report.outcome import outcome_report, read_runs, write_outcome
 
-        from ..rundir import LaunchError
-
         curves, flip_prob, unfinished = read_runs(args.outcome)
         result, text = outcome_report(curves, flip_prob=flip_prob, unfinished=unfinished)
-        try:
-            written = write_outcome(args.outcome, curves, result, text, figure=args.figure)
-        except OSError as exc:
-            raise LaunchError(f"report --outcome: cannot write {exc.filename}: {exc.strerror}") from None
-        return f"written: {written}, {args.outcome / 'outcome.txt'}, {args.figure or args.outcome / 'outcome.png'}\n{text}"
+        out = args.outcome if args.out is None else args.out
+        from .writes import writing
+
+        with writing(out, "report --outcome's analysis"):
+            out.mkdir(parents=True, exist_ok=True)
+            written = write_outcome(out, curves, result, text, figure=args.figure)
+        return f"written: {written}, {out / 'outcome.txt'}, {args.figure or out / 'outcome.png'}\n{text}"
     if args.figure is not None:
         from ..rundir import LaunchError
 
         raise LaunchError("report --figure goes with --outcome DIR (the comparison's figure); a run directory's "
                           "report writes its figures into <run-dir>/report/")
-    if (args.run_dir / "report").exists():
+    if args.out is None and (args.run_dir / "report").exists():
         from .lifecycle import plan_run
 
         plan_run(args.run_dir, ["report"]).prepare("report")
-    return _report(args.run_dir)
+    from .writes import writing
+
+    with writing(args.out or args.run_dir / "report", "the report"):
+        return _report(args.run_dir, out=args.out)
 
 
-def _report(run_dir: Path) -> str:
+def _report(run_dir: Path, out: Path | None = None) -> str:
     """The run directory's report (:func:`~setgrpo_verl.report.make_report`) with its check against the truth where
     the grader knew it (:func:`~setgrpo_verl.runner.truth.truth_report_lines`).
 
@@ -367,12 +373,12 @@ def _report(run_dir: Path) -> str:
     from .truth import truth_report_lines
 
     if not (run_dir / "calibration" / COMPLETE).is_file():
-        return make_report(run_dir)  # which says what is missing
+        return make_report(run_dir, out=out)  # which says what is missing
     try:
         truth = truth_report_lines(run_dir)
     except (OSError, ValueError) as exc:
         raise ReportError(f"{run_dir}: the check against the truth: {exc}") from None
-    return make_report(run_dir, truth=truth)
+    return make_report(run_dir, truth=truth, out=out)
 
 
 def _cmd_inspect_record(args: argparse.Namespace) -> str:
@@ -466,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r"\w+ engine is not available", category=UserWarning)
     from ..report import ReportError
     from ..rundir import LaunchError
+    from .writes import USER_FIXABLE, write_error
 
     try:
         with contextlib.ExitStack() as args.lock:
@@ -478,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (LaunchError, ReportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a write the user can fix (full disk, read-only directory) that no step named
+        if exc.errno not in USER_FIXABLE:
+            raise
+        print(f"error: {write_error(exc, getattr(args, 'run_dir', None), 'a file')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted; the stage directory is left without its COMPLETE marker", file=sys.stderr)

@@ -147,6 +147,9 @@ def add_parser(sub, add_run_options: Callable[..., None]) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the run directory's data, calibration and runs")
     p.add_argument("--analysis-only", action="store_true",
                    help="run nothing: analyse the finished runs again and write outcome/")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="with --analysis-only: write the analysis to DIR instead of <run-dir>/outcome/ (for a run "
+                        "directory this user cannot write)")
     add_run_options(p, profile="compare", judge="rules")
 
 
@@ -161,6 +164,9 @@ def _check(args: argparse.Namespace) -> None:
     if args.judge != "rules" or args.flip_prob is None:
         raise LaunchError("compare measures held-out truth reward, which needs a grader with a known truth: pass "
                           "--judge rules --flip-prob P")
+    if args.out is not None and not args.analysis_only:
+        raise LaunchError("--out goes with --analysis-only (where the analysis is written); the runs themselves "
+                          "are written into --run-dir")
     if args.noise_seed is not None:
         raise LaunchError("--noise-seed: compare seeds the grader's flips with each run's seed (--seeds)")
     for flag, values in (("--arms", args.arms), ("--seeds", args.seeds)):
@@ -339,6 +345,7 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
     from ..report import ReportError
     from ..report.outcome import check_one_precision, command_precision, outcome_report, read_curve, write_outcome
     from ..rundir import COMPLETE, LaunchError, mark_complete
+    from .writes import writing
 
     curves: dict[str, dict[int, Any]] = {}
     precisions: dict[str, str | None] = {}
@@ -363,10 +370,12 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
         result, text = outcome_report(curves, flip_prob=args.flip_prob, unfinished=left)
     except ReportError as exc:
         raise LaunchError(f"compare analysis of {args.run_dir}: {exc}; finish the runs with --resume") from None
-    out = lifecycle.prepare(_OUTCOME)
+    out = lifecycle.prepare(_OUTCOME) if getattr(args, "out", None) is None else args.out
     try:
-        write_outcome(out, curves, result, text)
+        with writing(out, "the comparison's analysis", remove=[out]):
+            out.mkdir(parents=True, exist_ok=True)
+            write_outcome(out, curves, result, text)
+            mark_complete(out)
     except ReportError as exc:
         raise LaunchError(f"compare analysis of {args.run_dir}: {exc}") from None
-    mark_complete(out)
     return f"written: {out / 'outcome.json'}, {out / 'outcome.png'}\n{text}"

@@ -17,7 +17,7 @@ from .lifecycle import dir_state
 from ..atomic import write_atomic
 from ..rundir import LaunchError, mark_complete
 
-__all__ = ["DEFAULT_DATA", "SPLIT_FILE", "check_split_flags", "existing_split", "split_data",
+__all__ = ["DEFAULT_DATA", "SPLIT_FILE", "check_split_flags", "existing_split", "split_drop_line", "split_data",
            "split_matches", "write_data"]
 
 #: The embedded default data of :func:`split_data` without ``data``: ``ifbench`` (the IFBench prompts) or
@@ -77,8 +77,9 @@ def split_data(
     first copy (:func:`setgrpo_verl.grading.read_rubric_rows`).
 
     Returns:
-        ``{"calibration": [rows], "train": [rows], "source": str, "duplicates": int (rows removed),
-        "settings": dict (the arguments)}`` for :func:`write_data`.
+        ``{"calibration": [rows], "train": [rows], "source": str, "duplicates": int (rows removed), "too_long":
+        int (prompts dropped for exceeding ``max_prompt_length``), "settings": dict (the arguments)}`` for
+        :func:`write_data`.
 
     Raises:
         LaunchError: unreadable file, an invalid row (the message names the row, criterion and field), a criterion
@@ -102,7 +103,7 @@ def split_data(
                 "max_prompt_length": int(max_prompt_length), "rules_only": bool(rules_only),
                 "default_data": None if data is not None else default_data}
     return {"calibration": calibration, "train": train, "source": source, "duplicates": duplicates,
-            "settings": settings}
+            "too_long": len(rubrics) - len(kept), "settings": settings}
 
 
 def _checked_rubrics(rows: Sequence[Mapping[str, Any]], source: str, rules_only: bool) -> tuple[list, int]:
@@ -185,10 +186,24 @@ def write_data(run_dir: str | os.PathLike, split: Mapping[str, Any]) -> dict[str
     out = Path(run_dir) / "data"
     paths = {name: write_verl_parquet(split[name], out / f"{name}.parquet") for name in _parts(split)}
     meta = {**split.get("settings", {}), "source": split["source"], "duplicates_removed": split.get("duplicates", 0),
+            "too_long_removed": split.get("too_long", 0),
             "ids": {name: _split_ids(split[name]) for name in _parts(split)}}
     write_atomic(out / SPLIT_FILE, json.dumps(meta, indent=1) + "\n")
     mark_complete(out)
     return paths
+
+
+def split_drop_line(split: Mapping[str, Any]) -> str | None:
+    """The console line that counts the prompts :func:`split_data` dropped for exceeding ``max_prompt_length``
+    (also in ``split.json`` as ``too_long_removed``), with the flag that keeps them; None when none was dropped."""
+    dropped = int(split.get("too_long", 0))
+    if not dropped:
+        return None
+    total = dropped + sum(len(split[name]) for name in _parts(split))
+    limit = split.get("settings", {}).get("max_prompt_length")
+    return (f"[setgrpo-verl] data: dropped {dropped} of {total} prompts ({100 * dropped / total:.0f} %) whose chat-"
+            f"formatted prompt exceeds --max-prompt-length {limit} tokens (data.max_prompt_length); raise "
+            "--max-prompt-length to keep them")
 
 
 def existing_split(run_dir: str | os.PathLike) -> dict[str, Any] | None:

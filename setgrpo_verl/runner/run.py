@@ -298,18 +298,22 @@ def dir_plan(args: argparse.Namespace, writes: list[str], reads: tuple[str, ...]
 
 
 def write_split(args: argparse.Namespace, lifecycle, split: dict[str, Any]) -> None:
-    from .datasplit import write_data
+    from .datasplit import split_drop_line, write_data
+    from .writes import writing
 
     if lifecycle.action("data") == "keep":
         print(f"[setgrpo-verl] data: {args.run_dir / 'data'} already holds this split; kept", flush=True)
         return
     lifecycle.prepare("data")
-    write_data(args.run_dir, split)
+    with writing(args.run_dir / "data", "the data split", remove=[args.run_dir / "data"]):
+        write_data(args.run_dir, split)
     print(f"[setgrpo-verl] data: {len(split['calibration'])} calibration and {len(split['train'])} training prompts "
           f"from {split['source']}", flush=True)
     if split["duplicates"]:
         print(f"[setgrpo-verl] data: removed {split['duplicates']} duplicate prompts (same id or same question text)",
               flush=True)
+    if split_drop_line(split):
+        print(split_drop_line(split), flush=True)
 
 
 def start(args: argparse.Namespace, plan: Plan, lifecycle, split: dict[str, Any] | None) -> None:
@@ -356,6 +360,11 @@ def hold_lock(args: argparse.Namespace) -> None:
     if getattr(args, "dry_run", False) or getattr(args, "locked", False) or getattr(args, "lock", None) is None:
         return
     from .runlock import run_dir_lock
+    from .writes import writable, writing
 
-    args.lock.enter_context(run_dir_lock(args.run_dir, args.argv))
+    if getattr(args, "out", None) is not None and not writable(args.run_dir):
+        return  # a command that only reads it, writing to --out: nothing here can change the directory either
+
+    with writing(args.run_dir, "the run directory's lock (every command but a dry run takes it)"):
+        args.lock.enter_context(run_dir_lock(args.run_dir, args.argv))
     args.locked = True

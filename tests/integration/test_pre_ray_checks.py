@@ -24,7 +24,7 @@ from setgrpo_verl.models import embedded_model_dir
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hydra_configs")  # the YAML sources
 LOCAL = "+reward.reward_kwargs.grader.type=local_hf"
 SKETCH_4 = ("actor_rollout_ref.rollout.n=3", "data.train_batch_size=3", "algorithm.setgrpo.calibration.batch_size=35",
-            "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4")
+            "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3")
 TABLE3_LENGTHS = ("data.max_prompt_length=2048", "data.max_response_length=4096")
 CAL_ONLY = "algorithm.setgrpo.calibration.only=true"
 OPENAI_TYPO = "+reward.reward_kwargs.grader={type:openai,base_url:'http://127.0.0.1:9/v1',model:m,max_token:2048}"
@@ -101,7 +101,7 @@ def _compose(*overrides: str, config: str = "setgrpo_trainer", cfg: str = "job",
      "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 9 responses that each of the 1 actor "
      "rank(s) gets in a training step (data.train_batch_size=3)"),
     # verl pads a calibration batch of 37 x 3 = 111 responses to 117 (a multiple of 3 prompts x 3)
-    ((LOCAL, *SKETCH_4[:2], "algorithm.setgrpo.calibration.batch_size=37", SKETCH_4[3], "trainer.n_gpus_per_node=1",
+    ((LOCAL, *SKETCH_4[:2], "algorithm.setgrpo.calibration.batch_size=37", *SKETCH_4[3:], "trainer.n_gpus_per_node=1",
       "algorithm.setgrpo.calibration.only=true"),
      "algorithm.setgrpo.sketch.micro_batch_size_per_gpu=4 does not divide the 117 responses that each of the 1 actor "
      "rank(s) gets in a calibration batch (algorithm.setgrpo.calibration.batch_size=37) (37 prompts x "
@@ -188,7 +188,7 @@ def test_a_driver_with_an_nvidia_driver_checks_its_gpu_environment(monkeypatch, 
     """Every trainer mode: torch 2.11's CUDA 13.0 on a driver of the R550 branch sees no GPU."""
     from setgrpo_verl.integration import gpu_env
 
-    cfg = _compose(LOCAL, CAL_ONLY) if config == "setgrpo_trainer" else _compose(LOCAL, config=config)
+    cfg = _compose(LOCAL, CAL_ONLY) if config == "setgrpo_trainer" else _compose(config=config)
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
     monkeypatch.setattr(gpu_env, "read_gpu_environment", lambda **kw: gpu_env.GpuEnvironment(
         "2.11.0+cu130", "13.0", False, "550.54.15"))
@@ -327,7 +327,7 @@ def test_flash_attention_2_without_flash_attn_fails_in_from_pretrained(tmp_path)
 @pytest.mark.parametrize("config", ["setgrpo_trainer", "ppo_trainer"])
 def test_default_attention_without_its_package_is_refused_naming_package_and_extra(verl_default_attention,
                                                                                    monkeypatch, config):
-    cfg = verl_default_attention if config == "setgrpo_trainer" else _compose(LOCAL, config=config, attention=None)
+    cfg = verl_default_attention if config == "setgrpo_trainer" else _compose(config=config, attention=None)
     assert "attn_implementation" not in cfg.actor_rollout_ref.model.override_config  # verl's default applies
     _package(monkeypatch, "flash_attn", present=False)
     with pytest.raises(ValueError) as exc:

@@ -223,7 +223,8 @@ def test_a_schema_5_record_loads_and_names_the_fields_it_lacks(plain):
     (text,) = [str(w.message) for w in caught if w.category is IdentityWarning]
     assert text.startswith("calibration record has no policy.weights, policy.weights_sha256, policy.tokenizer_sha256, "
                            "policy.custom_chat_template_sha256, policy.chat_template_kwargs, policy.top_k, "
-                           "policy.repetition_penalty, policy.dtype, training.lora_rank, training.lora_alpha, "
+                           "policy.repetition_penalty, policy.prompt_length, policy.prompt_filter, policy.dtype, "
+                           "policy.model_config_sha256, training.lora_rank, training.lora_alpha, "
                            "training.target_modules, training.target_parameters, training.exclude_modules, "
                            "training.lora_adapter_sha256, training.param_dtype, training.model_dtype: it was written "
                            "before these identity fields existed, so they are not checked against this run")
@@ -288,8 +289,8 @@ def test_model_config_overrides_are_part_of_the_identity_but_the_attention_kerne
     _accepts(record, _compose("+actor_rollout_ref.model.override_config.attn_implementation=sdpa"))
     text = _refusal(record, _compose("+actor_rollout_ref.model.override_config.num_hidden_layers=2"))
     assert text.startswith("calibration record mismatch in policy.model_overrides "
-                           "(actor_rollout_ref.model.override_config): record has {}, this run has "
-                           "{'num_hidden_layers': 2}")
+                           "(actor_rollout_ref.model.override_config (its model_config block when it has one, as verl "
+                           "applies it)): record has {}, this run has {'num_hidden_layers': 2}")
     older = dataclasses.replace(record, policy={k: v for k, v in record.policy.items() if k != "model_overrides"})
     _accepts(older, _compose())
     assert "mismatch in policy.model_overrides" in _refusal(
