@@ -28,7 +28,12 @@ _FAKE = textwrap.dedent("""
         print("WARNING transfer_queue: thread is not the main thread", flush=True)
     for g in (2, 4):
         print(f"WARNING:setgrpo: SetGRPO calibration: {g} groups so far", flush=True)
-    fp = open(os.environ["VERL_FILE_LOGGER_PATH"], "wb", buffering=0)
+    # the package's trainers keep the rows up to the checkpoint across verl's truncating file logger
+    from setgrpo_verl.integration.resume import keep_history, restore_history
+    path = os.environ["VERL_FILE_LOGGER_PATH"]
+    rows = keep_history(path, start) if start else []
+    fp = open(path, "wb", buffering=0)
+    restore_history(fp, path, rows)
     for step in range(start + 1, total + 1):
         time.sleep(0.6)
         row = {"step": step, "data": {"critic/score/mean": step / 10, "timing_s/step": 0.6, "actor/pg_loss": 0.01}}
