@@ -669,32 +669,30 @@ def test_the_committed_runs_are_one_experiment():
 def test_a_run_stopped_during_a_validation_validates_it_before_training_on(tmp_path, _split_dir):
     """verl saves the checkpoint, then validates, then logs the step's row: a run stopped in between continues with
     trainer.val_before_train=true, so the validation it owes is made (review D5); one whose row has it does not."""
-    from setgrpo_verl.runner.compare import owes_validation
-
-    path = tmp_path / "run" / run_name("grpo", 0)
+    run = tmp_path / "run"
+    _data(run, _split_dir)
+    path = run / run_name("grpo", 0)
     _metrics(path, [0.5, 0.55, 0.6])  # validated at 0, 2, 4
     (path / COMPLETE).unlink()
+    (path / "command.sh").write_text(_composed(run, "grpo", 0, ["--flip-prob", "0.06"]))
     (path / "checkpoints").mkdir()
-    tracker = path / "checkpoints" / "latest_checkpointed_iteration.txt"
-    tracker.write_text("4")
-    assert not owes_validation(path)
+    (path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
     rows = (path / "metrics.jsonl").read_text().splitlines(keepends=True)
     (path / "metrics.jsonl").write_text("".join(rows[:4]))  # rows of steps 0-3: stopped during step 4's validation
+    _finished(run, "grpo_mean2", 0, ["--flip-prob", "0.06"])
+    assert "trainer.val_before_train=true" in _dry_run_command(run, "grpo_s0")
+    (path / "metrics.jsonl").write_text("".join(rows))
+    assert "trainer.val_before_train=false" in _dry_run_command(run, "grpo_s0")
+
+    from setgrpo_verl.runner.compare import owes_validation
+
+    assert not owes_validation(path)
+    (path / "metrics.jsonl").write_text("".join(rows[:4]))
     assert owes_validation(path)
     # the rows kept aside by a resume that died before writing them back count too
     (path / "metrics.jsonl.kept").write_text("".join(rows))
     (path / "metrics.jsonl").write_text("")
     assert not owes_validation(path)
-    (path / "metrics.jsonl.kept").unlink()
-    (path / "metrics.jsonl").write_text("".join(rows[:4]))
-    run = tmp_path / "run"
-    _data(run, _split_dir)
-    (path / "command.sh").write_text(_composed(run, "grpo", 0, ["--flip-prob", "0.06"]))
-    _finished(run, "grpo_mean2", 0, ["--flip-prob", "0.06"])
-    out = _dry_run_command(run, "grpo_s0")
-    assert "trainer.val_before_train=true" in out
-    (path / "metrics.jsonl").write_text("".join(rows))
-    assert "trainer.val_before_train=false" in _dry_run_command(run, "grpo_s0")
 
 
 def _dry_run_command(run, experiment):

@@ -224,9 +224,9 @@ def test_a_first_sync_that_fails_while_writing_leaves_no_file(tiny_model, tmp_pa
     with pytest.raises(RuntimeError, match="Connection closed"):
         asyncio.run(adapter.update_weights(iter([*list(actor.items())[:-1], (name, _FailingShard(last.shape))]),
                                            global_steps=1))
-    assert adapter._buffer is None and not list(tmp_path.glob(weight_buffer.PREFIX + "*"))
+    assert adapter._buffer is None and not list(tmp_path.glob("setgrpo-rollout-weights-*"))
     asyncio.run(adapter.update_weights(iter(actor.items()), global_steps=2))
-    assert server.version == 2 and not list(tmp_path.glob(weight_buffer.PREFIX + "*"))
+    assert server.version == 2 and not list(tmp_path.glob("setgrpo-rollout-weights-*"))
 
 
 def test_a_new_buffer_removes_the_files_of_writers_that_no_longer_exist(tmp_path):
@@ -236,11 +236,11 @@ def test_a_new_buffer_removes_the_files_of_writers_that_no_longer_exist(tmp_path
 
     pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                              text=True, check=True).stdout)
-    stale = tmp_path / f"{weight_buffer.PREFIX}{pid}-0123"
+    stale = tmp_path / f"setgrpo-rollout-weights-{pid}-0123"
     stale.write_bytes(b"\0" * 4096)
-    live = tmp_path / f"{weight_buffer.PREFIX}{os.getpid()}-4567"
+    live = tmp_path / f"setgrpo-rollout-weights-{os.getpid()}-4567"
     live.write_bytes(b"\0")
-    other = tmp_path / f"{weight_buffer.PREFIX}notapid-89ab"
+    other = tmp_path / f"setgrpo-rollout-weights-notapid-89ab"
     other.write_bytes(b"\0")
     buffer = WeightBuffer.create(Layout.of([("a", (2,))], torch.float32), directory=tmp_path)
     assert not stale.exists() and live.exists() and other.exists() and buffer.path.exists()
