@@ -253,6 +253,7 @@ def check_settings(commands: Sequence[tuple[str, str, list[str]]], run_dir: Path
         LaunchError: naming each such run, the settings that differ (the flag that sets each, where there is one)
             with both values, and the fix.
     """
+    from ..report import ReportError
     from ..report.experiment import differing_settings
     from ..report.outcome import RUN_NAME
     from ..rundir import LaunchError
@@ -271,9 +272,13 @@ def check_settings(commands: Sequence[tuple[str, str, list[str]]], run_dir: Path
             ours = compose(match["arm"], int(match["seed"]))
         if ours is None:
             continue
-        # the settings a flag sets first: they are what a user changes
-        diff = sorted(differing_settings((path / "command.sh").read_text(), " ".join(ours)),
-                      key=lambda d: d[0] not in flags)
+        try:
+            # the settings a flag sets first: they are what a user changes
+            diff = sorted(differing_settings((path / "command.sh").read_text(), " ".join(ours)),
+                          key=lambda d: d[0] not in flags)
+        except ReportError as exc:
+            raise LaunchError(f"{path / 'command.sh'} is {exc}, so the settings {name} was made with are unknown: "
+                              "pass --overwrite to make it again, or choose another --run-dir") from None
         if diff:
             shown = [f"{key}={'(not set)' if theirs is None else theirs}" + (f" ({flags[key]})" if key in flags else "")
                      + f" where this command has {'(not set)' if mine is None else mine}" for key, theirs, mine in diff]
