@@ -21,6 +21,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from setgrpo_verl.rundir import COMPLETE
 from setgrpo_verl.runner.supervise import session_members
 
@@ -118,21 +120,38 @@ def _kill_everything(cli: subprocess.Popen) -> None:
     cli.wait(timeout=30)
 
 
-def _compare(run, tmp_path, kill_at: str | None, *, resume: bool) -> str:
-    """Run ``compare`` (two arms, one seed, 3 steps validated and checkpointed at each); with ``kill_at``, kill all of
-    it once that phase runs. Returns its output."""
+def _argv(run, resume: bool) -> list[str]:
+    """``compare``: two arms, one seed, 3 steps validated and checkpointed at each."""
+    return ["compare", "--run-dir", str(run), "--flip-prob", "0.06", "--arms", "grpo", "grpo_mean2", "--seeds", "0",
+            "--steps", "3", "--val-every", "1", "--heldout-prompts", "6"] + (["--resume"] if resume else [])
+
+
+def _env(run, tmp_path, kill_at: str = "") -> dict[str, str]:
+    return {"STANDIN_FILE": str(tmp_path / "standin.py"), "TRACE_FILE": str(run.parent / "trace.txt"),
+            "PHASE_FILE": str(tmp_path / "phase"), "KILL_AT": kill_at}
+
+
+def _finish(run, tmp_path, monkeypatch, *, resume: bool, capsys) -> str:
+    """Run ``compare`` to its end in this process (the command line's imports are done once)."""
+    from setgrpo_verl.runner import cli, launch
+
+    for key, value in _env(run, tmp_path).items():
+        monkeypatch.setenv(key, value)
+    standin = _STANDIN
+    monkeypatch.setattr(launch, "main_ppo_command", lambda overrides, config_name="setgrpo_trainer": [
+        sys.executable, "-c", standin, "verl.trainer.main_ppo", "--config-name", config_name, *overrides])
+    capsys.readouterr()
+    assert cli.main(_argv(run, resume)) == 0
+    return capsys.readouterr().out
+
+
+def _compare(run, tmp_path, kill_at: str, *, resume: bool) -> str:
+    """Run ``compare`` in a process of its own and kill all of it once phase ``kill_at`` runs; returns its output."""
     phase = tmp_path / "phase"
     phase.unlink(missing_ok=True)
-    env = dict(os.environ, STANDIN_FILE=str(tmp_path / "standin.py"), TRACE_FILE=str(run.parent / "trace.txt"),
-               PHASE_FILE=str(phase), KILL_AT=kill_at or "")
-    argv = ["compare", "--run-dir", str(run), "--flip-prob", "0.06", "--arms", "grpo", "grpo_mean2", "--seeds", "0",
-            "--steps", "3", "--val-every", "1", "--heldout-prompts", "6"] + (["--resume"] if resume else [])
-    cli = subprocess.Popen([sys.executable, "-c", _CLI, *argv], env=env, stdout=subprocess.PIPE,
+    env = dict(os.environ, **_env(run, tmp_path, kill_at))
+    cli = subprocess.Popen([sys.executable, "-c", _CLI, *_argv(run, resume)], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    if kill_at is None:
-        out, _ = cli.communicate(timeout=300)
-        assert cli.returncode == 0, out
-        return out
     deadline = time.monotonic() + 300
     while not phase.exists():
         assert cli.poll() is None, f"compare ended before {kill_at}: {cli.stdout.read()}"
@@ -155,11 +174,12 @@ def _outcome(run):
     return result, lost
 
 
-def test_a_compare_run_directory_survives_a_kill_at_every_phase(tmp_path):
+@pytest.mark.slow  # eight runs of the command line (no Ray): about 2 minutes on 2 cores
+def test_a_compare_run_directory_survives_a_kill_at_every_phase(tmp_path, monkeypatch, capsys):
     (tmp_path / "standin.py").write_text(_STANDIN)
     straight = tmp_path / "straight" / "run"
     straight.parent.mkdir()
-    _compare(straight, tmp_path, None, resume=False)
+    _finish(straight, tmp_path, monkeypatch, resume=False, capsys=capsys)
     want, _ = _outcome(straight)
     once = _trace(straight)
     assert sorted(once) == sorted(([f"{p}{s}" for p in ("step", "checkpoint", "validate") for s in (1, 2, 3)]
@@ -181,15 +201,13 @@ def test_a_compare_run_directory_survives_a_kill_at_every_phase(tmp_path):
     assert _trace(run) == ["step2", "checkpoint2"] and rows() == [0, 1]
     _compare(run, tmp_path, "open2", resume=True)  # killed after the file logger truncated the file
     assert _trace(run) == [] and rows() == [] and (grpo / "metrics.jsonl.kept").is_file()
-    _compare(run, tmp_path, "step3", resume=True)  # the validation step 2 owed is made first, before step 3
-    assert _trace(run) == ["validate2"] and rows() == [0, 1, 2]
-    assert not (grpo / "metrics.jsonl.kept").exists()
     _compare(run, tmp_path, "analysis", resume=True)
-    # grpo finishes step 3, then grpo_mean2 runs whole
-    assert _trace(run) == ["step3", "checkpoint3", "validate3", "validate0"] + [
+    # grpo makes the validation step 2 owed before step 3 and finishes, then grpo_mean2 runs whole
+    assert _trace(run) == ["validate2", "step3", "checkpoint3", "validate3", "validate0"] + [
         f"{p}{s}" for s in (1, 2, 3) for p in ("step", "checkpoint", "validate")]
     assert (grpo / COMPLETE).is_file() and not (run / "outcome" / COMPLETE).exists()
-    out = _compare(run, tmp_path, None, resume=True)
+    assert not (grpo / "metrics.jsonl.kept").exists()
+    out = _finish(run, tmp_path, monkeypatch, resume=True, capsys=capsys)
     assert _trace(run) == [] and "is complete, kept" in out  # only the analysis ran again
     got, lost = _outcome(run)
     assert got == want
