@@ -330,18 +330,13 @@ def check_precision(commands: Sequence[tuple[str, str, list[str]]], run_dir: Pat
     """
     from ..report.outcome import command_precision
     from ..rundir import LaunchError
-    from .lifecycle import dir_state
 
     def precision(text: str) -> str:
         return command_precision(text) or "verl default"
 
     planned = sorted({precision(" ".join(c)) for _, _, c in commands})
     others = {}
-    for path in [run_dir / "calibration", *sorted((run_dir / "compare").glob("*"))]:
-        name = "calibration" if path.name == "calibration" else f"compare/{path.name}"
-        if (name in lifecycle and lifecycle.action(name) in ("create", "replace", "remove")) \
-                or dir_state(path) not in ("complete", "checkpointed") or not (path / "command.sh").is_file():
-            continue
+    for name, path in _joined(run_dir, lifecycle):
         theirs = precision((path / "command.sh").read_text())
         if theirs not in planned or len(planned) > 1:
             others[name] = theirs
