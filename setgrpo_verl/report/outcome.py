@@ -155,7 +155,9 @@ def outcome_rows(curves: Mapping[str, Mapping[int, Curve]]) -> dict:
     if len(set(ends.values())) > 1:
         raise ReportError("finished runs validated last at different steps ("
                           + ", ".join(f"{run} {step}" for run, step in sorted(ends.items())) + "); analyse runs of "
-                          "the same --steps and --val-every together")
+                          "the same --steps and --val-every together, or, where the runs that end earlier lost their "
+                          "later validations, run `compare --analysis-only` on their run directory, which names the "
+                          "fix for each")
     last = next(iter(ends.values()))
 
     def at(c: Curve, step: int) -> int:
