@@ -82,17 +82,17 @@ def command_settings(command: str) -> dict[str, str]:
     return settings
 
 
-def experiment_settings(command: str) -> dict[str, str]:
+def experiment_settings(command: str, *, across_arms: bool = True) -> dict[str, str]:
     """The settings of a run's command (:func:`command_settings`) that every run of one experiment shares: all but
-    what a seed (:data:`SEED_KEYS`, the grader's seeds), an arm (:data:`ARM_KEYS`, ``algorithm.setgrpo.*``) or a
-    resume (:data:`RESUME_KEYS`) changes.
+    what a seed (:data:`SEED_KEYS`, the grader's seeds), a resume (:data:`RESUME_KEYS`) and, ``across_arms``, an arm
+    (:data:`ARM_KEYS`, ``algorithm.setgrpo.*``) changes.
 
     Raises:
         ReportError: see :func:`command_settings`.
     """
     out = {}
     for key, value in command_settings(command).items():
-        if key in SEED_KEYS or key in ARM_KEYS or key in RESUME_KEYS or key.startswith(_ARM_PREFIX):
+        if key in SEED_KEYS or key in RESUME_KEYS or (across_arms and (key in ARM_KEYS or key.startswith(_ARM_PREFIX))):
             continue
         out[key] = _SEED.sub(r"\1seed:*", value) if key == _GRADER else value
     return out
@@ -113,7 +113,8 @@ def differing_settings(theirs: str, ours: str) -> list[tuple[str, str | None, st
 
 def check_same_experiment(commands: Mapping[str, str], where: str) -> None:
     """Refuse runs of one analysis that are not one experiment: their :func:`experiment_settings` differ (the
-    learning rate, K, groups per step, response length, the grader, the precision, the steps, ...).
+    learning rate, K, groups per step, response length, the grader, the precision, the steps, ...), or two runs of
+    one arm (``<arm>_s<seed>``) differ in the arm's own settings too (SetGRPO's ``algorithm.setgrpo.*``, ...).
 
     Args:
         commands: ``{run name: the run's command.sh text}``.
@@ -123,10 +124,19 @@ def check_same_experiment(commands: Mapping[str, str], where: str) -> None:
         ReportError: naming the first differing setting, each run's value (``not set`` for verl's default) and the
             fix; or a command that is not a verl command line (see :func:`command_settings`).
     """
+    arms: dict[str, list[str]] = {}  # the runs of each arm (``<arm>_s<seed>``) also share the arm's own settings
+    for run in commands:
+        arms.setdefault(run.rpartition("_s")[0] or run, []).append(run)
+    groups = [(list(commands), True)] + [(runs, False) for runs in arms.values() if len(runs) > 1]
+    for runs, across_arms in groups:
+        _check_one(commands, runs, where, across_arms=across_arms)
+
+
+def _check_one(commands: Mapping[str, str], runs: list[str], where: str, *, across_arms: bool) -> None:
     settings = {}
-    for run, text in commands.items():
+    for run in runs:
         try:
-            settings[run] = experiment_settings(text)
+            settings[run] = experiment_settings(commands[run], across_arms=across_arms)
         except ReportError as exc:
             raise ReportError(f"{where}: {run}'s command.sh is {exc}") from None
     keys = sorted(set().union(*settings.values())) if settings else []

@@ -729,3 +729,15 @@ def test_an_analysis_short_of_a_validation_names_the_fix_that_works(tmp_path, ca
     shutil.rmtree(short / "checkpoints")
     assert cli.main(["compare", "--run-dir", str(run), *_FLAGS, "--flip-prob", "0.06", "--analysis-only"]) == 2
     assert f"remove {short}/ and rerun this command with --resume" in capsys.readouterr().err
+
+
+def test_the_runs_of_one_arm_also_share_the_arms_own_settings(tmp_path):
+    from setgrpo_verl.report.experiment import check_same_experiment
+
+    paper = _composed(tmp_path, "setgrpo_paper", 0, ["--flip-prob", "0.06"])
+    other = _composed(tmp_path, "setgrpo_paper", 1, ["--flip-prob", "0.06", "--alpha", "0.3"])
+    grpo = _composed(tmp_path, "grpo", 1, ["--flip-prob", "0.06"])
+    check_same_experiment({"setgrpo_paper_s0": paper, "grpo_s1": grpo}, "R")
+    with pytest.raises(ReportError, match=r"R: runs of different experiments: algorithm.setgrpo.alpha differs "
+                                          r"\(setgrpo_paper_s0 0.2, setgrpo_paper_s1 0.3\)"):
+        check_same_experiment({"setgrpo_paper_s0": paper, "setgrpo_paper_s1": other, "grpo_s1": grpo}, "R")
