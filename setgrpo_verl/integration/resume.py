@@ -9,8 +9,13 @@ and, with ``trainer.resume_mode=auto`` (its default), resumes from the latest on
 * ``group_log_bytes``: the size of ``algorithm.setgrpo.group_log`` after step N's groups.
 
 On resume, :func:`check_resume` (called by ``check_run_config`` before Ray starts) refuses another record, the
-monitor continues from its counts, the group log is cut back to step N (steps after N are trained again), and
-verl's metrics file, which verl's file logger truncates when it opens it, gets back its rows up to step N.
+monitor continues from its counts and the group log is cut back to step N (steps after N are trained again).
+
+Every trainer of this package (the SetGRPO trainer and the GRPO stage's) keeps the rows of verl's metrics file up to
+step N across a resume itself: verl's file logger truncates the file when it opens it, so the rows are first copied
+to ``<metrics file>.kept`` (:func:`keep_history`, atomically) and written back once the logger is open
+(:func:`restore_history`), which then removes the copy. A resume that dies in between finds the copy on its next
+start, so no row up to step N is lost however the process ends.
 """
 
 from __future__ import annotations
@@ -25,15 +30,20 @@ __all__ = [
     "STATE_FILE",
     "check_resume",
     "check_state",
+    "keep_history",
+    "kept_rows",
     "metrics_file",
     "read_history",
     "read_state",
     "record_out_path",
     "record_sha256",
+    "restore_history",
     "resume_folder",
     "write_state",
 ]
 
+#: The suffix of the copy of a metrics file's rows that a resume keeps while verl's file logger reopens the file.
+KEPT_SUFFIX = ".kept"
 #: SetGRPO's file in a verl checkpoint folder.
 STATE_FILE = "setgrpo_state.json"
 _STATE_VERSION = 1
@@ -184,3 +194,50 @@ def read_history(path: Optional[str], upto: int) -> list[bytes]:
             if isinstance(step, int) and step <= upto:
                 kept.append(line if line.endswith(b"\n") else line + b"\n")
     return kept
+
+
+def keep_history(path: Optional[str], upto: int) -> list[bytes]:
+    """Before verl's file logger opens (and truncates) the metrics file ``path`` on a resume from the checkpoint of
+    step ``upto``: the rows with ``step <= upto`` of the file and of the copy ``<path>.kept`` that an earlier resume
+    left when it died before writing them back (each row once, ordered by step), written to ``<path>.kept``
+    atomically; returns them ([] and nothing written without a file logger or without rows).
+
+    Raises:
+        OSError: the copy cannot be written (the file logger would truncate the only copy, so the run must not
+            start).
+    """
+    rows = kept_rows(path, upto)
+    if rows:
+        write_atomic(path + KEPT_SUFFIX, b"".join(rows))
+    return rows
+
+
+def kept_rows(path: Optional[str], upto: int) -> list[bytes]:
+    """What a run wrote to the metrics file ``path`` up to step ``upto``: the rows (:func:`read_history`) of the file
+    and of its copy ``<path>.kept`` (:func:`keep_history`), each once, ordered by step (a step's rows in the order
+    they were written)."""
+    if path is None:
+        return []
+    seen: set[bytes] = set()
+    rows = []
+    for line in read_history(path + KEPT_SUFFIX, upto) + read_history(path, upto):
+        if line not in seen:
+            seen.add(line)
+            rows.append(line)
+    rows.sort(key=lambda line: json.loads(line)["step"])  # stable: a step's rows keep their order
+    return rows
+
+
+def restore_history(fp: Any, path: Optional[str], rows: list[bytes]) -> None:
+    """Write the rows :func:`keep_history` kept into the open metrics file ``fp`` (verl's ``FileLogger.fp``, binary,
+    just opened), make them durable, then remove the copy ``<path>.kept``."""
+    if not rows:
+        return
+    fp.write(b"".join(rows))
+    fp.flush()
+    os.fsync(fp.fileno())
+    if path is not None:
+        try:
+            os.unlink(path + KEPT_SUFFIX)
+        except FileNotFoundError:
+            pass

@@ -65,8 +65,8 @@ from .config import (GRADED_SYNC_NAME, RELIABILITY_VARIANT, SETGRPO_NAME, SetGRP
                      check_run_config, run_identity)
 from .estimator import SetGRPOStep, reliability_step, setgrpo_step
 from .groups import rows_to_sketch
-from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
-                     write_state)
+from .resume import (check_state, keep_history, metrics_file, read_state, record_out_path, restore_history,
+                     resume_folder, write_state)
 from .grading_failures import empty_batch_error
 from .reward_config import grader_in_messages
 from .reward_manager import GRADING_COUNT_KEYS, grading_metrics
@@ -154,10 +154,34 @@ class _SyncMode:
     """A trainer registered under its own name (``registered_mode``) that verl's base class sees as ``sync``: the base
     class branches on ``trainer_mode == "sync"`` (replay buffer, refill, checkpoint restore), and both trainers here
     are sync trainers. Setting any mode other than ``registered_mode`` raises ValueError. Its actor workers are
-    ``actor_worker``, which check their GPU environment before any model loads."""
+    ``actor_worker``, which check their GPU environment before any model loads.
+
+    On a resume it keeps the metrics file's rows up to the checkpoint's step, which verl's file logger truncates
+    when it opens the file (:func:`~setgrpo_verl.integration.resume.keep_history`), and writes them back before
+    the first validation or step (docs/cli.md#resuming-a-run)."""
 
     registered_mode: str
     actor_worker: type = CheckedActorRolloutRefWorker
+    _history: list = []
+
+    def fit(self, agent_loop_manager):
+        if self.global_steps > 0:  # resumed by verl's _load_checkpoint: keep the rows up to that step
+            self._history = keep_history(metrics_file(self.config), self.global_steps)
+        return super().fit(agent_loop_manager)
+
+    def _restore_history(self) -> None:
+        file_logger = getattr(getattr(self, "logger", None), "logger", {}).get("file")
+        if file_logger is not None and self._history:
+            restore_history(file_logger.fp, metrics_file(self.config), self._history)
+            self._history = []
+
+    def on_validate_begin(self):
+        self._restore_history()  # a resume that validates first (trainer.val_before_train): the rows come first
+        return super().on_validate_begin()
+
+    def on_train_begin(self):
+        self._restore_history()
+        return super().on_train_begin()
 
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
@@ -226,7 +250,6 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
         self.monitor: Optional[OnlineRiskMonitor] = None
         self._accepted_groups: Optional[int] = None
         self._record_sha256: Optional[str] = None
-        self._history: list[bytes] = []
         super().__init__(config)
         if self.use_critic:
             raise ValueError("SetGRPO is critic-free (outcome-level estimator): remove the critic configuration")
@@ -338,8 +361,8 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
         return super()._save_checkpoint()
 
     def _restore_setgrpo_state(self, folder: str, record_path: str) -> bool:
-        """On resume from checkpoint ``folder``: check its record hash, continue the monitor, cut the group log back
-        to the checkpoint's step and give verl's metrics file back its rows up to that step; True when restored.
+        """On resume from checkpoint ``folder``: check its record hash, continue the monitor and cut the group log
+        back to the checkpoint's step; True when restored (the metrics rows are restored by ``_SyncMode``).
 
         Raises:
             ValueError: the checkpoint was trained with another record or has no SetGRPO state (see
@@ -360,19 +383,11 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
                 logger.warning("SetGRPO: group log %s is shorter than at the checkpoint of step %d", path, step)
             else:
                 os.truncate(path, size)  # the steps after the checkpoint are trained again
-        file_logger = getattr(getattr(self, "logger", None), "logger", {}).get("file")
-        history = getattr(self, "_history", [])
-        if file_logger is not None and history:
-            # verl's file logger truncated the file when it opened it (verl 0.9.1 FileLogger: open(path, "wb"))
-            file_logger.fp.write(b"".join(history))
-        logger.warning("SetGRPO: resumed after step %d: record sha256 %s, monitor %s, %d metric rows kept", step,
-                       self._record_sha256, None if self.monitor is None else self.monitor.state_dict(),
-                       len(history))
+        logger.warning("SetGRPO: resumed after step %d: record sha256 %s, monitor %s", step, self._record_sha256,
+                       None if self.monitor is None else self.monitor.state_dict())
         return True
 
     def fit(self, agent_loop_manager):
-        if self.global_steps > 0:  # resumed by verl's _load_checkpoint: keep the metrics history up to that step
-            self._history = read_history(metrics_file(self.config), self.global_steps)
         try:
             return super().fit(agent_loop_manager)
         except _CalibrationDone as done:

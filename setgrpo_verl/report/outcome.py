@@ -18,7 +18,8 @@ import numpy as np
 
 from .run import ReportError, load_metrics
 
-__all__ = ["ARM_ORDER", "CALLS_METRIC", "RUN_NAME", "TRUTH_METRIC", "Curve", "check_one_precision", "check_one_setting",
+__all__ = ["ARM_ORDER", "CALLS_METRIC", "RUN_NAME", "TRUTH_METRIC", "Curve", "check_one_experiment", "check_one_precision",
+           "check_one_setting",
            "command_precision", "outcome_line", "outcome_report", "outcome_rows", "outcome_table", "plot_outcome",
            "read_curve", "read_runs", "write_outcome"]
 
@@ -154,7 +155,9 @@ def outcome_rows(curves: Mapping[str, Mapping[int, Curve]]) -> dict:
     if len(set(ends.values())) > 1:
         raise ReportError("finished runs validated last at different steps ("
                           + ", ".join(f"{run} {step}" for run, step in sorted(ends.items())) + "); analyse runs of "
-                          "the same --steps and --val-every together")
+                          "the same --steps and --val-every together, or, where the runs that end earlier lost their "
+                          "later validations, run `compare --analysis-only` on their run directory, which names the "
+                          "fix for each")
     last = next(iter(ends.values()))
 
     def at(c: Curve, step: int) -> int:
@@ -299,28 +302,49 @@ def read_runs(root: str | os.PathLike) -> tuple[dict[str, dict[int, Curve]], flo
     marked = any((run / COMPLETE).is_file() or (run / "main_ppo.log").is_file() for run in runs)
     unfinished = [run.name for run in runs if marked and not (run / COMPLETE).is_file()]
     curves: dict[str, dict[int, Curve]] = {}
-    flips: dict[str, float] = {}
-    precisions: dict[str, str | None] = {}
+    commands: dict[str, str] = {}
     for run in (run for run in runs if run.name not in unfinished):
         name = RUN_NAME.match(run.name)
         try:
-            command = (run / "command.sh").read_text()
-            flip = _FLIP.search(command)
+            commands[run.name] = (run / "command.sh").read_text()
             curve = read_curve(run / "metrics.jsonl")
         except ReportError:
             raise
         except (OSError, ValueError) as exc:  # a missing file, or a metrics row that is not JSON
             raise ReportError(f"{run}: {exc}") from None
-        if flip is None:
-            raise ReportError(f"{run / 'command.sh'}: no noisy grader's flip_prob; the comparison's runs use one")
-        flips[run.name] = float(flip["p"])
-        precisions[run.name] = command_precision(command)
         curves.setdefault(name["arm"], {})[int(name["seed"])] = curve
     if not curves:
         raise ReportError(f"{root}: no finished run (none of {', '.join(unfinished)} has its {COMPLETE} marker)")
-    check_one_setting(flips, "flip probabilities", str(root), show=lambda p: f"{p:g}")
-    check_one_precision(precisions, str(root))
-    return curves, next(iter(flips.values())), unfinished
+    return curves, check_one_experiment(commands, str(root)), unfinished
+
+
+def check_one_experiment(commands: Mapping[str, str], where: str) -> float:
+    """The flip probability of the runs of one analysis (``compare``'s and ``report --outcome``'s), after refusing
+    runs that are not one experiment: another grader noise (:func:`check_one_setting`), another precision
+    (:func:`check_one_precision`), or any other setting that changes a response, a grade or a gradient
+    (:func:`~setgrpo_verl.report.experiment.check_same_experiment`).
+
+    Args:
+        commands: ``{run name: the run's command.sh text}``, at least one.
+        where: the run directory or analysis the messages name first.
+
+    Raises:
+        ReportError: a command without a noisy grader's ``flip_prob``, or runs that differ (naming the setting and
+            each run's value).
+    """
+    from .experiment import check_same_experiment
+
+    flips: dict[str, float] = {}
+    for run, command in commands.items():
+        flip = _FLIP.search(command)
+        if flip is None:
+            raise ReportError(f"{where}: {run}'s command.sh names no noisy grader's flip_prob; the comparison's runs "
+                              "use one")
+        flips[run] = float(flip["p"])
+    check_one_setting(flips, "flip probabilities", where, show=lambda p: f"{p:g}")
+    check_one_precision({run: command_precision(c) for run, c in commands.items()}, where)
+    check_same_experiment(commands, where)
+    return next(iter(flips.values()))
 
 
 def outcome_report(curves: Mapping[str, Mapping[int, Curve]], *, flip_prob: float,

@@ -4,8 +4,9 @@ docs/outcome.md#through-verl-the-plan).
 One data split of the validation rubrics (calibration, training and held-out prompts, disjoint, written once), one
 calibration stage (for ``setgrpo_paper`` only), then one training run per (arm, seed) in
 ``<run-dir>/compare/<arm>_s<seed>/``, each a stage of the run directory with verl's held-out validation every
-``--val-every`` steps and the seed applied to the data order, the rollout and the noisy grader's flips (the arms of a
-seed share them). The run directory's plan (:func:`~setgrpo_verl.runner.lifecycle.plan_run`) keeps finished runs and
+``--val-every`` steps and the seed applied to the data order, the rollout and the noisy grader (the arms of a seed
+share their prompts, starting policy and held-out set, not the grader's flips response by response:
+docs/cli.md#compare). The run directory's plan (:func:`~setgrpo_verl.runner.lifecycle.plan_run`) keeps finished runs and
 continues interrupted ones from their checkpoints under ``--resume``; the analysis
 (:mod:`setgrpo_verl.report.outcome`) reads every finished run and writes ``<run-dir>/outcome/``.
 
@@ -213,12 +214,108 @@ def _commands(args: argparse.Namespace, plan, lifecycle) -> list[tuple[str, str,
     for arm in args.arms:
         for seed in args.seeds:
             name = run_name(arm, seed)
-            overrides = arm_overrides(arm, seed, common=plan.common, grader=plan.grader, run_dir=args.run_dir,
-                                      val_every=args.val_every, validate_first=lifecycle.action(name) != "continue")
-            config = "ppo_trainer" if ARMS[arm] == "grpo" else "setgrpo_trainer"
-            command = launch.main_ppo_command(overrides + list(args.overrides), config_name=config)
-            commands.append((ARMS[arm], name, command))
+            continued = lifecycle.action(name) == "continue"
+            commands.append((ARMS[arm], name, _run_command(args, plan, arm, seed, validate_first=not continued
+                                                           or owes_validation(args.run_dir / name))))
     return commands
+
+
+def _run_command(args: argparse.Namespace, plan, arm: str, seed: int, *, validate_first: bool) -> list[str]:
+    """The verl command of one (arm, seed) run of this invocation."""
+    from . import launch
+
+    overrides = arm_overrides(arm, seed, common=plan.common, grader=plan.grader, run_dir=args.run_dir,
+                              val_every=args.val_every, validate_first=validate_first)
+    config = "ppo_trainer" if ARMS[arm] == "grpo" else "setgrpo_trainer"
+    return launch.main_ppo_command(overrides + list(args.overrides), config_name=config)
+
+
+def _joined(run_dir: Path, lifecycle) -> list[tuple[str, Path]]:
+    """The work in ``run_dir`` that a command joins: the calibration and the runs under ``compare/`` that are
+    finished or checkpointed (:func:`~setgrpo_verl.runner.lifecycle.dir_state`), have their ``command.sh`` and that
+    this command keeps or continues, or does not touch (other arms and seeds); ``[(name, path)]``."""
+    from .lifecycle import dir_state
+
+    out = []
+    for path in [run_dir / "calibration", *sorted((run_dir / "compare").glob("*"))]:
+        name = "calibration" if path.name == "calibration" else f"compare/{path.name}"
+        if (name in lifecycle and lifecycle.action(name) in ("create", "replace", "remove")) \
+                or dir_state(path) not in ("complete", "checkpointed") or not (path / "command.sh").is_file():
+            continue
+        out.append((name, path))
+    return out
+
+
+def check_settings(commands: Sequence[tuple[str, str, list[str]]], run_dir: Path, lifecycle,
+                   compose: Callable[[str, int], list[str]]) -> None:
+    """Refuse to join work in ``run_dir`` made with other settings than this command would use for it: each kept,
+    continued or untouched run (:func:`_joined`) and the calibration must have been made with the command this
+    invocation runs for it (``commands``; for an untouched run of another arm or seed, ``compose(arm, seed)``), apart
+    from what a resume changes (:func:`~setgrpo_verl.report.experiment.differing_settings`): a finished run kept
+    under another grader noise, learning rate, K, ... would be analysed as the same experiment, and a continued one
+    would change its settings mid-way.
+
+    Raises:
+        LaunchError: naming each such run, the settings that differ (the flag that sets each, where there is one)
+            with both values, and the fix.
+    """
+    from ..report import ReportError
+    from ..report.experiment import differing_settings
+    from ..report.outcome import RUN_NAME
+    from ..rundir import LaunchError
+    from .profiles import FLAGS
+
+    flags = {key: flag for flag, key, _, _ in FLAGS}
+    flags.update({"reward.reward_kwargs.grader": "--flip-prob", "actor_rollout_ref.rollout.dtype": "--precision",
+                  "actor_rollout_ref.actor.fsdp_config.mixed_precision": "--precision",
+                  "trainer.test_freq": "--val-every", "trainer.save_freq": "--val-every"})
+    planned = {name: command for _, name, command in commands}
+    found = []
+    for name, path in _joined(Path(run_dir), lifecycle):
+        ours = planned.get(name)
+        match = RUN_NAME.match(path.name)
+        if ours is None and match and match["arm"] in ARMS:
+            ours = compose(match["arm"], int(match["seed"]))
+        if ours is None:
+            continue
+        try:
+            # the settings a flag sets first: they are what a user changes
+            diff = sorted(differing_settings((path / "command.sh").read_text(), " ".join(ours)),
+                          key=lambda d: d[0] not in flags)
+        except ReportError as exc:
+            raise LaunchError(f"{path / 'command.sh'} is {exc}, so the settings {name} was made with are unknown: "
+                              "pass --overwrite to make it again, or choose another --run-dir") from None
+        if diff:
+            shown = [f"{key}={'(not set)' if theirs is None else theirs}" + (f" ({flags[key]})" if key in flags else "")
+                     + f" where this command has {'(not set)' if mine is None else mine}" for key, theirs, mine in diff]
+            found.append(f"{name} was made with " + ", ".join(shown[:4])
+                         + (f" and {len(shown) - 4} more setting(s)" if len(shown) > 4 else ""))
+    if found:
+        raise LaunchError(f"{run_dir}: " + "; ".join(found) + ": a comparison keeps, continues or sits beside only "
+                          "work made with its own settings; pass the flags they were made with (see each run's "
+                          "command.sh), --overwrite to make them again, or choose another --run-dir")
+
+
+def owes_validation(path: Path) -> bool:
+    """Whether a checkpointed run of ``compare`` owes the held-out validation of its checkpoint's step: its metrics
+    (:func:`~setgrpo_verl.integration.resume.kept_rows`) hold no held-out truth reward at that step. ``compare``
+    checkpoints and validates at the same steps, and verl saves the checkpoint, then validates, then logs the step's
+    row, so a run stopped during a validation (or before the row was written) resumes owing it; continued with
+    ``trainer.val_before_train=true``, verl makes it at the checkpoint's step before training on."""
+    import json
+
+    from ..integration.resume import kept_rows
+    from ..report.outcome import TRUTH_METRIC
+    from ..rundir import latest_checkpoint_step
+
+    step = latest_checkpoint_step(path)
+    if step is None:
+        return True
+    for line in kept_rows(str(Path(path).resolve() / "metrics.jsonl"), step):
+        row = json.loads(line)
+        if row["step"] == step and any(TRUTH_METRIC.match(k) for k in row.get("data", {})):
+            return False
+    return True
 
 
 def check_precision(commands: Sequence[tuple[str, str, list[str]]], run_dir: Path, lifecycle) -> None:
@@ -239,18 +336,13 @@ def check_precision(commands: Sequence[tuple[str, str, list[str]]], run_dir: Pat
     """
     from ..report.outcome import command_precision
     from ..rundir import LaunchError
-    from .lifecycle import dir_state
 
     def precision(text: str) -> str:
         return command_precision(text) or "verl default"
 
     planned = sorted({precision(" ".join(c)) for _, _, c in commands})
     others = {}
-    for path in [run_dir / "calibration", *sorted((run_dir / "compare").glob("*"))]:
-        name = "calibration" if path.name == "calibration" else f"compare/{path.name}"
-        if (name in lifecycle and lifecycle.action(name) in ("create", "replace", "remove")) \
-                or dir_state(path) not in ("complete", "checkpointed") or not (path / "command.sh").is_file():
-            continue
+    for name, path in _joined(run_dir, lifecycle):
         theirs = precision((path / "command.sh").read_text())
         if theirs not in planned or len(planned) > 1:
             others[name] = theirs
@@ -316,6 +408,9 @@ def run_compare(args: argparse.Namespace) -> str | None:
     commands = _commands(args, plan, lifecycle)
     check_before_ray(args, _checked(commands, args.run_dir), lifecycle, split,
                      checks=(lambda: check_precision(commands, Path(args.run_dir), lifecycle),
+                             lambda: check_settings(commands, Path(args.run_dir), lifecycle,
+                                                    lambda arm, seed: _run_command(args, plan, arm, seed,
+                                                                                   validate_first=True)),
                              lambda: check_training_steps(plan.values, args.overrides, len(split["train"]))))
     header = _header(args, plan, split)
     if args.dry_run:
@@ -326,11 +421,39 @@ def run_compare(args: argparse.Namespace) -> str | None:
     for stage, name, command in commands:
         kept = lifecycle.action(name) == "keep"
         out = run_stage(args.run_dir, stage if name == "calibration" else name.split("/")[1], command, env=env,
+                        argv=getattr(args, "argv", None),
                         plan=lifecycle, verbose=args.verbose, directory=name)
-        if name != "calibration" and not kept:
-            # the analysis reads the metrics; a finished run's checkpoint (about 1.6 GB) is not needed again
+        if name != "calibration" and not kept and not owes_validation(out):
+            # the analysis reads the metrics; a finished run's checkpoint (about 1.6 GB) is not needed again once
+            # its last validation is in them (else it is what a rerun validates from)
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
     return analyse(args, lifecycle)
+
+
+def _check_validated(curves: Mapping[str, Mapping[int, Any]], run_dir: Path, where: str) -> None:
+    """Refuse finished runs (of one experiment, so of one schedule) of which some validated last at an earlier step
+    than the others, naming each such run and the command that makes its missing validations.
+
+    Raises:
+        LaunchError: naming the short runs, the steps and, per run, what to remove before ``--resume``.
+    """
+    from ..rundir import COMPLETE, LaunchError, latest_checkpoint_step
+
+    ends = {(arm, seed): int(c.steps[-1]) for arm, runs in curves.items() for seed, c in runs.items()}
+    last = max(ends.values(), default=0)
+    short = sorted(run for run, end in ends.items() if end < last)
+    if not short:
+        return
+    fixes = []
+    for arm, seed in short:
+        path = Path(run_dir) / run_name(arm, seed)
+        step = latest_checkpoint_step(path)
+        fixes.append(f"{arm}_s{seed} validated last at step {ends[arm, seed]}: "
+                     + (f"remove {path / COMPLETE} and rerun this command with --resume (it continues from its "
+                        f"checkpoint of step {step} and validates what it owes)" if step is not None else
+                        f"remove {path}/ and rerun this command with --resume (it has no checkpoint left and runs "
+                        "again)"))
+    raise LaunchError(f"{where}: the other finished runs validated last at step {last}; " + "; ".join(fixes))
 
 
 def analyse(args: argparse.Namespace, lifecycle) -> str:
@@ -343,12 +466,12 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
             message names them).
     """
     from ..report import ReportError
-    from ..report.outcome import check_one_precision, command_precision, outcome_report, read_curve, write_outcome
+    from ..report.outcome import check_one_experiment, outcome_report, read_curve, write_outcome
     from ..rundir import COMPLETE, LaunchError, mark_complete
     from .writes import writing
 
     curves: dict[str, dict[int, Any]] = {}
-    precisions: dict[str, str | None] = {}
+    commands: dict[str, str] = {}
     left = []
     for arm in args.arms:
         for seed in args.seeds:
@@ -358,18 +481,22 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
                 continue
             try:
                 curves.setdefault(arm, {})[seed] = read_curve(path / "metrics.jsonl")
-                if (path / "command.sh").is_file():
-                    precisions[f"{arm}_s{seed}"] = command_precision((path / "command.sh").read_text())
+                commands[f"{arm}_s{seed}"] = (path / "command.sh").read_text()
             except (OSError, ReportError) as exc:
                 raise LaunchError(f"compare analysis: {exc}") from None
+    where = f"compare analysis of {args.run_dir}"
     try:
-        check_one_precision(precisions, f"compare analysis of {args.run_dir}")
+        flip = check_one_experiment(commands, where) if commands else args.flip_prob
     except ReportError as exc:
         raise LaunchError(str(exc)) from None
+    if flip != args.flip_prob:
+        raise LaunchError(f"{where}: the finished runs were made at flip {flip:g}, not --flip-prob "
+                          f"{args.flip_prob:g}: pass --flip-prob {flip:g} to analyse them, or use another --run-dir")
+    _check_validated(curves, args.run_dir, where)
     try:
         result, text = outcome_report(curves, flip_prob=args.flip_prob, unfinished=left)
     except ReportError as exc:
-        raise LaunchError(f"compare analysis of {args.run_dir}: {exc}; finish the runs with --resume") from None
+        raise LaunchError(f"{where}: {exc}") from None
     out = lifecycle.prepare(_OUTCOME) if getattr(args, "out", None) is None else args.out
     try:
         with writing(out, "the comparison's analysis", remove=[out]):

@@ -343,7 +343,8 @@ def run_stages(args: argparse.Namespace, commands: list[tuple[str, list[str]]], 
     env = cpu_environment()
     for n, (stage, cmd) in enumerate(commands):
         stage_env = {**env, SKIP_PROBE_ENV: "1"} if n == 0 and getattr(args, "judge", None) == "openai" else env
-        run_stage(args.run_dir, stage, cmd, env=stage_env, plan=lifecycle, verbose=args.verbose)
+        run_stage(args.run_dir, stage, cmd, env=stage_env, plan=lifecycle, verbose=args.verbose,
+                  argv=getattr(args, "argv", None))
 
 
 def record_path(run_dir: Path) -> Path:

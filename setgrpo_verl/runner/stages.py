@@ -46,6 +46,7 @@ def run_stage(
     verbose: bool = False,
     stop_grace: float = 30.0,
     directory: str | None = None,
+    argv: Sequence[str] | None = None,
 ) -> Path:
     """Run one verl command as a stage of ``run_dir``; returns the stage directory (docs/cli.md#run-directory).
 
@@ -64,7 +65,9 @@ def run_stage(
     without one, the plan of this stage alone under ``overwrite`` / ``resume``): a kept (``COMPLETE``) stage is not run
     again, a continued one resumes from its latest verl checkpoint (``trainer.resume_mode=auto``, verl's default), a
     created or replaced one starts from an empty directory; a continued ``calibration/`` (shards, no record)
-    calibrates only the batches without a shard (docs/record.md#calibration-shards). ``directory`` names the stage's
+    calibrates only the batches without a shard (docs/record.md#calibration-shards). ``argv``: the command line
+    that runs the stage (``setgrpo-verl ...``), from which a failure's message gives the exact command that
+    continues (:func:`~setgrpo_verl.runner.supervise.resume_command`). ``directory`` names the stage's
     part of ``plan`` (default the stage's own, :data:`~setgrpo_verl.rundir.STAGES`; ``compare`` runs each arm and seed
     as a ``grpo`` or ``train`` stage in ``compare/<arm>_s<seed>``). ``calibrate_train`` marks
     ``calibration/`` complete as soon as its record exists, however the process ends, so that a resumed run trains
@@ -73,8 +76,10 @@ def run_stage(
     Raises:
         LaunchError: the plan refuses the stage's directory (the message names the flag), ``calibrate_train`` with
             a kept ``calibration/`` (train with its record instead), or verl exited with a
-            non-zero status (the message quotes the last error line of the log), or Ray lost workers of the run
-            (the message says how many, why, and where to resume).
+            non-zero status (the message quotes the last error line of the log; where Ray lost an actor or its
+            raylet, it says what most likely happened, with the run's peak memory and the machine's), or Ray lost
+            workers of the run (the message says how many, why, and where to resume); each names what was kept
+            and the command that continues.
         SystemExit: with status 128 + the signal number, after a stop signal stopped the stage.
     """
     run_dir = Path(run_dir)
@@ -91,19 +96,13 @@ def run_stage(
     env = _stage_env(env, stage_dir)
     metrics = Path(env["VERL_FILE_LOGGER_PATH"])
     log_path = _announce(stage, stage_dir, command, env, continued, resumed_from, verbose)
-    history: list[bytes] = []
-    if resumed_from is not None:
-        from ..integration.resume import read_history
-
-        history = read_history(str(metrics), resumed_from)
     try:
         child, status, elapsed, tail = _supervise(stage, command, env, metrics, log_path, append=continued,
                                                   verbose=verbose, grace=stop_grace)
     finally:
         if stage == "calibrate_train" and (calibration / "record.json").is_file():
             mark_complete(calibration, note=f"calibrated by {stage_dir.name}/")
-    _keep_history(metrics, history)
-    _check_exit(stage, stage_dir, calibration, child, status, elapsed, tail, log_path, verbose)
+    _check_exit(stage, stage_dir, calibration, child, status, elapsed, tail, log_path, verbose, argv)
     if stage == "calibrate_train" and not (calibration / "record.json").is_file():
         raise LaunchError(f"{stage}: verl exited normally but wrote no record to {calibration}/record.json")
     mark_complete(stage_dir, elapsed)
@@ -185,15 +184,19 @@ def _supervise(stage: str, command: Sequence[str], env: Mapping[str, str], metri
 
 
 def _check_exit(stage: str, stage_dir: Path, calibration: Path, child, status: int, elapsed: float,
-                tail: Sequence[str], log_path: Path, verbose: bool) -> None:
+                tail: Sequence[str], log_path: Path, verbose: bool, argv: Sequence[str] | None = None) -> None:
     """Write ``FAILED`` and raise unless ``main_ppo`` exited with status 0 on its own: lost workers or a stop signal
-    (saying where a rerun continues) or verl's own error (quoting the log's last error line)."""
-    if child.stopped_by is not None or child.stop_reason is not None:
-        step, shards = latest_checkpoint_step(stage_dir), calibration_shards(calibration)
-        where = (f"its latest checkpoint is step {step}: rerun with --resume to continue from there" if step is not None
-                 else f"it wrote {shards} calibration shard(s): rerun with --resume to calibrate only the batches "
-                      "without one" if shards and not (calibration / "record.json").is_file()
-                 else "it saved no checkpoint: rerun (with --overwrite or --resume) to start it over")
+    (saying where a rerun continues) or verl's own error (quoting the log's last error line; for a lost Ray actor
+    or raylet, what most likely happened)."""
+    from .supervise import machine_memory, ray_loss, resume_command
+
+    step, shards = latest_checkpoint_step(stage_dir), calibration_shards(calibration)
+    again = resume_command(argv)
+    rerun = f"continue with: {again}" if again else "rerun with --resume"
+    where = (f"its latest checkpoint is step {step} (kept): {rerun} to continue from there" if step is not None
+             else f"it wrote {shards} calibration shard(s) (kept): {rerun} to calibrate only the batches without one"
+             if shards and not (calibration / "record.json").is_file()
+             else f"it saved no checkpoint: {rerun} (or --overwrite) to start it over")
     if child.stop_reason is not None:
         reason = (f"{child.stop_reason}; main_ppo and the Ray instance it started were stopped after {elapsed:.0f} s "
                   f"instead of waiting on the lost workers; {where}")
@@ -206,6 +209,11 @@ def _check_exit(stage: str, stage_dir: Path, calibration: Path, child, status: i
         print(f"[setgrpo-verl] {stage}: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(128 + int(child.stopped_by))
     if status != 0:
+        lost = ray_loss([*_log_end(log_path), *tail], getattr(child, "peak_rss", 0), machine_memory())
+        if lost is not None:
+            reason = f"main_ppo exited with status {status} after {elapsed:.0f} s: {lost}; {where}"
+            write_atomic(stage_dir / FAILED, reason + "\n")
+            raise LaunchError(f"{stage}: {reason} (full log: {log_path})")
         reason = _last_error(tail)
         write_atomic(stage_dir / FAILED, f"main_ppo exited with status {status} after {elapsed:.0f} s: {reason}\n")
         if not verbose:  # the log was not shown: its end says what went wrong
@@ -213,16 +221,14 @@ def _check_exit(stage: str, stage_dir: Path, calibration: Path, child, status: i
         raise LaunchError(f"{stage}: verl's main_ppo exited with status {status}: {reason} (full log: {log_path})")
 
 
-def _keep_history(metrics: Path, history: Sequence[bytes]) -> None:
-    """Put back the metric rows up to the resumed checkpoint's step that verl's file logger dropped when it opened
-    the file again (the SetGRPO trainer puts them back itself; verl's stock trainer, the GRPO stage, does not)."""
-    if not history:
-        return
-    current = metrics.read_bytes() if metrics.is_file() else b""
-    present = set(current.splitlines(keepends=True))
-    missing = [line for line in history if line not in present]
-    if missing:
-        write_atomic(metrics, b"".join(missing) + current)
+def _log_end(path: Path, size: int = 256 * 1024) -> list[str]:
+    """The lines of the last ``size`` bytes of the log at ``path`` ([] when it cannot be read)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - size))
+            return fh.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
 
 
 def _worker_deaths(line: str) -> str | None:

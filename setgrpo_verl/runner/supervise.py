@@ -14,13 +14,16 @@ in the session; ``kill_after`` seconds later SIGKILL to whatever still runs. A s
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import signal
 import subprocess
 import threading
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
-__all__ = ["STOP_SIGNALS", "Supervisor", "session_members"]
+__all__ = ["STOP_SIGNALS", "Supervisor", "machine_memory", "ray_loss", "resume_command", "session_members",
+           "session_rss"]
 
 #: Signals that stop a supervised child and everything it started.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -50,6 +53,63 @@ def session_members(sid: int) -> list[int]:
         if len(fields) > 3 and fields[0] != b"Z" and int(fields[3]) == sid:
             pids.append(int(entry))
     return sorted(pids)
+
+
+def session_rss(pids: Sequence[int]) -> int:
+    """Resident memory of the processes ``pids`` together, in bytes (``/proc/<pid>/statm``; pages shared between
+    them counted in each, so an upper bound); 0 where ``/proc`` is not available."""
+    total, page = 0, os.sysconf("SC_PAGE_SIZE")
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as fh:
+                total += int(fh.read().split()[1]) * page
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
+            continue
+    return total
+
+
+def machine_memory() -> int:
+    """The machine's physical memory in bytes (``SC_PHYS_PAGES``), 0 when unknown."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+#: What Ray prints when it lost an actor, a worker or its raylet (Ray 2.x): the driver's exception or log line.
+_RAY_LOSS = re.compile(r"ActorUnavailableError|ActorDiedError|RayActorError|WorkerCrashedError|NodeDiedError|"
+                       r"Raylet is terminated|ray\.exceptions\.OutOfMemoryError|The actor died unexpectedly|"
+                       r"raylet died|Task was killed due to the node running low on memory")
+
+
+def ray_loss(lines: Sequence[str], peak: int, total: int) -> str | None:
+    """What most likely happened when ``main_ppo``'s output (``lines``) says Ray lost an actor, a worker or its
+    raylet (:data:`_RAY_LOSS`), or None when it does not: the machine ran out of memory (Ray's memory monitor or the
+    kernel's out-of-memory killer end the largest process, and an actor or raylet lost that way shows as these
+    errors), with the run's peak resident memory ``peak`` and the machine's ``total`` (bytes, 0 when unknown)."""
+    hit = next((m.group(0) for line in reversed(lines) if (m := _RAY_LOSS.search(line))), None)
+    if hit is None:
+        return None
+    gib = 2 ** 30
+    sizes = (f" (this run's processes peaked at {peak / gib:.1f} GiB resident"
+             + (f" of the machine's {total / gib:.1f} GiB" if total else "") + ")") if peak else (
+        f" (the machine has {total / gib:.1f} GiB)" if total else "")
+    return (f"Ray lost a process of this run ({hit}): most likely the machine ran out of memory{sizes} and Ray's "
+            "memory monitor or the kernel's out-of-memory killer ended it (`dmesg` or the raylet's log under the Ray "
+            "session directory says which); stop other jobs on the machine, or lower the run's memory use (a "
+            "smaller --profile, fewer --actor-ranks or a shorter --max-response-length) before continuing")
+
+
+def resume_command(argv: Sequence[str] | None) -> str | None:
+    """The exact command that continues the run of command line ``argv`` (``setgrpo-verl ...``): the same flags,
+    ``--resume`` added where missing and ``--overwrite`` (which would delete what was kept) left out; None without
+    ``argv``."""
+    if not argv:
+        return None
+    words = [w for w in argv if w != "--overwrite"]
+    if "--resume" not in words:
+        words.append("--resume")
+    return shlex.join(words)
 
 
 def _signal_all(pids: Sequence[int], sig: int) -> None:
@@ -87,6 +147,9 @@ class Supervisor:
         self._stop_at: Optional[float] = None
         self._escalated = 0
         self._proc: Optional[subprocess.Popen] = None
+        #: the largest resident memory of the child's session seen while it ran (bytes, :func:`session_rss`)
+        self.peak_rss = 0
+        self._sampled = 0.0
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
@@ -174,6 +237,9 @@ class Supervisor:
                     pass
                 if self._stop_at is not None:
                     self._escalate()
+                if time.monotonic() - self._sampled >= 2.0:
+                    self._sampled = time.monotonic()
+                    self.peak_rss = max(self.peak_rss, session_rss(session_members(self._proc.pid)))
                 if poll is not None:
                     poll()
             self.reap_session()

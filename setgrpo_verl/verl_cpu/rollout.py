@@ -474,8 +474,8 @@ class TransformersRolloutAdapter(BaseRollout):
             weights = list(weights)
             self._buffer = WeightBuffer.create(Layout.of([(n, tuple(t.shape)) for n, t in weights], self.dtype),
                                                keep_free=_object_store_bytes())
-        self._buffer.write_all(weights)
         try:
+            self._buffer.write_all(weights)
             await self._server.load_weights.remote(str(self._buffer.path), self._buffer.layout,
                                                    global_steps=kwargs.get("global_steps"))
         except BaseException:

@@ -7,6 +7,11 @@ parameters. Only the :class:`Layout` (names, shapes, offsets) crosses Ray. The f
 created (``posix_fallocate``), so a full file system is an error at creation, never a fault in the middle of a
 write; it lives in ``/dev/shm`` where that has room, else in the temporary directory.
 
+A file's name holds the writer's process id (``setgrpo-rollout-weights-<pid>-<id>``). A writer removes it as soon as
+both processes map the file, or when its first sync fails; a writer killed in between cannot, so every new buffer
+first removes the files of writers that no longer exist (:func:`remove_stale`): a killed first sync leaves the whole
+model in shared memory only until the next sync on the host.
+
 Ordering: the worker writes the next step's weights only after the server has returned from loading the previous
 ones (verl awaits the weight sync before the next rollout), so a load never reads a half-written buffer.
 """
@@ -24,6 +29,38 @@ import torch
 
 #: Where the buffer goes when it has room: memory, not disk.
 SHM_DIR = Path("/dev/shm")
+#: The start of a buffer file's name; the writer's process id follows.
+PREFIX = "setgrpo-rollout-weights-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale(directories: tuple[Path, ...] | None = None) -> list[Path]:
+    """Remove the buffer files (``PREFIX<pid>-*``) of writers that no longer exist, in ``directories`` (by default
+    ``/dev/shm`` and the temporary directory, where :meth:`WeightBuffer.create` puts them); returns the paths
+    removed. A file whose writer lives (or whose name holds no process id) is left alone."""
+    removed = []
+    for directory in directories or (SHM_DIR, Path(tempfile.gettempdir())):
+        if not Path(directory).is_dir():
+            continue
+        for path in Path(directory).glob(PREFIX + "*"):
+            pid = path.name[len(PREFIX):].partition("-")[0]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            try:
+                path.unlink()
+            except (FileNotFoundError, PermissionError):
+                continue
+            removed.append(path)
+    return removed
 
 
 @dataclass(frozen=True)
@@ -80,14 +117,16 @@ class WeightBuffer:
     @classmethod
     def create(cls, layout: Layout, directory: Path | None = None, keep_free: int = 0) -> "WeightBuffer":
         """A new file of ``layout.nbytes`` bytes, reserved in full, mapped; in ``directory``, by default
-        ``/dev/shm`` where it has room beyond ``keep_free`` bytes, else the temporary directory.
+        ``/dev/shm`` where it has room beyond ``keep_free`` bytes, else the temporary directory. The files of dead
+        writers (:func:`remove_stale`) are removed first, from both places and ``directory``.
 
         Raises:
             OSError: the file system has no room for it (``posix_fallocate``); the message names the directory and
                 the size.
         """
+        remove_stale((SHM_DIR, Path(tempfile.gettempdir()), *(() if directory is None else (Path(directory),))))
         directory = Path(directory) if directory is not None else _directory(layout.nbytes, keep_free)
-        path = directory / f"setgrpo-rollout-weights-{os.getpid()}-{uuid.uuid4().hex}"
+        path = directory / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, max(1, layout.nbytes))

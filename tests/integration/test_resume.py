@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from setgrpo_verl.core import CalibrationSettings, OnlineRiskMonitor, calibrate, setgrpo_coefficients
 from setgrpo_verl.integration.config import run_identity, setgrpo_config_from
-from setgrpo_verl.integration.resume import STATE_FILE, check_resume, read_history, read_state
+from setgrpo_verl.integration.resume import STATE_FILE, check_resume, keep_history, read_state
 from setgrpo_verl.integration.trainer import SetGRPOTrainer
 from setgrpo_verl.models import embedded_model_dir
 
@@ -100,7 +100,7 @@ def _resume(tmp_path, monkeypatch, record, **setgrpo):
 
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "metrics.jsonl"))
     trainer = _trainer(tmp_path, 3, record_path=record, **setgrpo)
-    trainer._history = read_history(str(tmp_path / "metrics.jsonl"), 3)
+    trainer._history = keep_history(str(tmp_path / "metrics.jsonl"), 3)
     trainer.logger = Tracking("p", "e", default_backend=["file"])
     trainer.global_steps = 4
     trainer.on_train_begin()
@@ -215,3 +215,53 @@ def test_a_record_of_the_previous_schema_answers_to_the_hash_its_checkpoints_nam
     assert record_sha256(str(path)) == stored
     state = {"version": 1, "step": 3, "record_sha256": stored, "monitor": None}
     assert check_state(str(tmp_path), state, str(path), record_sha256(str(path)), allow_other=False)
+
+
+def test_the_grpo_stages_trainer_keeps_its_metric_rows_across_a_resume_that_dies(tmp_path, monkeypatch):
+    """verl's file logger truncates the metrics file when it opens it. The GRPO stage's trainer (compare's grpo and
+    grpo_mean2 arms, the main job's baseline) keeps the rows up to its checkpoint itself, as the SetGRPO trainer
+    does: a resume killed right after the logger opened the file loses none of them (they wait in
+    ``<file>.kept``), and the next resume writes them back before its first validation (review D4)."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    from verl.utils.tracking import Tracking
+
+    from setgrpo_verl.integration.trainer import GradedSyncTrainer
+
+    metrics = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(metrics))
+    before = [json.dumps({"step": s, "data": {"x": float(s)}}) + "\n" for s in range(11)]
+    metrics.write_text("".join(before) + json.dumps({"step": 11, "data": {"x": 11.0}}) + "\n")  # 11: trained again
+    killed = {"now": True}
+
+    def fit(self, agent_loop_manager):  # verl 0.9.1 fit: the logger, a validation first, then the steps
+        self.logger = Tracking("p", "e", default_backend=["file"])
+        if killed["now"]:
+            raise SystemExit(-9)  # the process dies before anything else
+        self.on_validate_begin()
+        self.logger.log({"val": 1.0}, step=self.global_steps)
+        self.global_steps += 1
+        self.on_train_begin()
+        self.logger.log({"x": 11.5}, step=self.global_steps)
+        self.logger.logger["file"].fp.close()
+
+    monkeypatch.setattr(PPOTrainerSync, "fit", fit)
+    monkeypatch.setattr(PPOTrainerSync, "on_validate_begin", lambda self: None)
+    monkeypatch.setattr(PPOTrainerSync, "on_train_begin", lambda self: None)
+    config = OmegaConf.create({"trainer": {"logger": ["file"], "project_name": "p", "experiment_name": "e"}})
+
+    def resume():
+        trainer = GradedSyncTrainer.__new__(GradedSyncTrainer)
+        trainer.config, trainer.global_steps = config, 10  # verl's _load_checkpoint: step 10
+        trainer.fit(None)
+
+    with pytest.raises(SystemExit):
+        resume()
+    assert metrics.read_text() == ""  # truncated by verl's file logger
+    assert (tmp_path / "metrics.jsonl.kept").read_text() == "".join(before[:11])
+    killed["now"] = False
+    resume()
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(11)) + [10, 11]
+    assert rows[11]["data"] == {"val": 1.0} and rows[12]["data"] == {"x": 11.5}
+    assert not (tmp_path / "metrics.jsonl.kept").exists()

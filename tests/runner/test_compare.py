@@ -142,7 +142,8 @@ def test_compare_refuses_to_join_finished_or_checkpointed_runs_at_another_precis
     capsys.readouterr()
     done = run / run_name("grpo", 0)
     _metrics(done, [0.5, 0.55])
-    (done / "command.sh").write_text("python -m verl.trainer.main_ppo " + " ".join(cpu_overrides(1, "bf16")) + "\n")
+    (done / "command.sh").write_text(_composed(run, "grpo", 0, ["--flip-prob", "0.06", "--precision", "bf16"],
+                                               flags=()))
     assert cli.main(args + ["--precision", "fp32"]) == 2
     err = capsys.readouterr().err
     assert "compare/grpo_s0 ran at bf16, and this command runs at fp32" in err and "pass --precision" in err
@@ -218,6 +219,9 @@ def _metrics(path, truth, *, calls=8.0, seconds=30.0, val_every=2, source="rubri
             data.update({key: truth[step // val_every], "timing_s/testing": 6.0})
         rows.append({"step": step, "data": data})
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "command.sh").write_text("python -m verl.trainer.main_ppo "
+                                     "'+reward.reward_kwargs.grader={type:noisy,flip_prob:0.06,seed:0,base:{type:rules,"
+                                     "seed:0}}'\n")
     (path / COMPLETE).write_text("1.0 s\n")
 
 
@@ -528,3 +532,212 @@ def test_the_committed_comparison_runs_re_analyse_to_their_outcome_line(tmp_path
     from setgrpo_verl.report.outcome import plot_outcome
 
     assert plot_outcome(curves, tmp_path / "outcome.png").stat().st_size > 0
+
+
+# --- one experiment: what compare keeps, continues or sits beside, and what one analysis reads ---
+
+_FLAGS = ["--arms", "grpo", "grpo_mean2", "--seeds", "0", "--steps", "4", "--val-every", "2",
+          "--heldout-prompts", "6"]
+
+
+def _composed(run, arm, seed, extra=(), flags=_FLAGS):
+    """The verl command compare composes for (arm, seed) with ``extra`` flags, as its command.sh holds it."""
+    from setgrpo_verl.runner.cli import overrides_from_args
+    from setgrpo_verl.runner.compare import _commands, _split
+    from setgrpo_verl.runner.run import make_plan
+
+    args = cli.build_parser().parse_args(["compare", "--run-dir", str(run), *flags, "--arms", arm, "--seeds",
+                                          str(seed), *extra])
+    plan = make_plan(args, overrides_from_args(args))
+    lifecycle = plan_run(run, list(compare_depends([arm], [seed])), depends=compare_depends([arm], [seed]))
+    command = next(c for _, n, c in _commands(args, plan, lifecycle) if n == run_name(arm, seed))
+    return "#!/usr/bin/env bash\nVERL_PLATFORM=cpu " + " ".join(command) + "\n"
+
+
+@pytest.fixture(scope="module")
+def _split_dir(tmp_path_factory):
+    """The data split compare writes for :data:`_FLAGS`, made once (tokenizing the prompts takes seconds)."""
+    from setgrpo_verl.runner.cli import overrides_from_args
+    from setgrpo_verl.runner.compare import _split
+    from setgrpo_verl.runner.datasplit import write_data
+    from setgrpo_verl.runner.run import make_plan
+
+    run = tmp_path_factory.mktemp("split") / "run"
+    args = cli.build_parser().parse_args(["compare", "--run-dir", str(run), *_FLAGS, "--flip-prob", "0.06"])
+    write_data(run, _split(args, make_plan(args, overrides_from_args(args))))
+    return run / "data"
+
+
+def _data(run, split_dir):
+    """``split_dir`` copied into ``run`` (the runs of these tests were made from it)."""
+    import shutil
+
+    shutil.copytree(split_dir, run / "data")
+
+
+def _finished(run, arm, seed, extra=(), truth=(0.5, 0.55, 0.6)):
+    path = run / run_name(arm, seed)
+    _metrics(path, list(truth))
+    (path / "command.sh").write_text(_composed(run, arm, seed, extra))
+    return path
+
+
+def test_resume_refuses_to_keep_continue_or_join_runs_made_with_other_settings(tmp_path, capsys, _split_dir):
+    """A kept, continued or untouched run was made with the settings this command would use for it, or compare
+    refuses before anything runs and names the setting, its flag and both values (review D1)."""
+    run = tmp_path / "run"
+    base = ["compare", "--run-dir", str(run), *_FLAGS, "--flip-prob", "0.06", "--resume", "--dry-run"]
+    _data(run, _split_dir)
+    _finished(run, "grpo", 0, ["--flip-prob", "0.06"])
+    checkpointed = run / run_name("grpo_mean2", 0)
+    checkpointed.mkdir(parents=True)
+    (checkpointed / "checkpoints").mkdir()
+    (checkpointed / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    (checkpointed / "command.sh").write_text(_composed(run, "grpo_mean2", 0, ["--flip-prob", "0.06"]))
+    _finished(run, "grpo", 1, ["--flip-prob", "0.06"])  # a seed this command does not run
+    assert cli.main(base) == 0
+    capsys.readouterr()
+    for flag, value, key, theirs in (("--flip-prob", "0.1", "reward.reward_kwargs.grader", "{type:noisy,flip_prob:0.06"),
+                                     ("--lr", "3e-6", "actor_rollout_ref.actor.optim.lr", "2e-05")):
+        assert cli.main(base + [flag, value]) == 2
+        err = capsys.readouterr().err
+        for name in ("compare/grpo_s0", "compare/grpo_mean2_s0", "compare/grpo_s1"):
+            assert f"{name} was made with {key}={theirs}" in err, err
+        assert f"({flag}) where this command has" in err and "pass the flags they were made with" in err
+    assert not (run / "outcome").exists()
+
+
+def test_every_setting_but_what_a_resume_an_arm_or_a_seed_changes_makes_the_experiment(tmp_path):
+    """K, groups per step, response length, learning rate and the grader differ between experiments; the run's
+    paths (the run directory moved), its seed and name and val_before_train do not; across arms, the estimator and
+    the reward's scorings do not either."""
+    from setgrpo_verl.report.experiment import differing_settings, experiment_settings
+
+    grpo = _composed(tmp_path / "a", "grpo", 0, ["--flip-prob", "0.06"])
+    moved = _composed(tmp_path / "b", "grpo", 0, ["--flip-prob", "0.06"])
+    assert differing_settings(grpo, moved) == []
+    assert differing_settings(grpo, grpo.replace("val_before_train=true", "val_before_train=false")) == []
+    for flags, key in ((["--rollout-n", "6"], "actor_rollout_ref.rollout.n"),
+                       (["--groups-per-step", "4"], "data.train_batch_size"),
+                       (["--max-response-length", "64"], "data.max_response_length"),
+                       (["--lr", "3e-6"], "actor_rollout_ref.actor.optim.lr"),
+                       (["--flip-prob", "0.1"], "reward.reward_kwargs.grader"),
+                       (["--steps", "6"], "trainer.total_training_steps")):
+        other = _composed(tmp_path / "a", "grpo", 0, ["--flip-prob", "0.06", *flags])
+        assert key in [k for k, _, _ in differing_settings(grpo, other)], flags
+        assert experiment_settings(grpo)[key] != experiment_settings(other)[key]
+    seed1 = _composed(tmp_path / "a", "grpo", 1, ["--flip-prob", "0.06"])
+    mean2 = _composed(tmp_path / "a", "grpo_mean2", 1, ["--flip-prob", "0.06"])
+    assert experiment_settings(grpo) == experiment_settings(seed1) == experiment_settings(mean2)
+
+
+def test_one_analysis_reads_one_experiment_in_compare_and_report_alike(tmp_path, capsys):
+    """compare's analysis and report --outcome share one check: runs at another learning rate are refused by both,
+    naming the setting; compare's analysis also refuses a --flip-prob other than the runs' (review D1)."""
+    run = tmp_path / "run"
+    for arm in ("grpo", "grpo_mean2"):
+        _finished(run, arm, 0, ["--flip-prob", "0.06"])
+    analyse = ["compare", "--run-dir", str(run), *_FLAGS, "--analysis-only"]
+    assert cli.main([*analyse, "--flip-prob", "0.06"]) == 0
+    assert cli.main(["report", "--outcome", str(run / "compare")]) == 0
+    capsys.readouterr()
+    assert cli.main([*analyse, "--flip-prob", "0.1"]) == 2
+    assert "made at flip 0.06, not --flip-prob 0.1: pass --flip-prob 0.06" in capsys.readouterr().err
+    _finished(run, "grpo_mean2", 0, ["--flip-prob", "0.06", "--lr", "3e-6"])
+    assert cli.main([*analyse, "--flip-prob", "0.06"]) == 2
+    compare_err = capsys.readouterr().err
+    assert cli.main(["report", "--outcome", str(run / "compare")]) == 2
+    report_err = capsys.readouterr().err
+    for err in (compare_err, report_err):
+        assert "runs of different experiments: actor_rollout_ref.actor.optim.lr differs (grpo_mean2_s0 3e-06, " \
+               "grpo_s0 " in err, err
+
+
+def test_the_committed_runs_are_one_experiment():
+    from pathlib import Path
+
+    from setgrpo_verl.report.experiment import check_same_experiment
+
+    root = Path(__file__).resolve().parents[2] / "validation" / "outcome_verl"
+    for flip in sorted(root.glob("flip*")) + [root / "pilot"]:
+        runs = {p.name: (p / "command.sh").read_text() for p in flip.iterdir() if (p / "command.sh").is_file()
+                and p.name != "calibration"}
+        assert len(runs) >= 2
+        check_same_experiment(runs, str(flip))
+
+
+def test_a_run_stopped_during_a_validation_validates_it_before_training_on(tmp_path, _split_dir):
+    """verl saves the checkpoint, then validates, then logs the step's row: a run stopped in between continues with
+    trainer.val_before_train=true, so the validation it owes is made (review D5); one whose row has it does not."""
+    run = tmp_path / "run"
+    _data(run, _split_dir)
+    path = run / run_name("grpo", 0)
+    _metrics(path, [0.5, 0.55, 0.6])  # validated at 0, 2, 4
+    (path / COMPLETE).unlink()
+    (path / "command.sh").write_text(_composed(run, "grpo", 0, ["--flip-prob", "0.06"]))
+    (path / "checkpoints").mkdir()
+    (path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    rows = (path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (path / "metrics.jsonl").write_text("".join(rows[:4]))  # rows of steps 0-3: stopped during step 4's validation
+    _finished(run, "grpo_mean2", 0, ["--flip-prob", "0.06"])
+    assert "trainer.val_before_train=true" in _dry_run_command(run, "grpo_s0")
+    (path / "metrics.jsonl").write_text("".join(rows))
+    assert "trainer.val_before_train=false" in _dry_run_command(run, "grpo_s0")
+
+    from setgrpo_verl.runner.compare import owes_validation
+
+    assert not owes_validation(path)
+    (path / "metrics.jsonl").write_text("".join(rows[:4]))
+    assert owes_validation(path)
+    # the rows kept aside by a resume that died before writing them back count too
+    (path / "metrics.jsonl.kept").write_text("".join(rows))
+    (path / "metrics.jsonl").write_text("")
+    assert not owes_validation(path)
+
+
+def _dry_run_command(run, experiment):
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli.main(["compare", "--run-dir", str(run), *_FLAGS, "--flip-prob", "0.06", "--resume",
+                         "--dry-run"]) == 0
+    return next(line for line in buf.getvalue().splitlines()
+                if f"trainer.experiment_name={experiment} " in line)
+
+
+def test_an_analysis_short_of_a_validation_names_the_fix_that_works(tmp_path, capsys):
+    """A finished run that validated last at an earlier step than the others (an earlier version continued it
+    without the validation it owed): the analysis names the run, the step and what to remove before --resume
+    (review D5)."""
+    run = tmp_path / "run"
+    _finished(run, "grpo", 0, ["--flip-prob", "0.06"])
+    short = _finished(run, "grpo_mean2", 0, ["--flip-prob", "0.06"])
+    rows = (short / "metrics.jsonl").read_text().splitlines(keepends=True)
+    data = json.loads(rows[-1])
+    data["data"] = {k: v for k, v in data["data"].items() if "truth_score" not in k}
+    (short / "metrics.jsonl").write_text("".join(rows[:-1]) + json.dumps(data) + "\n")
+    (short / "checkpoints").mkdir()
+    (short / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    assert cli.main(["compare", "--run-dir", str(run), *_FLAGS, "--flip-prob", "0.06", "--analysis-only"]) == 2
+    err = capsys.readouterr().err
+    assert "the other finished runs validated last at step 4; grpo_mean2_s0 validated last at step 2: remove " \
+           f"{short / COMPLETE} and rerun this command with --resume (it continues from its checkpoint of step 4" in err
+    import shutil
+
+    shutil.rmtree(short / "checkpoints")
+    assert cli.main(["compare", "--run-dir", str(run), *_FLAGS, "--flip-prob", "0.06", "--analysis-only"]) == 2
+    assert f"remove {short}/ and rerun this command with --resume" in capsys.readouterr().err
+
+
+def test_the_runs_of_one_arm_also_share_the_arms_own_settings(tmp_path):
+    from setgrpo_verl.report.experiment import check_same_experiment
+
+    paper = _composed(tmp_path, "setgrpo_paper", 0, ["--flip-prob", "0.06"])
+    other = _composed(tmp_path, "setgrpo_paper", 1, ["--flip-prob", "0.06", "--alpha", "0.3"])
+    grpo = _composed(tmp_path, "grpo", 1, ["--flip-prob", "0.06"])
+    check_same_experiment({"setgrpo_paper_s0": paper, "grpo_s1": grpo}, "R")
+    with pytest.raises(ReportError, match=r"R: runs of different experiments: algorithm.setgrpo.alpha differs "
+                                          r"\(setgrpo_paper_s0 0.2, setgrpo_paper_s1 0.3\)"):
+        check_same_experiment({"setgrpo_paper_s0": paper, "setgrpo_paper_s1": other, "grpo_s1": grpo}, "R")

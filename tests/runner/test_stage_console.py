@@ -28,7 +28,12 @@ _FAKE = textwrap.dedent("""
         print("WARNING transfer_queue: thread is not the main thread", flush=True)
     for g in (2, 4):
         print(f"WARNING:setgrpo: SetGRPO calibration: {g} groups so far", flush=True)
-    fp = open(os.environ["VERL_FILE_LOGGER_PATH"], "wb", buffering=0)
+    # the package's trainers keep the rows up to the checkpoint across verl's truncating file logger
+    from setgrpo_verl.integration.resume import keep_history, restore_history
+    path = os.environ["VERL_FILE_LOGGER_PATH"]
+    rows = keep_history(path, start) if start else []
+    fp = open(path, "wb", buffering=0)
+    restore_history(fp, path, rows)
     for step in range(start + 1, total + 1):
         time.sleep(0.6)
         row = {"step": step, "data": {"critic/score/mean": step / 10, "timing_s/step": 0.6, "actor/pg_loss": 0.01}}
@@ -195,3 +200,26 @@ def test_the_calibration_bar_opens_at_the_first_rollout_and_shows_the_batchs_pha
     console.line("WARNING:setgrpo: SetGRPO calibration: 32 groups so far (batch_000000.npz written, 1 of 4 batches, "
                  "60 s, ETA 180 s)\n")
     assert bar.n == 32
+
+
+def test_a_lost_ray_actor_is_named_with_memory_what_was_kept_and_the_command_that_continues(tmp_path):
+    """verl exits with Ray's exception when Ray lost an actor or its raylet (most often the out-of-memory killer):
+    the message says what most likely happened, with the run's peak memory and the machine's, what was kept and the
+    exact command that continues."""
+    stage = tmp_path / "train_grpo"
+    (stage / "checkpoints").mkdir(parents=True)
+    (stage / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    (stage / launch.FAILED).write_text("stopped by SIGTERM\n")
+    lost = ("import time; time.sleep(1.5); print('ray.exceptions.ActorUnavailableError: The actor 5e1f is "
+            "unavailable: The actor is temporarily unavailable: RpcError: RPC Error message: Socket closed', "
+            "flush=True); raise SystemExit(1)")
+    argv = ["setgrpo-verl", "compare", "--run-dir", str(tmp_path), "--flip-prob", "0.06", "--overwrite"]
+    with pytest.raises(launch.LaunchError) as failed:
+        launch.run_stage(tmp_path, "grpo", [sys.executable, "-c", lost], env=dict(os.environ), resume=True,
+                         argv=argv)
+    message = str(failed.value)
+    assert "Ray lost a process of this run (ActorUnavailableError): most likely the machine ran out of memory " \
+           "(this run's processes peaked at " in message and " GiB resident of the machine's " in message
+    assert (f"its latest checkpoint is step 2 (kept): continue with: setgrpo-verl compare --run-dir {tmp_path} "
+            "--flip-prob 0.06 --resume to continue from there") in message
+    assert "Ray lost a process of this run" in (stage / launch.FAILED).read_text()

@@ -242,7 +242,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
         if cli.poll() is None:
             cli.kill()
     assert not (run / "calibration" / "record.json").exists(), "the calibration finished before the signal"
-    assert "calibration shard(s): rerun with --resume" in (run / "calibration" / "FAILED").read_text()
+    assert "calibration shard(s) (kept): continue with: setgrpo-verl " in (run / "calibration" / "FAILED").read_text()
     before = {p.name: p.read_bytes() for p in shards.glob("batch_*.npz")}
     assert list(before) == ["batch_000000.npz"]
 

@@ -201,3 +201,47 @@ def test_sharded_weights_reach_the_buffer_whole_from_the_replicas_leader(tmp_pat
     assert results[0]["whole at step 1"] and results[0]["whole at step 2"] and results[0]["buffer"]
     assert results[0]["renamed"] == "KeyError" and results[1]["renamed"] == "accepted"
     assert results[1]["buffer"] is False
+
+
+class _FailingShard:
+    """A DTensor-like shard whose gather fails (a rank lost mid-sync)."""
+
+    def __init__(self, shape):
+        self.shape = torch.Size(shape)
+
+    def full_tensor(self):
+        raise RuntimeError("gloo: Connection closed by peer")
+
+
+def test_a_first_sync_that_fails_while_writing_leaves_no_file(tiny_model, tmp_path, monkeypatch):
+    """The buffer's file is the whole model in shared memory: a first sync that fails after creating it (here in a
+    gather while writing) removes it and forgets it, and the next sync makes a new one (review D3)."""
+    monkeypatch.setattr(weight_buffer, "SHM_DIR", tmp_path)
+    server = TransformersRolloutServer(str(tiny_model), response_length=2, max_batch_size=4, seed=0)
+    adapter = _adapter(server, torch.float32)
+    actor = {n: p.detach().clone() for n, p in server.model.named_parameters()}
+    name, last = list(actor.items())[-1]
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        asyncio.run(adapter.update_weights(iter([*list(actor.items())[:-1], (name, _FailingShard(last.shape))]),
+                                           global_steps=1))
+    assert adapter._buffer is None and not list(tmp_path.glob("setgrpo-rollout-weights-*"))
+    asyncio.run(adapter.update_weights(iter(actor.items()), global_steps=2))
+    assert server.version == 2 and not list(tmp_path.glob("setgrpo-rollout-weights-*"))
+
+
+def test_a_new_buffer_removes_the_files_of_writers_that_no_longer_exist(tmp_path):
+    """A writer killed between creating its buffer and the server mapping it cannot remove the file: the next
+    buffer made on the host removes it (its process id names no live process), and leaves a live writer's alone."""
+    import os
+
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True, check=True).stdout)
+    stale = tmp_path / f"setgrpo-rollout-weights-{pid}-0123"
+    stale.write_bytes(b"\0" * 4096)
+    live = tmp_path / f"setgrpo-rollout-weights-{os.getpid()}-4567"
+    live.write_bytes(b"\0")
+    other = tmp_path / f"setgrpo-rollout-weights-notapid-89ab"
+    other.write_bytes(b"\0")
+    buffer = WeightBuffer.create(Layout.of([("a", (2,))], torch.float32), directory=tmp_path)
+    assert not stale.exists() and live.exists() and other.exists() and buffer.path.exists()
+    buffer.unlink()
