@@ -426,7 +426,8 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
         calibration_prompts: the :func:`setgrpo_verl.core.record.prompt_fingerprint` list of the prompts the run will
             calibrate on, when they are known before the files are written (the command line's split); None =
             every row of the files the calibration samples.
-        environment: False leaves out the GPU checks: the installed kernel packages and the driver (a dry run).
+        environment: False leaves out the GPU checks: the installed kernel packages and the driver (a dry run, and
+            verl's TaskRunner, a Ray actor without GPUs where the driver and the workers have checked).
 
     Returns:
         The validated :class:`SetGRPOConfig` when the run uses SetGRPO, else None.

@@ -220,7 +220,8 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
     actor_worker = SetGRPOActorRolloutRefWorker
 
     def __init__(self, config):
-        self.setgrpo: SetGRPOConfig = check_run_config(config)
+        # the driver and every actor worker check the GPU environment; this TaskRunner is a Ray actor without GPUs
+        self.setgrpo: SetGRPOConfig = check_run_config(config, environment=False)
         self.sketch_config = self.setgrpo.sketch.to_sketch_config()
         self.record: Optional[CalibrationRecord] = None
         self.monitor: Optional[OnlineRiskMonitor] = None

@@ -195,8 +195,8 @@ def test_a_driver_with_an_nvidia_driver_checks_its_gpu_environment(monkeypatch, 
     monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: False)
     check_run_config(cfg)  # no NVIDIA driver on the driver's machine: the workers check their GPUs
     monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: True)
-    with pytest.raises(ValueError, match=r"the driver \(where main_ppo starts\): the NVIDIA driver 550.54.15 is older "
-                                         r"than R580, which CUDA 13.0"):
+    with pytest.raises(ValueError, match=r"the driver \(where main_ppo starts\): CUDA is not available .*: the NVIDIA "
+                                         r"driver 550.54.15 is older than R580, which CUDA 13.0"):
         check_run_config(cfg)
 
 
