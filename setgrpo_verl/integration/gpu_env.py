@@ -10,7 +10,7 @@ Every fact the check reads of the machine (torch's build, CUDA availability, the
 ``CUDA_VISIBLE_DEVICES``) comes from :func:`gpu_facts`, the one seam a test fakes to play a cluster's conditions.
 
 :func:`gpu_check` runs on the driver before Ray when the machine has an NVIDIA driver (the Hydra
-callback, :func:`setgrpo_verl.integration.config.check_run_config`) and on every actor worker when it starts, before
+callback, :func:`setgrpo_verl.integration.run_check.check_run_config`) and on every actor worker when it starts, before
 any model loads (:class:`setgrpo_verl.integration.worker.CheckedActorRolloutRefWorker`). Nothing checks in verl's
 TaskRunner, a Ray actor without GPUs (Ray 2.41-2.55 sets ``CUDA_VISIBLE_DEVICES=""`` there). The CPU backend
 (``VERL_PLATFORM=cpu`` or ``trainer.device=cpu``) skips it.
