@@ -21,6 +21,7 @@ from .judge_access import check_judge_access, judge_probe_line, pass_judge_key
 from .identity import IDENTITY_SOURCES, run_identity
 from .prompts import check_calibration_disjoint, check_start_pilot, read_prompt_identities
 from .resume import check_resume
+from .rollout_settings import check_rollout_settings
 from .reward_config import (POINT_KEY, REWARD_MANAGER_NAME, SCORINGS_KEY, check_filter_groups, grader_config,
                             grader_identity, point_mode, reference_score_key, scorings)
 from .micro_batch import check_sketch_micro_batch
@@ -115,8 +116,11 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
             verl cannot run in (:func:`~.gpu_env.check_driver_gpus`); with ``setgrpo_dual``, a judge a reward worker
             could not use (:func:`~.judge_access.check_judge_access`); for SetGRPO, ``trainer.use_v1=false``, an actor
             strategy other than fsdp / fsdp2 or a sketch token budget below one full-length sequence
-            (:func:`~.support.check_trainer_settings`).
+            (:func:`~.support.check_trainer_settings`); for any trainer mode, rollout settings whose effect would be
+            silent (``full_determinism`` with ``n > 1``, settings the CPU rollout does not implement:
+            :func:`~.rollout_settings.check_rollout_settings`).
     """
+    check_rollout_settings(config)
     if not _uses_setgrpo(config):
         _check_reward(config, setgrpo=False)
         check_filter_groups(config, setgrpo=False, calibration_only=False)
