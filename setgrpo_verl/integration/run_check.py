@@ -18,7 +18,7 @@ from setgrpo_verl.grading import check_stochastic_grader
 from .config import RELIABILITY_VARIANT, SETGRPO_NAME, TRAINER_MODE_OVERRIDE, SetGRPOConfig, setgrpo_config_from
 from .gpu_env import check_driver_gpus
 from .judge_access import check_judge_access, judge_probe_line, pass_judge_key
-from .identity import IDENTITY_SOURCES, run_identity
+from .identity import IDENTITY_SOURCES, carry_policy_files, run_identity
 from .prompts import check_calibration_disjoint, check_start_pilot, read_prompt_identities
 from .resume import check_resume
 from .rollout_settings import check_rollout_settings
@@ -243,7 +243,8 @@ class SetGRPOConfigCheck(Callback):
     :func:`check_run_config` when ``main_ppo`` starts, before Ray and the workers are launched; then, with the
     ``setgrpo_dual`` reward manager, probes the HTTP judge its grader calls (:func:`~.judge_access.judge_probe_line`:
     unless ``SETGRPO_SKIP_JUDGE_PROBE=1``; a line says which) and passes ``OPENAI_API_KEY`` to the Ray workers
-    through the job's runtime environment (:func:`setgrpo_verl.integration.judge_access.pass_judge_key`).
+    through the job's runtime environment (:func:`setgrpo_verl.integration.judge_access.pass_judge_key`), with the
+    fingerprints of the policy's files the check computed (:func:`~.identity.carry_policy_files`).
 
     Raises:
         SystemExit: with the :func:`check_run_config` or probe message (Hydra 1.3 turns ordinary exceptions raised by
@@ -255,6 +256,7 @@ class SetGRPOConfigCheck(Callback):
             check_run_config(config)
         except ValueError as exc:
             raise SystemExit(f"setgrpo_verl config error: {exc}") from exc
+        carry_policy_files()  # the TaskRunner uses the identity the driver accepted, not its own node's cache
         manager = config.get("reward", {}).get("reward_manager", {}) or {}
         if str(manager.get("name", "")) != REWARD_MANAGER_NAME:
             return
