@@ -22,6 +22,7 @@ from .identity import IDENTITY_SOURCES, carry_policy_files, run_identity
 from .prompts import check_calibration_disjoint, check_start_pilot, read_prompt_identities
 from .resume import check_resume
 from .rollout_settings import check_rollout_settings
+from .run_env import check_run_env, pass_run_env
 from .reward_config import (POINT_KEY, REWARD_MANAGER_NAME, SCORINGS_KEY, check_filter_groups, grader_config,
                             grader_identity, point_mode, reference_score_key, scorings)
 from .micro_batch import check_sketch_micro_batch
@@ -191,10 +192,12 @@ def _check_record_path(config: Any, setgrpo: SetGRPOConfig) -> None:
 
 
 def _check_environment(config: Any, environment: bool) -> None:
-    """The GPU checks (kernel packages, driver) unless ``environment`` is False (a dry run)."""
+    """The checks of the driver's environment (kernel packages, GPUs, wandb key, shared run folders:
+    :func:`~.run_env.check_run_env`) unless ``environment`` is False (a dry run, the TaskRunner)."""
     if environment:
         check_attention_kernels(config)
         check_driver_gpus(config)
+        check_run_env(config)
 
 
 def check_calibration_part(config: Any, setgrpo: SetGRPOConfig) -> None:
@@ -257,6 +260,7 @@ class SetGRPOConfigCheck(Callback):
         except ValueError as exc:
             raise SystemExit(f"setgrpo_verl config error: {exc}") from exc
         carry_policy_files()  # the TaskRunner uses the identity the driver accepted, not its own node's cache
+        pass_run_env(config)  # wandb's key and settings to the TaskRunner, which does not inherit this shell
         manager = config.get("reward", {}).get("reward_manager", {}) or {}
         if str(manager.get("name", "")) != REWARD_MANAGER_NAME:
             return
