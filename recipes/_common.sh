@@ -1,4 +1,5 @@
-# Shared settings of the SetGRPO recipes (sourced by recipes/<model>.sh; not run directly).
+# Shared settings of the SetGRPO recipes (sourced by recipes/run.sh, which takes each model's row of
+# recipes/models.tsv, and by recipes/smoke_qwen3_1gpu.sh; not run directly).
 #
 # The paper's training/rollout configuration (Table 3 of the SetGRPO paper): rollout group size K=8,
 # max prompt length 2048, max response length 4096, batch size 64 prompts, mini-batch size 32 prompts,
@@ -120,7 +121,7 @@ _table3_args() {
 
 # run_recipe MODE [hydra overrides...]
 #   MODE = calibrate | train | grpo | smoke (calibrate, then train, in one run: recipes/smoke_qwen3_1gpu.sh)
-# Needs MODEL_TAG, MODEL_PATH, ROLLOUT_TP, LR, MAX_TOKENS_PER_GPU, PARAM_OFFLOAD from the model recipe.
+# Needs MODEL_TAG, MODEL_PATH, ROLLOUT_TP, LR, MAX_TOKENS_PER_GPU, PARAM_OFFLOAD (recipes/run.sh: a row of models.tsv).
 run_recipe() {
     local mode=${1:-}
     if [ $# -gt 0 ]; then shift; fi
