@@ -399,6 +399,11 @@ def test_the_one_gpu_smoke_recipe_composes_and_passes_the_check_before_ray(tmp_p
     assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.actor_rollout_ref.actor.strategy == "fsdp2"
     assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen3-0.6B" and cfg.trainer.total_training_steps == 3
     assert cfg.reward.reward_kwargs.grader.max_concurrency == 32 and cfg.reward.num_workers == 1
+    # fits a 24 GB card with a margin (docs/benchmarks.md#one-gpu-smoke-memory): 4,096 actor tokens, offload on
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.ppo_max_token_len_per_gpu == 4096 and actor.fsdp_config.param_offload is True
+    assert actor.fsdp_config.optimizer_offload is True
+    assert cfg.data.max_prompt_length + cfg.data.max_response_length <= actor.ppo_max_token_len_per_gpu
     setgrpo = setgrpo_config_from(cfg.algorithm)
     # calibrate, then train in the same run, with the record it writes
     assert setgrpo.record_path is None and not setgrpo.calibration.only and setgrpo.calibration.num_prompts == 32
