@@ -20,8 +20,11 @@ MODEL_TAG=qwen3-0.6b
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-0.6B}
 ROLLOUT_TP=1
 LR=${LR:-1e-6}
-MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-8192}
-PARAM_OFFLOAD=false
+# memory at the first actor update on a 24 GB card (docs/benchmarks.md#one-gpu-smoke-memory, measured on the CPU):
+# judge 5.6 GiB + rollout residue ~1 + bf16 weights 1.1 + the pass's upper bound at 4,096 tokens 7.6-8.5 = 15.3-16.2
+# of 22.35 GiB with FSDP parameter/optimizer offload; 8,192 tokens without offload would need 31-33 GiB (a 40 GB card)
+MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-4096}
+PARAM_OFFLOAD=${PARAM_OFFLOAD:-true}
 N_GPUS_PER_NODE=1
 NNODES=1
 JUDGE_CONTEXT=${JUDGE_CONTEXT:-8192}

@@ -1,7 +1,7 @@
 """Settings that verl would accept and then not use, or use only after Ray started, refused before Ray
 (docs/verl_integration.md#settings-refused-before-ray).
 
-:func:`check_unread_settings` runs inside :func:`setgrpo_verl.integration.config.check_run_config` (the Hydra
+:func:`check_unread_settings` runs inside :func:`setgrpo_verl.integration.run_check.check_run_config` (the Hydra
 callback and every command's pre-Ray check, dry runs included), for every trainer mode:
 
 * SetGRPO's own keys where nothing reads them: an ``algorithm.setgrpo`` block on verl's GRPO estimator (the
@@ -9,8 +9,6 @@ callback and every command's pre-Ray check, dry runs included), for every traine
   dual reward manager's ``reward.reward_kwargs`` keys with another reward manager (verl's managers score once);
 * verl's ``reward.custom_reward_function`` with the ``setgrpo_dual`` manager, whose rewards come from its grader
   (the function is read only by a grader of type ``function``);
-* ``actor_rollout_ref.rollout.ignore_eos=true`` on the CPU backend's ``transformers`` rollout, which stops at EOS
-  whatever it says (verl's vLLM and SGLang servers apply it);
 * an actor mini-batch larger than the batch (verl refuses it only inside the TaskRunner, after Ray started, and
   not at all with dynamic batch sizes);
 * a ``CUDA_VISIBLE_DEVICES`` that lists fewer devices than the GPUs the run asks Ray for (``ray.init`` then stops:
@@ -27,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from .dotted import config_value
 from .reward_config import REWARD_MANAGER_NAME
 
-__all__ = ["DUAL_REWARD_KWARGS", "check_ignore_eos", "check_unread_settings", "check_mini_batch", "check_ray_gpus",
+__all__ = ["DUAL_REWARD_KWARGS", "check_unread_settings", "check_mini_batch", "check_ray_gpus",
            "check_reward_function", "check_setgrpo_keys"]
 
 #: ``reward.reward_kwargs`` keys only the ``setgrpo_dual`` reward manager reads (docs/verl_integration.md).
@@ -117,20 +115,6 @@ def check_reward_function(config: Any) -> None:
         "remove reward.custom_reward_function.path")
 
 
-def check_ignore_eos(config: Any) -> None:
-    """Refuse ``actor_rollout_ref.rollout.ignore_eos=true`` on the ``transformers`` rollout (the CPU backend's,
-    :mod:`setgrpo_verl.verl_cpu.rollout`), which ends every response at EOS: the setting would have no effect.
-
-    Raises:
-        ValueError: naming the key, the rollout and the fix.
-    """
-    rollout = config_value(config, "actor_rollout_ref.rollout.name")
-    if rollout == "transformers" and bool(config_value(config, "actor_rollout_ref.rollout.ignore_eos", False)):
-        raise ValueError("actor_rollout_ref.rollout.ignore_eos=true has no effect on the CPU backend's transformers "
-                         "rollout, which ends every response at EOS; remove it (or run on GPUs with "
-                         "actor_rollout_ref.rollout.name=vllm, which applies it)")
-
-
 def check_mini_batch(config: Any) -> None:
     """Refuse an actor mini-batch larger than the batch (verl 0.9.1's ``ActorConfig.validate`` refuses it only
     inside the TaskRunner, after Ray started, and not with ``use_dynamic_bsz``).
@@ -184,8 +168,8 @@ def check_ray_gpus(config: Any, environ: Optional[Mapping[str, str]] = None) -> 
 
 
 def check_unread_settings(config: Any, *, setgrpo: bool, defaults: Optional[Mapping[str, Any]] = None) -> bool:
-    """Every check of this module (module docstring), in order: SetGRPO keys, verl's reward function, ignore_eos,
-    the mini-batch, the GPUs asked of Ray.
+    """Every check of this module (module docstring), in order: SetGRPO keys, verl's reward function, the
+    mini-batch, the GPUs asked of Ray.
 
     Returns:
         ``setgrpo``, unchanged (the caller branches on it).
@@ -195,7 +179,6 @@ def check_unread_settings(config: Any, *, setgrpo: bool, defaults: Optional[Mapp
     """
     check_setgrpo_keys(config, setgrpo=setgrpo, defaults=defaults)
     check_reward_function(config)
-    check_ignore_eos(config)
     check_mini_batch(config)
     check_ray_gpus(config)
     return setgrpo

@@ -14,7 +14,8 @@ from hydra import compose, initialize_config_module
 
 from setgrpo_verl.core import calibrate
 from setgrpo_verl.core.identity import IdentityWarning, check_identity
-from setgrpo_verl.integration.config import check_record, setgrpo_config_from
+from setgrpo_verl.integration.config import setgrpo_config_from
+from setgrpo_verl.integration.run_check import check_record
 from setgrpo_verl.integration.identity import IDENTITY_SOURCES, run_identity
 from setgrpo_verl.models import embedded_model_dir
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_module
 
-from setgrpo_verl.integration.config import check_run_config
+from setgrpo_verl.integration.run_check import check_run_config
 from setgrpo_verl.models import embedded_model_dir
 from setgrpo_verl.runner import cli
 from setgrpo_verl.runner.launch import cpu_overrides
@@ -110,5 +110,5 @@ def test_the_dry_run_refuses_an_empty_cuda_visible_devices(capsys, monkeypatch, 
 
 def test_ignore_eos_on_the_cpu_backends_rollout_is_refused():
     text = _refusal(_compose(*GRPO, *cpu_overrides(), "actor_rollout_ref.rollout.ignore_eos=true"))
-    assert text.startswith("actor_rollout_ref.rollout.ignore_eos=true has no effect on the CPU backend's "
-                           "transformers rollout"), text
+    assert text.startswith("actor_rollout_ref.rollout.ignore_eos=True: the CPU backend's transformers rollout "
+                           "does not implement it"), text
