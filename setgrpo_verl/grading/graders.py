@@ -190,20 +190,28 @@ def check_unparsed(items: Sequence[GradingItem], verdicts: Sequence[Sequence[Ver
         unparsed = [v for v in judged if v.outcome == "unparsed"]
         quoted.extend(v.raw for v in unparsed[: max(0, QUOTED_REPLIES - len(quoted))])
         if unparsed and len(unparsed) > max_unparsed_ratio * len(judged):
-            over.append((item, len(unparsed), len(judged)))
+            failed = [f"criterion {j}{_criterion_text(item, j)}: {v.failure or 'unparsed'} after {v.reasks} re-ask(s)"
+                      for j, v in enumerate(row) if v is not None and v.outcome == "unparsed"]
+            over.append((item, len(unparsed), len(judged), failed))
     if not over:
         return
-    item, n_unparsed, n_judged = over[0]
+    item, n_unparsed, n_judged, failed = over[0]
     replies = ", ".join("nothing" if r in (None, "") else repr(r[:80]) for r in quoted)
     raise GradingError(
         f"{len(over)} of {len(items)} responses in scoring {scoring_index} have unparsed judge verdicts above "
         f"max_unparsed_ratio={max_unparsed_ratio:g} (first: {describe_item(item)}, {n_unparsed} of {n_judged} judged "
-        f"criteria unparsed). The judge's first unparsed replies: {replies}. An unparsed verdict is neither met nor "
+        f"criteria unparsed: {'; '.join(failed[:QUOTED_REPLIES])}). The judge's first unparsed replies: {replies}. An unparsed verdict is neither met nor "
         "unmet, so leaving it out would change the score without a word: use a judge that answers with one verdict "
-        "word (docs/grading.md#unparsed-verdicts lists the words read, in English, Chinese and the common European "
-        "languages), raise parse_retries, or set the grader's max_unparsed_ratio to score such responses over their "
+        "word (docs/grading.md#reading-a-verdict says how a verdict is read, in English, Chinese and the common "
+        "European languages), raise parse_retries, or set the grader's max_unparsed_ratio to score such responses over their "
         "parsed criteria"
     )
+
+
+def _criterion_text(item: GradingItem, j: int) -> str:
+    """`` ('<start of criterion j>')`` of the item's rubric, or nothing without one."""
+    criteria = item.rubric.criteria if item.rubric is not None else ()
+    return f" ({criteria[j].criterion[:60]!r})" if j < len(criteria) else ""
 
 
 class FunctionGrader:

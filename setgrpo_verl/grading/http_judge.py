@@ -11,9 +11,10 @@ is a transport failure too, retried with the same budget and backoff, never read
 :func:`~.protocol.read_reply` (every OpenAI-compatible shape; tool calls and refusals are errors) and its verdict by
 :func:`~.protocol.parse_verdict`; an unparseable answer is re-asked with the next seed up to ``parse_retries``
 times, then it is an ``unparsed`` verdict, which the grader's ``max_unparsed_ratio`` turns into an error by default
-(docs/grading.md#unparsed-verdicts). A reply cut off by the token budget (``finish_reason="length"``) before any
-verdict is an error that names ``max_tokens`` and ``chat_template_kwargs``: re-asking with the same budget would
-keep only the replies whose reasoning happened to be short.
+(docs/grading.md#unparsed-verdicts). A reply cut off by the token budget (``finish_reason="length"``) gives its
+verdict when it clearly gives one before the cut (``Yes, the response``), else it is re-asked the same way; when
+every attempt is cut the budget is too small for this judge, an error that names ``max_tokens`` and
+``chat_template_kwargs`` (docs/grading.md#reading-a-verdict).
 
 Any other HTTP 4xx (400 Bad Request, 401, 404, ...) is a refusal that repeating the request cannot change: it is
 never retried. A request longer than the judge's context (vLLM: HTTP 400 "maximum context length is N tokens") is
@@ -128,8 +129,9 @@ class OpenAIJudge:
         model: model name sent in each request.
         api_key: API key; ``None`` reads ``$OPENAI_API_KEY`` and falls back to ``"EMPTY"`` (local servers).
         temperature: sampling temperature sent to the server (enters the identity).
-        max_tokens: completion token budget per verdict (enters the identity). A verdict is one word, so the
-            default 4 suits instruction judges; a reasoning ("thinking") judge needs room for its reasoning too
+        max_tokens: completion token budget per verdict (enters the identity). A verdict is one word; the default
+            16 also leaves room for a short sentence, a bold label or a small JSON object around it (a judge that
+            answers one word stops after it, so the budget costs nothing then); a reasoning ("thinking") judge needs room for its reasoning too
             (e.g. 2048), or thinking switched off with ``chat_template_kwargs``.
         chat_template_kwargs: sent as the request's ``chat_template_kwargs`` (vLLM / SGLang pass them to the chat
             template), e.g. ``{"enable_thinking": False}`` for Qwen3; ``None`` sends nothing. Enters the identity.
@@ -141,8 +143,9 @@ class OpenAIJudge:
         max_retries: retries per request on timeouts, connection errors, 408/409/429/5xx, with the client's
             exponential backoff (0.5 s doubling, at most 8 s, ``Retry-After`` honoured); separately, as many
             retries (same backoff) for HTTP 200 bodies that are not a chat completion.
-        parse_retries: how many times an unparseable answer is re-asked (with seed + attempt); after that the
-            verdict is ``unparsed`` (what the grader does with it: its ``max_unparsed_ratio``).
+        parse_retries: how many times a reply that is cut by the token budget or gives no verdict is re-asked (with
+            seed + attempt); after that the verdict is ``unparsed`` (what the grader does with it: its
+            ``max_unparsed_ratio``), or an error when every attempt was cut.
         rate_limit_wait: the longest a request keeps being sent again, in seconds from its first HTTP 429 refusal
             that outlasted the client's retries, while its event loop lowers its requests in flight; then it fails,
             naming ``max_concurrency``.
@@ -166,7 +169,7 @@ class OpenAIJudge:
         *,
         api_key: str | None = None,
         temperature: float = 1.0,
-        max_tokens: int = 4,
+        max_tokens: int = 16,
         chat_template_kwargs: dict | None = None,
         max_concurrency: int = 32,
         timeout: float = 60.0,
@@ -347,17 +350,24 @@ class OpenAIJudge:
         )
 
     async def _one(self, request: JudgeRequest, seed: int) -> Verdict:
-        """One verdict: asked, read (:func:`~.protocol.read_reply`), re-asked while unparsed up to ``parse_retries``.
+        """One verdict: asked, read (:func:`~.protocol.read_reply`, :func:`~.protocol.parse_verdict`), and asked
+        again with the next seed while the reply is cut by the token budget or gives no verdict, up to
+        ``parse_retries`` times (docs/grading.md#reading-a-verdict).
+
+        Returns:
+            the :class:`Verdict` with its ``reasks``; after the last re-ask an ``unparsed`` verdict whose ``failure``
+            says why (``cut`` or ``unreadable``).
 
         Raises:
             GradingError: transport failure (:meth:`_complete`), a reply of an unsupported shape (tool call,
-                refusal, ...), or a reply cut off by ``max_tokens`` before any verdict.
+                refusal, ...), or every attempt cut by ``max_tokens`` before any verdict (the budget is too small for
+                this judge: the message names the fix).
         """
         sent = JudgeRequest(request.question, cut_to_tokens(request.response, self.max_response_tokens),
                             request.criterion)
         messages = judge_messages(sent)
         where = f"judge {self.model!r} at {self.base_url}"
-        answer = None
+        answer, reply, cuts, cut = None, None, 0, False
         for attempt in range(self.parse_retries + 1):
             try:
                 choice = await self._complete(messages, (seed + attempt) % 2**31)
@@ -367,20 +377,23 @@ class OpenAIJudge:
                 raise
             reply = read_reply(choice["message"], where=where)
             answer = reply.answer
-            met = parse_verdict(answer)
+            cut = choice.get("finish_reason") == "length"
+            met = parse_verdict(answer, cut=cut)
             if met is not None:
-                return Verdict("met" if met else "unmet", "judge", raw=answer)
-            if choice.get("finish_reason") == "length":
-                thinking = reply.shape.startswith("content null") or strip_reasoning(answer) is None
-                raise GradingError(
-                    f"{where} was cut off by its token budget max_tokens={self.max_tokens} (finish_reason='length') "
-                    f"before giving a verdict{' (it was still reasoning)' if thinking else ''}; it said "
-                    f"{said(answer)} ({reply.shape}). A reasoning ('thinking') judge needs a larger budget (grader "
-                    "max_tokens, e.g. 2048; CLI --judge-max-tokens) or thinking switched off (grader "
-                    "chat_template_kwargs={'enable_thinking': false}; CLI --judge-chat-template-kwargs "
-                    "'{\"enable_thinking\": false}')"
-                )
-        return Verdict("unparsed", "judge", raw=answer)
+                return Verdict("met" if met else "unmet", "judge", raw=answer, reasks=attempt)
+            cuts += cut
+        if cuts == self.parse_retries + 1:
+            thinking = reply.shape.startswith("content null") or strip_reasoning(answer) is None
+            raise GradingError(
+                f"{where} was cut off by its token budget max_tokens={self.max_tokens} (finish_reason='length') "
+                f"before giving a verdict{' (it was still reasoning)' if thinking else ''} in all "
+                f"{cuts} attempts; it said {said(answer)} ({reply.shape}). A reasoning ('thinking') judge needs a "
+                "larger budget (grader max_tokens, e.g. 2048; CLI --judge-max-tokens) or thinking switched off (grader "
+                "chat_template_kwargs={'enable_thinking': false}; CLI --judge-chat-template-kwargs "
+                "'{\"enable_thinking\": false}')"
+            )
+        return Verdict("unparsed", "judge", raw=answer, reasks=self.parse_retries,
+                       failure="cut" if cut else "unreadable")
 
     async def ajudge(self, requests: Sequence[JudgeRequest], seeds: Sequence[int]) -> list[Verdict]:
         """Judge every request concurrently (bounded by ``max_concurrency``); verdicts in request order."""
