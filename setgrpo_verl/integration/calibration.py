@@ -51,7 +51,7 @@ from .batch import sketch_rows_field
 from .calibration_groups import CalibrationGroups, calibration_groups, calibration_sampling
 from .config import TRUTH_SCORE_KEY
 from .prompts import prompt_identity
-from .grading_failures import all_failed_error, check_grading_failure_share
+from .grading_failures import GradingFailureBudget, all_failed_error, check_grading_failure_share
 from .reward_config import CALIBRATION_MARK, GRADING_ERROR_KEY, grader_in_messages
 from .reward_manager import (GRADING_COUNT_KEYS, TRUTH_VERDICTS_KEY, UNPARSED_RATIO_METRIC, grading_counts,
                              unparsed_ratio)
@@ -193,7 +193,8 @@ class CalibrationPhase:
         graded, is left out, and how many were left out for each reason goes to the tracker
         (``setgrpo/calibration/dropped_incomplete``, ``.../dropped_no_response``, ``.../dropped_grading_failed``),
         the log and ``paired_scores.npz`` (docs/verl_integration.md#partial-groups). Groups left out because grading
-        failed may be at most ``calibration.max_grading_failure_ratio`` of the groups.
+        failed are bounded by ``calibration.max_grading_failure_ratio`` (docs/record.md#grading-failures), checked
+        as each batch comes in.
 
         Returns:
             The record, or None for a part of a sharded calibration.
@@ -201,8 +202,9 @@ class CalibrationPhase:
         Raises:
             ValueError: an empty calibration set, a grader that gives the truth for some batches only, shards of
                 another run or with another content, or shards left by an earlier run under
-                ``trainer.resume_mode=disable``; more groups left out because grading failed than
-                ``calibration.max_grading_failure_ratio`` allows (:func:`check_grading_failure_share`).
+                ``trainer.resume_mode=disable``; more groups left out because grading failed, in the batches so
+                far, than ``calibration.max_grading_failure_ratio`` allows the whole calibration
+                (:func:`check_grading_failure_share`).
             RuntimeError: a sampled group whose prompt is not in the batch rolled out; a batch whose every group
                 failed grading (:func:`all_failed_error`).
         """
@@ -229,7 +231,13 @@ class CalibrationPhase:
                        "calibrate; shards in %s", len(batches), len(self._calibration_prompts), part, parts,
                        sum(in_part(b, part, parts) for b in done), len(todo), shard_dir)
         progress = _Progress(len(todo), sum(len(batches[b][0]) for b in done))
-        asleep = self._calibrate_batches(shard_dir, batches, todo, identity, k, progress, provenance)
+        mine = {b: s for b, s in done.items() if in_part(b, part, parts)}
+        budget = GradingFailureBudget(
+            sum(len(batches[b][0]) for b in range(len(batches)) if in_part(b, part, parts)),
+            float(cfg.calibration.max_grading_failure_ratio), grader_in_messages(self.config),
+            sum(int(s.dropped.get("grading_failed", 0)) for s in mine.values()),
+            [shard_name(b) for b, s in sorted(mine.items()) if s.dropped.get("grading_failed", 0)])
+        asleep = self._calibrate_batches(shard_dir, batches, todo, identity, k, progress, provenance, budget)
         if parts > 1:
             self._finish_part(shard_dir, identity, part, parts, t0)
             return None
@@ -274,9 +282,11 @@ class CalibrationPhase:
                        time.perf_counter() - t0)
 
     def _calibrate_batches(self, shard_dir: str, batches: list, todo: list[int], identity: dict, k: int,
-                           progress: _Progress, provenance: dict) -> bool:
+                           progress: _Progress, provenance: dict, budget: GradingFailureBudget) -> bool:
         """Roll out, score, sketch and write the shard of each batch of ``todo``, a chunk of batches at a time: the
-        rollout sleeps between a chunk's rollouts and its passes. Returns whether the rollout is asleep."""
+        rollout sleeps between a chunk's rollouts and its passes; each shard's failed groups are counted against
+        ``budget``, which stops calibration at the first batch that puts its bound out of reach. Returns whether the
+        rollout is asleep."""
         limit = calibration_chunk_prompts(self.config)
         asleep = False
         for chunk in _chunks(((b, *batches[b]) for b in todo), limit, self.setgrpo.calibration.chunk_batches):
@@ -297,6 +307,7 @@ class CalibrationPhase:
                 shard = self._calibration_shard(index, uids, batch, identity, k, progress, provenance)
                 path = write_shard(shard_dir, shard)
                 progress.shard_done(len(uids), os.path.basename(path))
+                budget.add(shard.dropped["grading_failed"], os.path.basename(path))
         return asleep
 
     def _write_record(self, shard_dir: str, identity: dict, source: Optional[dict], out: str,
@@ -326,7 +337,7 @@ class CalibrationPhase:
 
     def _check_grading_share(self, shards: dict) -> None:
         """Refuse to finish when the groups of ``shards`` (batch index -> shard) left out because grading failed are
-        more than ``calibration.max_grading_failure_ratio`` of their groups (:func:`check_grading_failure_share`)."""
+        more than ``calibration.max_grading_failure_ratio`` allows for their groups (:func:`check_grading_failure_share`)."""
         failed = {b: int(s.dropped.get("grading_failed", 0)) for b, s in sorted(shards.items())}
         if not any(failed.values()):  # only the dual reward manager fails grading; other managers have no grader
             return

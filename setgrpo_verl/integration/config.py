@@ -88,10 +88,10 @@ class SetGRPOCalibrationConfig(BaseConfig):
                                         "< N; every N-th batch from I), writing shards and no record, for N jobs at "
                                         "once; merge them with setgrpo-verl merge-calibration; needs only=true; "
                                         "null = all (docs/record.md#calibration-shards)")
-    max_grading_failure_ratio: float = _field(0.02, "largest share of the calibration groups that may be left out "
-                                                    "because grading failed (a judge error) before calibration "
-                                                    "refuses to finish: such groups are not missing at random "
-                                                    "(docs/verl_integration.md#partial-groups)")
+    max_grading_failure_ratio: float = _field(0.02, "the judge's largest acceptable share of calibration groups "
+                                                    "left out because grading failed: more failed groups than a "
+                                                    "5 % binomial test allows at this share stop calibration "
+                                                    "(docs/record.md#grading-failures)")
 
     def __post_init__(self):
         ratio = self.max_grading_failure_ratio
