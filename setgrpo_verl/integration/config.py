@@ -227,6 +227,9 @@ class SetGRPOConfig(BaseConfig):
     seed: int = _field(0, "seed of the random_discard ablation's group choice")
     reference_score_key: str = _field("reference_score", "reward_extra_info key of the reference score r' "
                                                          "(the setgrpo_dual reward manager's)")
+    max_failed_group_ratio: float = _field(0.1, "largest share of a training step's groups that may lose a response "
+                                                "to a failed session (a grading failure) before the run stops, naming "
+                                                "the judge (docs/verl_integration.md#partial-groups)")
     calibration: SetGRPOCalibrationConfig = _field(doc="calibration phase", factory=SetGRPOCalibrationConfig)
     sketch: SetGRPOSketchConfig = _field(doc="per-response gradient sketches on the actor workers (docs/sketch.md)",
                                          factory=SetGRPOSketchConfig)

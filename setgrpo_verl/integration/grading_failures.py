@@ -10,18 +10,23 @@ binomial test: more failures show at that level that the judge fails on more tha
 and large calibrations alike (32 groups allow 2 failures at ``rho = 0.02``, 4,096 groups allow 97). It is checked
 as each batch comes in against the groups the calibration will hold (:class:`GradingFailureBudget`), so the first
 batch that makes it unreachable stops calibration; a batch whose every group failed stops it at once
-(:func:`all_failed_error`). A training step whose every rollout session failed
+(:func:`all_failed_error`). In training a grading failure fails its session: :func:`step_failures` counts a step's
+failed responses and groups (metrics), :func:`check_step_failures` bounds them (``algorithm.setgrpo.
+max_failed_group_ratio``), and a step with no graded group stops with :func:`judge_down_error`. A training step
+whose every rollout session failed
 (grading included: outside calibration a grading failure fails its session) stops with :func:`empty_batch_error`.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from scipy.stats import binom
 
-__all__ = ["FAILURE_TEST_LEVEL", "MAX_GRADING_FAILURE_KEY", "GradingFailureBudget", "all_failed_error",
-           "allowed_grading_failures", "check_grading_failure_share", "empty_batch_error"]
+__all__ = ["FAILED_GROUPS_METRIC", "FAILED_RESPONSES_METRIC", "FAILURE_TEST_LEVEL", "MAX_FAILED_GROUP_DEFAULT",
+           "MAX_FAILED_GROUP_KEY", "MAX_GRADING_FAILURE_KEY", "NO_TRAJECTORIES", "GradingFailureBudget",
+           "all_failed_error", "allowed_grading_failures", "check_grading_failure_share", "check_step_failures",
+           "empty_batch_error", "judge_down_error", "judge_now", "step_failures"]
 
 #: The config key of the bound on the share of calibration groups whose grading failed.
 MAX_GRADING_FAILURE_KEY = "algorithm.setgrpo.calibration.max_grading_failure_ratio"
@@ -69,7 +74,8 @@ class GradingFailureBudget:
         """Count the failed groups of one more batch (written to ``shard``).
 
         Raises:
-            ValueError: more failed groups so far than the whole calibration allows (:func:`check_grading_failure_share`).
+            ValueError: more failed groups so far than the whole calibration allows
+                (:func:`check_grading_failure_share`).
         """
         self.failed += int(failed)
         if failed:
@@ -124,6 +130,105 @@ def check_grading_failure_share(failed: int, groups: int, bound: float, judge: s
         f"describe another population. The grading errors are in the log (\"left out because grading failed\"){where}. "
         "Fix the judge, delete those shards and run again (only their batches are calibrated again), or raise "
         f"{MAX_GRADING_FAILURE_KEY} if the failures are known to be unrelated to the responses")
+
+
+#: The config key of the bound on the share of a training step's groups that lost a response to a failed session.
+MAX_FAILED_GROUP_KEY = "algorithm.setgrpo.max_failed_group_ratio"
+#: Its default (also for a trainer whose config has no ``algorithm.setgrpo`` block, the GRPO baseline).
+MAX_FAILED_GROUP_DEFAULT = 0.1
+#: The metrics of a training step's failed sessions (docs/cli.md#metrics).
+FAILED_RESPONSES_METRIC = "setgrpo/grading/failed_responses"
+FAILED_GROUPS_METRIC = "setgrpo/grading/failed_groups"
+#: The start of verl 0.9.1's error when no sampled group of a sync step has a response (replay_buffer.py).
+NO_TRAJECTORIES = "Sync replay buffer selected terminal groups with no materializable trajectories"
+
+
+def step_failures(keys: Sequence[str], tags: Sequence[dict], prompts: int, k: int) -> tuple[int, int]:
+    """``(failed responses, failed groups)`` of one training step: the ``prompts * k`` responses sampled less the
+    ones that came back, and the groups that lost at least one (a session that failed, grading included).
+
+    Args:
+        keys: the batch's TransferQueue keys, ``"<uid>_<session>"`` (verl 0.9.1's agent loop).
+        tags: one tag per key; ``is_padding`` rows (copies verl adds) are not counted.
+        prompts: prompts sampled for the step (>= 0).
+        k: ``actor_rollout_ref.rollout.n``.
+    """
+    counts: dict[str, int] = {}
+    for key, tag in zip(keys, tags):
+        if not (tag or {}).get("is_padding", False):
+            uid = str(key).rsplit("_", 1)[0]
+            counts[uid] = counts.get(uid, 0) + 1
+    complete = sum(n >= k for n in counts.values())
+    return max(0, prompts * k - sum(min(n, k) for n in counts.values())), max(0, prompts - complete)
+
+
+def check_step_failures(config: Any, keys: Sequence[str], tags: Sequence[dict], prompts: int) -> dict[str, float]:
+    """A training step's failed responses and groups (:func:`step_failures`) as metrics, after checking the groups
+    against ``algorithm.setgrpo.max_failed_group_ratio`` (default :data:`MAX_FAILED_GROUP_DEFAULT` where the config
+    has no such key, the GRPO baseline's).
+
+    Args:
+        config: the run's verl config.
+        keys, tags: the step's batch (``KVBatchMeta``).
+        prompts: the prompts sampled for the step.
+
+    Returns:
+        ``{FAILED_RESPONSES_METRIC: float, FAILED_GROUPS_METRIC: float}``.
+
+    Raises:
+        RuntimeError: more failed groups than the bound's share of ``prompts``, naming the count, the bound, its
+            key and the judge.
+    """
+    from omegaconf import OmegaConf
+
+    from .reward_config import grader_in_messages
+
+    responses, groups = step_failures(keys, tags, prompts, int(config.actor_rollout_ref.rollout.n))
+    bound = float(OmegaConf.select(config, MAX_FAILED_GROUP_KEY, default=MAX_FAILED_GROUP_DEFAULT))
+    if prompts and groups / prompts > bound:
+        raise RuntimeError(
+            f"SetGRPO training: {groups} of the step's {prompts} groups ({groups / prompts:.1%}) lost a response to "
+            f"a failed rollout session ({responses} responses), above {MAX_FAILED_GROUP_KEY}={bound:g}. A session "
+            f"fails when grading its response fails ({grader_in_messages(config)}), so the judge is failing on many "
+            "responses; such groups are not missing at random (SetGRPO gives them coefficient 0, GRPO trains on the "
+            "responses left). Each session's error is in verl's log (main_ppo.log). Fix the judge and resume the "
+            f"run, or raise {MAX_FAILED_GROUP_KEY}")
+    return {FAILED_RESPONSES_METRIC: float(responses), FAILED_GROUPS_METRIC: float(groups)}
+
+
+def judge_down_error(judge: str, last_error: str) -> str:
+    """The message of a training step none of whose groups has a response (verl: "no materializable
+    trajectories"): every session failed, which happens when the judge stopped answering.
+
+    Args:
+        judge: the grader as messages name it (the judge's model and URL).
+        last_error: what the judge answers now (a probe request's error), or why that is not known.
+    """
+    return (f"SetGRPO training: no group of this step has a graded response: every rollout session failed, as "
+            f"when grading fails for every response ({judge}). The judge now: {last_error}. Each session's error is "
+            "in verl's log (main_ppo.log). Fix the judge (its URL, model, key, capacity) and resume the run; verl's "
+            "trainer.v1.sampler.sync_refill_failed_groups would only spend more training prompts while the judge "
+            "is down")
+
+
+def judge_now(config: Any) -> str:
+    """What the run's HTTP judge answers one probe request now (:func:`~.judge_access.probe_judge`): its error,
+    that it answers, or that the run has no HTTP judge; for :func:`judge_down_error`."""
+    from .judge_access import probe_judge
+    from .reward_config import grader_config
+
+    try:
+        grader = grader_config(config)
+    except (ValueError, KeyError, AttributeError) as exc:
+        return f"not probed ({exc})"
+    try:
+        probed = probe_judge(grader, fix="fix the judge, then resume the run")
+    except ValueError as exc:
+        return f"a probe request fails: {exc}"
+    except Exception as exc:  # the probe itself could not run here; the sessions' errors remain in the log
+        return f"not probed ({type(exc).__name__}: {exc})"
+    return ("it answers a probe request again, so it failed for a while" if probed else
+            "the grader calls no HTTP judge")
 
 
 def empty_batch_error(judge: str) -> str:

@@ -286,3 +286,58 @@ def test_a_part_of_a_sharded_calibration_with_no_batch_is_refused_at_run_time():
     with pytest.raises(ValueError, match=r"calibration.shard=3/4: part 3 holds no batch, since the calibration "
                                          r"prompts make 3 batch\(es\): split it into at most 3 parts"):
         CalibrationPhase._calibration_part(phase, 3)
+
+
+
+# ------------------------------------------------------------------ training: failed sessions per step
+URL = "http://127.0.0.1:9/v1"  # nothing listens on the discard port: every request is refused at once
+
+
+def _train_config(**setgrpo):
+    from omegaconf import OmegaConf
+
+    grader = {"type": "openai", "base_url": URL, "model": "judge", "max_retries": 0}
+    return OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 4}},
+                             "reward": {"reward_manager": {"name": "setgrpo_dual"},
+                                        "reward_kwargs": {"grader": grader}},
+                             "algorithm": {"setgrpo": setgrpo} if setgrpo else {}})
+
+
+def test_a_steps_failed_responses_and_groups_are_counted_and_bounded():
+    from setgrpo_verl.integration.grading_failures import (FAILED_GROUPS_METRIC, FAILED_RESPONSES_METRIC,
+                                                           check_step_failures, step_failures)
+
+    # 10 prompts x K=4: a lost one response, b two, u0..u4 came back whole, 3 groups sent nothing back
+    keys = ["a_0", "a_1", "a_2", "b_0", "b_1"] + [f"u{g}_{i}" for g in range(5) for i in range(4)]
+    tags = [{}] * len(keys)
+    assert step_failures(keys + ["u0_0"], tags + [{"is_padding": True}], 10, 4) == (15, 5)
+    assert check_step_failures(_train_config(max_failed_group_ratio=0.5), keys, tags, 10) == {
+        FAILED_RESPONSES_METRIC: 15.0, FAILED_GROUPS_METRIC: 5.0}
+    with pytest.raises(RuntimeError) as info:  # the default 0.1 (also without an algorithm.setgrpo block)
+        check_step_failures(_train_config(), keys, tags, 10)
+    message = str(info.value)
+    assert "5 of the step's 10 groups (50.0%) lost a response" in message and "(15 responses)" in message
+    assert f"judge 'judge' at {URL}" in message and "algorithm.setgrpo.max_failed_group_ratio=0.1" in message
+
+
+def test_a_step_with_no_graded_group_stops_naming_the_judge_its_url_and_its_error():
+    from setgrpo_verl.integration.grading_failures import NO_TRAJECTORIES
+    from setgrpo_verl.integration.trainer import _SyncMode
+
+    class Verl:
+        def _step_once(self, metrics, timing_raw, sample_batch_size):  # verl 0.9.1's replay buffer, all failed
+            raise RuntimeError(f"{NO_TRAJECTORIES}. Enable trainer.v1.sampler.sync_refill_failed_groups to replace "
+                               "failed groups.")
+
+    class Trainer(_SyncMode, Verl):
+        registered_mode = "setgrpo"
+
+    trainer = object.__new__(Trainer)
+    trainer.config = _train_config()
+    with pytest.raises(RuntimeError) as info:
+        trainer._step_once({}, {}, 8)
+    message = str(info.value)
+    assert "no group of this step has a graded response" in message and f"judge 'judge' at {URL}" in message
+    assert "a probe request fails" in message and "could not be reached" in message
+    assert "sync_refill_failed_groups would only spend more training prompts" in message
+    assert trainer._step_prompts is None
