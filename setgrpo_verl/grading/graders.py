@@ -12,8 +12,10 @@ Interface (duck-typed)::
   scoring with ``scoring_index`` and ``seed``.
 
 Seeding: the verdict seed of criterion j of a response in scoring i is
-``sha256(grader seed, i, question, response, j, criterion)`` (31 bits), so scoring i of a response is
-reproducible regardless of batch composition or order, and scorings 0 and 1 are independent draws.
+``sha256(grader seed, i, question, response, j, criterion, nonce)`` (31 bits; ``nonce`` names the rollout sample,
+as for the noisy grader's flips, and is left out of the hash when an item has none), so scoring i of a sample is
+reproducible regardless of batch composition or order, a repeated response gets fresh verdicts at every step, and
+scorings 0 and 1 are independent draws.
 :func:`build_grader` builds a grader from a plain config mapping (what the verl reward manager reads).
 """
 
@@ -40,9 +42,14 @@ __all__ = ["FunctionGrader", "RubricGrader", "as_rubric", "build_grader", "check
 QUOTED_REPLIES = 3
 
 
-def verdict_seed(seed: int, scoring_index: int, question: str, response: str, j: int, criterion: str) -> int:
-    """The 31-bit seed of one verdict (criterion ``j``) in scoring ``scoring_index`` (see module docstring)."""
-    payload = json.dumps([int(seed), int(scoring_index), question, response, int(j), criterion])
+def verdict_seed(seed: int, scoring_index: int, question: str, response: str, j: int, criterion: str,
+                 nonce: str | None = None) -> int:
+    """The 31-bit seed of one verdict (criterion ``j``) in scoring ``scoring_index`` (see module docstring); with the
+    item's ``nonce`` (its rollout sample, :attr:`~.rubric.GradingItem.nonce`) the seed is fresh per grading call,
+    so a judge at temperature above 0 draws a repeated response's verdicts anew at every step, and the same again
+    in a rerun (docs/grading.md#judge-protocol). Without a nonce it is the seed of the scheme before nonces."""
+    fields = [int(seed), int(scoring_index), question, response, int(j), criterion]
+    payload = json.dumps(fields if nonce is None else ["judge-verdict", *fields, str(nonce)])
     return int.from_bytes(hashlib.sha256(payload.encode()).digest()[:8], "big") % 2**31
 
 
@@ -115,7 +122,8 @@ class RubricGrader:
                     )
                 row.append(None)
                 requests.append(JudgeRequest(question, item.response, crit.criterion))
-                seeds.append(verdict_seed(self.seed, scoring_index, question, item.response, j, crit.criterion))
+                seeds.append(verdict_seed(self.seed, scoring_index, question, item.response, j, crit.criterion,
+                                          item.nonce))
                 slots.append((n, j))
             verdicts.append(row)
         if requests:

@@ -301,7 +301,7 @@ def test_error_payload_on_some_requests_does_not_change_the_score(server):
         {"criterion": "[[error-payloadx1]] The response insults the reader.", "points": -1}]})
     out = DualScorer(RubricGrader(_judge(server, max_retries=2, parse_retries=0), seed=3)).score([None], [R], [rubric])
     for i, (res, score) in enumerate(zip(out.point_results + out.reference_results, [out.point[0], out.reference[0]])):
-        expected = [_expected_outcome(server, c.criterion, verdict_seed(3, i, Q, R, j, c.criterion))
+        expected = [_expected_outcome(server, c.criterion, verdict_seed(3, i, Q, R, j, c.criterion, "0"))
                     for j, c in enumerate(rubric.criteria)]
         assert [v.outcome for v in res.verdicts] == expected
         assert score == pytest.approx(rubric_score(rubric, [e == "met" for e in expected]))

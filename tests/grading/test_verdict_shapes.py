@@ -127,3 +127,29 @@ def test_the_default_budget_leaves_room_for_a_sentence_around_the_verdict():
     judge = OpenAIJudge("http://127.0.0.1:9/v1", "m")
     assert judge.max_tokens == 16 and judge.parse_retries == 2
     assert JudgeRequest("q", "r", "c") is not None
+
+
+def test_the_verdict_seed_is_fresh_per_rollout_sample_and_reproducible():
+    from setgrpo_verl.grading import verdict_seed
+
+    class Seeds:
+        identity = {"name": "x", "model": "m", "temperature": 1.0, "template_hash": "h"}
+
+        def __init__(self):
+            self.seen = []
+
+        async def ajudge(self, requests, seeds):
+            from setgrpo_verl.grading import Verdict
+
+            self.seen.append(list(seeds))
+            return [Verdict("met", "judge") for _ in requests]
+
+    rubric = Rubric.from_row({"id": "r", "question": "q", "rubrics": [{"criterion": "c", "points": 1}]})
+    judge = Seeds()
+    grader = RubricGrader(judge, seed=3)
+    for nonce in ("1/7/0", "2/7/0", "1/7/0", None):  # the same response at steps 1 and 2, step 1 again, no nonce
+        asyncio.run(grader.agrade([GradingItem(response="Red.", rubric=rubric, nonce=nonce)], scoring_index=0))
+    step1, step2, again, plain = (s[0] for s in judge.seen)
+    assert step1 != step2 and step1 == again  # fresh per sample, reproducible
+    assert plain == verdict_seed(3, 0, "q", "Red.", 0, "c")  # without a nonce: the scheme before nonces
+    assert step1 == verdict_seed(3, 0, "q", "Red.", 0, "c", "1/7/0") != plain
