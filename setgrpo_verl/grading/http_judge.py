@@ -1,10 +1,10 @@
 """The HTTP judge: any OpenAI-compatible chat-completions server (vLLM, SGLang, a hosted API).
 
-:class:`OpenAIJudge` is async with a concurrency limit; timeout and retries with exponential backoff on
-408/409/429/5xx and connection errors are the ``openai`` client's own (``max_retries``, honours ``Retry-After``). A
-request still refused with HTTP 429 after those retries lowers the requests in flight of its event loop
-(:class:`~.inflight.InFlightLimit`) and is sent again, until it has waited ``rate_limit_wait`` seconds in all
-(docs/grading.md#requests-in-flight). A timeout is reported as a slow judge, naming ``timeout``, never as an
+:class:`OpenAIJudge` is async with a concurrency limit; timeouts, connection errors, 408, 409 and 5xx are retried
+``max_retries`` times with the ``openai`` client's backoff schedule (the client itself does not retry). A request
+refused with HTTP 429 lowers the requests in flight of its event loop at once (:class:`~.inflight.InFlightLimit`:
+each refusal reaches it, none is hidden in the client's own retries) and is sent again, until it has waited
+``rate_limit_wait`` seconds in all (docs/grading.md#requests-in-flight). A timeout is reported as a slow judge, naming ``timeout``, never as an
 unreachable one; an
 HTTP 200 whose body is not a chat completion (an HTML page, an empty body, an ``{"error": ...}`` payload, no choices)
 is a transport failure too, retried with the same budget and backoff, never read as an answer. The reply is read by
@@ -140,9 +140,9 @@ class OpenAIJudge:
             (:class:`~.inflight.InFlightLimit`).
         timeout: seconds per request attempt (``openai`` client timeout); a request waits at most about
             ``timeout * (max_retries + 1)`` plus backoff before it fails as too slow.
-        max_retries: retries per request on timeouts, connection errors, 408/409/429/5xx, with the client's
-            exponential backoff (0.5 s doubling, at most 8 s, ``Retry-After`` honoured); separately, as many
-            retries (same backoff) for HTTP 200 bodies that are not a chat completion.
+        max_retries: retries per request on timeouts, connection errors, 408/409/5xx and HTTP 200 bodies that are
+            not a chat completion, with the ``openai`` client's backoff schedule (0.5 s doubling, at most 8 s);
+            HTTP 429 is apart (``rate_limit_wait``).
         parse_retries: how many times a reply that is cut by the token budget or gives no verdict is re-asked (with
             seed + attempt); after that the verdict is ``unparsed`` (what the grader does with it: its
             ``max_unparsed_ratio``), or an error when every attempt was cut.
@@ -229,9 +229,8 @@ class OpenAIJudge:
         loop = asyncio.get_running_loop()
         entry = self._clients.get(id(loop))
         if entry is None or entry[0] is not loop:
-            client = AsyncOpenAI(
-                base_url=self.base_url, api_key=self.api_key, timeout=self.timeout, max_retries=self.max_retries
-            )
+            # retries are ours (:meth:`_complete`, :meth:`_send`): every HTTP 429 reaches the in-flight limit
+            client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout, max_retries=0)
             entry = (loop, client, InFlightLimit(self.max_concurrency))
             self._clients[id(loop)] = entry
         return entry[1], entry[2]
@@ -252,10 +251,13 @@ class OpenAIJudge:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(_backoff(attempt))
+            last = attempt == self.max_retries
             try:
                 raw = await self._send(messages, seed)
             except openai.APIStatusError as exc:
                 if exc.status_code in _RETRIED_STATUSES or exc.status_code >= 500:
+                    if not last:
+                        continue
                     raise self._failed(exc, "the server answered with an error: check the model name and the "
                                        "server's log") from exc
                 raise GradingError(
@@ -264,8 +266,12 @@ class OpenAIJudge:
                     "name, the API key and the server's log"
                 ) from exc
             except openai.APITimeoutError as exc:
+                if not last:
+                    continue
                 raise too_slow_error(self, type(exc).__name__) from exc
             except openai.APIError as exc:
+                if not last:
+                    continue
                 hint = ("the server cannot be reached: start the OpenAI-compatible server or fix the base URL "
                         "(it ends in /v1)" if isinstance(exc, openai.APIConnectionError) else
                         "the server answered with an error: check the model name and the server's log")
