@@ -33,7 +33,7 @@ def _rubric(criteria: int) -> dict:
             "rubrics": [{"criterion": f"The response meets requirement {j}.", "points": 1} for j in range(criteria)]}
 
 
-def _worker(url: str, rows: list[tuple[int, int]], args, start, out) -> None:
+def _worker(url: str, rows: list[tuple[int, int]], args, ready, start, out) -> None:
     """One reward worker: score its responses, one ``ascore`` per response, concurrently; put its figures on
     ``out``."""
     import openai  # noqa: F401  (imported before the clock starts, as in a warm reward worker)
@@ -61,6 +61,7 @@ def _worker(url: str, rows: list[tuple[int, int]], args, start, out) -> None:
             await scorer.aclose()
 
     asyncio.run(scorer.ascore([GradingItem(response="warm-up", rubric=rubric, nonce="0/0/0")]))  # lazy imports
+    ready.release()
     start.wait()
     t0 = time.perf_counter()
     results = asyncio.run(run())
@@ -85,12 +86,14 @@ def _series(samples: list[tuple[float, int]], width: float) -> str:
 def run_setting(stub: JudgeStub, workers: int, args) -> dict:
     rows = [(p, s) for p in range(args.prompts) for s in range(args.k)]
     ctx = mp.get_context("fork")
-    start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(stub.base_url, rows[w::workers], args, start, out))
+    ready, start, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(stub.base_url, rows[w::workers], args, ready, start, out))
              for w in range(workers)]
     for p in procs:
         p.start()
-    time.sleep(args.warmup)  # let every worker import before the clock starts
+    for _ in procs:  # every worker imported and sent one request before the clock starts
+        ready.acquire()
+    time.sleep(1.0)
     stub.reset()
     t0 = time.perf_counter()
     start.set()
@@ -127,7 +130,6 @@ def main() -> None:
     ap.add_argument("--cut-rate", type=float, default=0.01, help="share of replies cut before the verdict")
     ap.add_argument("--max-concurrency", type=int, default=32, help="the openai grader's per-worker requests in flight")
     ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--warmup", type=float, default=8.0, help="seconds for the workers to import before the clock")
     args = ap.parse_args()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())

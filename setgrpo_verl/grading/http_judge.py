@@ -84,6 +84,21 @@ def _backoff(attempt: int) -> float:
     return min(0.5 * 2 ** (attempt - 1), 8.0)
 
 
+def _retry_after(exc, rounds: int) -> float:
+    """Seconds before a request refused with HTTP 429 is sent again: the judge's ``Retry-After`` (seconds) or
+    ``retry-after-ms`` when it gives one, else :func:`_backoff`; at most 8 s. The in-flight limit, halved by the
+    refusal, already sends fewer requests, so a judge's own hint is not stretched further."""
+    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
+    for key, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            value = float(headers.get(key)) * scale
+        except (TypeError, ValueError):
+            continue
+        if value >= 0:
+            return min(value, 8.0)
+    return _backoff(rounds)
+
+
 def _completion_choice(body: str) -> tuple[dict | None, str]:
     """The first choice of a chat-completion JSON body, or ``(None, what the body is instead)``."""
     if not body.strip():
@@ -314,7 +329,7 @@ class OpenAIJudge:
                 outcome = "answered"
                 return raw
             except openai.RateLimitError as exc:
-                outcome = "refused"
+                outcome, wait = "refused", _retry_after(exc, rounds + 1)
                 first_refusal = loop.time() if first_refusal is None else first_refusal
                 if loop.time() - first_refusal >= self.rate_limit_wait:
                     raise rate_limited_error(self, _server_message(exc), loop.time() - first_refusal,
@@ -322,7 +337,7 @@ class OpenAIJudge:
             finally:
                 await in_flight.release(sent_under, outcome)
             rounds += 1
-            await asyncio.sleep(_backoff(rounds))
+            await asyncio.sleep(wait)
 
     def _failed(self, exc: Exception, hint: str) -> GradingError:
         """The error of a request that failed after the client's retries, naming the judge's model and URL and the
