@@ -53,17 +53,18 @@ class DualScores:
 
     def metrics(self, prefix: str = "grading/") -> dict[str, float]:
         """Per-batch grading metrics: mean point score, the number of judged verdicts, unparsed verdict count and rate
-        (over the judged verdicts of every scoring); with two scorings also the mean reference score, mean |r - r'|
+        (over the judged verdicts of every scoring), the judge's re-asks (docs/grading.md#reading-a-verdict); with two scorings also the mean reference score, mean |r - r'|
         and the fraction of judged criteria whose verdicts differ between the scorings (undefined with one scoring,
         so absent); ``no_answer``, the number of responses without an answer, when known."""
         scorings = (self.point_results,) if self.reference_results is None else (self.point_results,
                                                                                   self.reference_results)
-        judged = disagree = unparsed = 0
+        judged = disagree = unparsed = reasks = 0
         for results in zip(*scorings):
             for verdicts in zip(*(r.verdicts for r in results)):
                 if verdicts[0].source == "rule":
                     continue
                 judged += 1
+                reasks += sum(int(getattr(v, "reasks", 0) or 0) for v in verdicts)
                 disagree += len({v.outcome for v in verdicts}) > 1
                 unparsed += sum(v.outcome == "unparsed" for v in verdicts)
         n = len(self.point)
@@ -72,6 +73,7 @@ class DualScores:
             f"{prefix}judged": float(len(scorings) * judged),
             f"{prefix}unparsed": float(unparsed),
             f"{prefix}unparsed_rate": unparsed / (len(scorings) * judged) if judged else 0.0,
+            f"{prefix}reasks": float(reasks),
         }
         if self.no_answer is not None:
             out[f"{prefix}no_answer"] = float(np.count_nonzero(self.no_answer))

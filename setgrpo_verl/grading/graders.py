@@ -12,8 +12,10 @@ Interface (duck-typed)::
   scoring with ``scoring_index`` and ``seed``.
 
 Seeding: the verdict seed of criterion j of a response in scoring i is
-``sha256(grader seed, i, question, response, j, criterion)`` (31 bits), so scoring i of a response is
-reproducible regardless of batch composition or order, and scorings 0 and 1 are independent draws.
+``sha256(grader seed, i, question, response, j, criterion, nonce)`` (31 bits; ``nonce`` names the rollout sample,
+as for the noisy grader's flips, and is left out of the hash when an item has none), so scoring i of a sample is
+reproducible regardless of batch composition or order, a repeated response gets fresh verdicts at every step, and
+scorings 0 and 1 are independent draws.
 :func:`build_grader` builds a grader from a plain config mapping (what the verl reward manager reads).
 """
 
@@ -40,9 +42,14 @@ __all__ = ["FunctionGrader", "RubricGrader", "as_rubric", "build_grader", "check
 QUOTED_REPLIES = 3
 
 
-def verdict_seed(seed: int, scoring_index: int, question: str, response: str, j: int, criterion: str) -> int:
-    """The 31-bit seed of one verdict (criterion ``j``) in scoring ``scoring_index`` (see module docstring)."""
-    payload = json.dumps([int(seed), int(scoring_index), question, response, int(j), criterion])
+def verdict_seed(seed: int, scoring_index: int, question: str, response: str, j: int, criterion: str,
+                 nonce: str | None = None) -> int:
+    """The 31-bit seed of one verdict (criterion ``j``) in scoring ``scoring_index`` (see module docstring); with the
+    item's ``nonce`` (its rollout sample, :attr:`~.rubric.GradingItem.nonce`) the seed is fresh per grading call,
+    so a judge at temperature above 0 draws a repeated response's verdicts anew at every step, and the same again
+    in a rerun (docs/grading.md#judge-protocol). Without a nonce it is the seed of the scheme before nonces."""
+    fields = [int(seed), int(scoring_index), question, response, int(j), criterion]
+    payload = json.dumps(fields if nonce is None else ["judge-verdict", *fields, str(nonce)])
     return int.from_bytes(hashlib.sha256(payload.encode()).digest()[:8], "big") % 2**31
 
 
@@ -115,7 +122,8 @@ class RubricGrader:
                     )
                 row.append(None)
                 requests.append(JudgeRequest(question, item.response, crit.criterion))
-                seeds.append(verdict_seed(self.seed, scoring_index, question, item.response, j, crit.criterion))
+                seeds.append(verdict_seed(self.seed, scoring_index, question, item.response, j, crit.criterion,
+                                          item.nonce))
                 slots.append((n, j))
             verdicts.append(row)
         if requests:
@@ -190,20 +198,28 @@ def check_unparsed(items: Sequence[GradingItem], verdicts: Sequence[Sequence[Ver
         unparsed = [v for v in judged if v.outcome == "unparsed"]
         quoted.extend(v.raw for v in unparsed[: max(0, QUOTED_REPLIES - len(quoted))])
         if unparsed and len(unparsed) > max_unparsed_ratio * len(judged):
-            over.append((item, len(unparsed), len(judged)))
+            failed = [f"criterion {j}{_criterion_text(item, j)}: {v.failure or 'unparsed'} after {v.reasks} re-ask(s)"
+                      for j, v in enumerate(row) if v is not None and v.outcome == "unparsed"]
+            over.append((item, len(unparsed), len(judged), failed))
     if not over:
         return
-    item, n_unparsed, n_judged = over[0]
+    item, n_unparsed, n_judged, failed = over[0]
     replies = ", ".join("nothing" if r in (None, "") else repr(r[:80]) for r in quoted)
     raise GradingError(
         f"{len(over)} of {len(items)} responses in scoring {scoring_index} have unparsed judge verdicts above "
         f"max_unparsed_ratio={max_unparsed_ratio:g} (first: {describe_item(item)}, {n_unparsed} of {n_judged} judged "
-        f"criteria unparsed). The judge's first unparsed replies: {replies}. An unparsed verdict is neither met nor "
+        f"criteria unparsed: {'; '.join(failed[:QUOTED_REPLIES])}). The judge's first unparsed replies: {replies}. An unparsed verdict is neither met nor "
         "unmet, so leaving it out would change the score without a word: use a judge that answers with one verdict "
-        "word (docs/grading.md#unparsed-verdicts lists the words read, in English, Chinese and the common European "
-        "languages), raise parse_retries, or set the grader's max_unparsed_ratio to score such responses over their "
+        "word (docs/grading.md#reading-a-verdict says how a verdict is read, in English, Chinese and the common "
+        "European languages), raise parse_retries, or set the grader's max_unparsed_ratio to score such responses over their "
         "parsed criteria"
     )
+
+
+def _criterion_text(item: GradingItem, j: int) -> str:
+    """`` ('<start of criterion j>')`` of the item's rubric, or nothing without one."""
+    criteria = item.rubric.criteria if item.rubric is not None else ()
+    return f" ({criteria[j].criterion[:60]!r})" if j < len(criteria) else ""
 
 
 class FunctionGrader:

@@ -1,19 +1,20 @@
 """The HTTP judge: any OpenAI-compatible chat-completions server (vLLM, SGLang, a hosted API).
 
-:class:`OpenAIJudge` is async with a concurrency limit; timeout and retries with exponential backoff on
-408/409/429/5xx and connection errors are the ``openai`` client's own (``max_retries``, honours ``Retry-After``). A
-request still refused with HTTP 429 after those retries lowers the requests in flight of its event loop
-(:class:`~.inflight.InFlightLimit`) and is sent again, until it has waited ``rate_limit_wait`` seconds in all
-(docs/grading.md#requests-in-flight). A timeout is reported as a slow judge, naming ``timeout``, never as an
+:class:`OpenAIJudge` is async with a concurrency limit; timeouts, connection errors, 408, 409 and 5xx are retried
+``max_retries`` times with the ``openai`` client's backoff schedule (the client itself does not retry). A request
+refused with HTTP 429 lowers the requests in flight of its event loop at once (:class:`~.inflight.InFlightLimit`:
+each refusal reaches it, none is hidden in the client's own retries) and is sent again, until it has waited
+``rate_limit_wait`` seconds in all (docs/grading.md#requests-in-flight). A timeout is reported as a slow judge, naming ``timeout``, never as an
 unreachable one; an
 HTTP 200 whose body is not a chat completion (an HTML page, an empty body, an ``{"error": ...}`` payload, no choices)
 is a transport failure too, retried with the same budget and backoff, never read as an answer. The reply is read by
 :func:`~.protocol.read_reply` (every OpenAI-compatible shape; tool calls and refusals are errors) and its verdict by
 :func:`~.protocol.parse_verdict`; an unparseable answer is re-asked with the next seed up to ``parse_retries``
 times, then it is an ``unparsed`` verdict, which the grader's ``max_unparsed_ratio`` turns into an error by default
-(docs/grading.md#unparsed-verdicts). A reply cut off by the token budget (``finish_reason="length"``) before any
-verdict is an error that names ``max_tokens`` and ``chat_template_kwargs``: re-asking with the same budget would
-keep only the replies whose reasoning happened to be short.
+(docs/grading.md#unparsed-verdicts). A reply cut off by the token budget (``finish_reason="length"``) gives its
+verdict when it clearly gives one before the cut (``Yes, the response``), else it is re-asked the same way; when
+every attempt is cut the budget is too small for this judge, an error that names ``max_tokens`` and
+``chat_template_kwargs`` (docs/grading.md#reading-a-verdict).
 
 Any other HTTP 4xx (400 Bad Request, 401, 404, ...) is a refusal that repeating the request cannot change: it is
 never retried. A request longer than the judge's context (vLLM: HTTP 400 "maximum context length is N tokens") is
@@ -84,6 +85,21 @@ def _backoff(attempt: int) -> float:
     return min(0.5 * 2 ** (attempt - 1), 8.0)
 
 
+def _retry_after(exc, rounds: int) -> float:
+    """Seconds before a request refused with HTTP 429 is sent again: the judge's ``Retry-After`` (seconds) or
+    ``retry-after-ms`` when it gives one, else :func:`_backoff`; at most 8 s. The in-flight limit, halved by the
+    refusal, already sends fewer requests, so a judge's own hint is not stretched further."""
+    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
+    for key, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            value = float(headers.get(key)) * scale
+        except (TypeError, ValueError):
+            continue
+        if value >= 0:
+            return min(value, 8.0)
+    return _backoff(rounds)
+
+
 def _completion_choice(body: str) -> tuple[dict | None, str]:
     """The first choice of a chat-completion JSON body, or ``(None, what the body is instead)``."""
     if not body.strip():
@@ -129,8 +145,9 @@ class OpenAIJudge:
         model: model name sent in each request.
         api_key: API key; ``None`` reads ``$OPENAI_API_KEY`` and falls back to ``"EMPTY"`` (local servers).
         temperature: sampling temperature sent to the server (enters the identity).
-        max_tokens: completion token budget per verdict (enters the identity). A verdict is one word, so the
-            default 4 suits instruction judges; a reasoning ("thinking") judge needs room for its reasoning too
+        max_tokens: completion token budget per verdict (enters the identity). A verdict is one word; the default
+            16 also leaves room for a short sentence, a bold label or a small JSON object around it (a judge that
+            answers one word stops after it, so the budget costs nothing then); a reasoning ("thinking") judge needs room for its reasoning too
             (e.g. 2048), or thinking switched off with ``chat_template_kwargs``.
         chat_template_kwargs: sent as the request's ``chat_template_kwargs`` (vLLM / SGLang pass them to the chat
             template), e.g. ``{"enable_thinking": False}`` for Qwen3; ``None`` sends nothing. Enters the identity.
@@ -139,11 +156,12 @@ class OpenAIJudge:
             (:class:`~.inflight.InFlightLimit`).
         timeout: seconds per request attempt (``openai`` client timeout); a request waits at most about
             ``timeout * (max_retries + 1)`` plus backoff before it fails as too slow.
-        max_retries: retries per request on timeouts, connection errors, 408/409/429/5xx, with the client's
-            exponential backoff (0.5 s doubling, at most 8 s, ``Retry-After`` honoured); separately, as many
-            retries (same backoff) for HTTP 200 bodies that are not a chat completion.
-        parse_retries: how many times an unparseable answer is re-asked (with seed + attempt); after that the
-            verdict is ``unparsed`` (what the grader does with it: its ``max_unparsed_ratio``).
+        max_retries: retries per request on timeouts, connection errors, 408/409/5xx and HTTP 200 bodies that are
+            not a chat completion, with the ``openai`` client's backoff schedule (0.5 s doubling, at most 8 s);
+            HTTP 429 is apart (``rate_limit_wait``).
+        parse_retries: how many times a reply that is cut by the token budget or gives no verdict is re-asked (with
+            seed + attempt); after that the verdict is ``unparsed`` (what the grader does with it: its
+            ``max_unparsed_ratio``), or an error when every attempt was cut.
         rate_limit_wait: the longest a request keeps being sent again, in seconds from its first HTTP 429 refusal
             that outlasted the client's retries, while its event loop lowers its requests in flight; then it fails,
             naming ``max_concurrency``.
@@ -167,7 +185,7 @@ class OpenAIJudge:
         *,
         api_key: str | None = None,
         temperature: float = 1.0,
-        max_tokens: int = 4,
+        max_tokens: int = 16,
         chat_template_kwargs: dict | None = None,
         max_concurrency: int = 32,
         timeout: float = 60.0,
@@ -227,9 +245,8 @@ class OpenAIJudge:
         loop = asyncio.get_running_loop()
         entry = self._clients.get(id(loop))
         if entry is None or entry[0] is not loop:
-            client = AsyncOpenAI(
-                base_url=self.base_url, api_key=self.api_key, timeout=self.timeout, max_retries=self.max_retries
-            )
+            # retries are ours (:meth:`_complete`, :meth:`_send`): every HTTP 429 reaches the in-flight limit
+            client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout, max_retries=0)
             entry = (loop, client, InFlightLimit(self.max_concurrency))
             self._clients[id(loop)] = entry
         return entry[1], entry[2]
@@ -250,10 +267,13 @@ class OpenAIJudge:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(_backoff(attempt))
+            last = attempt == self.max_retries
             try:
                 raw = await self._send(messages, seed)
             except openai.APIStatusError as exc:
                 if exc.status_code in _RETRIED_STATUSES or exc.status_code >= 500:
+                    if not last:
+                        continue
                     raise self._failed(exc, "the server answered with an error: check the model name and the "
                                        "server's log") from exc
                 raise GradingError(
@@ -262,8 +282,12 @@ class OpenAIJudge:
                     "name, the API key and the server's log"
                 ) from exc
             except openai.APITimeoutError as exc:
+                if not last:
+                    continue
                 raise too_slow_error(self, type(exc).__name__) from exc
             except openai.APIError as exc:
+                if not last:
+                    continue
                 hint = ("the server cannot be reached: start the OpenAI-compatible server or fix the base URL "
                         "(it ends in /v1)" if isinstance(exc, openai.APIConnectionError) else
                         "the server answered with an error: check the model name and the server's log")
@@ -306,7 +330,7 @@ class OpenAIJudge:
                 outcome = "answered"
                 return raw
             except openai.RateLimitError as exc:
-                outcome = "refused"
+                outcome, wait = "refused", _retry_after(exc, rounds + 1)
                 first_refusal = loop.time() if first_refusal is None else first_refusal
                 if loop.time() - first_refusal >= self.rate_limit_wait:
                     raise rate_limited_error(self, _server_message(exc), loop.time() - first_refusal,
@@ -314,7 +338,7 @@ class OpenAIJudge:
             finally:
                 await in_flight.release(sent_under, outcome)
             rounds += 1
-            await asyncio.sleep(_backoff(rounds))
+            await asyncio.sleep(wait)
 
     def _failed(self, exc: Exception, hint: str) -> GradingError:
         """The error of a request that failed after the client's retries, naming the judge's model and URL and the
@@ -349,17 +373,24 @@ class OpenAIJudge:
         )
 
     async def _one(self, request: JudgeRequest, seed: int) -> Verdict:
-        """One verdict: asked, read (:func:`~.protocol.read_reply`), re-asked while unparsed up to ``parse_retries``.
+        """One verdict: asked, read (:func:`~.protocol.read_reply`, :func:`~.protocol.parse_verdict`), and asked
+        again with the next seed while the reply is cut by the token budget or gives no verdict, up to
+        ``parse_retries`` times (docs/grading.md#reading-a-verdict).
+
+        Returns:
+            the :class:`Verdict` with its ``reasks``; after the last re-ask an ``unparsed`` verdict whose ``failure``
+            says why (``cut`` or ``unreadable``).
 
         Raises:
             GradingError: transport failure (:meth:`_complete`), a reply of an unsupported shape (tool call,
-                refusal, ...), or a reply cut off by ``max_tokens`` before any verdict.
+                refusal, ...), or every attempt cut by ``max_tokens`` before any verdict (the budget is too small for
+                this judge: the message names the fix).
         """
         sent = JudgeRequest(request.question, cut_to_tokens(request.response, self.max_response_tokens),
                             request.criterion)
         messages = judge_messages(sent)
         where = f"judge {self.model!r} at {self.base_url}"
-        answer = None
+        answer, reply, cuts, cut = None, None, 0, False
         for attempt in range(self.parse_retries + 1):
             try:
                 choice = await self._complete(messages, (seed + attempt) % 2**31)
@@ -369,20 +400,23 @@ class OpenAIJudge:
                 raise
             reply = read_reply(choice["message"], where=where)
             answer = reply.answer
-            met = parse_verdict(answer)
+            cut = choice.get("finish_reason") == "length"
+            met = parse_verdict(answer, cut=cut)
             if met is not None:
-                return Verdict("met" if met else "unmet", "judge", raw=answer)
-            if choice.get("finish_reason") == "length":
-                thinking = reply.shape.startswith("content null") or strip_reasoning(answer) is None
-                raise GradingError(
-                    f"{where} was cut off by its token budget max_tokens={self.max_tokens} (finish_reason='length') "
-                    f"before giving a verdict{' (it was still reasoning)' if thinking else ''}; it said "
-                    f"{said(answer)} ({reply.shape}). A reasoning ('thinking') judge needs a larger budget (grader "
-                    "max_tokens, e.g. 2048; CLI --judge-max-tokens) or thinking switched off (grader "
-                    "chat_template_kwargs={'enable_thinking': false}; CLI --judge-chat-template-kwargs "
-                    "'{\"enable_thinking\": false}')"
-                )
-        return Verdict("unparsed", "judge", raw=answer)
+                return Verdict("met" if met else "unmet", "judge", raw=answer, reasks=attempt)
+            cuts += cut
+        if cuts == self.parse_retries + 1:
+            thinking = reply.shape.startswith("content null") or strip_reasoning(answer) is None
+            raise GradingError(
+                f"{where} was cut off by its token budget max_tokens={self.max_tokens} (finish_reason='length') "
+                f"before giving a verdict{' (it was still reasoning)' if thinking else ''} in all "
+                f"{cuts} attempts; it said {said(answer)} ({reply.shape}). A reasoning ('thinking') judge needs a "
+                "larger budget (grader max_tokens, e.g. 2048; CLI --judge-max-tokens) or thinking switched off (grader "
+                "chat_template_kwargs={'enable_thinking': false}; CLI --judge-chat-template-kwargs "
+                "'{\"enable_thinking\": false}')"
+            )
+        return Verdict("unparsed", "judge", raw=answer, reasks=self.parse_retries,
+                       failure="cut" if cut else "unreadable")
 
     async def ajudge(self, requests: Sequence[JudgeRequest], seeds: Sequence[int]) -> list[Verdict]:
         """Judge every request concurrently (bounded by ``max_concurrency``); verdicts in request order."""

@@ -10,9 +10,10 @@ SGLang reasoning parsers, e.g. Qwen3 with ``enable_thinking=false``). The answer
 text of ours added. Any other shape -- tool calls, a refusal, non-text parts, a content of another type -- is a
 :class:`~.types.GradingError` that names the shape and quotes the reply.
 
-Verdicts (:func:`parse_verdict`): after any ``<think>...</think>`` block, the whole answer is one verdict word of
-:data:`VERDICT_WORDS` (English, Chinese, Japanese, Korean and the common European languages, case-insensitive,
-optionally followed by one ``.``, ``!``, ``。`` or ``！``); anything else is unparsed.
+Verdicts (:func:`parse_verdict`, docs/grading.md#reading-a-verdict): after any ``<think>...</think>`` block, the
+verdict markers of the answer -- one verdict word of :data:`VERDICT_WORDS` (English, Chinese, Japanese, Korean and
+the common European languages, case-insensitive) as the whole answer, in a JSON field, after a label, as the first
+word before a separator or as the last line -- when there is one and all agree; anything else is unparsed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -146,19 +148,124 @@ def strip_reasoning(text: str | None) -> str | None:
     return text
 
 
-def parse_verdict(text: str | None) -> bool | None:
-    """``True`` for a yes word, ``False`` for a no word of :data:`VERDICT_WORDS`, ``None`` for anything else.
+def parse_verdict(text: str | None, *, cut: bool = False) -> bool | None:
+    """``True`` (yes), ``False`` (no) or ``None`` (no verdict read): the verdict a judge's answer clearly gives
+    (docs/grading.md#reading-a-verdict).
 
-    The whole answer must be the word (case-insensitive; surrounding whitespace and one final ``.``, ``!``, ``。``
-    or ``！`` allowed). A reasoning block ``<think>...</think>`` before the answer is skipped
-    (:func:`strip_reasoning`); an unclosed one gives ``None``."""
+    A reasoning block ``<think>...</think>`` before the answer is skipped (:func:`strip_reasoning`; an unclosed one
+    gives ``None``). Then the answer's verdict markers are collected, each one word of :data:`VERDICT_WORDS`
+    (case-insensitive) standing alone:
+
+    * the whole answer, after markdown and markup are taken off (``**Yes**``, ``\\boxed{no}``, ``[[Yes]]``,
+      ``<answer>no</answer>``, ``"yes"``);
+    * a field ``verdict``, ``answer``, ``judgment``, ``decision``, ``result``, ``met``, ... of a JSON object (in a
+      code fence or not), whose value is a verdict word or a JSON boolean;
+    * a word after a label: ``Verdict: yes``, ``Final answer - No``, ``the answer is yes``, ``答案：是``;
+    * the answer's first word, followed by a separator (``Yes, the response ...``, ``No. It lacks ...``,
+      ``はい、...``);
+    * a last line that is the word alone (reasoning first, then ``Yes``).
+
+    The verdict is read when there is at least one marker and all markers agree; markers that disagree (``Yes, ...
+    Final answer: no``) give ``None``. A word is a marker only where it ends: on a reply cut by the token budget
+    (``cut=True``, ``finish_reason="length"``) the end of the text is not a word's end (``No`` may have been
+    ``Not``), so a word there counts only with a separator after it, and a cut JSON object is not read.
+
+    Args:
+        text: the judge's answer (reasoning included, if the server left it there); ``None`` for none.
+        cut: the reply ended on the token budget.
+    """
     answer = strip_reasoning(text)
     if answer is None:
         return None
-    word = answer.strip()
-    if word and word[-1] in _FINAL_PUNCTUATION:
+    markers = _verdict_markers(answer, cut)
+    return markers.pop() if len(markers) == 1 else None
+
+
+_WORD_CHARS = r"[^\W_]"
+#: Separators after a first-word verdict (ASCII and CJK punctuation, a line break).
+_SEPARATOR = r"(?:[,.;:!)\]\-\u2014\u2013\u3001\u3002\uff0c\uff1a\uff01]|\n)"
+_LABELS = (r"final\s+(?:verdict|answer|decision|judg(?:e)?ment)|verdict|answer|judg(?:e)?ment|decision|result|"
+           r"conclusion|criterion\s+met|meets?\s+(?:the\s+)?criterion|答案|结论|判断|回答|结果|判定|答え|결론|답변|판정|"
+           r"antwort|urteil|réponse|verdicto|respuesta|veredicto|resposta|risposta|ответ|вердикт")
+_LABEL_RE = re.compile(rf"(?:{_LABELS})(?:\s*(?:is|was|would\s+be|:|：|=|-|\u2014))+\s*", re.IGNORECASE)
+#: A bracketed label (Prometheus' ``[RESULT] Yes``) reads as ``RESULT: Yes``.
+_BRACKET_LABEL = re.compile(r"\[(result|verdict|answer|decision)\]", re.IGNORECASE)
+_JSON_FIELDS = ("verdict", "answer", "judgment", "judgement", "decision", "result", "met", "meets", "meets_criterion",
+                "criterion_met", "criteria_met", "satisfied", "label", "pass", "passed", "final_answer", "final_verdict")
+_MARKUP = re.compile(r"\\boxed\{([^{}]*)\}|</?[A-Za-z_][\w-]*>|[*_`#>\[\]\"'“”‘’「」『』«»]")
+
+
+def _plain(text: str) -> str:
+    """``text`` without markdown emphasis, code ticks, headings, quotes, brackets and XML-like tags; ``\\boxed{x}``
+    becomes ``x``."""
+    return _MARKUP.sub(lambda m: m.group(1) or " ", text)
+
+
+def _word_verdict(word: str) -> bool | None:
+    word = word.strip()
+    while word and word[-1] in _FINAL_PUNCTUATION + ",;:":
         word = word[:-1].rstrip()
     return VERDICT_WORDS.get(word.casefold())
+
+
+def _json_verdicts(answer: str) -> set[bool]:
+    """Verdicts of the named fields of the JSON objects in ``answer`` (a complete object only)."""
+    found: set[bool] = set()
+    decoder = json.JSONDecoder()
+    start = answer.find("{")
+    while start >= 0:
+        try:
+            obj, end = decoder.raw_decode(answer, start)
+        except ValueError:
+            start = answer.find("{", start + 1)
+            continue
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                if str(key).casefold() in _JSON_FIELDS:
+                    if isinstance(value, bool):
+                        found.add(value)
+                    elif isinstance(value, str) and _word_verdict(_plain(value)) is not None:
+                        found.add(_word_verdict(_plain(value)))
+        start = answer.find("{", end)
+    return found
+
+
+def _leading_word(text: str, cut: bool) -> bool | None:
+    """The verdict of ``text``'s first word when a separator follows it (or the text ends there, unless cut)."""
+    longest = None
+    for word, meaning in VERDICT_WORDS.items():
+        if text[:len(word)].casefold() != word:
+            continue
+        rest = text[len(word):]
+        ends = re.match(_SEPARATOR, rest) is not None or (not rest.strip() and not cut)
+        if ends and re.match(_WORD_CHARS, rest) is None and (longest is None or len(word) > len(longest[0])):
+            longest = (word, meaning)
+    return None if longest is None else longest[1]
+
+
+def _verdict_markers(answer: str, cut: bool) -> set[bool]:
+    """Every verdict marker of ``answer`` (see :func:`parse_verdict`)."""
+    markers = _json_verdicts(answer)
+    plain = _plain(_BRACKET_LABEL.sub(r"\1:", answer)).strip()
+    if not plain:
+        return markers
+    whole = _word_verdict(plain)
+    if whole is not None and not (cut and plain[-1:].isalpha()):
+        markers.add(whole)
+        return markers
+    for match in _LABEL_RE.finditer(plain):
+        meaning = _leading_word(plain[match.end():], cut)
+        if meaning is not None:
+            markers.add(meaning)
+    first = _leading_word(plain, cut)
+    if first is not None:
+        markers.add(first)
+    lines = [line.strip() for line in plain.splitlines() if line.strip()]
+    if len(lines) > 1 and not cut:
+        last = _word_verdict(lines[-1])
+        if last is not None:
+            markers.add(last)
+    return markers
 
 
 def said(text: str | None) -> str:

@@ -67,13 +67,18 @@ class Verdict:
 
     ``outcome`` is ``met``, ``unmet`` or ``unparsed``; ``source`` is ``rule``, ``judge`` or ``function``;
     ``p_yes`` is the judge's probability of ``yes`` when known (local judge), else ``None``; ``raw`` the judge's
-    answer text (HTTP judge) or ``None``.
+    answer text (HTTP judge) or ``None``; ``reasks`` how many times the judge was asked again because its reply was
+    cut by the token budget or gave no verdict (docs/grading.md#reading-a-verdict); ``failure`` why an ``unparsed``
+    verdict stayed unparsed after the last re-ask (``"cut"``: the last reply was cut by the token budget,
+    ``"unreadable"``: it gave no verdict), else ``None``.
     """
 
     outcome: Outcome
     source: str
     p_yes: float | None = None
     raw: str | None = None
+    reasks: int = 0
+    failure: str | None = None
 
     @property
     def met(self) -> bool | None:
@@ -85,4 +90,8 @@ class Verdict:
             out["p_yes"] = round(float(self.p_yes), 6)
         if self.raw is not None:
             out["raw"] = self.raw
+        if self.reasks:
+            out["reasks"] = int(self.reasks)
+        if self.failure is not None:
+            out["failure"] = self.failure
         return out

@@ -5,24 +5,21 @@ sketched, written one shard per batch, and the record built from the complete sh
 :class:`CalibrationPhase` is a mixin of :class:`~setgrpo_verl.integration.trainer.SetGRPOTrainer`: it uses the
 trainer's verl machinery (replay buffer, rollout, reward, sketch pass, checkpoint manager) and its record helpers
 (``_record_out``, ``_run_identity``, ``_log_record``), and keeps no state of its own beyond the calibration
-prompts' fingerprints.
+prompts' fingerprints. One batch's inputs by group come from :mod:`.calibration_groups`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import logging
 import os
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Optional
 
 import numpy as np
-import torch
 import transfer_queue as tq
-from tensordict import TensorDict
 from torchdata.stateful_dataloader import StatefulDataLoader
 from tqdm import tqdm
 
@@ -32,7 +29,6 @@ from verl.utils.dataset.rl_dataset import collate_fn
 
 from setgrpo_verl.atomic import replace_durably
 from setgrpo_verl.core import CalibrationRecord
-from setgrpo_verl.core.grpo import degenerate_groups
 from setgrpo_verl.core.record import package_versions, prompt_fingerprint
 from setgrpo_verl.core.shards import (
     CalibrationShard,
@@ -51,12 +47,11 @@ from setgrpo_verl.core.shards import (
 )
 from setgrpo_verl.core.record_text import selection_text, table4_row
 
-from .batch import (dense_sketches, grading_errors_from, reference_scores_from, sketch_rows_field, sketched_rows,
-                    truth_verdicts_from)
+from .batch import sketch_rows_field
+from .calibration_groups import CalibrationGroups, calibration_groups, calibration_sampling
 from .config import TRUTH_SCORE_KEY
-from .groups import complete_group_rows, group_gram
 from .prompts import prompt_identity
-from .grading_failures import all_failed_error, check_grading_failure_share
+from .grading_failures import GradingFailureBudget, all_failed_error, check_grading_failure_share
 from .reward_config import CALIBRATION_MARK, GRADING_ERROR_KEY, grader_in_messages
 from .reward_manager import (GRADING_COUNT_KEYS, TRUTH_VERDICTS_KEY, UNPARSED_RATIO_METRIC, grading_counts,
                              unparsed_ratio)
@@ -66,148 +61,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CalibrationGroups", "CalibrationPhase", "calibration_chunk_prompts", "calibration_groups",
            "calibration_sampling"]
-
-
-class CalibrationGroups(NamedTuple):
-    """Calibration inputs of one batch, grouped by uid: float64 ``point [G, K]``, ``reference [G, K]``,
-    ``gram [G, K, K]`` and ``truth [G, K]`` (noise-free scores, docs/validation.md#noisy-grader) or ``None``; the G
-    complete groups' ``uids`` and ``incomplete``, each group left out for holding fewer than K responses -> its
-    response count; ``truth_verdicts`` int8 ``[G, K, J]`` (1 met, 0 unmet, -1 no verdict or no criterion J of a
-    rubric with fewer) and ``criterion_points`` float64 ``[G, J]`` (0 past a rubric's criteria) of the noise-free
-    verdicts, J the most criteria of a rubric in the batch, or both ``None``; ``grading_failed``, each group left
-    out because grading one of its responses failed -> the first such error's message."""
-
-    point: torch.Tensor
-    reference: torch.Tensor
-    gram: torch.Tensor
-    truth: Optional[torch.Tensor]
-    uids: list = []
-    incomplete: dict = {}
-    truth_verdicts: Optional[np.ndarray] = None
-    criterion_points: Optional[np.ndarray] = None
-    grading_failed: dict = {}
-
-
-@contextlib.contextmanager
-def calibration_sampling(replay_buffer: Any) -> Iterator[None]:
-    """Within the block, verl's sync ``ReplayBuffer`` samples the calibration prompts and nothing else
-    (docs/verl_integration.md#partial-groups).
-
-    verl 0.9.1's buffer replaces a wholly failed group (``trainer.v1.sampler.sync_refill_failed_groups=true``) and
-    the groups its DAPO filter evicts (``algorithm.filter_groups``) through ``refill_fn``, which draws *training*
-    prompts; both are off here, so a failed or filtered calibration group stays in the batch and calibration
-    accounts for it. Any other call of ``refill_fn`` raises RuntimeError. Attributes the buffer lacks (a custom
-    sampler) are left alone.
-    """
-    def refuse(count: int) -> int:
-        raise RuntimeError(f"verl's replay buffer asked for {count} more prompts during calibration, which would be "
-                           "training prompts: calibration samples only its own prompts")
-
-    saved = {}
-    for name, value in (("sync_refill_failed_groups", False), ("filter_groups_metric", None), ("refill_fn", refuse)):
-        if hasattr(replay_buffer, name):
-            saved[name] = getattr(replay_buffer, name)
-            setattr(replay_buffer, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(replay_buffer, name, value)
-
-
-def calibration_groups(data: TensorDict, reference_key: str, truth_key: str = TRUTH_SCORE_KEY, *,
-                       k: int, verdicts_key: str = TRUTH_VERDICTS_KEY) -> CalibrationGroups:
-    """Calibration inputs of one rolled-out, scored and sketched batch (docs/algorithm.md#2-jrsc, #4-srgo).
-
-    Args:
-        data: TransferQueue fields ``uid``, ``response_mask`` and ``rm_scores`` (nested [B, j]), ``setgrpo_sketch``
-            ([B, m], dense or nested), the reference scores and, when the grader knows it, the truth (both read
-            by :func:`reference_scores_from`).
-        reference_key: ``algorithm.setgrpo.reference_score_key``.
-        truth_key: key of the noise-free score in ``reward_extra_info``.
-        k: ``actor_rollout_ref.rollout.n``; a group with fewer responses (a failed rollout session, which verl's
-            agent loop keeps) is left out and counted in ``incomplete``
-            (docs/verl_integration.md#partial-groups).
-        verdicts_key: key of the noise-free verdicts in ``reward_extra_info`` (:func:`truth_verdicts_from`).
-
-    A group one of whose responses carries a grading error (``reward_extra_info["grading_error"]``, which the
-    dual-reward manager writes for a calibration response whose grading failed) is left out whole and counted in
-    ``grading_failed``, whether or not it is complete.
-
-    Returns:
-        :class:`CalibrationGroups` (float64, complete groups by uid, padding groups skipped; ``truth`` and the
-        truth verdicts None when the batch carries none).
-
-    Raises:
-        ValueError: no reference scores (the run does not use the dual-reward manager), a group larger than
-            ``k``, non-finite sketches, a truth for only some responses or a non-finite one, truth verdicts for
-            only some responses or malformed, or responses of one group with different criteria points.
-    """
-    errors = grading_errors_from(data, GRADING_ERROR_KEY)
-    failed_rows = None if errors is None else [bool(e) for e in errors]
-    reference = reference_scores_from(data, reference_key, failed_rows)
-    response_mask, scores = data["response_mask"], data["rm_scores"]
-    if response_mask.is_nested:
-        response_mask, scores = response_mask.to_padded_tensor(0), scores.to_padded_tensor(0.0)
-    index = list(data["uid"])
-    groups, uids, incomplete = complete_group_rows(index, response_mask, k)
-    failed = _failed_groups(index, errors, set(uids) | set(incomplete))
-    if failed:  # a group with a response whose grading failed is left out whole, complete or not
-        keep = [g for g, uid in enumerate(uids) if uid not in failed]
-        groups, uids = groups[keep], [uids[g] for g in keep]
-        incomplete = {uid: n for uid, n in incomplete.items() if uid not in failed}
-    if reference is None and uids:
-        raise ValueError(
-            f"calibration needs a reference score per response under reward_extra_info[{reference_key!r}]: use "
-            "the setgrpo dual-reward manager (reward.reward_manager.name) or set algorithm.setgrpo.reference_score_key"
-        )
-    point = scores.to(torch.float64).sum(-1)[groups]
-    truth = reference_scores_from(data, truth_key, failed_rows)
-    sketched = sketched_rows(data)
-    gram = group_gram(dense_sketches(data[SKETCH_KEY]), groups, sketched) if uids else torch.zeros(0, k, k, dtype=torch.float64)
-    if sketched is not None and uids:
-        unread = ~sketched[groups].all(-1) & ~degenerate_groups(point)
-        if unread.any():
-            raise ValueError(f"{int(unread.sum())} calibration group(s) are not degenerate but were not sketched")
-    verdicts, points = _group_verdicts(truth_verdicts_from(data, verdicts_key, failed_rows), groups)
-    reference = torch.zeros(0, k, dtype=torch.float64) if reference is None else reference[groups]
-    return CalibrationGroups(point, reference, gram, None if truth is None else truth[groups], uids,
-                             incomplete, verdicts, points, failed)
-
-
-def _failed_groups(index: list, errors: Optional[list[str]], real: set) -> dict:
-    """Each real group (uid in ``real``) with a row whose grading failed -> the first such row's error message;
-    ``errors``: one message per row (``""``: graded), or None when the reward manager wrote none."""
-    failed: dict = {}
-    for uid, error in zip(index, errors or ()):
-        if error and uid in real:
-            failed.setdefault(uid, error)
-    return failed
-
-
-def _group_verdicts(rows: Optional[list], groups: torch.Tensor) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
-    """``(int8 [G, K, J], float64 [G, J])``: the rows' truth verdicts (:func:`truth_verdicts_from`) by group, -1 and
-    0 points past a rubric's criteria; ``(None, None)`` without rows.
-
-    Raises:
-        ValueError: the responses of one group have different criteria points (they answer one rubric).
-    """
-    if rows is None:
-        return None, None
-    g, k = groups.shape
-    j = max((len(rows[int(r)][0]) for r in groups.reshape(-1)), default=0)
-    verdicts = np.full((g, k, j), -1, dtype=np.int8)
-    points = np.zeros((g, j), dtype=np.float64)
-    for a, members in enumerate(groups.tolist()):
-        first = rows[members[0]][1]
-        points[a, :len(first)] = first
-        for b, r in enumerate(members):
-            met, own = rows[r]
-            if own != first:
-                raise ValueError(f"responses {members[0]} and {r} of one calibration group carry the criteria points "
-                                 f"{first} and {own}; the K responses of a prompt answer one rubric")
-            verdicts[a, b, :len(met)] = met
-    return verdicts, points
 
 
 def calibration_chunk_prompts(config: Any) -> Optional[int]:
@@ -340,7 +193,8 @@ class CalibrationPhase:
         graded, is left out, and how many were left out for each reason goes to the tracker
         (``setgrpo/calibration/dropped_incomplete``, ``.../dropped_no_response``, ``.../dropped_grading_failed``),
         the log and ``paired_scores.npz`` (docs/verl_integration.md#partial-groups). Groups left out because grading
-        failed may be at most ``calibration.max_grading_failure_ratio`` of the groups.
+        failed are bounded by ``calibration.max_grading_failure_ratio`` (docs/record.md#grading-failures), checked
+        as each batch comes in.
 
         Returns:
             The record, or None for a part of a sharded calibration.
@@ -348,8 +202,9 @@ class CalibrationPhase:
         Raises:
             ValueError: an empty calibration set, a grader that gives the truth for some batches only, shards of
                 another run or with another content, or shards left by an earlier run under
-                ``trainer.resume_mode=disable``; more groups left out because grading failed than
-                ``calibration.max_grading_failure_ratio`` allows (:func:`check_grading_failure_share`).
+                ``trainer.resume_mode=disable``; more groups left out because grading failed, in the batches so
+                far, than ``calibration.max_grading_failure_ratio`` allows the whole calibration
+                (:func:`check_grading_failure_share`).
             RuntimeError: a sampled group whose prompt is not in the batch rolled out; a batch whose every group
                 failed grading (:func:`all_failed_error`).
         """
@@ -376,7 +231,13 @@ class CalibrationPhase:
                        "calibrate; shards in %s", len(batches), len(self._calibration_prompts), part, parts,
                        sum(in_part(b, part, parts) for b in done), len(todo), shard_dir)
         progress = _Progress(len(todo), sum(len(batches[b][0]) for b in done))
-        asleep = self._calibrate_batches(shard_dir, batches, todo, identity, k, progress, provenance)
+        mine = {b: s for b, s in done.items() if in_part(b, part, parts)}
+        budget = GradingFailureBudget(
+            sum(len(batches[b][0]) for b in range(len(batches)) if in_part(b, part, parts)),
+            float(cfg.calibration.max_grading_failure_ratio), grader_in_messages(self.config),
+            sum(int(s.dropped.get("grading_failed", 0)) for s in mine.values()),
+            [shard_name(b) for b, s in sorted(mine.items()) if s.dropped.get("grading_failed", 0)])
+        asleep = self._calibrate_batches(shard_dir, batches, todo, identity, k, progress, provenance, budget)
         if parts > 1:
             self._finish_part(shard_dir, identity, part, parts, t0)
             return None
@@ -421,9 +282,11 @@ class CalibrationPhase:
                        time.perf_counter() - t0)
 
     def _calibrate_batches(self, shard_dir: str, batches: list, todo: list[int], identity: dict, k: int,
-                           progress: _Progress, provenance: dict) -> bool:
+                           progress: _Progress, provenance: dict, budget: GradingFailureBudget) -> bool:
         """Roll out, score, sketch and write the shard of each batch of ``todo``, a chunk of batches at a time: the
-        rollout sleeps between a chunk's rollouts and its passes. Returns whether the rollout is asleep."""
+        rollout sleeps between a chunk's rollouts and its passes; each shard's failed groups are counted against
+        ``budget``, which stops calibration at the first batch that puts its bound out of reach. Returns whether the
+        rollout is asleep."""
         limit = calibration_chunk_prompts(self.config)
         asleep = False
         for chunk in _chunks(((b, *batches[b]) for b in todo), limit, self.setgrpo.calibration.chunk_batches):
@@ -444,6 +307,7 @@ class CalibrationPhase:
                 shard = self._calibration_shard(index, uids, batch, identity, k, progress, provenance)
                 path = write_shard(shard_dir, shard)
                 progress.shard_done(len(uids), os.path.basename(path))
+                budget.add(shard.dropped["grading_failed"], os.path.basename(path))
         return asleep
 
     def _write_record(self, shard_dir: str, identity: dict, source: Optional[dict], out: str,
@@ -473,7 +337,7 @@ class CalibrationPhase:
 
     def _check_grading_share(self, shards: dict) -> None:
         """Refuse to finish when the groups of ``shards`` (batch index -> shard) left out because grading failed are
-        more than ``calibration.max_grading_failure_ratio`` of their groups (:func:`check_grading_failure_share`)."""
+        more than ``calibration.max_grading_failure_ratio`` allows for their groups (:func:`check_grading_failure_share`)."""
         failed = {b: int(s.dropped.get("grading_failed", 0)) for b, s in sorted(shards.items())}
         if not any(failed.values()):  # only the dual reward manager fails grading; other managers have no grader
             return

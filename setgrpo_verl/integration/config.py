@@ -75,10 +75,8 @@ class SetGRPOCalibrationConfig(BaseConfig):
                                         "< N; every N-th batch from I), writing shards and no record, for N jobs at "
                                         "once; merge them with setgrpo-verl merge-calibration; needs only=true; "
                                         "null = all (docs/record.md#calibration-shards)")
-    max_grading_failure_ratio: float = _field(0.02, "largest share of the calibration groups that may be left out "
-                                                    "because grading failed (a judge error) before calibration "
-                                                    "refuses to finish: such groups are not missing at random "
-                                                    "(docs/verl_integration.md#partial-groups)")
+    max_grading_failure_ratio: float = _field(0.02, "judge's acceptable share of groups failing grading; "
+                                                    "more than a 5 % binomial test allows stop (docs/record.md)")
 
     def __post_init__(self):
         ratio = self.max_grading_failure_ratio
@@ -214,6 +212,8 @@ class SetGRPOConfig(BaseConfig):
     seed: int = _field(0, "seed of the random_discard ablation's group choice")
     reference_score_key: str = _field("reference_score", "reward_extra_info key of the reference score r' "
                                                          "(the setgrpo_dual reward manager's)")
+    max_failed_group_ratio: float = _field(0.1, "most of a step's groups that may lose a response to a failed "
+                                                "session before training stops (docs/verl_integration.md)")
     calibration: SetGRPOCalibrationConfig = _field(doc="calibration phase", factory=SetGRPOCalibrationConfig)
     sketch: SetGRPOSketchConfig = _field(doc="per-response gradient sketches on the actor workers (docs/sketch.md)",
                                          factory=SetGRPOSketchConfig)

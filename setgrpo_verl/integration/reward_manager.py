@@ -12,7 +12,8 @@ grading protocol (:class:`setgrpo_verl.grading.DualScorer`, docs/algorithm.md#0-
 * ``reward_extra_info`` (one value per response; the same keys for every response of a run) carries
   ``score`` (= r), ``point_verdicts`` (JSON list of per-criterion verdicts), ``unparsed`` (number of unparsed judge
   verdicts in all scorings), ``judged`` (number of judge verdicts in all scorings) and ``scorings`` (grader calls
-  made for the response, 1 or 2) and ``no_answer`` (1 for a response whose thinking block never closes, graded as
+  made for the response, 1 or 2) and ``reasks`` (judge requests asked again, all scorings:
+  docs/grading.md#reading-a-verdict) and ``no_answer`` (1 for a response whose thinking block never closes, graded as
   the empty answer: docs/grading.md#thinking-policies) and ``grading_error`` (``""``; for a calibration response
   whose grading failed, the error's message and none of the scores: docs/verl_integration.md#partial-groups); with
   two scorings also ``reference_score`` (r', under the key
@@ -41,7 +42,7 @@ Configuration (verl config, next to DAPO's ``reward.reward_kwargs``)::
         grader: {type: local_hf, temperature: 1.0, seed: 0}      # see setgrpo_verl.grading.build_grader
         # or {type: openai, base_url: http://127.0.0.1:8000/v1, model: Qwen/Qwen3-8B, max_concurrency: 64,
         #     chat_template_kwargs: {enable_thinking: false}}   # a reasoning judge: thinking off, or instead
-        #     max_tokens: 2048                                  # a token budget that fits its reasoning (default 4)
+        #     max_tokens: 2048                                  # a token budget that fits its reasoning (default 16)
         # or {type: function, path: my_reward.py, name: compute_score}
         # or {type: noisy, flip_prob: 0.1, seed: 0, base: {type: rules}}   # known verdict noise, truth_score
         # type function without path uses verl's reward.custom_reward_function (path, name)
@@ -90,6 +91,7 @@ __all__ = [
     "TRUTH_VERDICTS_KEY",
     "CALLS_METRIC",
     "NO_ANSWER_METRIC",
+    "REASKS_METRIC",
     "TRUTH_METRIC",
     "SetGRPODualRewardManager",
     "grader_config",
@@ -109,6 +111,9 @@ logger = logging.getLogger(__name__)
 UNPARSED_RATIO_METRIC = "setgrpo/grading/unparsed_ratio"
 #: verl tracker metric: grader calls of a step's batch (responses x scorings per response).
 CALLS_METRIC = "setgrpo/grading/calls_per_step"
+#: verl tracker metric: judge requests of a batch asked again because the reply was cut or gave no verdict
+#: (docs/grading.md#reading-a-verdict).
+REASKS_METRIC = "setgrpo/grading/reasks_per_step"
 #: verl tracker metric: share of a batch's responses whose thinking block never closes, graded as the empty answer
 #: (docs/grading.md#thinking-policies).
 NO_ANSWER_METRIC = "setgrpo/grading/no_answer_ratio"
@@ -117,7 +122,7 @@ NO_ANSWER_METRIC = "setgrpo/grading/no_answer_ratio"
 TRUTH_METRIC = "setgrpo/grading/truth_score/mean"
 #: ``reward_extra_info`` keys that :func:`grading_metrics` reads (per response: counts over all its scorings, its
 #: number of scorings, whether it answered, and its truth score where the grader knows it).
-GRADING_COUNT_KEYS = ("unparsed", "judged", "scorings", "no_answer", TRUTH_SCORE_KEY)
+GRADING_COUNT_KEYS = ("unparsed", "judged", "scorings", "no_answer", "reasks", TRUTH_SCORE_KEY)
 
 
 def _count_rows(data: Any, tags: Optional[Sequence[Mapping[str, Any]]]) -> Optional[list[dict[str, Any]]]:
@@ -186,6 +191,9 @@ def grading_metrics(data: Any, tags: Optional[Sequence[Mapping[str, Any]]] = Non
     calls = _sum(rows, "scorings")
     if calls is not None:
         metrics[CALLS_METRIC] = calls[0]
+    reasks = _sum(rows, "reasks")
+    if reasks is not None:
+        metrics[REASKS_METRIC] = reasks[0]
     answered = [float(row["no_answer"]) for row in rows if row["no_answer"] is not None]
     if answered:
         metrics[NO_ANSWER_METRIC] = sum(answered) / len(answered)
@@ -326,6 +334,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
             "no_answer": int(scores.no_answer[0]),
             # the reliability variant's per-rubric noise scale (docs/algorithm.md#94-rubrics-of-different-scales)
             "noise_scale": noise_scale([c.points for c in rubric.criteria]) if rubric is not None else 1.0,
+            "reasks": int(metrics["reasks"]),
             GRADING_ERROR_KEY: "",
         }
         if scores.reference is not None:
@@ -354,7 +363,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
             keys += [TRUTH_SCORE_KEY] + ([TRUTH_VERDICTS_KEY] if has_rubric else [])
         return {"reward_score": 0.0, "reward_extra_info": {**dict.fromkeys(keys), "unparsed": 0, "judged": 0,
                                                            "scorings": self.scorings, "no_answer": 0,
-                                                           "noise_scale": 1.0,
+                                                           "noise_scale": 1.0, "reasks": 0,
                                                            GRADING_ERROR_KEY: message}}
 
 

@@ -68,7 +68,7 @@ from .estimator import SetGRPOStep, reliability_step, setgrpo_step
 from .groups import rows_to_sketch
 from .resume import (check_state, keep_history, metrics_file, read_state, record_out_path, restore_history,
                      resume_folder, write_state)
-from .grading_failures import empty_batch_error
+from .grading_failures import NO_TRAJECTORIES, check_step_failures, empty_batch_error, judge_down_error, judge_now
 from .reward_config import grader_in_messages
 from .reward_manager import GRADING_COUNT_KEYS, grading_metrics
 from .worker import (SKETCH_CONFIG_KEY, SKETCH_KEY, SKETCH_ROWS_KEY, CheckedActorRolloutRefWorker,
@@ -190,11 +190,28 @@ class _SyncMode:
             if role in self.role_worker_mapping:
                 self.role_worker_mapping[role] = ray.remote(self.actor_worker)
 
+    def _step_once(self, metrics, timing_raw, sample_batch_size):
+        """verl's training step; one none of whose groups has a response stops with :func:`judge_down_error` (the
+        judge, its URL and what it answers now) instead of verl's replay-buffer error."""
+        self._step_prompts = int(sample_batch_size)
+        try:
+            return super()._step_once(metrics, timing_raw, sample_batch_size)
+        except RuntimeError as exc:
+            if NO_TRAJECTORIES not in str(exc):
+                raise
+            raise RuntimeError(judge_down_error(grader_in_messages(self.config), judge_now(self.config))) from exc
+        finally:
+            self._step_prompts = None
+
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         """verl's balance, after refusing a batch to which no response came back (:func:`empty_batch_error`), which
-        verl would report as ``number of items:[0] < k_partitions``."""
+        verl would report as ``number of items:[0] < k_partitions``; in a training step, its failed responses and
+        groups go to ``metrics`` and are bounded (:func:`check_step_failures`,
+        docs/verl_integration.md#partial-groups)."""
         if not any(not (tag or {}).get("is_padding", False) for tag in batch.tags):
             raise RuntimeError(empty_batch_error(grader_in_messages(self.config)))
+        if getattr(self, "_step_prompts", None):
+            metrics.update(check_step_failures(self.config, batch.keys, batch.tags, self._step_prompts))
         return super()._balance_batch(batch, metrics, *args, **kwargs)
 
     @property

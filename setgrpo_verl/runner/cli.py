@@ -94,7 +94,7 @@ def _add_run_options(p: argparse.ArgumentParser, *, profile: str | None = None, 
     g.add_argument("--judge-temperature", type=float, default=None, help="judge sampling temperature (> 0: SetGRPO "
                    "calibrates a stochastic grader)")
     g.add_argument("--judge-max-tokens", type=int, default=None,
-                   help="--judge openai: token budget per verdict (default 4); a reasoning ('thinking') judge needs "
+                   help="--judge openai: token budget per verdict (default 16); a reasoning ('thinking') judge needs "
                    "room for its reasoning, e.g. 2048 [reward.reward_kwargs.grader.max_tokens]")
     g.add_argument("--judge-max-response-tokens", type=int, default=None, metavar="N",
                    help="--judge openai or local: cut every response to N tokens before the judge reads it (default: "

@@ -301,7 +301,7 @@ def test_error_payload_on_some_requests_does_not_change_the_score(server):
         {"criterion": "[[error-payloadx1]] The response insults the reader.", "points": -1}]})
     out = DualScorer(RubricGrader(_judge(server, max_retries=2, parse_retries=0), seed=3)).score([None], [R], [rubric])
     for i, (res, score) in enumerate(zip(out.point_results + out.reference_results, [out.point[0], out.reference[0]])):
-        expected = [_expected_outcome(server, c.criterion, verdict_seed(3, i, Q, R, j, c.criterion))
+        expected = [_expected_outcome(server, c.criterion, verdict_seed(3, i, Q, R, j, c.criterion, "0"))
                     for j, c in enumerate(rubric.criteria)]
         assert [v.outcome for v in res.verdicts] == expected
         assert score == pytest.approx(rubric_score(rubric, [e == "met" for e in expected]))
@@ -315,8 +315,9 @@ def test_thinking_judge_cut_off_by_token_budget_is_a_clear_error(server, parser)
     with pytest.raises(GradingError) as info:
         _judge_one(server, crit, base_url=_flavour_url(server, parser), max_tokens=4, parse_retries=2)
     msg = str(info.value)
-    assert server.attempts[crit] == 1  # not re-asked: the same budget would cut it off again
+    assert server.attempts[crit] == 3  # re-asked up to parse_retries; every attempt cut: the budget is named
     assert "finish_reason='length'" in msg and "max_tokens=4" in msg and "enable_thinking" in msg
+    assert "in all 3 attempts" in msg
     assert "Okay, let me" in msg  # the start of what the judge said
     assert server.requests[-1]["max_tokens"] == 4 and "chat_template_kwargs" not in server.requests[-1]
 
@@ -383,7 +384,7 @@ def test_cli_probe_of_a_thinking_judge_names_the_token_budget(server, capsys, tm
             "--judge", "openai", "--judge-base-url", _flavour_url(server, "on"), "--judge-model", "qwen3-like"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: ") and "max_tokens=4" in err[-1] and "--judge-max-tokens" in err[-1]
+    assert err[-1].startswith("error: ") and "max_tokens=16" in err[-1] and "--judge-max-tokens" in err[-1]
     assert "--judge-chat-template-kwargs" in err[-1] and "cannot be reached" not in err[-1]
     assert not (tmp_path / "run").exists()
     args = cli.build_parser().parse_args(argv + ["--judge-max-tokens", "512", "--judge-chat-template-kwargs",

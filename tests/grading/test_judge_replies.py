@@ -103,8 +103,10 @@ def test_verdict_vocabulary():
     assert parse_verdict("yes") is True and parse_verdict(" No. ") is False and parse_verdict("YES\n") is True
     assert parse_verdict("Sí") is True and parse_verdict("否。") is False and parse_verdict("Ja!") is True
     assert parse_verdict("<think>hmm</think>\n\nOui") is True and parse_verdict("<think>oui") is None
-    for bad in ("yes, it does", "1", "maybe", "", "yes no", "Sí, claro", "*yes*"):
+    for bad in ("1", "maybe", "", "yes no", "yes it does"):
         assert parse_verdict(bad) is None
+    # a verdict the reply clearly gives is read (docs/grading.md#reading-a-verdict)
+    assert parse_verdict("yes, it does") is True and parse_verdict("Sí, claro") is True and parse_verdict("*no*") is False
     # English, Chinese and the common European languages; no word is yes in one language and no in another
     assert {"English", "Chinese", "Spanish", "French", "German", "Italian", "Portuguese", "Russian"} <= set(
         VERDICT_WORDS_BY_LANGUAGE)
@@ -169,7 +171,7 @@ def test_a_group_with_verdicts_in_an_unread_language_is_an_error_or_scored_over_
         _group(server, rubric)
     msg = str(info.value)
     assert "4 of 4 responses" in msg and ("\"HIja'\"" in msg or "\"ghobe'\"" in msg)
-    assert "docs/grading.md#unparsed-verdicts" in msg
+    assert "docs/grading.md#reading-a-verdict" in msg and "unreadable after 1 re-ask(s)" in msg
     # a documented, explicit allowance: 1 of 4 judged criteria may be unparsed; scores over the parsed ones
     out = _group(server, rubric, max_unparsed_ratio=0.25)
     np.testing.assert_allclose(out.point, _true_scores(server, rubric, 0, unread=(1,)))

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 import verl  # noqa: F401  (loads the setgrpo plugin, which registers the manager)
 from setgrpo_verl.grading import DualScorer, GradingItem, Rubric, RubricGrader, check_rule, load_ifbench_rubrics, rubric_score
-from setgrpo_verl.integration.reward_manager import (CALLS_METRIC, NO_ANSWER_METRIC, UNPARSED_RATIO_METRIC,
-                                                     grading_metrics)
+from setgrpo_verl.integration.reward_manager import (CALLS_METRIC, NO_ANSWER_METRIC, REASKS_METRIC,
+                                                     UNPARSED_RATIO_METRIC, grading_metrics)
 
 GRADER = {"type": "local_hf", "temperature": 1.0, "max_question_tokens": 96, "max_response_tokens": 96, "seed": 0}
 
@@ -117,11 +117,11 @@ def test_reward_loop_worker_on_real_responses(ifbench_samples, smollm2_judge):
                               meta_info={"reward_extra_keys": keys})
     reward_tensor, extra = extract_reward(out)
     assert set(keys) == {"score", "reference_score", "point_verdicts", "reference_verdicts", "unparsed", "judged",
-                         "judged_disagreement", "scorings", "no_answer", "grading_error"}
+                         "judged_disagreement", "scorings", "no_answer", "reasks", "noise_scale", "grading_error"}
     # judge verdicts of both scorings per response: twice the criteria without a rule
     assert extra["judged"].tolist() == [2 * sum(c.rule is None for c in Rubric.from_row(r).criteria) for r in rows]
     assert grading_metrics({"extra_fields": [{"reward_extra_info": info} for info in infos]}) == {
-        UNPARSED_RATIO_METRIC: 0.0, CALLS_METRIC: 8.0, NO_ANSWER_METRIC: 0.0}  # 4 responses x 2 scorings
+        UNPARSED_RATIO_METRIC: 0.0, CALLS_METRIC: 8.0, NO_ANSWER_METRIC: 0.0, REASKS_METRIC: 0.0}  # 4 responses x 2 scorings
     valid = data.batch["attention_mask"][:, 64:].sum(-1)
     for i in range(4):
         assert reward_tensor[i, valid[i] - 1].item() == pytest.approx(scores[i])
@@ -333,11 +333,12 @@ def test_one_scoring_calls_the_grader_once_per_response_and_gives_no_reference(t
     assert sorted(calls.read_text().split("\n")[:-1]) == ["c-0 0", "c-1 0", "c-2 0"]
     infos = [o["reward_extra_info"] for o in out]
     assert [o["reward_score"] for o in out] == [0.25] * 3
-    assert set(infos[0]) == {"score", "point_verdicts", "unparsed", "judged", "scorings", "no_answer", "grading_error"}
+    assert set(infos[0]) == {"score", "point_verdicts", "unparsed", "judged", "scorings", "no_answer", "reasks",
+                             "noise_scale", "grading_error"}
     assert [(i["score"], i["scorings"], i["judged"], i["unparsed"], i["no_answer"]) for i in infos] == [
         (0.25, 1, 0, 0, 0)] * 3
     assert grading_metrics({"extra_fields": [{"reward_extra_info": i} for i in infos]}) == {
-        UNPARSED_RATIO_METRIC: 0.0, CALLS_METRIC: 3.0, NO_ANSWER_METRIC: 0.0}
+        UNPARSED_RATIO_METRIC: 0.0, CALLS_METRIC: 3.0, NO_ANSWER_METRIC: 0.0, REASKS_METRIC: 0.0}
 
 
 @pytest.mark.parametrize("value", [0, 3, "1", 1.0, True])

@@ -98,20 +98,36 @@ def test_failures_under_the_bound_are_counted_apart_and_the_record_is_written(tm
            "none, 1 because grading failed" in text
 
 
-def test_failures_above_the_bound_stop_calibration_naming_share_bound_key_and_judge(tmp_path, monkeypatch):
-    fake = _FailingRollout({"p0x3", "p2x0", "p2x5"})  # 3 of 48 groups = 6.2 %, above the default 2 %
+def test_failures_above_the_bound_stop_calibration_naming_count_bound_key_and_judge(tmp_path, monkeypatch):
+    # 48 groups at the default 0.02 allow 3 (a judge failing on 2 % exceeds 3 with probability 1.6 %); 4 are too many
+    fake = _FailingRollout({"p0x3", "p1x2", "p2x0", "p2x5"})
     with pytest.raises(ValueError) as info:
         _calibrate(tmp_path, monkeypatch, batches=3, per_batch=16, only=True, fake=fake)
     message = str(info.value)
-    assert "3 of 48 calibration groups (6.2%) were left out because grading failed" in message
-    assert f"({JUDGE})" in message and "algorithm.setgrpo.calibration.max_grading_failure_ratio=0.02" in message
-    assert "batch_000000.npz, batch_000002.npz" in message and "not missing at random" in message
+    assert "4 of 48 calibration groups (8.3%) were left out because grading failed" in message
+    assert "more than the 3 that algorithm.setgrpo.calibration.max_grading_failure_ratio=0.02 allows for 48" in message
+    assert f"({JUDGE})" in message and "batch_000000.npz, batch_000001.npz, batch_000002.npz" in message
+    assert "not missing at random" in message
     assert not (tmp_path / "setgrpo_calibration.json").exists()  # refused before the record was written
 
 
+def test_the_first_batch_that_puts_the_bound_out_of_reach_stops_calibration(tmp_path, monkeypatch):
+    fake = _FailingRollout({"p0x3", "p0x5", "p0x7", "p0x9"})  # 4 failures in batch 0: more than 48 groups allow
+    with pytest.raises(ValueError, match=r"4 of 48 .* in the batches so far, so the calibration cannot finish"):
+        _calibrate(tmp_path, monkeypatch, batches=3, per_batch=16, only=True, fake=fake)
+    assert fake.events.count("rollout") == 1  # batches 1 and 2 were never rolled out
+    assert [p.name for p in (tmp_path / "shards").glob("*.npz")] == ["batch_000000.npz"]  # kept for a resume
+
+
+def test_three_failures_of_48_groups_are_within_the_bound(tmp_path, monkeypatch):
+    fake = _FailingRollout({"p0x3", "p2x0", "p2x5"})  # 6.2 %: a share rule would refuse, the count bound allows 3
+    record, _ = _calibrate(tmp_path, monkeypatch, batches=3, per_batch=16, only=True, fake=fake)
+    assert record.n_cov + record.n_risk == 45
+
+
 def test_a_part_of_a_sharded_calibration_checks_its_own_share(tmp_path, monkeypatch):
-    fake = _FailingRollout({"p1x0", "p1x1"})  # part 1 of 2 holds batch 1 only: 2 of 16 groups
-    with pytest.raises(ValueError, match=r"2 of 16 calibration groups \(12.5%\)"):
+    fake = _FailingRollout({"p1x0", "p1x1", "p1x2"})  # part 1 of 2 holds batch 1 only: 3 of 16 groups (1 allowed)
+    with pytest.raises(ValueError, match=r"3 of 16 calibration groups \(18.8%\)"):
         _calibrate(tmp_path, monkeypatch, batches=2, per_batch=16, only=True, fake=fake, shard="1/2")
 
 
@@ -126,12 +142,28 @@ def test_a_batch_that_failed_grading_whole_stops_at_once_naming_the_judge_and_th
     assert not (tmp_path / "shards").exists() or not list((tmp_path / "shards").glob("*.npz"))
 
 
+def test_the_allowed_count_is_a_binomial_test_meaningful_for_small_and_large_calibrations():
+    from scipy.stats import binom
+
+    from setgrpo_verl.integration.grading_failures import FAILURE_TEST_LEVEL, allowed_grading_failures
+
+    assert [allowed_grading_failures(n, 0.02) for n in (32, 48, 100, 512, 4096)] == [2, 3, 5, 16, 97]
+    assert allowed_grading_failures(32, 0.0) == 0 and allowed_grading_failures(32, 1.0) == 32
+    for n in (32, 512, 4096):  # a judge failing on exactly 2 % is refused with probability at most the level
+        d = allowed_grading_failures(n, 0.02)
+        assert binom.sf(d, n, 0.02) <= FAILURE_TEST_LEVEL < binom.sf(d - 1, n, 0.02)
+    # the smoke recipe (32 groups): a judge whose replies are cut 1 % of the time, re-asked twice, fails a group of
+    # 4 responses x 2 scorings x 8 criteria with probability ~64e-6; 3 such groups of 32 almost never happen
+    p_group = 1 - (1 - 0.01 ** 3) ** 64
+    assert binom.sf(allowed_grading_failures(32, 0.02), 32, p_group) < 1e-8
+
+
 def test_the_share_check_itself():
-    check_grading_failure_share(2, 100, 0.02, JUDGE)  # at the bound: allowed
+    check_grading_failure_share(5, 100, 0.02, JUDGE)  # at the bound: allowed
     check_grading_failure_share(0, 0, 0.0, JUDGE)
-    with pytest.raises(ValueError, match=r"3 of 100 calibration groups \(3.0%\).*max_grading_failure_ratio=0.02"):
-        check_grading_failure_share(3, 100, 0.02, JUDGE)
-    with pytest.raises(ValueError, match="max_grading_failure_ratio=0: "):
+    with pytest.raises(ValueError, match=r"6 of 100 calibration groups \(6.0%\).*max_grading_failure_ratio=0.02"):
+        check_grading_failure_share(6, 100, 0.02, JUDGE)
+    with pytest.raises(ValueError, match="max_grading_failure_ratio=0 allows "):
         check_grading_failure_share(1, 1000, 0.0, JUDGE)
 
 
@@ -222,7 +254,7 @@ def test_a_reward_without_a_grader_passes_the_share_check_when_nothing_failed():
     shards = {0: SimpleNamespace(dropped={"incomplete": 1, "grading_failed": 0}, prompts=["a", "b"])}
     CalibrationPhase._check_grading_share(phase, shards)  # no ValueError about a missing grader
     shards[0].dropped["grading_failed"] = 1
-    with pytest.raises(ValueError, match=r"left out because grading failed \(the reward\), above"):
+    with pytest.raises(ValueError, match=r"left out because grading failed \(the reward\), more than the 0"):
         CalibrationPhase._check_grading_share(phase, shards)  # a failure is refused, naming what graded
 
 
@@ -254,3 +286,58 @@ def test_a_part_of_a_sharded_calibration_with_no_batch_is_refused_at_run_time():
     with pytest.raises(ValueError, match=r"calibration.shard=3/4: part 3 holds no batch, since the calibration "
                                          r"prompts make 3 batch\(es\): split it into at most 3 parts"):
         CalibrationPhase._calibration_part(phase, 3)
+
+
+
+# ------------------------------------------------------------------ training: failed sessions per step
+URL = "http://127.0.0.1:9/v1"  # nothing listens on the discard port: every request is refused at once
+
+
+def _train_config(**setgrpo):
+    from omegaconf import OmegaConf
+
+    grader = {"type": "openai", "base_url": URL, "model": "judge", "max_retries": 0}
+    return OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 4}},
+                             "reward": {"reward_manager": {"name": "setgrpo_dual"},
+                                        "reward_kwargs": {"grader": grader}},
+                             "algorithm": {"setgrpo": setgrpo} if setgrpo else {}})
+
+
+def test_a_steps_failed_responses_and_groups_are_counted_and_bounded():
+    from setgrpo_verl.integration.grading_failures import (FAILED_GROUPS_METRIC, FAILED_RESPONSES_METRIC,
+                                                           check_step_failures, step_failures)
+
+    # 10 prompts x K=4: a lost one response, b two, u0..u4 came back whole, 3 groups sent nothing back
+    keys = ["a_0", "a_1", "a_2", "b_0", "b_1"] + [f"u{g}_{i}" for g in range(5) for i in range(4)]
+    tags = [{}] * len(keys)
+    assert step_failures(keys + ["u0_0"], tags + [{"is_padding": True}], 10, 4) == (15, 5)
+    assert check_step_failures(_train_config(max_failed_group_ratio=0.5), keys, tags, 10) == {
+        FAILED_RESPONSES_METRIC: 15.0, FAILED_GROUPS_METRIC: 5.0}
+    with pytest.raises(RuntimeError) as info:  # the default 0.1 (also without an algorithm.setgrpo block)
+        check_step_failures(_train_config(), keys, tags, 10)
+    message = str(info.value)
+    assert "5 of the step's 10 groups (50.0%) lost a response" in message and "(15 responses)" in message
+    assert f"judge 'judge' at {URL}" in message and "algorithm.setgrpo.max_failed_group_ratio=0.1" in message
+
+
+def test_a_step_with_no_graded_group_stops_naming_the_judge_its_url_and_its_error():
+    from setgrpo_verl.integration.grading_failures import NO_TRAJECTORIES
+    from setgrpo_verl.integration.trainer import _SyncMode
+
+    class Verl:
+        def _step_once(self, metrics, timing_raw, sample_batch_size):  # verl 0.9.1's replay buffer, all failed
+            raise RuntimeError(f"{NO_TRAJECTORIES}. Enable trainer.v1.sampler.sync_refill_failed_groups to replace "
+                               "failed groups.")
+
+    class Trainer(_SyncMode, Verl):
+        registered_mode = "setgrpo"
+
+    trainer = object.__new__(Trainer)
+    trainer.config = _train_config()
+    with pytest.raises(RuntimeError) as info:
+        trainer._step_once({}, {}, 8)
+    message = str(info.value)
+    assert "no group of this step has a graded response" in message and f"judge 'judge' at {URL}" in message
+    assert "a probe request fails" in message and "could not be reached" in message
+    assert "sync_refill_failed_groups would only spend more training prompts" in message
+    assert trainer._step_prompts is None
