@@ -201,7 +201,7 @@ run_recipe() {
             # attention kernels) as a Hydra callback, which verl's stock config lacks; one scoring per response
             # (GRPO reads no reference score) and verl's sync trainer that also logs the grading metrics
             exec "$PYTHON" -m verl.trainer.main_ppo \
-                +hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.config.SetGRPOConfigCheck \
+                +hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.run_check.SetGRPOConfigCheck \
                 "${args[@]}" \
                 algorithm.adv_estimator=grpo \
                 +reward.reward_kwargs.scorings=1 \

@@ -11,8 +11,8 @@
 * :mod:`.batch` -- the reference scores and sketches the trainer reads from a rolled-out batch.
 * :mod:`.worker` -- the actor worker with the ``compute_sketches`` RPC.
 * :mod:`.reward_manager` -- the dual-reward manager ``setgrpo_dual``.
-* :mod:`.config` -- typed ``algorithm.setgrpo`` config (``hydra_configs/setgrpo_trainer.yaml``) and the pre-Ray
-  check of a run.
+* :mod:`.config` -- typed ``algorithm.setgrpo`` config (``hydra_configs/setgrpo_trainer.yaml``).
+* :mod:`.run_check` -- the pre-Ray check of a run (the Hydra callback) and a record's compatibility with it.
 * :mod:`.reward_config` -- the grader and reference-score key as the reward worker and the check read them.
 * :mod:`.prompts` -- which prompt a verl row is (the record's calibration prompts, the overlap check).
 

@@ -1,29 +1,35 @@
 """The GPU environment a verl 0.9.1 run needs, checked where the GPUs are (docs/verl_integration.md#gpu-requirements).
 
 torch 2.11.0 from PyPI (verl 0.9.1's ``vllm`` extra) is a CUDA 13.0 build, and so are the cupy and flash-attn builds
-of the GPU install: an NVIDIA driver older than R580 cannot run CUDA 13.0, and torch then sees no GPU. verl's
-workers would fail minutes in, after Ray, vLLM and the models started. :func:`gpu_environment_error` names what is
-wrong and the fix: CUDA not available to torch, the driver too old for torch's CUDA, or flash-attn (verl's default
-attention) that does not import *and load* its CUDA extension.
+of the GPU install. verl's workers would fail minutes in, after Ray, vLLM and the models started, when torch cannot
+use a GPU or flash-attn (verl's default attention) does not load. :func:`gpu_environment_error` names what is wrong
+and the fix. What decides is whether torch can use the GPU; the NVIDIA driver's version only explains why it cannot
+(a driver older than R580 runs CUDA 13.0 only through NVIDIA's forward-compatibility libraries, which do work).
+
+Every fact the check reads of the machine (torch's build, CUDA availability, the device count, the driver's version,
+``CUDA_VISIBLE_DEVICES``) comes from :func:`gpu_facts`, the one seam a test fakes to play a cluster's conditions.
 
 :func:`gpu_check` runs on the driver before Ray when the machine has an NVIDIA driver (the Hydra
-callback, :func:`setgrpo_verl.integration.config.check_run_config`) and on every actor worker when it starts, before
-any model loads (:class:`setgrpo_verl.integration.worker.CheckedActorRolloutRefWorker`). The CPU backend
+callback, :func:`setgrpo_verl.integration.run_check.check_run_config`) and on every actor worker when it starts, before
+any model loads (:class:`setgrpo_verl.integration.worker.CheckedActorRolloutRefWorker`). Nothing checks in verl's
+TaskRunner, a Ray actor without GPUs (Ray 2.41-2.55 sets ``CUDA_VISIBLE_DEVICES=""`` there). The CPU backend
 (``VERL_PLATFORM=cpu`` or ``trainer.device=cpu``) skips it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from .dotted import config_value
 
-__all__ = ["DRIVER_FOR_CUDA", "GpuEnvironment", "check_driver_gpus", "gpu_check", "flash_attn_load_error",
-           "gpu_environment_error", "has_nvidia_driver", "needs_flash_attn", "nvidia_driver_version",
+__all__ = ["DRIVER_FOR_CUDA", "GpuEnvironment", "check_driver_gpus", "gpu_check", "gpu_facts", "flash_attn_load_error",
+           "gpu_environment_error", "has_nvidia_driver", "in_ray_actor", "needs_flash_attn", "nvidia_driver_version",
            "read_gpu_environment", "skipped"]
 
 #: Oldest NVIDIA driver branch that runs each CUDA major version (NVIDIA's CUDA toolkit release notes, minor-version
@@ -35,20 +41,26 @@ ATTENTION_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
 #: verl 0.9.1's default attention of the actor and the reference (``HFModelConfig``).
 DEFAULT_ATTENTION = "flash_attention_2"
 _PROC_VERSION = "/proc/driver/nvidia/version"
+_DEVICE_NODE = "/dev/nvidiactl"
 
 
 @dataclass(frozen=True)
 class GpuEnvironment:
-    """What this process sees of the GPUs.
+    """What this process sees of the GPUs (:func:`gpu_facts`, plus flash-attn's load in :func:`read_gpu_environment`).
 
     Attributes:
         torch_version: ``torch.__version__``.
         torch_cuda: the CUDA version torch was built for (``torch.version.cuda``, e.g. ``"13.0"``); None for a CPU
             build.
-        cuda_available: ``torch.cuda.is_available()``.
+        cuda_available: ``torch.cuda.is_available()``: the test that decides.
         driver_version: the loaded NVIDIA kernel driver (e.g. ``"580.65.06"``); None when none is loaded.
         flash_attn_error: why flash-attn does not load (:func:`flash_attn_load_error`); None when it loads or was
             not asked for.
+        device_count: ``torch.cuda.device_count()`` (0 without CUDA).
+        visible_devices: ``CUDA_VISIBLE_DEVICES`` of this process; None when unset (Ray 2.41-2.55 sets ``""`` in
+            actors without GPUs).
+        driver_device: whether the NVIDIA control device (``/dev/nvidiactl``) exists (a container may show it
+            without ``/proc/driver/nvidia``).
     """
 
     torch_version: str
@@ -56,6 +68,14 @@ class GpuEnvironment:
     cuda_available: bool
     driver_version: Optional[str]
     flash_attn_error: Optional[str] = None
+    device_count: int = 0
+    visible_devices: Optional[str] = None
+    driver_device: bool = False
+
+    @property
+    def has_driver(self) -> bool:
+        """Whether an NVIDIA driver is loaded on this machine (its GPUs may still be invisible to torch)."""
+        return self.driver_version is not None or self.driver_device
 
 
 def nvidia_driver_version(proc_text: Optional[str] = None) -> Optional[str]:
@@ -71,9 +91,32 @@ def nvidia_driver_version(proc_text: Optional[str] = None) -> Optional[str]:
     return match.group(1) if match else None
 
 
+def gpu_facts() -> GpuEnvironment:
+    """What this process sees of the GPUs, read from torch, ``/proc/driver/nvidia/version``, ``/dev/nvidiactl`` and
+    ``CUDA_VISIBLE_DEVICES``; ``flash_attn_error`` is None (not tried). The one place these facts are read: a test
+    plays a machine (a GPU-less Ray actor, a forward-compatibility driver, no driver) by replacing this function."""
+    import torch
+
+    available = bool(torch.cuda.is_available())
+    return GpuEnvironment(torch_version=str(torch.__version__), torch_cuda=torch.version.cuda,
+                          cuda_available=available, driver_version=nvidia_driver_version(),
+                          device_count=int(torch.cuda.device_count()) if available else 0,
+                          visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                          driver_device=os.path.exists(_DEVICE_NODE))
+
+
 def has_nvidia_driver() -> bool:
-    """True when this machine has an NVIDIA driver loaded (its GPUs may still be invisible to torch)."""
-    return nvidia_driver_version() is not None or os.path.exists("/dev/nvidiactl")
+    """True when this machine has an NVIDIA driver loaded (its GPUs may still be invisible to torch;
+    :func:`gpu_facts`)."""
+    return gpu_facts().has_driver
+
+
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray actor (verl's TaskRunner, a worker), not the driver where ``main_ppo`` starts."""
+    ray = sys.modules.get("ray")  # a process that never imported Ray is no Ray actor
+    if ray is None or not ray.is_initialized():
+        return False
+    return ray.get_runtime_context().get_actor_id() is not None
 
 
 def flash_attn_load_error(*, run_kernel: bool) -> Optional[str]:
@@ -103,13 +146,12 @@ def flash_attn_load_error(*, run_kernel: bool) -> Optional[str]:
 
 
 def read_gpu_environment(*, flash_attn: bool, run_kernel: bool) -> GpuEnvironment:
-    """This process's :class:`GpuEnvironment`; flash-attn is tried only with ``flash_attn`` (and CUDA available)."""
-    import torch
-
-    available = bool(torch.cuda.is_available())
-    error = flash_attn_load_error(run_kernel=run_kernel) if flash_attn and available else None
-    return GpuEnvironment(torch_version=str(torch.__version__), torch_cuda=torch.version.cuda,
-                          cuda_available=available, driver_version=nvidia_driver_version(), flash_attn_error=error)
+    """This process's :class:`GpuEnvironment` (:func:`gpu_facts`); flash-attn is tried only with ``flash_attn`` (and
+    CUDA available)."""
+    facts = gpu_facts()
+    if not (flash_attn and facts.cuda_available):
+        return facts
+    return dataclasses.replace(facts, flash_attn_error=flash_attn_load_error(run_kernel=run_kernel))
 
 
 def gpu_environment_error(env: GpuEnvironment, *, where: str) -> Optional[str]:
@@ -120,8 +162,10 @@ def gpu_environment_error(env: GpuEnvironment, *, where: str) -> Optional[str]:
         where: the process, for the message (``"the driver"``, ``"actor worker rank 3 on node x"``).
 
     Returns:
-        One message, the first of: torch is a CPU build; the driver is older than the branch torch's CUDA needs;
-        CUDA is not available to torch; flash-attn does not load. None when none applies.
+        One message, the first of: torch is a CPU build; CUDA is not available to torch (explained by a driver older
+        than the branch torch's CUDA needs, by ``CUDA_VISIBLE_DEVICES=""`` or by no driver); flash-attn does not
+        load. None when none applies: torch can use the GPU whatever the driver's version (NVIDIA's
+        forward-compatibility libraries run CUDA 13 on older drivers).
     """
     if env.torch_cuda is None:
         return (f"{where}: torch {env.torch_version} is a CPU build, so verl's GPU workers cannot start; install "
@@ -129,15 +173,21 @@ def gpu_environment_error(env: GpuEnvironment, *, where: str) -> Optional[str]:
     major = int(env.torch_cuda.split(".")[0])
     need = DRIVER_FOR_CUDA.get(major)
     driver = env.driver_version
-    if driver is not None and need is not None and int(driver.split(".")[0]) < need:
-        return (f"{where}: the NVIDIA driver {driver} is older than R{need}, which CUDA {env.torch_cuda} (the build of "
-                f"torch {env.torch_version}) needs, so torch sees no GPU; upgrade the driver to R{need} or newer "
-                f"(verl 0.9.1's torch, vLLM, cupy and flash-attn are all CUDA {major} builds; {INSTALL_DOC})")
     if not env.cuda_available:
-        seen = f"the NVIDIA driver {driver} is loaded" if driver else "no NVIDIA driver is loaded"
-        return (f"{where}: CUDA is not available to torch {env.torch_version} (CUDA {env.torch_cuda}) and {seen}; "
-                f"run on a machine with NVIDIA GPUs and driver R{need or '?'} or newer, with the GPUs visible to the "
-                "process (CUDA_VISIBLE_DEVICES, `docker run --gpus all`), or run the CPU backend (VERL_PLATFORM=cpu)")
+        head = f"{where}: CUDA is not available to torch {env.torch_version} (CUDA {env.torch_cuda})"
+        if driver is not None and need is not None and int(driver.split(".")[0]) < need:
+            return (f"{head}: the NVIDIA driver {driver} is older than R{need}, which CUDA {env.torch_cuda} needs; "
+                    f"upgrade the driver to R{need} or newer, or install NVIDIA's forward-compatibility package "
+                    f"(cuda-compat-{major}-0) where the driver's GPU supports it (verl 0.9.1's torch, vLLM, cupy and "
+                    f"flash-attn are all CUDA {major} builds; {INSTALL_DOC})")
+        if env.visible_devices is not None and not env.visible_devices.strip():
+            return (f"{head}: CUDA_VISIBLE_DEVICES is empty in this process (Ray sets it so in a process it gave no "
+                    "GPU); run it with GPUs (`ray start --num-gpus`, the job's resources) or unset the variable")
+        seen = (f"the NVIDIA driver {driver} is loaded" if driver else
+                "an NVIDIA driver is loaded (/dev/nvidiactl)" if env.has_driver else "no NVIDIA driver is loaded")
+        return (f"{head} and {seen}; run on a machine with NVIDIA GPUs and driver R{need or '?'} or newer, with the "
+                "GPUs visible to the process (CUDA_VISIBLE_DEVICES, `docker run --gpus all`), or run the CPU backend "
+                "(VERL_PLATFORM=cpu)")
     if env.flash_attn_error is not None:
         return (f"{where}: {env.flash_attn_error}; verl's default attention {DEFAULT_ATTENTION} needs flash-attn "
                 f"2.8.3 built for torch {env.torch_version} and CUDA {env.torch_cuda}: install it as {INSTALL_DOC} "
@@ -180,7 +230,8 @@ def gpu_check(model_config: Any, *, where: str, run_kernel: bool, device: Option
 def check_driver_gpus(config: Any) -> None:
     """The check before Ray of the process where ``main_ppo`` starts: on a machine with an NVIDIA driver loaded,
     :func:`gpu_check` with flash-attn imported but no kernel run (the driver would hold a CUDA context for the whole
-    run); elsewhere nothing (the actor workers check their own GPUs when they start).
+    run); elsewhere nothing (the actor workers check their own GPUs when they start). In a Ray actor (verl's
+    TaskRunner, which has no GPUs) nothing either: this check is the driver's.
 
     Args:
         config: the composed verl config (``actor_rollout_ref.model``, ``trainer.device``).
@@ -188,7 +239,7 @@ def check_driver_gpus(config: Any) -> None:
     Raises:
         ValueError: :func:`gpu_environment_error`'s message.
     """
-    if not has_nvidia_driver():
+    if in_ray_actor() or not has_nvidia_driver():
         return
     error = gpu_check(config_value(config, "actor_rollout_ref.model"), where="the driver (where main_ppo starts)",
                       run_kernel=False, device=config_value(config, "trainer.device"))

@@ -3,7 +3,7 @@ whether a calibration applies to a run, read from the composed verl config and f
 
 The weights and the tokenizer are identified by their content, not by their path: the same files under another
 path are the same policy, other files saved at the same path are not. Everything is read on the driver before Ray
-(:func:`~setgrpo_verl.integration.config.check_run_config`), so a model that cannot be read there is refused
+(:func:`~setgrpo_verl.integration.run_check.check_run_config`), so a model that cannot be read there is refused
 before anything starts.
 """
 

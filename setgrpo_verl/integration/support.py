@@ -1,6 +1,6 @@
 """Settings of a verl run that the sketch pass supports, checked before Ray starts (docs/sketch.md#supported-settings).
 
-:func:`check_sketch_support` runs inside :func:`setgrpo_verl.integration.config.check_run_config` (the Hydra
+:func:`check_sketch_support` runs inside :func:`setgrpo_verl.integration.run_check.check_run_config` (the Hydra
 callback, before Ray): it refuses, in one line naming the fix, the verl settings the sketch pass cannot run under,
 and builds the policy on the meta device (its HF configuration only, no weights) the way verl 0.9.1's
 ``FSDPEngine._build_module`` / ``_build_lora_module`` do, to check that the sketch covers every parameter the update

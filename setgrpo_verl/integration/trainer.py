@@ -61,8 +61,9 @@ from setgrpo_verl.core.shards import SHARD_DIR
 
 from .batch import dense_sketches, reference_scores_from, sketch_rows_field, sketched_rows
 from .calibration import CalibrationPhase
-from .config import (GRADED_SYNC_NAME, RELIABILITY_VARIANT, SETGRPO_NAME, SetGRPOConfig, check_record,
-                     check_run_config, run_identity)
+from .config import GRADED_SYNC_NAME, RELIABILITY_VARIANT, SETGRPO_NAME, SetGRPOConfig
+from .identity import run_identity
+from .run_check import check_record, check_run_config
 from .estimator import SetGRPOStep, reliability_step, setgrpo_step
 from .groups import rows_to_sketch
 from .resume import (check_state, metrics_file, read_history, read_state, record_out_path, resume_folder,
@@ -220,7 +221,8 @@ class SetGRPOTrainer(_SyncMode, CalibrationPhase, PPOTrainerSync):
     actor_worker = SetGRPOActorRolloutRefWorker
 
     def __init__(self, config):
-        self.setgrpo: SetGRPOConfig = check_run_config(config)
+        # the driver and every actor worker check the GPU environment; this TaskRunner is a Ray actor without GPUs
+        self.setgrpo: SetGRPOConfig = check_run_config(config, environment=False)
         self.sketch_config = self.setgrpo.sketch.to_sketch_config()
         self.record: Optional[CalibrationRecord] = None
         self.monitor: Optional[OnlineRiskMonitor] = None

@@ -275,7 +275,7 @@ def stage_overrides(stage: str, run_dir: str | os.PathLike, *, record: str | os.
             "trainer.v1.trainer_mode=graded_sync",
             "data.custom_cls.path=pkg://setgrpo_verl.grading.verl_dataset",
             "data.custom_cls.name=RubricRLHFDataset",
-            "+hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.config.SetGRPOConfigCheck",
+            "+hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.run_check.SetGRPOConfigCheck",
         ]
     common += [
         format_override("algorithm.setgrpo.calibration.files", str(data / "calibration.parquet")),

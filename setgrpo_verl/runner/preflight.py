@@ -212,7 +212,7 @@ def check_training_steps(values: Mapping[str, Any], overrides: Sequence[str], tr
 
 def check_stage_configs(commands: Sequence[tuple[str, Sequence[str]]], *,
                         calibration_prompts: Sequence[dict] | None = None, environment: bool = True) -> None:
-    """The check that verl's ``main_ppo`` runs before Ray (:func:`setgrpo_verl.integration.config.check_run_config`,
+    """The check that verl's ``main_ppo`` runs before Ray (:func:`setgrpo_verl.integration.run_check.check_run_config`,
     through the Hydra callback), made on each stage's config as Hydra composes it from the stage's command line,
     before anything is written (docs/cli.md#run-directory).
 
@@ -227,7 +227,7 @@ def check_stage_configs(commands: Sequence[tuple[str, Sequence[str]]], *,
     """
     from hydra import compose, initialize_config_module
 
-    from ..integration.config import check_run_config
+    from ..integration.run_check import check_run_config
 
     for stage, argv in commands:
         at = list(argv).index("--config-name")

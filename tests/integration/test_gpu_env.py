@@ -3,6 +3,7 @@ driver before Ray and on every actor worker before any model loads, naming the f
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -122,8 +123,8 @@ def test_the_driver_checks_before_ray_when_it_has_an_nvidia_driver(monkeypatch):
     monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: False)
     gpu_env.check_driver_gpus(cfg)  # no NVIDIA driver on the driver's machine: its workers check
     monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: True)
-    with pytest.raises(ValueError, match="the driver \\(where main_ppo starts\\): the NVIDIA driver 550.54.15 is "
-                                         "older than R580"):
+    with pytest.raises(ValueError, match="the driver \\(where main_ppo starts\\): CUDA is not available .*: the "
+                                         "NVIDIA driver 550.54.15 is older than R580"):
         gpu_env.check_driver_gpus(cfg)
     cfg.trainer.device = "cpu"
     gpu_env.check_driver_gpus(cfg)
@@ -156,3 +157,103 @@ def test_the_actor_worker_checks_before_any_model_loads(monkeypatch):
     # both trainer modes run these workers
     assert SetGRPOTrainer.actor_worker is worker_module.SetGRPOActorRolloutRefWorker
     assert GradedSyncTrainer.actor_worker is worker_module.CheckedActorRolloutRefWorker
+
+
+# ---- the conditions a cluster creates, played through the one seam gpu_env.gpu_facts ----------------------------
+
+#: verl's TaskRunner under Ray 2.41-2.55: a Ray actor without GPUs, on a GPU node, with CUDA_VISIBLE_DEVICES="".
+GPU_LESS_ACTOR_RAY_255 = GpuEnvironment("2.11.0+cu130", "13.0", False, "580.65.06", device_count=0,
+                                        visible_devices="", driver_device=True)
+#: the same actor under Ray >= 2.56, which leaves CUDA_VISIBLE_DEVICES alone: torch sees every GPU of the node.
+GPU_LESS_ACTOR_RAY_256 = GpuEnvironment("2.11.0+cu130", "13.0", True, "580.65.06", device_count=8,
+                                        visible_devices=None, driver_device=True)
+#: a node on the R570 branch running CUDA 13 through NVIDIA's forward-compatibility libraries.
+FORWARD_COMPATIBLE = GpuEnvironment("2.11.0+cu130", "13.0", True, "570.133.20", device_count=8, driver_device=True)
+#: a machine with no NVIDIA driver at all.
+NO_DRIVER = GpuEnvironment("2.11.0+cu130", "13.0", False, None)
+
+DRIVER_CONFIG = OmegaConf.create({"actor_rollout_ref": {"model": {"override_config": {"attn_implementation": "sdpa"}}},
+                                  "trainer": {"device": "cuda"}})
+
+
+def _play(monkeypatch, facts: GpuEnvironment) -> None:
+    """This process sees ``facts`` (the GPU backend, not the CPU one)."""
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.setattr(gpu_env, "gpu_facts", lambda: facts)
+
+
+def test_the_taskrunner_does_not_check_the_gpu_environment(monkeypatch):
+    """SetGRPOTrainer is built in verl's TaskRunner, a Ray actor without GPUs: under Ray 2.41-2.55 torch sees no GPU
+    there, and the driver and the workers have checked already, so its config check leaves the environment out."""
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from setgrpo_verl.integration.trainer import SetGRPOTrainer
+    from tests.integration.test_pre_ray_checks import CAL_ONLY, LOCAL, _compose
+
+    cfg = _compose(LOCAL, CAL_ONLY)
+
+    class ReachedVerl(Exception):
+        pass
+
+    def verl_init(self, config):
+        raise ReachedVerl
+
+    monkeypatch.setattr(PPOTrainerSync, "__init__", verl_init)
+    for facts in (GPU_LESS_ACTOR_RAY_255, GPU_LESS_ACTOR_RAY_256):
+        _play(monkeypatch, facts)
+        with pytest.raises(ReachedVerl):
+            SetGRPOTrainer(cfg)
+
+
+def test_the_driver_check_never_runs_in_a_ray_actor(monkeypatch):
+    """check_driver_gpus speaks for the driver; in a Ray actor (the TaskRunner) it checks nothing and blames no one."""
+    _play(monkeypatch, GPU_LESS_ACTOR_RAY_255)
+    with pytest.raises(ValueError, match=r"^the driver \(where main_ppo starts\): CUDA is not available"):
+        gpu_env.check_driver_gpus(DRIVER_CONFIG)  # the same facts on the driver itself are refused
+
+    class Context:
+        def get_actor_id(self):
+            return "actor-1"
+
+    ray = types.SimpleNamespace(is_initialized=lambda: True, get_runtime_context=Context)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    assert gpu_env.in_ray_actor()
+    gpu_env.check_driver_gpus(DRIVER_CONFIG)
+
+
+def test_an_empty_cuda_visible_devices_is_named(monkeypatch):
+    """A process Ray gave no GPU (Ray <= 2.55) is told so, not told that the node lacks GPUs or its driver is old."""
+    text = gpu_environment_error(GPU_LESS_ACTOR_RAY_255, where="actor worker (actor_rollout) rank 0 on n1")
+    assert "CUDA_VISIBLE_DEVICES is empty in this process" in text and "older than" not in text
+    assert "the driver" not in text.split(":")[0]
+    assert gpu_environment_error(GPU_LESS_ACTOR_RAY_256, where="x") is None
+
+
+def test_a_forward_compatibility_driver_with_working_cuda_passes(monkeypatch):
+    """R570 + cuda-compat-13-0: torch uses the GPU, so nothing is refused; the driver only explains a failure."""
+    assert gpu_environment_error(FORWARD_COMPATIBLE, where="x") is None
+    _play(monkeypatch, FORWARD_COMPATIBLE)
+    gpu_env.check_driver_gpus(DRIVER_CONFIG)
+    assert gpu_check(SDPA, where="w", run_kernel=True) is None
+    broken = dataclasses.replace(FORWARD_COMPATIBLE, cuda_available=False, device_count=0)
+    text = gpu_environment_error(broken, where="x")
+    assert text.startswith("x: CUDA is not available to torch") and "older than R580" in text
+    assert "cuda-compat-13-0" in text
+
+
+def test_no_driver_at_all(monkeypatch):
+    """No NVIDIA driver: the driver process leaves the check to the workers; a worker names the missing driver."""
+    _play(monkeypatch, NO_DRIVER)
+    assert not gpu_env.has_nvidia_driver()
+    gpu_env.check_driver_gpus(DRIVER_CONFIG)
+    text = gpu_check(SDPA, where="actor worker (actor_rollout) rank 0 on n1", run_kernel=True)
+    assert "no NVIDIA driver is loaded" in text and "R580" in text
+
+
+def test_gpu_facts_reads_this_machine():
+    facts = gpu_env.gpu_facts()
+    import torch
+
+    assert facts.torch_version == str(torch.__version__) and facts.cuda_available == torch.cuda.is_available()
+    assert facts.flash_attn_error is None and facts.device_count == (torch.cuda.device_count() if
+                                                                      facts.cuda_available else 0)

@@ -20,7 +20,8 @@ import verl.trainer.main_ppo as main_ppo
 from verl.utils.config import omega_conf_to_dataclass
 
 import setgrpo_verl
-from setgrpo_verl.integration.config import SetGRPOAlgoConfig, SetGRPOConfig, check_run_config, setgrpo_config_from
+from setgrpo_verl.integration.config import SetGRPOAlgoConfig, SetGRPOConfig, setgrpo_config_from
+from setgrpo_verl.integration.run_check import check_run_config
 from setgrpo_verl.models import embedded_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,9 +100,9 @@ def test_every_recipe_composes(compositions, monkeypatch):
     # checked on the workers, as for a remote path (tests/integration/test_support.py covers the layout check)
     monkeypatch.setattr(support, "build_meta_policy", lambda model_cfg: None)
     # nor can it fingerprint their files for the record's identity (tests/integration/test_run_identity.py does)
-    from setgrpo_verl.integration import config as config_module
+    from setgrpo_verl.integration import run_check
 
-    monkeypatch.setattr(config_module, "run_identity", lambda cfg, setgrpo: {})
+    monkeypatch.setattr(run_check, "run_identity", lambda cfg, setgrpo: {})
     # the recipes load the policy with verl's default attention, flash_attention_2: its package (flash_attn, the
     # gpu extra) stands in here, and tests/integration/test_pre_ray_checks.py covers its refusal when missing
     spec = importlib.machinery.ModuleSpec("flash_attn", None)
@@ -122,7 +123,7 @@ def test_every_recipe_composes(compositions, monkeypatch):
             assert cfg.algorithm.adv_estimator == "grpo" and cfg.trainer.v1.trainer_mode == "graded_sync"
             assert cfg.reward.reward_kwargs.scorings == 1  # GRPO reads no reference score
             assert "setgrpo" not in cfg.algorithm and "--config-path" not in argv  # verl's stock config
-            assert ("+hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.config.SetGRPOConfigCheck"
+            assert ("+hydra.callbacks.setgrpo_check._target_=setgrpo_verl.integration.run_check.SetGRPOConfigCheck"
                     in argv)  # with the check before Ray
             continue
         assert "scorings" not in cfg.reward.reward_kwargs  # SetGRPO: the default two
@@ -263,7 +264,8 @@ def test_yaml_block_is_generated_from_the_field_docs():
 
 
 def test_sketch_defaults_are_exactly_sketch_config():
-    from setgrpo_verl.integration.config import SetGRPOSketchConfig, run_identity
+    from setgrpo_verl.integration.config import SetGRPOSketchConfig
+    from setgrpo_verl.integration.identity import run_identity
     from setgrpo_verl.sketch import SketchConfig
 
     assert SetGRPOSketchConfig().to_sketch_config() == SketchConfig()
@@ -312,10 +314,10 @@ def test_loggers_run_anywhere_and_wandb_only_when_asked_or_keyed(tmp_path):
 def test_several_nodes_refuse_a_loopback_judge_before_ray(tmp_path, monkeypatch):
     from setgrpo_verl.integration import support
 
-    from setgrpo_verl.integration import config as config_module
+    from setgrpo_verl.integration import run_check
 
     monkeypatch.setattr(support, "build_meta_policy", lambda model_cfg: None)  # hub models, offline
-    monkeypatch.setattr(config_module, "run_identity", lambda config, setgrpo: {})  # (their files: the same)
+    monkeypatch.setattr(run_check, "run_identity", lambda config, setgrpo: {})  # (their files: the same)
     spec = importlib.machinery.ModuleSpec("flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(__spec__=spec))
     for url, refused in (("http://127.0.0.1:8000/v1", True), (JUDGE, False)):
@@ -350,11 +352,11 @@ def test_every_recipe_runs_fsdp2_and_says_whether_the_policy_thinks(tmp_path):
 
 
 def test_the_one_gpu_smoke_recipe_composes_and_passes_the_check_before_ray(tmp_path, monkeypatch):
-    from setgrpo_verl.integration import config as config_module
+    from setgrpo_verl.integration import run_check
     from setgrpo_verl.integration import support
 
     monkeypatch.setattr(support, "build_meta_policy", lambda model_cfg: None)  # hub models, offline
-    monkeypatch.setattr(config_module, "run_identity", lambda config, setgrpo: {})  # (their files: the same)
+    monkeypatch.setattr(run_check, "run_identity", lambda config, setgrpo: {})  # (their files: the same)
     spec = importlib.machinery.ModuleSpec("flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(__spec__=spec))
     argv = _recipe_argv(SMOKE, None, tmp_path, environ={"JUDGE_BASE_URL": "http://127.0.0.1:8001/v1"})

@@ -69,14 +69,14 @@ def test_nothing_to_pass_without_an_http_judge_or_a_key():
 
 
 def test_the_hydra_callback_passes_the_key_after_its_check(monkeypatch):
-    from setgrpo_verl.integration import config as config_module
+    from setgrpo_verl.integration import run_check
 
     cfg = OmegaConf.create({"reward": {"reward_manager": {"name": "setgrpo_dual"},
                                        "reward_kwargs": {"grader": dict(OPENAI)}}})
-    monkeypatch.setattr(config_module, "check_run_config", lambda config: None)
+    monkeypatch.setattr(run_check, "check_run_config", lambda config: None)
     monkeypatch.setenv(RAY_HOOK_ENV, "")  # restored (unset) after the test
     monkeypatch.setenv(JUDGE_KEY_ENV, "sk-test")
     monkeypatch.setenv("SETGRPO_SKIP_JUDGE_PROBE", "1")  # the probe itself: test_judge_probe.py
-    config_module.SetGRPOConfigCheck().on_job_start(cfg)
+    run_check.SetGRPOConfigCheck().on_job_start(cfg)
     assert os.environ[RAY_HOOK_ENV].endswith("runtime_env_with_judge_key")
     assert "sk-test" not in OmegaConf.to_yaml(cfg)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from setgrpo_verl.integration import config as config_module
+from setgrpo_verl.integration import run_check
 from setgrpo_verl.integration.judge_access import (JUDGE_KEY_ENV, SKIP_PROBE_ENV, describe_judge, judge_probe_line,
                                                    probe_judge, remote_judge)
 
@@ -33,8 +33,8 @@ def _openai(url: str, **extra) -> dict:
 def _callback(grader: dict, monkeypatch) -> None:
     """The Hydra callback on a config with this grader (the config check itself is the composed test's)."""
     cfg = OmegaConf.create({"reward": {"reward_manager": {"name": "setgrpo_dual"}, "reward_kwargs": {"grader": grader}}})
-    monkeypatch.setattr(config_module, "check_run_config", lambda config: None)
-    config_module.SetGRPOConfigCheck().on_job_start(cfg)
+    monkeypatch.setattr(run_check, "check_run_config", lambda config: None)
+    run_check.SetGRPOConfigCheck().on_job_start(cfg)
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_the_callback_probes_after_the_composed_config_passes_its_check(environm
         cfg = _compose(CAL_ONLY, f"+reward.reward_kwargs.grader={{type:openai,base_url:'{url}',model:judge-m,"
                                  "max_retries:0}")
         with pytest.raises(SystemExit, match=r"judge 'judge-m' at .* answered HTTP 401"):
-            config_module.SetGRPOConfigCheck().on_job_start(cfg)
+            run_check.SetGRPOConfigCheck().on_job_start(cfg)
     assert len(judge.requests) == 1
     assert SECRET not in OmegaConf.to_yaml(cfg) + "".join(capsys.readouterr())
 

@@ -17,7 +17,7 @@ import verl.trainer.main_ppo as main_ppo
 
 from setgrpo_verl.runner import launch
 from setgrpo_verl.core import CalibrationSettings
-from setgrpo_verl.integration.config import check_run_config
+from setgrpo_verl.integration.run_check import check_run_config
 from setgrpo_verl.integration.micro_batch import sketch_micro_batch_error
 from setgrpo_verl.models import embedded_model_dir
 
@@ -195,8 +195,8 @@ def test_a_driver_with_an_nvidia_driver_checks_its_gpu_environment(monkeypatch, 
     monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: False)
     check_run_config(cfg)  # no NVIDIA driver on the driver's machine: the workers check their GPUs
     monkeypatch.setattr(gpu_env, "has_nvidia_driver", lambda: True)
-    with pytest.raises(ValueError, match=r"the driver \(where main_ppo starts\): the NVIDIA driver 550.54.15 is older "
-                                         r"than R580, which CUDA 13.0"):
+    with pytest.raises(ValueError, match=r"the driver \(where main_ppo starts\): CUDA is not available .*: the NVIDIA "
+                                         r"driver 550.54.15 is older than R580, which CUDA 13.0"):
         check_run_config(cfg)
 
 
@@ -219,7 +219,7 @@ def test_grpo_stage_runs_the_same_check_before_ray():
     """verl's stock ppo_trainer has no callback: the GRPO stage adds ours, so a grader typo stops it before Ray."""
     overrides = [o for o in launch.stage_overrides("grpo", "/tmp/run") if o.startswith("+hydra.")]
     hydra = _compose(*overrides, config="ppo_trainer", cfg="hydra")
-    assert hydra.hydra.callbacks.setgrpo_check._target_ == "setgrpo_verl.integration.config.SetGRPOConfigCheck"
+    assert hydra.hydra.callbacks.setgrpo_check._target_ == "setgrpo_verl.integration.run_check.SetGRPOConfigCheck"
     cfg = _compose(OPENAI_TYPO, "reward.reward_manager.name=setgrpo_dual", config="ppo_trainer")
     with pytest.raises(ValueError, match=r"unknown keys for a openai grader: \['max_token'\]"):
         check_run_config(cfg)
@@ -498,7 +498,7 @@ def test_the_command_line_and_the_run_build_the_settings_in_one_place():
 def test_one_scoring_is_refused_by_the_callback_before_ray_and_admitted_for_grpo():
     """The Hydra callback stops a SetGRPO run with one scoring per response; the GRPO stage's overrides (one scoring,
     the graded sync trainer) pass the same check, and a bad value stops it too."""
-    from setgrpo_verl.integration.config import SetGRPOConfigCheck
+    from setgrpo_verl.integration.run_check import SetGRPOConfigCheck
 
     with pytest.raises(SystemExit, match="setgrpo_verl config error: reward.reward_kwargs.scorings=1: SetGRPO needs"):
         SetGRPOConfigCheck().on_job_start(_compose(LOCAL, CAL_ONLY, "+reward.reward_kwargs.scorings=1"))

@@ -19,7 +19,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from setgrpo_verl.core import CalibrationSettings, OnlineRiskMonitor, calibrate, setgrpo_coefficients
-from setgrpo_verl.integration.config import run_identity, setgrpo_config_from
+from setgrpo_verl.integration.config import setgrpo_config_from
+from setgrpo_verl.integration.identity import run_identity
 from setgrpo_verl.integration.resume import STATE_FILE, check_resume, read_history, read_state
 from setgrpo_verl.integration.trainer import SetGRPOTrainer
 from setgrpo_verl.models import embedded_model_dir

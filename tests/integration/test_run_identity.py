@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings
 from setgrpo_verl.core.identity import IdentityWarning
 from setgrpo_verl.core.shards import CalibrationShard, load_shards, read_shard, shard_identity, write_shard
-from setgrpo_verl.integration.config import SetGRPOConfigCheck, check_record, check_run_config, setgrpo_config_from
+from setgrpo_verl.integration.config import setgrpo_config_from
+from setgrpo_verl.integration.run_check import SetGRPOConfigCheck, check_record, check_run_config
 from setgrpo_verl.integration.identity import run_identity, weights_fingerprint
 from setgrpo_verl.models import embedded_model_dir
 from setgrpo_verl.runner.launch import cpu_overrides

@@ -14,7 +14,7 @@ from setgrpo_verl.core import calibrate, CalibrationRecord, CalibrationSettings
 from setgrpo_verl.core.record import prompt_fingerprint
 from setgrpo_verl.runner.datasplit import split_matches
 from setgrpo_verl.grading import write_verl_parquet
-from setgrpo_verl.integration.config import check_training_data
+from setgrpo_verl.integration.run_check import check_training_data
 from setgrpo_verl.integration.prompts import prompt_identity
 from setgrpo_verl.runner.lifecycle import plan_run
 from setgrpo_verl.models import embedded_model_dir
