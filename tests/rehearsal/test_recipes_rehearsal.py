@@ -43,9 +43,12 @@ RECIPES = {
 #: What the first CUDA call raises on this machine's CPU build of torch: verl's workers start their process group
 #: with NCCL, and torch's ``init_process_group`` refuses.
 CUDA_STOP = re.compile(r"Distributed package doesn't have NCCL built in|Torch not compiled with CUDA enabled")
-#: The overrides each rehearsal adds after the recipe's own: calibration reads the 8 local prompts.
+#: The overrides each rehearsal adds after the recipe's own: calibration reads the 8 local prompts, and the policy
+#: loads with torch's attention, since with flash-attn (the recipes' default) the first CUDA call of a worker would be
+#: its GPU-environment check's own flash-attn kernel (tests/integration/test_gpu_env.py covers that check).
 OVERRIDES = ["algorithm.setgrpo.calibration.num_prompts=8", "data.train_batch_size=8",
-             "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+             "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+             "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"]
 _ACTOR_PREFIX = re.compile(r"^(\x1b\[\d+m)?\(\w*\s*pid=")
 
 
@@ -70,7 +73,10 @@ def run_recipe(name: str, mode, *, gpus: int, nodes: int, facts: dict, address: 
            "NNODES": str(nodes), "N_GPUS_PER_NODE": str(gpus), "HYDRA_FULL_ERROR": "1",
            "SETGRPO_REHEARSAL_LOG": str(run_root / "seam.jsonl"), **rehearsal_environ(facts)}
     env.pop("WANDB_API_KEY", None)
-    argv = ["bash", str(REPO / "recipes" / f"{name}.sh"), *([mode] if mode else []), *OVERRIDES,
+    # the TaskRunner and the workers get the run's facts as Ray passes any variable: the job's runtime environment
+    reach = [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={env[k]}"
+             for k in ("SETGRPO_REHEARSAL_GPU", "SETGRPO_REHEARSAL_DRIVER", "SETGRPO_REHEARSAL_LOG")]
+    argv = ["bash", str(REPO / "recipes" / f"{name}.sh"), *([mode] if mode else []), *OVERRIDES, *reach,
             f"hydra.run.dir={run_root / 'hydra'}"]
     start = time.monotonic()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=run_root)
@@ -103,8 +109,63 @@ def test_recipe_rehearses_on_declared_gpus_until_verl_starts_nccl(recipe, declar
     assert len(workers) == gpus * nodes, calls
     assert all(c["cuda_visible_devices"] not in (None, "") for c in workers), workers
     # the driver checked before Ray; the TaskRunner, a Ray actor without GPUs, checks nothing
-    assert [c for c in calls if "gpu_env:check_driver_gpus" in c["frames"] and "config:on_job_start" in c["frames"]]
+    assert [c for c in calls if "gpu_env:check_driver_gpus" in c["frames"] and "run_check:on_job_start" in c["frames"]]
     assert not [c for c in calls if "trainer:__init__" in c["frames"]], calls
     # then it stopped at the first CUDA call, in torch, outside this package, with no SetGRPO refusal
     assert "/setgrpo_verl/" not in where and "/torch/" in where, (where, exc, log[-4000:])
     assert CUDA_STOP.search(exc) and "setgrpo" not in exc.lower(), (where, exc, log[-4000:])
+
+
+@pytest.mark.slow
+@pytest.mark.rehearsal
+@pytest.mark.timeout(600)
+def test_smoke_recipe_on_a_node_without_a_driver_stops_at_the_workers_check_naming_it(
+        declared_gpu_cluster, host_judge, rubric_data, tmp_path):
+    """No NVIDIA driver anywhere: the driver has nothing to check before Ray, and the actor worker refuses when it
+    starts, before verl touches CUDA, naming the missing driver."""
+    model = tiny_model("qwen3", tmp_path / "model")
+    proc, seconds = run_recipe("smoke_qwen3_1gpu", None, gpus=1, nodes=1,
+                               facts={"SETGRPO_REHEARSAL_GPU": "none", "SETGRPO_REHEARSAL_DRIVER": ""},
+                               address=declared_gpu_cluster, judge=host_judge.url, data=rubric_data, model=model,
+                               run_root=tmp_path)
+    log = proc.stdout + proc.stderr
+    where, exc = last_raise(log)
+    print(f"smoke_qwen3_1gpu without a driver {RAY}: {seconds:.0f} s, stopped in {where}: {exc}")
+    assert proc.returncode != 0 and where.endswith("setgrpo_verl/integration/worker.py"), (where, exc, log[-4000:])
+    assert "CUDA is not available" in exc and "no NVIDIA driver is loaded" in exc, exc
+    assert "actor worker (actor_rollout) rank 0" in exc, exc
+    assert not CUDA_STOP.search(log), "verl reached CUDA before the worker's check"
+    calls = seam_calls(tmp_path / "seam.jsonl")
+    assert [c for c in calls if "worker:__init__" in c["frames"]]
+    assert not [c for c in calls if "gpu_env:gpu_check" in c["frames"] and "run_check:on_job_start" in c["frames"]]
+
+
+@pytest.mark.slow
+@pytest.mark.rehearsal
+@pytest.mark.timeout(300)
+def test_a_gpu_less_ray_actor_passes_the_check_before_ray(declared_gpu_cluster):
+    """A Ray actor without GPUs, as verl's TaskRunner is: Ray 2.41-2.55 empty its ``CUDA_VISIBLE_DEVICES`` (torch then
+    sees no GPU there), Ray 2.56 and later leave it unset. Either way the check before Ray does nothing in it (that
+    check is the driver's), while a GPU check in it names the emptied variable (test ids carry the Ray version)."""
+    from packaging.version import Version
+
+    @ray.remote(num_gpus=0)
+    class GpuLess:
+        def check(self):
+            from setgrpo_verl.integration import gpu_env
+
+            config = {"actor_rollout_ref": {"model": {"override_config": {"attn_implementation": "sdpa"}}},
+                      "trainer": {"device": "cuda"}}
+            gpu_env.check_driver_gpus(config)  # raises ValueError where it refuses
+            error = gpu_env.gpu_check(config["actor_rollout_ref"]["model"], where="a GPU-less actor", run_kernel=False)
+            return os.environ.get("CUDA_VISIBLE_DEVICES"), error
+
+    ray.init(address=declared_gpu_cluster, log_to_driver=False)
+    try:
+        visible, error = ray.get(GpuLess.remote().check.remote(), timeout=120)
+    finally:
+        ray.shutdown()
+    if Version(ray.__version__) < Version("2.56"):
+        assert visible == "" and "CUDA_VISIBLE_DEVICES is empty" in error, (visible, error)
+    else:
+        assert visible is None and error is None, (visible, error)

@@ -2,16 +2,16 @@
 
 Loaded by Python at start-up where this folder is on PYTHONPATH, and active only with ``SETGRPO_REHEARSAL_GPU`` set
 (the driver, Ray's raylets and through them the TaskRunner and every worker inherit both). It replaces one seam,
-``setgrpo_verl.integration.gpu_env``'s facts, when that module is imported; everything else (torch, Ray, verl) stays
-real. The facts come from the environment:
+``setgrpo_verl.integration.gpu_env.gpu_facts``, when that module is imported; everything else (torch, Ray, verl)
+stays real. The facts come from the environment:
 
 * ``SETGRPO_REHEARSAL_GPU``: ``cuda`` (torch can use the GPU) or ``none`` (CUDA is not available);
 * ``SETGRPO_REHEARSAL_DRIVER``: the loaded NVIDIA driver's version, empty for no driver.
 
 A process that Ray started with ``CUDA_VISIBLE_DEVICES=""`` (an actor without GPUs under Ray 2.41-2.55) sees no GPU,
-as torch does on a GPU node. ``flash_attn`` and ``fla`` (CUDA-only packages of the ``gpu`` extra) are found as
-installed (``importlib.util.find_spec``, what the check before Ray asks), but they are empty: transformers reads them
-as absent and anything that uses them stops there.
+as torch does on a GPU node. ``fla`` (flash-linear-attention, Qwen3.5's Triton kernels, of the ``gpu`` extra) is
+found as installed (``importlib.util.find_spec``, what the check before Ray asks), but it is empty: transformers reads it as
+absent and anything that uses it stops there.
 """
 
 from __future__ import annotations
@@ -22,38 +22,36 @@ import os
 import sys
 
 _SEAM = "setgrpo_verl.integration.gpu_env"
-_CUDA_ONLY = ("flash_attn", "flash_attn_2_cuda", "fla")
+_CUDA_ONLY = ("fla",)
 CUDA_ONLY_MARK = "CUDA-only package, absent from this CPU rehearsal"
 
 
-def _facts():
+def _fake_facts(real):
+    """The GPU node's facts in place of ``real`` (this machine's): CUDA 13.0 torch, the driver and CUDA availability
+    of ``SETGRPO_REHEARSAL_*``, and no GPU where Ray set ``CUDA_VISIBLE_DEVICES=""``; the rest as read."""
+    import dataclasses
+
     driver = os.environ.get("SETGRPO_REHEARSAL_DRIVER") or None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     available = os.environ.get("SETGRPO_REHEARSAL_GPU") == "cuda" and visible != ""
-    return available, driver
+    count = (len(visible.split(",")) if visible else 8) if available else 0
+    return dataclasses.replace(real, torch_cuda="13.0", cuda_available=available, driver_version=driver,
+                               device_count=count, visible_devices=visible, driver_device=driver is not None)
 
 
 def _patch(module) -> None:
-    available, driver = _facts()
-    seam = getattr(module, "REHEARSAL_SEAM", "read_gpu_environment")
-    original = getattr(module, seam)
+    original = module.gpu_facts
 
-    def fake(*args, **kwargs):
-        real = original(*args, **kwargs)
-        fields = {"cuda_available": available, "driver_version": driver, "torch_cuda": "13.0",
-                  "flash_attn_error": None}
-        facts = real.__class__(**{**real.__dict__, **{k: v for k, v in fields.items() if hasattr(real, k)}})
-        _log(seam, facts)
+    def gpu_facts():
+        facts = _fake_facts(original())
+        _log(facts)
         return facts
 
-    fake.__wrapped__ = original
-    setattr(module, seam, fake)
-    if hasattr(module, "has_nvidia_driver"):  # until the seam carries the driver too
-        module.has_nvidia_driver = lambda: driver is not None
-        module.nvidia_driver_version = lambda proc_text=None: driver
+    gpu_facts.__wrapped__ = original
+    module.gpu_facts = gpu_facts
 
 
-def _log(seam, facts) -> None:
+def _log(facts) -> None:
     """One JSON line per call in ``$SETGRPO_REHEARSAL_LOG``: the process, what it saw, and this package's frames."""
     path = os.environ.get("SETGRPO_REHEARSAL_LOG")
     if not path:
