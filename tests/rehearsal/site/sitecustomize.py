@@ -9,9 +9,8 @@ stays real. The facts come from the environment:
 * ``SETGRPO_REHEARSAL_DRIVER``: the loaded NVIDIA driver's version, empty for no driver.
 
 A process that Ray started with ``CUDA_VISIBLE_DEVICES=""`` (an actor without GPUs under Ray 2.41-2.55) sees no GPU,
-as torch does on a GPU node. ``fla`` (flash-linear-attention, Qwen3.5's Triton kernels, of the ``gpu`` extra) is
-found as installed (``importlib.util.find_spec``, what the check before Ray asks), but it is empty: transformers reads it as
-absent and anything that uses it stops there.
+as torch does on a GPU node. With ``SETGRPO_REHEARSAL_LOG`` set, every call appends a JSON line there: the process,
+its ``CUDA_VISIBLE_DEVICES``, the facts it got and this package's frames that asked.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ import os
 import sys
 
 _SEAM = "setgrpo_verl.integration.gpu_env"
-_CUDA_ONLY = ("fla",)
-CUDA_ONLY_MARK = "CUDA-only package, absent from this CPU rehearsal"
 
 
 def _fake_facts(real):
@@ -67,20 +64,8 @@ def _log(facts) -> None:
         fh.write(json.dumps(line) + "\n")
 
 
-class _CudaOnlyLoader(importlib.abc.Loader):
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        # no __file__ and no __version__: transformers reads it as absent (a shadowing namespace package), and
-        # ``from flash_attn.x import y`` raises ModuleNotFoundError
-        module.__doc__ = CUDA_ONLY_MARK
-
-
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in _CUDA_ONLY:
-            return importlib.machinery.ModuleSpec(fullname, _CudaOnlyLoader())
         if fullname != _SEAM:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
