@@ -43,11 +43,13 @@ RECIPES = {
 #: What the first CUDA call raises on this machine's CPU build of torch: verl's workers start their process group
 #: with NCCL, and torch's ``init_process_group`` refuses.
 CUDA_STOP = re.compile(r"Distributed package doesn't have NCCL built in|Torch not compiled with CUDA enabled")
-#: The overrides each rehearsal adds after the recipe's own: calibration reads the 8 local prompts, and the policy
-#: loads with torch's attention, since with flash-attn (the recipes' default) the first CUDA call of a worker would be
-#: its GPU-environment check's own flash-attn kernel (tests/integration/test_gpu_env.py covers that check).
+#: The overrides each rehearsal adds after the recipe's own: calibration reads the 8 local prompts; one TransferQueue
+#: storage unit instead of verl's default of several (each a Ray actor process, seconds of CI time per run); and the
+#: policy loads with torch's attention, since with flash-attn (the recipes' default) the first CUDA call of a worker
+#: would be its GPU-environment check's own flash-attn kernel (tests/integration/test_gpu_env.py covers that check).
 OVERRIDES = ["algorithm.setgrpo.calibration.num_prompts=8", "data.train_batch_size=8",
              "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+             "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
              "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"]
 _ACTOR_PREFIX = re.compile(r"^(\x1b\[\d+m)?\(\w*\s*pid=")
 
