@@ -159,6 +159,25 @@ def agreement(model, ids, am, rm) -> dict:
     }
 
 
+def no_gpu_diagnosis() -> str:
+    """Why torch cannot use a GPU here, for the full-size check, which would otherwise build the 4B model on the CPU
+    until its timeout: torch's build, ``CUDA_VISIBLE_DEVICES`` and the NVIDIA driver (the same facts as
+    ``setgrpo_verl.integration.gpu_env``, read without verl)."""
+    import os
+
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as fh:
+            driver = fh.readline().strip()
+    except OSError:
+        driver = "no NVIDIA driver is loaded (/proc/driver/nvidia/version is missing)"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    build = (f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None
+             else f"torch {torch.__version__} is a CUDA {torch.version.cuda} build (CUDA 13 needs driver R580+)")
+    return (f"no GPU that torch can use: torch.cuda.is_available() is False; {build}; driver: {driver}; "
+            f"CUDA_VISIBLE_DEVICES={visible!r}. The full-size check needs one CUDA GPU (H100/H200); --tiny runs the "
+            "same code on the CPU")
+
+
 def _gib(x: float | None) -> str:
     return "n/a (cpu)" if x is None else f"{x:.1f} GiB"
 
@@ -166,11 +185,14 @@ def _gib(x: float | None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and tiny batches (the test's mode)")
-    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu (--tiny only)")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per pass, after one warm-up run")
     ap.add_argument("--shapes", default=None, help="comma-separated batch names (default: all of the mode)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not args.tiny and (device.type != "cuda" or not torch.cuda.is_available()):
+        print(f"gpu_check: {no_gpu_diagnosis()}", file=sys.stderr, flush=True)
+        return 2
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:

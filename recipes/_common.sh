@@ -1,4 +1,5 @@
-# Shared settings of the SetGRPO recipes (sourced by recipes/<model>.sh; not run directly).
+# Shared settings of the SetGRPO recipes (sourced by recipes/run.sh, which takes each model's row of
+# recipes/models.tsv, and by recipes/smoke_qwen3_1gpu.sh; not run directly).
 #
 # The paper's training/rollout configuration (Table 3 of the SetGRPO paper): rollout group size K=8,
 # max prompt length 2048, max response length 4096, batch size 64 prompts, mini-batch size 32 prompts,
@@ -8,7 +9,9 @@
 # Environment (all optional):
 #   PYTHON            python interpreter with verl[verl-core]==0.9.1 and setgrpo-verl installed (python3)
 #   DATA_DIR          RubricHub parquet files from recipes/prepare_rubrichub.sh ($HOME/data/rubrichub)
-#   RUN_ROOT          checkpoints and calibration records ($HOME/setgrpo_runs)
+#   RUN_ROOT          checkpoints and calibration records ($HOME/setgrpo_runs); with NNODES > 1 it must be on a file
+#                     system every node mounts (NFS, Lustre, ...): a node-local one is refused before Ray
+#                     (SETGRPO_SHARED_FS=1 if the check takes a shared one for local)
 #   NNODES            nodes (1);  N_GPUS_PER_NODE  GPUs per node (8)
 #   REWARD_MANAGER    verl reward-manager name of the dual (point + reference) rubric grader (setgrpo_dual)
 #   JUDGE_BASE_URL    OpenAI-compatible endpoint of the rubric judge, e.g. a vLLM server (http://<judge host>:8000/v1);
@@ -23,7 +26,8 @@
 #                     that no request (response, question, criterion and verdict) outgrows the judge's context
 #   LOGGER            verl trainer.logger list; default '["console","file","tensorboard"]' (metrics.jsonl and
 #                     tensorboard/ in the run's directory, $RUN_ROOT/<run>), plus "wandb" when WANDB_API_KEY is set
-#                     or `wandb login` stored a key in ~/.netrc; set LOGGER to ask for wandb (or anything else)
+#                     or `wandb login` stored a key in ~/.netrc (the key reaches verl's TaskRunner through Ray's runtime
+#                     environment; wandb without a key is refused before Ray); set LOGGER to ask for wandb (or others)
 #   SKETCH_TOKENS_PER_GPU  token budget of the sketch pass's micro-batches (6144 = one full-length sequence)
 #   POLICY_THINKING   true | false (false): the policy's chat-template thinking (Qwen3, Qwen3.5: enable_thinking; other
 #                     templates ignore it). With thinking on, the judge grades the answer after the </think> tag, and a
@@ -117,7 +121,7 @@ _table3_args() {
 
 # run_recipe MODE [hydra overrides...]
 #   MODE = calibrate | train | grpo | smoke (calibrate, then train, in one run: recipes/smoke_qwen3_1gpu.sh)
-# Needs MODEL_TAG, MODEL_PATH, ROLLOUT_TP, LR, MAX_TOKENS_PER_GPU, PARAM_OFFLOAD from the model recipe.
+# Needs MODEL_TAG, MODEL_PATH, ROLLOUT_TP, LR, MAX_TOKENS_PER_GPU, PARAM_OFFLOAD (recipes/run.sh: a row of models.tsv).
 run_recipe() {
     local mode=${1:-}
     if [ $# -gt 0 ]; then shift; fi

@@ -9,7 +9,7 @@
 # saying how many; then it writes, with setgrpo_verl.grading.convert (rubric kept as JSON in
 # reward_model.ground_truth, validated row by row), three disjoint splits:
 #   $DATA_DIR/train.parquet   training prompts
-#   $DATA_DIR/calib.parquet   calibration prompts (disjoint from train; used by `<model>.sh calibrate`)
+#   $DATA_DIR/calib.parquet   calibration prompts (disjoint from train; used by `run.sh <recipe> calibrate`)
 #   $DATA_DIR/test.parquet    validation prompts (RUBRICHUB_TEST if given -- its prompts are then left out of train and
 #                             calib -- else held out from RUBRICHUB_TRAIN)
 #

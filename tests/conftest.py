@@ -16,6 +16,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # VERL_FILE_LOGGER_PATH (verl's defaults: verl_examples/gsm8k.jsonl): any such run of the suite, and the Ray workers
 # it starts, writes into a temporary folder instead of the repository.
 os.environ.setdefault("VERL_FILE_LOGGER_ROOT", tempfile.mkdtemp(prefix="setgrpo_verl_tests_file_logger_"))
+# verl's default trainer.logger names wandb, which the check before Ray refuses without a key: the tests' compositions
+# keep that default and log nowhere (tests/integration/test_run_env.py unsets it to test the refusal)
+os.environ.setdefault("WANDB_MODE", "disabled")
 
 
 #: The modules whose tests run verl's ``main_ppo`` (they hold ``serial_main_ppo``), in two chains of about equal

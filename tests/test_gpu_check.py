@@ -42,3 +42,25 @@ def test_the_wrapper_runs_the_check_from_the_repository_root_without_installing_
     script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
     assert 'cd "$(dirname "$0")/.."' in script and "PYTHONPATH=" in script and "timeout 300" in script
     assert "pip install" not in script and "pip3" not in script
+
+
+def test_the_wrapper_needs_only_python3_and_stops_at_once_without_a_gpu(tmp_path):
+    """Where there is only `python3` (no `python`) and torch sees no GPU, the full-size check stops in seconds naming
+    why, instead of building the 4B model on the CPU until `timeout 300`."""
+    import shutil
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (bin_dir / "python3").chmod(0o755)
+    for tool in ("bash", "timeout", "dirname", "env"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    proc = subprocess.run([str(bin_dir / "bash"), "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no GPU that torch can use: torch.cuda.is_available() is False" in proc.stderr
+    assert "CUDA_VISIBLE_DEVICES=''" in proc.stderr and "--tiny runs the same code on the CPU" in proc.stderr
+    assert "model built" not in proc.stdout and time.monotonic() - start < 60

@@ -138,6 +138,29 @@ def test_the_dockerfile_builds_on_verls_image_under_the_constraints():
     assert {".git", ".venv", "runs"} <= set(ignored)
 
 
+def test_the_dockerfile_keeps_the_images_nccl():
+    """The image's NCCL (>= 2.29.7) overrides torch 2.11.0's own nvidia-nccl-cu13==2.28.9 pin: the install records the
+    image's CUDA packages before it, puts them back with --no-deps after it and fails unless they are unchanged."""
+    lines = [line.strip() for line in (REPO / "docker" / "Dockerfile").read_text().splitlines()]
+    record = next(i for i, line in enumerate(lines) if "pip freeze" in line and "> /tmp/image-cuda-pins.txt" in line)
+    install = next(i for i, line in enumerate(lines) if "-c docker/constraints-gpu.txt '.[gpu]'" in line)
+    assert record < install and "nvidia-" in lines[record]
+    after = " ".join(lines[install:install + 3])
+    assert "pip install --no-cache-dir --no-deps -r /tmp/image-cuda-pins.txt" in after
+    assert "| diff /tmp/image-cuda-pins.txt -" in after
+
+
+def test_setuptools_supports_the_license_string():
+    """PEP 639's `license = "Apache-2.0"` string and `license-files` need setuptools 77 or newer."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    floor = next(r for r in project["build-system"]["requires"] if r.startswith("setuptools"))
+    assert int(re.match(r"setuptools>=(\d+)", floor).group(1)) >= 77, floor
+
+
 def test_the_gpu_install_steps_are_documented():
     """flash-attn is an install step of its own (not in the gpu extra), and the driver requirement is stated."""
     import re
@@ -149,3 +172,6 @@ def test_the_gpu_install_steps_are_documented():
                    VERL_IMAGE, "R580", "CUDA 13.0", "CPython 3.10 to 3.12"):
         assert needle in section, needle
     assert re.search(r"flash_attn-2\.8\.3\+cu130torch2\.11-cp312-cp312-linux_x86_64\.whl", section)
+    # verl routes flash-attn through its own wheelhouse index; the prebuilt wheel above is a third party's
+    assert "https://verl-project.github.io/verl-wheelhouse/simple/" in section
+    assert "verl's `uv` source" not in section

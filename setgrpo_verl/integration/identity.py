@@ -4,7 +4,11 @@ whether a calibration applies to a run, read from the composed verl config and f
 The weights and the tokenizer are identified by their content, not by their path: the same files under another
 path are the same policy, other files saved at the same path are not. Everything is read on the driver before Ray
 (:func:`~setgrpo_verl.integration.run_check.check_run_config`), so a model that cannot be read there is refused
-before anything starts.
+before anything starts. A hub id is resolved as verl resolves it: from the Hugging Face cache, downloaded into it
+when missing (the files ``from_pretrained`` loads). The driver's fingerprints travel to the Ray workers
+(:func:`carry_policy_files`, the environment variable :data:`POLICY_FILES_ENV`), so that verl's TaskRunner, on
+another node or with another ``HF_HOME``, computes the identity the driver accepted instead of reading another
+cache.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -22,8 +27,17 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from .dotted import config_value
 from .reward_config import REWARD_MANAGER_NAME, grader_identity
 
-__all__ = ["IDENTITY_SOURCES", "model_files", "policy_identity", "run_identity", "tokenizer_sha256",
-           "training_identity", "weights_fingerprint"]
+__all__ = ["IDENTITY_SOURCES", "POLICY_FILES_ENV", "carry_policy_files", "model_files", "policy_identity",
+           "run_identity", "tokenizer_sha256", "training_identity", "weights_fingerprint"]
+
+#: The environment variable that carries the driver's fingerprints of the policy's files (JSON, ``"<kind>:<path>"``
+#: -> fingerprint) to the Ray workers (:func:`carry_policy_files`).
+POLICY_FILES_ENV = "SETGRPO_POLICY_FILES"
+#: The files of a hub model that ``from_pretrained`` (verl's model, tokenizer and config loads) reads: configs,
+#: safetensors weights, tokenizer files, chat templates, remote code; ``*.bin`` only for a repo without safetensors.
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
+#: The fingerprints this process computed from files, by ``"<kind>:<path>"``.
+_COMPUTED: dict[str, dict[str, str]] = {}
 
 #: The config key behind each identity field, named next to the field when a record or shard refuses a run.
 IDENTITY_SOURCES = {
@@ -75,16 +89,18 @@ def _dtype_name(value: Any) -> str:
 
 
 def model_files(path: Any, *, key: str) -> Path:
-    """The local directory of a model path: the directory itself, or a hub id's snapshot in this machine's Hugging
-    Face cache (nothing is downloaded).
+    """The local directory of a model path, resolved as verl 0.9.1 resolves ``actor_rollout_ref.model.path``: the
+    directory itself, or a hub id's snapshot in this machine's Hugging Face cache, downloaded into that cache when it
+    is not there (verl hands a hub id to ``from_pretrained``, which downloads it the same way; ``HF_HOME``,
+    ``HF_TOKEN`` and ``HF_HUB_OFFLINE`` apply).
 
     Args:
         path: the configured path or hub id.
         key: the config key that set it (named in the message).
 
     Raises:
-        ValueError: a remote URL (``hdfs://`` ...), or a path that is neither a directory nor a cached hub model;
-            the message names the key and the fix.
+        ValueError: a remote URL (``hdfs://`` ...), or a path that is neither a directory nor a hub model that is
+            cached or can be downloaded; the message names the key and the fix.
     """
     text = str(path)
     why = "the calibration record identifies the policy by its files (docs/record.md#run-identity)"
@@ -97,11 +113,53 @@ def model_files(path: Any, *, key: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id=text, local_files_only=True))
-    except (OSError, ValueError) as exc:  # not cached (LocalEntryNotFoundError), or not a hub id at all
-        raise ValueError(f"{key}={text}: not a local directory, and not a model in this machine's Hugging Face cache "
-                         f"({type(exc).__name__}); {why}: pass a local model directory, or download the model first "
-                         f"(`hf download {text}`, with the same HF_HOME)") from None
+        return Path(snapshot_download(repo_id=text, local_files_only=True, allow_patterns=_HUB_FILES))
+    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError), or not a hub id at all
+        pass
+    try:
+        directory = Path(snapshot_download(repo_id=text, allow_patterns=_HUB_FILES))
+        if not any(directory.glob("*.safetensors")):
+            directory = Path(snapshot_download(repo_id=text, allow_patterns=[*_HUB_FILES, "*.bin"]))
+        return directory
+    except (OSError, ValueError) as exc:  # offline, unknown repo, gated without a token, not a hub id
+        said = " ".join(str(exc).split())
+        raise ValueError(f"{key}={text}: not a local directory, and not a Hugging Face model this machine has cached "
+                         f"or could download ({type(exc).__name__}: {said}); {why}: pass a local model directory, or "
+                         f"make the hub reachable (HF_TOKEN for a gated model; `hf download {text}` with the same "
+                         "HF_HOME)") from None
+
+
+def _fingerprint(kind: str, path: Any, key: str) -> dict[str, str]:
+    """``weights_fingerprint`` (``kind="weights"``) or ``{"tokenizer_sha256": ...}`` (``"tokenizer"``) of the model
+    at ``path``: in a Ray worker, the driver's (:func:`carry_policy_files`) when it carried one for this path; else
+    read from the files (:func:`model_files`), and kept for :func:`carry_policy_files`."""
+    name = f"{kind}:{path}"
+    from .gpu_env import in_ray_actor
+
+    carried = os.environ.get(POLICY_FILES_ENV)
+    if carried and in_ray_actor():
+        value = json.loads(carried).get(name)
+        if value is not None:
+            return value
+    directory = model_files(path, key=key)
+    value = weights_fingerprint(directory) if kind == "weights" else {"tokenizer_sha256": tokenizer_sha256(directory)}
+    _COMPUTED[name] = value
+    return value
+
+
+def carry_policy_files(environ: Any = None) -> bool:
+    """Give the next ``ray.init`` of this process (the driver) the fingerprints it computed of the policy's files, in
+    :data:`POLICY_FILES_ENV` through the job's runtime environment
+    (:func:`setgrpo_verl.integration.judge_access.forward_to_ray`): verl's TaskRunner then uses them instead of
+    reading its own node's Hugging Face cache. Returns True when there was something to carry."""
+    from .judge_access import forward_to_ray
+
+    if not _COMPUTED:
+        return False
+    environ = os.environ if environ is None else environ
+    environ[POLICY_FILES_ENV] = json.dumps(_COMPUTED, sort_keys=True)
+    forward_to_ray([POLICY_FILES_ENV], environ)
+    return True
 
 
 def _safetensors_header(fh: Any, path: Path) -> bytes:
@@ -217,10 +275,9 @@ def policy_identity(config: Any) -> dict[str, Any]:
     top_k = int(config_value(rollout, "top_k", -1))
     return {
         "model": path,
-        **weights_fingerprint(model_files(path, key="actor_rollout_ref.model.path")),
-        "tokenizer_sha256": tokenizer_sha256(
-            model_files(tokenizer, key="actor_rollout_ref.model.tokenizer_path") if tokenizer
-            else model_files(path, key="actor_rollout_ref.model.path")),
+        **_fingerprint("weights", path, "actor_rollout_ref.model.path"),
+        **(_fingerprint("tokenizer", tokenizer, "actor_rollout_ref.model.tokenizer_path") if tokenizer
+           else _fingerprint("tokenizer", path, "actor_rollout_ref.model.path")),
         "custom_chat_template_sha256": (None if template is None
                                         else hashlib.sha256(str(template).encode()).hexdigest()),
         "chat_template_kwargs": _plain(config_value(config, "data.apply_chat_template_kwargs", {})),
@@ -265,8 +322,8 @@ def training_identity(config: Any) -> dict[str, Any]:
         "target_modules": modules("target_modules"),
         "target_parameters": modules("target_parameters"),
         "exclude_modules": modules("exclude_modules"),
-        "lora_adapter_sha256": None if adapter is None else weights_fingerprint(
-            model_files(adapter, key="actor_rollout_ref.model.lora_adapter_path"))["weights_sha256"],
+        "lora_adapter_sha256": None if adapter is None else _fingerprint(
+            "weights", adapter, "actor_rollout_ref.model.lora_adapter_path")["weights_sha256"],
         "param_dtype": _dtype_name(config_value(mixed, "param_dtype", "bf16") if mixed is not None else "bf16"),
         "model_dtype": _dtype_name(config_value(fsdp, "model_dtype", "fp32")),
     }

@@ -12,7 +12,9 @@ before it writes anything), so that a wrong URL, model or key fails in seconds r
 The workers of a Ray cluster do not inherit the shell of the driver, so ``OPENAI_API_KEY`` set there does not reach
 them. :func:`pass_judge_key` adds it to the job's Ray runtime environment through Ray's runtime-env hook
 (``RAY_RUNTIME_ENV_HOOK``, which ``ray.init`` calls on the job's runtime environment), after verl printed its
-``ray.init`` arguments: the key is never in the command line, verl's printed config, a log or the record.
+``ray.init`` arguments: the key is never in the command line, verl's printed config, a log or the record. Other
+variables the workers need from the driver (wandb's key, the policy files' fingerprints) travel the same way
+(:func:`forward_to_ray`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import os
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
-__all__ = ["JUDGE_KEY_ENV", "SKIP_PROBE_ENV", "check_judge_access", "describe_judge", "is_loopback_host",
-           "judge_probe_line", "loopback_judge_error", "pass_judge_key", "probe_judge", "remote_judge",
-           "runtime_env_with_judge_key", "skip_probe"]
+__all__ = ["JUDGE_KEY_ENV", "SKIP_PROBE_ENV", "check_judge_access", "describe_judge", "forward_to_ray",
+           "is_loopback_host", "judge_probe_line", "loopback_judge_error", "pass_judge_key", "probe_judge",
+           "remote_judge", "runtime_env_with_judge_key", "skip_probe"]
 
 #: The environment variable the HTTP judge reads its key from (``setgrpo_verl.grading.http_judge``).
 JUDGE_KEY_ENV = "OPENAI_API_KEY"
@@ -36,6 +38,8 @@ SKIP_PROBE_ENV = "SETGRPO_SKIP_JUDGE_PROBE"
 RAY_HOOK_ENV = "RAY_RUNTIME_ENV_HOOK"
 #: Where :func:`pass_judge_key` keeps a hook that was set before it, which its own hook calls first.
 PREVIOUS_HOOK_ENV = "SETGRPO_PREVIOUS_RAY_RUNTIME_ENV_HOOK"
+#: The names (comma-separated) of the variables the hook copies from the driver's environment into the job's.
+FORWARD_ENV = "SETGRPO_RAY_FORWARD"
 _HOOK = f"{__name__}.runtime_env_with_judge_key"
 
 
@@ -114,24 +118,41 @@ def pass_judge_key(grader: Mapping[str, Any], environ: Optional[dict] = None) ->
     environ = os.environ if environ is None else environ
     if str(grader.get("type", "")) != "openai" or not environ.get(JUDGE_KEY_ENV):
         return False
+    forward_to_ray([JUDGE_KEY_ENV], environ)
+    return True
+
+
+def forward_to_ray(names: list[str], environ: Optional[dict] = None) -> None:
+    """Arrange for the next ``ray.init`` of this process to give every Ray worker the variables ``names`` from the
+    driver's environment (as they are when ``ray.init`` runs), through Ray's runtime-env hook; a hook set before is
+    kept and called first, and a variable the runtime environment sets already keeps its value.
+
+    Args:
+        names: environment variable names.
+        environ: the environment to change (``os.environ``).
+    """
+    environ = os.environ if environ is None else environ
+    listed = [n for n in (environ.get(FORWARD_ENV) or "").split(",") if n]
+    environ[FORWARD_ENV] = ",".join(dict.fromkeys([*listed, *names]))
     current = environ.get(RAY_HOOK_ENV)
     if current and current != _HOOK:
         environ[PREVIOUS_HOOK_ENV] = current
     environ[RAY_HOOK_ENV] = _HOOK
-    return True
 
 
 def runtime_env_with_judge_key(runtime_env: Optional[dict]) -> dict:
-    """Ray's runtime-env hook: ``runtime_env`` (after a hook set before :func:`pass_judge_key`) with
-    ``env_vars.OPENAI_API_KEY`` from this process's environment, unless the runtime environment sets it already."""
+    """Ray's runtime-env hook: ``runtime_env`` (after a hook set before :func:`forward_to_ray`) with ``env_vars`` of
+    every variable :func:`forward_to_ray` named (``OPENAI_API_KEY`` by :func:`pass_judge_key`) that this process's
+    environment sets, unless the runtime environment sets it already."""
     previous = os.environ.get(PREVIOUS_HOOK_ENV)
     if previous:
         module, _, name = previous.rpartition(".")
         runtime_env = getattr(importlib.import_module(module), name)(runtime_env)
     runtime_env = dict(runtime_env or {})
     env_vars = dict(runtime_env.get("env_vars") or {})
-    if os.environ.get(JUDGE_KEY_ENV) and JUDGE_KEY_ENV not in env_vars:
-        env_vars[JUDGE_KEY_ENV] = os.environ[JUDGE_KEY_ENV]
+    for name in [n for n in (os.environ.get(FORWARD_ENV) or "").split(",") if n]:
+        if os.environ.get(name) and name not in env_vars:
+            env_vars[name] = os.environ[name]
     runtime_env["env_vars"] = env_vars
     return runtime_env
 

@@ -308,7 +308,7 @@ class SetGRPODualRewardManager(RewardManagerBase):
         except GradingError as exc:
             if not _marked(ntb.get(CALIBRATION_MARK)):
                 raise
-            return self._grading_failed(exc)
+            return self._grading_failed(exc, rubric is not None)
         point = float(scores.point[0])
         if self.point_mode == "mean":  # GRPO on the mean of the two scorings (the grpo_mean2 baseline)
             point = (point + float(scores.reference[0])) / 2
@@ -334,13 +334,21 @@ class SetGRPODualRewardManager(RewardManagerBase):
                                                     "points": [float(c.points) for c in rubric.criteria]})
         return {"reward_score": point, "reward_extra_info": extra}
 
-    def _grading_failed(self, exc: GradingError) -> dict:
+    def _grading_failed(self, exc: GradingError, has_rubric: bool) -> dict:
         """The row of a calibration response whose grading failed: no score (reward 0, never read: calibration leaves
-        its group out and counts it), nothing judged, and the error's message under :data:`GRADING_ERROR_KEY`."""
+        its group out and counts it), nothing judged, and the error's message under :data:`GRADING_ERROR_KEY`. It
+        carries every key a graded row of this grader carries (None for the scores and verdicts): verl's colocated
+        reward path builds the extra fields from the first row's keys."""
         message = str(exc) or type(exc).__name__
         logger.warning("grading a calibration response failed; calibration leaves its group out: %s", message)
-        return {"reward_score": 0.0, "reward_extra_info": {"unparsed": 0, "judged": 0, "scorings": self.scorings,
-                                                           "no_answer": 0, GRADING_ERROR_KEY: message}}
+        keys = ["score", "point_verdicts"]
+        if self.scorings == 2:
+            keys += [self.reference_key, "reference_verdicts", "judged_disagreement"]
+        if getattr(self.scorer.grader, "has_truth", False):  # a noisy grader over a deterministic one
+            keys += [TRUTH_SCORE_KEY] + ([TRUTH_VERDICTS_KEY] if has_rubric else [])
+        return {"reward_score": 0.0, "reward_extra_info": {**dict.fromkeys(keys), "unparsed": 0, "judged": 0,
+                                                           "scorings": self.scorings, "no_answer": 0,
+                                                           GRADING_ERROR_KEY: message}}
 
 
 #: Prompt tokens whose text says whether the chat template opened a thinking block in the generation prompt.

@@ -18,9 +18,11 @@ from setgrpo_verl.grading import check_stochastic_grader
 from .config import RELIABILITY_VARIANT, SETGRPO_NAME, TRAINER_MODE_OVERRIDE, SetGRPOConfig, setgrpo_config_from
 from .gpu_env import check_driver_gpus
 from .judge_access import check_judge_access, judge_probe_line, pass_judge_key
-from .identity import IDENTITY_SOURCES, run_identity
+from .identity import IDENTITY_SOURCES, carry_policy_files, run_identity
 from .prompts import check_calibration_disjoint, check_start_pilot, read_prompt_identities
 from .resume import check_resume
+from .rollout_settings import check_rollout_settings
+from .run_env import check_run_env, pass_run_env
 from .reward_config import (POINT_KEY, REWARD_MANAGER_NAME, SCORINGS_KEY, check_filter_groups, grader_config,
                             grader_identity, point_mode, reference_score_key, scorings)
 from .micro_batch import check_sketch_micro_batch
@@ -115,8 +117,11 @@ def check_run_config(config: Any, *, calibration_prompts: Optional[Sequence[dict
             verl cannot run in (:func:`~.gpu_env.check_driver_gpus`); with ``setgrpo_dual``, a judge a reward worker
             could not use (:func:`~.judge_access.check_judge_access`); for SetGRPO, ``trainer.use_v1=false``, an actor
             strategy other than fsdp / fsdp2 or a sketch token budget below one full-length sequence
-            (:func:`~.support.check_trainer_settings`).
+            (:func:`~.support.check_trainer_settings`); for any trainer mode, rollout settings whose effect would be
+            silent (``full_determinism`` with ``n > 1``, settings the CPU rollout does not implement:
+            :func:`~.rollout_settings.check_rollout_settings`).
     """
+    check_rollout_settings(config)
     if not _uses_setgrpo(config):
         _check_reward(config, setgrpo=False)
         check_filter_groups(config, setgrpo=False, calibration_only=False)
@@ -187,10 +192,12 @@ def _check_record_path(config: Any, setgrpo: SetGRPOConfig) -> None:
 
 
 def _check_environment(config: Any, environment: bool) -> None:
-    """The GPU checks (kernel packages, driver) unless ``environment`` is False (a dry run)."""
+    """The checks of the driver's environment (kernel packages, GPUs, wandb key, shared run folders:
+    :func:`~.run_env.check_run_env`) unless ``environment`` is False (a dry run, the TaskRunner)."""
     if environment:
         check_attention_kernels(config)
         check_driver_gpus(config)
+        check_run_env(config)
 
 
 def check_calibration_part(config: Any, setgrpo: SetGRPOConfig) -> None:
@@ -239,7 +246,8 @@ class SetGRPOConfigCheck(Callback):
     :func:`check_run_config` when ``main_ppo`` starts, before Ray and the workers are launched; then, with the
     ``setgrpo_dual`` reward manager, probes the HTTP judge its grader calls (:func:`~.judge_access.judge_probe_line`:
     unless ``SETGRPO_SKIP_JUDGE_PROBE=1``; a line says which) and passes ``OPENAI_API_KEY`` to the Ray workers
-    through the job's runtime environment (:func:`setgrpo_verl.integration.judge_access.pass_judge_key`).
+    through the job's runtime environment (:func:`setgrpo_verl.integration.judge_access.pass_judge_key`), with the
+    fingerprints of the policy's files the check computed (:func:`~.identity.carry_policy_files`).
 
     Raises:
         SystemExit: with the :func:`check_run_config` or probe message (Hydra 1.3 turns ordinary exceptions raised by
@@ -251,6 +259,8 @@ class SetGRPOConfigCheck(Callback):
             check_run_config(config)
         except ValueError as exc:
             raise SystemExit(f"setgrpo_verl config error: {exc}") from exc
+        carry_policy_files()  # the TaskRunner uses the identity the driver accepted, not its own node's cache
+        pass_run_env(config)  # wandb's key and settings to the TaskRunner, which does not inherit this shell
         manager = config.get("reward", {}).get("reward_manager", {}) or {}
         if str(manager.get("name", "")) != REWARD_MANAGER_NAME:
             return

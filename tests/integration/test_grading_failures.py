@@ -190,7 +190,7 @@ def test_the_reward_manager_reports_a_calibration_grading_failure_as_a_row(tmp_p
     assert out[0]["reward_extra_info"][GRADING_ERROR_KEY] == "" and out[0]["reward_extra_info"]["reference_score"] == 0.5
     failed = out[1]["reward_extra_info"]
     assert "ConnectionError: judge down" in failed[GRADING_ERROR_KEY] and "'r1'" in failed[GRADING_ERROR_KEY]
-    assert "reference_score" not in failed and "score" not in failed and out[1]["reward_score"] == 0.0
+    assert failed["reference_score"] is None and failed["score"] is None and out[1]["reward_score"] == 0.0
     with pytest.raises(GradingError, match="judge down"):  # outside calibration the session fails, as before
         _score(worker, ["fine", "fail here"], calibration=False)
 

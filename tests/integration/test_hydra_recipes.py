@@ -25,7 +25,10 @@ from setgrpo_verl.integration.run_check import check_run_config
 from setgrpo_verl.models import embedded_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = sorted(p for p in (REPO / "recipes").glob("*.sh") if not p.name.startswith(("_", "prepare", "smoke")))
+RUN = REPO / "recipes" / "run.sh"
+#: The model recipes: the first column of recipes/models.tsv (bash recipes/run.sh <recipe> <mode>).
+RECIPES = [line.split()[0] for line in (REPO / "recipes" / "models.tsv").read_text().splitlines()
+           if line.strip() and not line.startswith("#")]
 SMOKE = REPO / "recipes" / "smoke_qwen3_1gpu.sh"
 MODES = ("calibrate", "train", "grpo")
 JUDGE = "http://judge.internal:8000/v1"  # the recipes have no default judge URL
@@ -56,9 +59,18 @@ def _compose(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def _name(recipe) -> str:
+    """A model recipe's name (a line of models.tsv), or a script's stem (the smoke recipe)."""
+    return recipe if isinstance(recipe, str) else recipe.stem
+
+
+def _command(recipe) -> list[str]:
+    return ["bash", str(RUN), recipe] if isinstance(recipe, str) else ["bash", str(recipe)]
+
+
 def _recipe_argv(recipe: Path, mode: str | None, tmp: Path, *extra: str, environ: dict | None = None) -> list[str]:
     """The exact arguments a recipe passes to `python -m verl.trainer.main_ppo` (captured by a python shim)."""
-    shim, captured = tmp / "python", tmp / f"{recipe.stem}-{mode}.args"
+    shim, captured = tmp / "python", tmp / f"{_name(recipe)}-{mode}.args"
     shim.write_text(
         "#!/usr/bin/env bash\n"
         'if [ "$1" = "-m" ] && [ "$2" = "verl.trainer.main_ppo" ]; then shift 2; printf "%s\\0" "$@" > "$SHIM_OUT"; '
@@ -70,7 +82,8 @@ def _recipe_argv(recipe: Path, mode: str | None, tmp: Path, *extra: str, environ
            "SHIM_OUT": str(captured), "HOME": str(tmp)}
     env.pop("WANDB_API_KEY", None)
     env.update(environ or {})
-    subprocess.run(["bash", str(recipe), *([mode] if mode else []), *extra], env=env, check=True, capture_output=True, timeout=120)
+    subprocess.run([*_command(recipe), *([mode] if mode else []), *extra], env=env, check=True, capture_output=True,
+                   timeout=120)
     return captured.read_text().split("\0")[:-1]
 
 
@@ -82,13 +95,30 @@ def compositions(tmp_path_factory):
         for mode in MODES:
             argv = _recipe_argv(recipe, mode, tmp)
             code, stdout, stderr = _compose(argv)
-            assert code == 0, f"{recipe.name} {mode}: Hydra composition failed:\n{stderr[-3000:]}"
-            out[recipe.stem, mode] = (argv, OmegaConf.create(stdout))
+            assert code == 0, f"{recipe} {mode}: Hydra composition failed:\n{stderr[-3000:]}"
+            out[recipe, mode] = (argv, OmegaConf.create(stdout))
     return out
 
 
+def test_the_recipe_table_has_one_line_per_model_and_run_sh_refuses_others(tmp_path):
+    """recipes/models.tsv holds what differs between the model recipes; run.sh takes its rows and nothing else."""
+    rows = [line.split() for line in (REPO / "recipes" / "models.tsv").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert all(len(row) == 7 for row in rows) and len({row[0] for row in rows}) == len(rows)
+    assert not [p.name for p in (REPO / "recipes").glob("*.sh")
+                if p.stem in RECIPES]  # no per-model script beside the table
+    argv = _recipe_argv("qwen3_14b", "train", tmp_path)
+    for expected in ("actor_rollout_ref.model.path=Qwen/Qwen3-14B", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                     "actor_rollout_ref.actor.optim.lr=5e-7", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192",
+                     "actor_rollout_ref.actor.fsdp_config.param_offload=true"):
+        assert expected in argv, expected
+    assert "actor_rollout_ref.actor.optim.lr=2e-6" in _recipe_argv("qwen3_14b", "train", tmp_path, environ={"LR": "2e-6"})
+    proc = subprocess.run(["bash", str(RUN), "qwen3_40b", "train"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "usage:" in proc.stderr and "qwen3_4b|qwen3_14b|" in proc.stderr, proc.stderr
+
+
 def test_every_target_model_has_a_recipe():
-    assert {p.stem for p in RECIPES} == {"qwen3_4b", "qwen3_14b", "qwen3_5_4b", "qwen3_5_9b", "llama3_2_3b"}
+    assert set(RECIPES) == {"qwen3_4b", "qwen3_14b", "qwen3_5_4b", "qwen3_5_9b", "llama3_2_3b"}
     assert (REPO / "recipes" / "prepare_rubrichub.sh").exists()
 
 
@@ -139,7 +169,7 @@ def test_every_recipe_composes(compositions, monkeypatch):
 
 
 def test_calibrate_validates_first_only_when_asked(tmp_path):
-    recipe = REPO / "recipes" / "qwen3_4b.sh"
+    recipe = "qwen3_4b"
     for extra, expected in (((), False), (("trainer.val_before_train=true",), True)):
         code, out, err = _compose(_recipe_argv(recipe, "calibrate", tmp_path, *extra))
         assert code == 0, err[-3000:]
@@ -163,7 +193,7 @@ def test_grpo_baseline_settings_identical_to_setgrpo(compositions):
         return d
 
     for recipe in RECIPES:
-        assert plain(compositions[recipe.stem, "grpo"][1]) == plain(compositions[recipe.stem, "train"][1]), recipe.name
+        assert plain(compositions[recipe, "grpo"][1]) == plain(compositions[recipe, "train"][1]), recipe
 
 
 def test_misspelled_setgrpo_key_fails():
@@ -287,7 +317,7 @@ def test_no_default_judge_url(tmp_path):
     shim.write_text("#!/usr/bin/env bash\nexit 0\n")
     shim.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "JUDGE_BASE_URL"}
-    proc = subprocess.run(["bash", str(RECIPES[0]), "train"], env={**env, "PYTHON": str(shim), "HOME": str(tmp_path)},
+    proc = subprocess.run([*_command(RECIPES[0]), "train"], env={**env, "PYTHON": str(shim), "HOME": str(tmp_path)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "set JUDGE_BASE_URL" in proc.stderr, proc.stderr
 
@@ -298,7 +328,7 @@ def test_loggers_run_anywhere_and_wandb_only_when_asked_or_keyed(tmp_path):
     def logger(argv):
         return next(a.split("=", 1)[1] for a in argv if a.startswith("trainer.logger="))
 
-    recipe = REPO / "recipes" / "qwen3_4b.sh"
+    recipe = "qwen3_4b"
     argv = _recipe_argv(recipe, "train", tmp_path)
     assert logger(argv) == '["console","file","tensorboard"]'
     run = tmp_path / "runs" / "qwen3-4b-setgrpo"
@@ -318,6 +348,7 @@ def test_several_nodes_refuse_a_loopback_judge_before_ray(tmp_path, monkeypatch)
 
     monkeypatch.setattr(support, "build_meta_policy", lambda model_cfg: None)  # hub models, offline
     monkeypatch.setattr(run_check, "run_identity", lambda config, setgrpo: {})  # (their files: the same)
+    monkeypatch.setenv("SETGRPO_SHARED_FS", "1")  # both "nodes" are this machine (tests/integration/test_run_env.py)
     spec = importlib.machinery.ModuleSpec("flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(__spec__=spec))
     for url, refused in (("http://127.0.0.1:8000/v1", True), (JUDGE, False)):
@@ -344,7 +375,7 @@ def test_every_recipe_runs_fsdp2_and_says_whether_the_policy_thinks(tmp_path):
         mode = None if recipe == SMOKE else "train"  # the smoke recipe takes no mode
         argv = _recipe_argv(recipe, mode, tmp_path)
         assert "actor_rollout_ref.actor.strategy=fsdp2" in argv and "actor_rollout_ref.ref.strategy=fsdp2" in argv
-        assert "+data.apply_chat_template_kwargs.enable_thinking=false" in argv, recipe.name
+        assert "+data.apply_chat_template_kwargs.enable_thinking=false" in argv, _name(recipe)
     argv = _recipe_argv(RECIPES[0], "train", tmp_path, environ={"POLICY_THINKING": "true"})
     assert "+data.apply_chat_template_kwargs.enable_thinking=true" in argv
     with pytest.raises(subprocess.CalledProcessError):

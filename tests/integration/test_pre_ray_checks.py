@@ -176,7 +176,8 @@ def test_reliability_variant_skips_the_sketch_and_record_checks():
     assert check_run_config(cfg).variant == "reliability"
 
 
-def test_a_loopback_judge_serves_one_node_and_fsdp2_is_a_sketch_backend():
+def test_a_loopback_judge_serves_one_node_and_fsdp2_is_a_sketch_backend(monkeypatch):
+    monkeypatch.setenv("SETGRPO_SHARED_FS", "1")  # the two-node run's folders: tests/integration/test_run_env.py
     assert check_run_config(_compose(OPENAI_JUDGE, CAL_ONLY)) is not None
     assert check_run_config(_compose(OPENAI_JUDGE.replace("127.0.0.1", "judge.internal"), CAL_ONLY,
                                      "trainer.nnodes=2")) is not None

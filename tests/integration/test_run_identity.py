@@ -192,11 +192,83 @@ def test_a_model_that_cannot_be_read_is_refused_before_ray(tmp_path, monkeypatch
     setgrpo = setgrpo_config_from(cfg.algorithm)
     cfg.actor_rollout_ref.model.path = "acme/not-cached-anywhere"
     with pytest.raises(ValueError, match=r"actor_rollout_ref.model.path=acme/not-cached-anywhere: not a local "
-                                         r"directory, and not a model in this machine's Hugging Face cache .*"
-                                         r"`hf download acme/not-cached-anywhere`"):
+                                         r"directory, and not a Hugging Face model this machine has cached or could "
+                                         r"download .*`hf download acme/not-cached-anywhere`"):
         run_identity(cfg, setgrpo)
     cfg.actor_rollout_ref.model.path = "hdfs://models/policy"
     with pytest.raises(ValueError, match="a remote path cannot be read before Ray"):
+        run_identity(cfg, setgrpo)
+
+
+class _FakeHub:
+    """huggingface_hub's snapshot_download over one hub model (``files``) and one cache folder: a repo id resolves
+    from the cache once downloaded; with ``online=False`` nothing can be downloaded (another node, no network)."""
+
+    def __init__(self, cache: Path, files: dict[str, Path], online: bool = True):
+        self.cache, self.files, self.online, self.downloads = cache, files, online, []
+
+    def __call__(self, repo_id, *, local_files_only=False, allow_patterns=None, **kwargs):
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        snapshot = self.cache / repo_id.replace("/", "--")
+        if snapshot.is_dir():
+            return str(snapshot)
+        if local_files_only or not self.online or repo_id not in self.files:
+            raise LocalEntryNotFoundError(f"{repo_id} is not in the cache {self.cache}")
+        self.downloads.append((repo_id, tuple(allow_patterns or ())))
+        shutil.copytree(self.files[repo_id], snapshot)
+        return str(snapshot)
+
+
+def test_a_model_id_not_yet_in_the_cache_is_downloaded_as_verl_would(tmp_path, monkeypatch):
+    """verl hands a hub id to from_pretrained, which downloads it: the identity does the same, into the same cache,
+    and identifies the downloaded files by content (the same as the local directory's)."""
+    import huggingface_hub
+
+    model = _tiny_model(tmp_path / "upstream", 1.0)
+    hub = _FakeHub(tmp_path / "cache", {"acme/tiny": model})
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    cfg = _compose(model="acme/tiny")
+    setgrpo = setgrpo_config_from(cfg.algorithm)
+    downloaded = run_identity(cfg, setgrpo)
+    assert [repo for repo, _ in hub.downloads] == ["acme/tiny"] and "*.safetensors" in hub.downloads[0][1]
+    local = run_identity(_compose(model=str(model)), setgrpo)
+    assert downloaded["policy"] == {**local["policy"], "model": "acme/tiny"}
+    assert run_identity(cfg, setgrpo) == downloaded and len(hub.downloads) == 1  # cached now
+
+
+def test_the_taskrunner_uses_the_identity_the_driver_accepted(tmp_path, monkeypatch):
+    """verl's TaskRunner, on another node or with another HF_HOME, does not read its own cache: the driver's
+    fingerprints reach it through the job's runtime environment, so it accepts what the driver accepted."""
+    import sys
+    import types
+
+    import huggingface_hub
+
+    from setgrpo_verl.integration import identity
+    from setgrpo_verl.integration.judge_access import runtime_env_with_judge_key
+
+    model = _tiny_model(tmp_path / "upstream", 1.0)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _FakeHub(tmp_path / "driver", {"acme/tiny": model}))
+    monkeypatch.setattr(identity, "_COMPUTED", {})
+    cfg = _compose(model="acme/tiny")
+    setgrpo = setgrpo_config_from(cfg.algorithm)
+    on_driver = run_identity(cfg, setgrpo)
+    driver_env: dict = {}
+    assert identity.carry_policy_files(driver_env)
+    for name in ("RAY_RUNTIME_ENV_HOOK", "SETGRPO_RAY_FORWARD", identity.POLICY_FILES_ENV):
+        monkeypatch.setenv(name, driver_env[name])
+    job_env = runtime_env_with_judge_key({})["env_vars"]  # what ray.init gives every worker of the job
+    # the TaskRunner: a Ray actor on a node whose cache is empty and which cannot download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _FakeHub(tmp_path / "node2", {}, online=False))
+    monkeypatch.setenv(identity.POLICY_FILES_ENV, job_env[identity.POLICY_FILES_ENV])
+    actor = types.SimpleNamespace(get_actor_id=lambda: "task-runner")
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True,
+                                                                  get_runtime_context=lambda: actor))
+    assert run_identity(cfg, setgrpo) == on_driver
+    # the driver itself never takes a carried value: it reads the files
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False))
+    with pytest.raises(ValueError, match="acme/tiny: not a local directory"):
         run_identity(cfg, setgrpo)
 
 
