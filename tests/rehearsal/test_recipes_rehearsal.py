@@ -1,7 +1,7 @@
 """Every recipe's own configuration, rehearsed through ``python -m verl.trainer.main_ppo`` on a two-node Ray cluster
 with declared GPUs, up to the first call that needs CUDA (docs/verl_integration.md#the-declared-gpu-rehearsal).
 
-The recipe script itself runs (recipes/<name>.sh with its mode), with the hub model swapped for a tiny random model of
+The recipe script itself runs (``recipes/run.sh <recipe> <mode>``, ``recipes/smoke_qwen3_1gpu.sh``), with the hub model swapped for a tiny random model of
 the same family (``MODEL_PATH``), small local parquet files (``DATA_DIR``), a stub judge on the host's address
 (``JUDGE_BASE_URL``), two nodes (``NNODES=2``; the 1-GPU smoke keeps its one node) and the cluster's address
 (``RAY_ADDRESS``). Every process sees a GPU node's CUDA and driver facts at the one seam of
@@ -82,18 +82,21 @@ def seam_calls(path: Path) -> list[dict]:
 
 def run_recipe(name: str, mode, *extra: str, gpus: int, nodes: int, facts: dict, address: str, judge: str,
                data: Path, model: Path, run_root: Path):
-    """``bash recipes/<name>.sh [mode] OVERRIDES extra...`` against the cluster at ``address``; its output is kept in
+    """``bash recipes/run.sh <name> <mode> OVERRIDES extra...`` (the smoke recipe: its own script) against the cluster at ``address``; its output is kept in
     ``run_root/main_ppo.log``."""
     run_root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHON": sys.executable, "MODEL_PATH": str(model), "DATA_DIR": str(data),
            "RUN_ROOT": str(run_root), "JUDGE_BASE_URL": judge, "RAY_ADDRESS": address, "HOME": str(run_root),
            "NNODES": str(nodes), "N_GPUS_PER_NODE": str(gpus), "HYDRA_FULL_ERROR": "1",
+           "SETGRPO_SHARED_FS": "1",  # the two nodes are this one machine: the run folder is on every node's disk
            "SETGRPO_REHEARSAL_LOG": str(run_root / "seam.jsonl"), **rehearsal_environ(facts)}
     env.pop("WANDB_API_KEY", None)
     # the TaskRunner and the workers get the run's facts as Ray passes any variable: the job's runtime environment
     reach = [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={env[k]}"
              for k in ("SETGRPO_REHEARSAL_GPU", "SETGRPO_REHEARSAL_DRIVER", "SETGRPO_REHEARSAL_LOG")]
-    argv = ["bash", str(REPO / "recipes" / f"{name}.sh"), *([mode] if mode else []), *OVERRIDES, *extra, *reach,
+    script = ([str(REPO / "recipes" / f"{name}.sh")] if name.startswith("smoke") else
+              [str(REPO / "recipes" / "run.sh"), name, mode])
+    argv = ["bash", *script, *OVERRIDES, *extra, *reach,
             f"hydra.run.dir={run_root / 'hydra'}"]
     start = time.monotonic()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=run_root)
