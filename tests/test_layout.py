@@ -1,6 +1,6 @@
 """The package's folders are its architecture: the command line and its run directories live in
 ``setgrpo_verl.runner``, which nothing else imports; the leaves others share (``models``, ``rundir``, ``atomic``)
-import no other module of the package but ``atomic``; no module grows past 600 lines."""
+import no other module of the package but ``atomic``; no module grows past 550 lines."""
 
 from __future__ import annotations
 
@@ -53,9 +53,9 @@ def test_shared_leaves_import_nothing_of_the_package_but_a_leaf():
         assert {m for m in _imports(PKG / leaf) if m.startswith("setgrpo_verl")} == allowed, leaf
 
 
-def test_no_module_over_600_lines():
+def test_no_module_over_550_lines():
     sizes = {str(p.relative_to(PKG)): len(p.read_text(encoding="utf-8").splitlines()) for p in _modules()}
-    assert {name: n for name, n in sizes.items() if n > 600} == {}
+    assert {name: n for name, n in sizes.items() if n > 550} == {}
 
 
 def _module_name(path: Path) -> str:

@@ -426,7 +426,7 @@ def test_graded_sync_trainer_logs_the_grading_metrics_then_runs_verls_advantage_
 
     from setgrpo_verl.integration import trainer as trainer_module
     from setgrpo_verl.integration.reward_manager import CALLS_METRIC, UNPARSED_RATIO_METRIC
-    from setgrpo_verl.integration.trainer import GradedSyncTrainer
+    from setgrpo_verl.integration.sync_mode import GradedSyncTrainer
 
     assert get_trainer_cls("graded_sync") is GradedSyncTrainer and issubclass(GradedSyncTrainer, PPOTrainerSync)
     info = {"unparsed": 0, "judged": 2, "scorings": 1}

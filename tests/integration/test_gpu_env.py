@@ -136,7 +136,8 @@ def test_the_actor_worker_checks_before_any_model_loads(monkeypatch):
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     from setgrpo_verl.integration import worker as worker_module
-    from setgrpo_verl.integration.trainer import GradedSyncTrainer, SetGRPOTrainer
+    from setgrpo_verl.integration.sync_mode import GradedSyncTrainer
+    from setgrpo_verl.integration.trainer import SetGRPOTrainer
 
     calls = []
 

@@ -322,14 +322,14 @@ def test_a_steps_failed_responses_and_groups_are_counted_and_bounded():
 
 def test_a_step_with_no_graded_group_stops_naming_the_judge_its_url_and_its_error():
     from setgrpo_verl.integration.grading_failures import NO_TRAJECTORIES
-    from setgrpo_verl.integration.trainer import _SyncMode
+    from setgrpo_verl.integration.sync_mode import SyncMode
 
     class Verl:
         def _step_once(self, metrics, timing_raw, sample_batch_size):  # verl 0.9.1's replay buffer, all failed
             raise RuntimeError(f"{NO_TRAJECTORIES}. Enable trainer.v1.sampler.sync_refill_failed_groups to replace "
                                "failed groups.")
 
-    class Trainer(_SyncMode, Verl):
+    class Trainer(SyncMode, Verl):
         registered_mode = "setgrpo"
 
     trainer = object.__new__(Trainer)

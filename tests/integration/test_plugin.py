@@ -95,7 +95,7 @@ def test_trainer_mode_looks_like_sync_to_verl_and_uses_the_sketch_worker():
     assert isinstance(actor, ray.actor.ActorClass)
     assert actor.__ray_metadata__.modified_class.__mro__[1] is SetGRPOActorRolloutRefWorker
     # the GRPO baseline's trainer mode: verl's worker that checks its GPU environment before any model loads
-    from setgrpo_verl.integration.trainer import GradedSyncTrainer
+    from setgrpo_verl.integration.sync_mode import GradedSyncTrainer
     from setgrpo_verl.integration.worker import CheckedActorRolloutRefWorker
 
     graded = GradedSyncTrainer.__new__(GradedSyncTrainer)

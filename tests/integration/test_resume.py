@@ -227,7 +227,7 @@ def test_the_grpo_stages_trainer_keeps_its_metric_rows_across_a_resume_that_dies
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
     from verl.utils.tracking import Tracking
 
-    from setgrpo_verl.integration.trainer import GradedSyncTrainer
+    from setgrpo_verl.integration.sync_mode import GradedSyncTrainer
 
     metrics = tmp_path / "metrics.jsonl"
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(metrics))
