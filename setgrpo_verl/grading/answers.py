@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .protocol import strip_reasoning, template_hash
+from .protocol import REASONING_MARKERS, strip_reasoning, template_hash
 
 __all__ = ["DEFAULT_RESPONSE_PART", "REASONING_MARKERS", "RESPONSE_PARTS", "check_response_part", "graded_text",
            "prompt_opens_thinking", "split_response_part", "visible_response", "with_response_part"]
@@ -32,9 +32,6 @@ __all__ = ["DEFAULT_RESPONSE_PART", "REASONING_MARKERS", "RESPONSE_PARTS", "chec
 RESPONSE_PARTS = ("answer", "full")
 DEFAULT_RESPONSE_PART = "answer"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-#: Other spellings of the reasoning block's opening and closing markers (Magistral, Seed-OSS), read as ``<think>`` /
-#: ``</think>``.
-REASONING_MARKERS = (("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>"))
 #: gpt-oss's harmony format: a message's channel, then its text; the ``final`` channel is the answer.
 _CHANNEL, _FINAL = "<|channel|>", "<|channel|>final<|message|>"
 

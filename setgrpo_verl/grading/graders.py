@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 from .answers import split_response_part, with_response_part
 from .http_judge import OpenAIJudge
 from .local_judge import LocalHFJudge
-from .protocol import JudgeRequest, gather_or_cancel, template_hash
+from .protocol import JudgeRequest, gather_or_cancel, strip_reasoning, template_hash
 from .rubric import GradeResult, GradingError, GradingItem, Rubric, Verdict, rubric_score
 from .rules import check_rule
 
@@ -205,6 +205,9 @@ def check_unparsed(items: Sequence[GradingItem], verdicts: Sequence[Sequence[Ver
         return
     item, n_unparsed, n_judged, failed = over[0]
     replies = ", ".join("nothing" if r in (None, "") else repr(r[:80]) for r in quoted)
+    if any(r and strip_reasoning(r) is None for r in quoted):
+        replies += (" (a reasoning block that never closes: raise the grader's max_tokens, or serve the judge with "
+                    "its reasoning parser, e.g. vLLM's --reasoning-parser, so the reasoning leaves content)")
     raise GradingError(
         f"{len(over)} of {len(items)} responses in scoring {scoring_index} have unparsed judge verdicts above "
         f"max_unparsed_ratio={max_unparsed_ratio:g} (first: {describe_item(item)}, {n_unparsed} of {n_judged} judged "

@@ -5,7 +5,7 @@ Prompt: :data:`JUDGE_SYSTEM_PROMPT` + :data:`JUDGE_USER_TEMPLATE`, versioned by 
 enters :func:`template_hash`, hence the calibration record). The judge is told to answer with one English word.
 
 Reply shapes (:func:`read_reply`, one chat-completion ``message``): ``content`` as a string; ``content`` as a list of
-text parts (joined); ``content`` null or empty with the answer in ``reasoning_content`` or ``reasoning`` (vLLM /
+text parts (joined), reasoning parts (``thinking``) among them skipped; ``content`` null or empty with the answer in ``reasoning_content`` or ``reasoning`` (vLLM /
 SGLang reasoning parsers, e.g. Qwen3 with ``enable_thinking=false``). The answer is what the judge said, never with
 text of ours added. Any other shape -- tool calls, a refusal, non-text parts, a content of another type -- is a
 :class:`~.types.GradingError` that names the shape and quotes the reply.
@@ -42,6 +42,7 @@ __all__ = [
     "read_reply",
     "said",
     "strip_reasoning",
+    "REASONING_MARKERS",
     "template_hash",
 ]
 
@@ -102,6 +103,9 @@ def _verdict_words() -> dict[str, bool]:
 VERDICT_WORDS: dict[str, bool] = _verdict_words()
 _FINAL_PUNCTUATION = ".!。！"
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+#: Other spellings of a reasoning block's opening and closing markers (Magistral's ``[THINK]``, Seed-OSS's
+#: ``<seed:think>``), read as ``<think>`` / ``</think>`` in a judge's reply and a policy's response alike.
+REASONING_MARKERS = (("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>"))
 #: How many characters of a judge's reply error messages quote.
 SAID_CHARS = 200
 
@@ -133,12 +137,16 @@ def judge_messages(request: JudgeRequest) -> list[dict[str, str]]:
 
 def strip_reasoning(text: str | None) -> str | None:
     """The answer part of a judge reply: the text after the last ``</think>``, or the whole text when there is no
-    thinking block; ``None`` when a ``<think>`` block is never closed (the reply stopped while reasoning).
+    thinking block; ``None`` when a ``<think>`` block is never closed (the reply stopped while reasoning). The other
+    spellings of :data:`REASONING_MARKERS` (``[THINK]...[/THINK]`` from a server without the model's reasoning parser)
+    are read as ``<think>...</think>``.
 
     A closing tag without an opening one is handled too: some chat templates put ``<think>`` into the prompt, so the
     reply starts inside the reasoning."""
     if text is None:
         return None
+    for opening, closing in REASONING_MARKERS:
+        text = text.replace(opening, _THINK_OPEN).replace(closing, _THINK_CLOSE)
     low = text.lower()
     close = low.rfind(_THINK_CLOSE)
     if close >= 0:
@@ -291,6 +299,22 @@ class JudgeReply:
 
 
 _TEXT_PART_TYPES = ("text", "output_text")
+#: Content parts that carry a reasoning judge's reasoning, not its answer (Mistral's API for Magistral: a
+#: ``thinking`` part before the ``text`` part).
+_REASONING_PART_TYPES = ("thinking", "reasoning")
+
+
+def _part_text(part: Any) -> str:
+    """The text of a content part, nested parts included (Mistral's ``thinking`` part holds a list of text parts)."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping):
+        for key in ("text", "thinking", "reasoning", "content"):
+            if key in part:
+                return _part_text(part[key])
+    if isinstance(part, list):
+        return "".join(_part_text(p) for p in part)
+    return ""
 
 
 def read_reply(message: Mapping[str, Any], *, where: str = "the judge") -> JudgeReply:
@@ -330,11 +354,18 @@ def read_reply(message: Mapping[str, Any], *, where: str = "the judge") -> Judge
         return JudgeReply(content, reasoning, "content string")
     if isinstance(content, list):
         kinds = [p.get("type") if isinstance(p, Mapping) else type(p).__name__ for p in content]
-        if content and all(isinstance(p, Mapping) and p.get("type") in _TEXT_PART_TYPES and
-                           isinstance(p.get("text"), str) for p in content):
-            return JudgeReply("".join(p["text"] for p in content), reasoning, "content parts")
+        text = [p for p in content if isinstance(p, Mapping) and p.get("type") in _TEXT_PART_TYPES and
+                isinstance(p.get("text"), str)]
+        thinking = [p for p in content if isinstance(p, Mapping) and p.get("type") in _REASONING_PART_TYPES]
+        if content and len(text) + len(thinking) == len(content):
+            if thinking:
+                reasoning = reasoning or _part_text(thinking) or None
+            if text:
+                shape = "content parts" + (" after reasoning parts" if thinking else "")
+                return JudgeReply("".join(p["text"] for p in text), reasoning, shape)
+            return JudgeReply(None, reasoning, "content parts, reasoning only")
         raise GradingError(f"{where} replied with content parts of types {kinds} ({_quote(content)}); only text "
-                           "parts carry a verdict")
+                           "parts carry a verdict and reasoning parts (thinking) are skipped")
     if content is None or content == "":
         if reasoning is not None:
             field = "reasoning_content" if message.get("reasoning_content") else "reasoning"
