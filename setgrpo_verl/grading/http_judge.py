@@ -25,11 +25,11 @@ is sent, as the ``local_hf`` grader's does.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import re
 from typing import Any, Sequence
 
+from .http_errors import (CONTEXT_TOKENS, RETRIED_STATUSES, JudgeContextError, backoff, completion_choice,
+                          is_context_refusal, retry_after, server_message)
 from .inflight import InFlightLimit, rate_limited_error, too_slow_error
 from .network import transport_hint
 from .protocol import (
@@ -47,21 +47,6 @@ from .types import GradingError, Verdict
 
 __all__ = ["JudgeContextError", "OpenAIJudge", "cut_to_tokens"]
 
-#: HTTP statuses the ``openai`` client retries (with backoff); any other 4xx is final (429 is handled apart).
-_RETRIED_STATUSES = (408, 409)
-_CONTEXT_WORDS = re.compile(r"context length|context window|max_model_len|maximum input length|prompt is too long|"
-                            r"too many tokens|input is too long", re.IGNORECASE)
-_CONTEXT_TOKENS = re.compile(r"(?:context length|context window)[^0-9]{0,20}(\d+)", re.IGNORECASE)
-
-
-class JudgeContextError(GradingError):
-    """The judge server refused a request longer than its context; ``request`` is the
-    :class:`~.protocol.JudgeRequest` (so that the grader can name the row)."""
-
-    def __init__(self, message: str, request: JudgeRequest):
-        super().__init__(message)
-        self.request = request
-
 
 def cut_to_tokens(text: str, limit: int | None) -> str:
     """``text`` cut so that it holds at most ``limit`` tokens of any byte-level or SentencePiece tokenizer.
@@ -78,63 +63,6 @@ def cut_to_tokens(text: str, limit: int | None) -> str:
         return text
     data = text.encode("utf-8")
     return text if len(data) <= limit else data[:limit].decode("utf-8", errors="ignore")
-
-
-def _backoff(attempt: int) -> float:
-    """Seconds before retry ``attempt`` (>= 1): the ``openai`` client's schedule, 0.5 s doubling, at most 8 s."""
-    return min(0.5 * 2 ** (attempt - 1), 8.0)
-
-
-def _retry_after(exc, rounds: int) -> float:
-    """Seconds before a request refused with HTTP 429 is sent again: the judge's ``Retry-After`` (seconds) or
-    ``retry-after-ms`` when it gives one, else :func:`_backoff`; at most 8 s. The in-flight limit, halved by the
-    refusal, already sends fewer requests, so a judge's own hint is not stretched further."""
-    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
-    for key, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
-        try:
-            value = float(headers.get(key)) * scale
-        except (TypeError, ValueError):
-            continue
-        if value >= 0:
-            return min(value, 8.0)
-    return _backoff(rounds)
-
-
-def _completion_choice(body: str) -> tuple[dict | None, str]:
-    """The first choice of a chat-completion JSON body, or ``(None, what the body is instead)``."""
-    if not body.strip():
-        return None, "an empty body"
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None, "a body that is not JSON"
-    if not isinstance(data, dict):
-        return None, f"a JSON {type(data).__name__} instead of a chat completion"
-    if data.get("error") is not None:
-        err = data["error"]
-        msg = err.get("message", err) if isinstance(err, dict) else err
-        return None, f"an error payload instead of a chat completion (server message: {msg!r})"
-    choices = data.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return None, "a JSON object without choices"
-    if not isinstance(choices[0].get("message"), dict):
-        return None, "a choice without a message"
-    return choices[0], ""
-
-
-def _server_message(exc) -> str:
-    """The server's own message of an ``openai.APIStatusError`` (its ``message`` field when the body is JSON)."""
-    body = getattr(exc, "body", None)
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict) and inner.get("message"):
-            return str(inner["message"])
-    return str(exc)
-
-
-def _is_context_refusal(exc) -> bool:
-    """True for an HTTP 400 whose message says the request is longer than the model's context."""
-    return getattr(exc, "status_code", None) == 400 and bool(_CONTEXT_WORDS.search(_server_message(exc)))
 
 
 class OpenAIJudge:
@@ -266,19 +194,19 @@ class OpenAIJudge:
         url, status, body, what = f"{self.base_url.rstrip('/')}/chat/completions", None, "", ""
         for attempt in range(self.max_retries + 1):
             if attempt:
-                await asyncio.sleep(_backoff(attempt))
+                await asyncio.sleep(backoff(attempt))
             last = attempt == self.max_retries
             try:
                 raw = await self._send(messages, seed)
             except openai.APIStatusError as exc:
-                if exc.status_code in _RETRIED_STATUSES or exc.status_code >= 500:
+                if exc.status_code in RETRIED_STATUSES or exc.status_code >= 500:
                     if not last:
                         continue
                     raise self._failed(exc, "the server answered with an error: check the model name and the "
                                        "server's log") from exc
                 raise GradingError(
                     f"judge {self.model!r} at {self.base_url} answered HTTP {exc.status_code}, a refusal that "
-                    f"repeating the request cannot change (not retried): {_server_message(exc)}; check the model "
+                    f"repeating the request cannot change (not retried): {server_message(exc)}; check the model "
                     "name, the API key and the server's log"
                 ) from exc
             except openai.APITimeoutError as exc:
@@ -295,7 +223,7 @@ class OpenAIJudge:
             self.answered += 1
             response = raw.http_response
             url, status, body = str(response.url), response.status_code, response.text
-            choice, what = _completion_choice(body)
+            choice, what = completion_choice(body)
             if choice is not None:
                 return choice
         raise GradingError(
@@ -330,10 +258,10 @@ class OpenAIJudge:
                 outcome = "answered"
                 return raw
             except openai.RateLimitError as exc:
-                outcome, wait = "refused", _retry_after(exc, rounds + 1)
+                outcome, wait = "refused", retry_after(exc, rounds + 1)
                 first_refusal = loop.time() if first_refusal is None else first_refusal
                 if loop.time() - first_refusal >= self.rate_limit_wait:
-                    raise rate_limited_error(self, _server_message(exc), loop.time() - first_refusal,
+                    raise rate_limited_error(self, server_message(exc), loop.time() - first_refusal,
                                              in_flight.limit) from exc
             finally:
                 await in_flight.release(sent_under, outcome)
@@ -356,8 +284,8 @@ class OpenAIJudge:
 
     def _context_error(self, exc: GradingError, request: JudgeRequest) -> JudgeContextError:
         """The refusal of a request longer than the judge's context, naming the response and the fix."""
-        message = _server_message(exc.__cause__)
-        context = _CONTEXT_TOKENS.search(message)
+        message = server_message(exc.__cause__)
+        context = CONTEXT_TOKENS.search(message)
         budget = (f"; for this judge's {context.group(1)}-token context, e.g. max_response_tokens="
                   f"{max(int(context.group(1)) - self.max_tokens - 1000, 1)}" if context else "")
         cut = ("every response is cut to max_response_tokens="
@@ -395,7 +323,7 @@ class OpenAIJudge:
             try:
                 choice = await self._complete(messages, (seed + attempt) % 2**31)
             except GradingError as exc:
-                if _is_context_refusal(exc.__cause__):
+                if is_context_refusal(exc.__cause__):
                     raise self._context_error(exc, request) from exc.__cause__
                 raise
             reply = read_reply(choice["message"], where=where)

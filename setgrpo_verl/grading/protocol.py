@@ -306,15 +306,9 @@ _REASONING_PART_TYPES = ("thinking", "reasoning")
 
 def _part_text(part: Any) -> str:
     """The text of a content part, nested parts included (Mistral's ``thinking`` part holds a list of text parts)."""
-    if isinstance(part, str):
-        return part
     if isinstance(part, Mapping):
-        for key in ("text", "thinking", "reasoning", "content"):
-            if key in part:
-                return _part_text(part[key])
-    if isinstance(part, list):
-        return "".join(_part_text(p) for p in part)
-    return ""
+        part = next((part[k] for k in ("text", "thinking", "reasoning", "content") if k in part), "")
+    return part if isinstance(part, str) else "".join(map(_part_text, part)) if isinstance(part, list) else ""
 
 
 def read_reply(message: Mapping[str, Any], *, where: str = "the judge") -> JudgeReply:

@@ -148,18 +148,21 @@ def step_failures(keys: Sequence[str], tags: Sequence[dict], prompts: int, k: in
     ones that came back, and the groups that lost at least one (a session that failed, grading included).
 
     Args:
-        keys: the batch's TransferQueue keys, ``"<uid>_<session>"`` (verl 0.9.1's agent loop).
+        keys: the batch's TransferQueue keys, ``"<uid>_<session>_<trajectory>"`` (verl 0.9.1's agent loop,
+            ``agent_loop_tq.py``); a response is one session of a prompt, whatever its trajectories, and the uid is
+            what precedes the first ``_``, as verl's replay buffer reads it.
         tags: one tag per key; ``is_padding`` rows (copies verl adds) are not counted.
         prompts: prompts sampled for the step (>= 0).
         k: ``actor_rollout_ref.rollout.n``.
     """
-    counts: dict[str, int] = {}
+    sessions: dict[str, set] = {}
     for key, tag in zip(keys, tags):
         if not (tag or {}).get("is_padding", False):
-            uid = str(key).rsplit("_", 1)[0]
-            counts[uid] = counts.get(uid, 0) + 1
-    complete = sum(n >= k for n in counts.values())
-    return max(0, prompts * k - sum(min(n, k) for n in counts.values())), max(0, prompts - complete)
+            uid, _, rest = str(key).partition("_")
+            sessions.setdefault(uid, set()).add(rest.split("_")[0])
+    counts = [len(s) for s in sessions.values()]
+    complete = sum(n >= k for n in counts)
+    return max(0, prompts * k - sum(min(n, k) for n in counts)), max(0, prompts - complete)
 
 
 def check_step_failures(config: Any, keys: Sequence[str], tags: Sequence[dict], prompts: int) -> dict[str, float]:

@@ -139,9 +139,10 @@ def model_files(path: Any, *, key: str) -> Path:
 
 
 def _fingerprint(kind: str, path: Any, key: str) -> dict[str, str]:
-    """``weights_fingerprint`` (``kind="weights"``) or ``{"tokenizer_sha256": ...}`` (``"tokenizer"``) of the model
-    at ``path``: in a Ray worker, the driver's (:func:`carry_policy_files`) when it carried one for this path; else
-    read from the files (:func:`model_files`), and kept for :func:`carry_policy_files`."""
+    """``weights_fingerprint`` (``kind="weights"``), ``{"tokenizer_sha256": ...}`` (``"tokenizer"``) or
+    ``{"model_config_sha256": ...}`` (``"config"``, the SHA-256 of its ``config.json``, None without one) of the
+    model at ``path``: in a Ray worker, the driver's (:func:`carry_policy_files`) when it carried one for this path;
+    else read from the files (:func:`model_files`), and kept for :func:`carry_policy_files`."""
     name = f"{kind}:{path}"
     from .gpu_env import in_ray_actor
 
@@ -151,7 +152,13 @@ def _fingerprint(kind: str, path: Any, key: str) -> dict[str, str]:
         if value is not None:
             return value
     directory = model_files(path, key=key)
-    value = weights_fingerprint(directory) if kind == "weights" else {"tokenizer_sha256": tokenizer_sha256(directory)}
+    if kind == "weights":
+        value = weights_fingerprint(directory)
+    elif kind == "config":
+        config = directory / "config.json"
+        value = {"model_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None}
+    else:
+        value = {"tokenizer_sha256": tokenizer_sha256(directory)}
     _COMPUTED[name] = value
     return value
 
@@ -324,14 +331,15 @@ def model_config_sha256(model: Any) -> str | None:
     """SHA-256 of the ``config.json`` verl builds the network from: ``actor_rollout_ref.model.hf_config_path``'s
     when set, else the model's (None: the directory has none, as with a model only a remote-code hub loader reads).
 
+    In a Ray worker the driver's value is used when it carried one (:func:`carry_policy_files`).
+
     Raises:
         ValueError: ``hf_config_path`` (or the model path) that is not a local or cached model directory
             (:func:`model_files`).
     """
     source = config_value(model, "hf_config_path")
     key = "actor_rollout_ref.model.hf_config_path" if source else "actor_rollout_ref.model.path"
-    path = model_files(source or model.path, key=key) / "config.json"
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    return _fingerprint("config", source or model.path, key)["model_config_sha256"]
 
 
 def training_identity(config: Any) -> dict[str, Any]:

@@ -92,7 +92,7 @@ def test_reward_loop_worker_on_real_responses(ifbench_samples, smollm2_judge):
     from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
     from verl.trainer.ppo.reward import extract_reward
 
-    from setgrpo_verl.integration.reward_manager import SetGRPODualRewardManager, grader_identity
+    from setgrpo_verl.integration.reward_manager import SetGRPODualRewardManager, grader_identity, sample_nonce
 
     config = _config()
     worker = RewardLoopWorker(config)  # verl's reward-loop worker class (what Ray runs), built in-process
@@ -134,7 +134,8 @@ def test_reward_loop_worker_on_real_responses(ifbench_samples, smollm2_judge):
     items = []
     for i, row in enumerate(rows):
         rubric = Rubric.from_row(row)
-        items.append(GradingItem(texts[i], rubric))
+        sample = {k: v[i] for k, v in data.non_tensor_batch.items()}
+        items.append(GradingItem(texts[i], rubric, nonce=sample_nonce(sample)))  # the nonce the manager gave it
         for key, score in (("point_verdicts", scores[i]), ("reference_verdicts", extra["reference_score"][i])):
             verdicts = json.loads(extra[key][i])
             met = [None if v["outcome"] == "unparsed" else v["outcome"] == "met" for v in verdicts]
@@ -143,7 +144,7 @@ def test_reward_loop_worker_on_real_responses(ifbench_samples, smollm2_judge):
                 if crit.rule is not None:
                     assert v["source"] == "rule"
                     assert (v["outcome"] == "met") == check_rule(crit.rule, rubric.question, texts[i])
-    # same grader protocol and seed outside verl gives the same point and reference scores
+    # same grader protocol, seed and nonces outside verl give the same point and reference scores
     direct = asyncio.run(DualScorer(RubricGrader(smollm2_judge, seed=0)).ascore(items))
     np.testing.assert_allclose(direct.point, scores)
     np.testing.assert_allclose(direct.reference, extra["reference_score"])

@@ -307,10 +307,13 @@ def test_a_steps_failed_responses_and_groups_are_counted_and_bounded():
     from setgrpo_verl.integration.grading_failures import (FAILED_GROUPS_METRIC, FAILED_RESPONSES_METRIC,
                                                            check_step_failures, step_failures)
 
-    # 10 prompts x K=4: a lost one response, b two, u0..u4 came back whole, 3 groups sent nothing back
-    keys = ["a_0", "a_1", "a_2", "b_0", "b_1"] + [f"u{g}_{i}" for g in range(5) for i in range(4)]
+    # 10 prompts x K=4, keys as verl's agent loop writes them ("<uid>_<session>_<trajectory>"): a lost one
+    # response, b two, u0..u4 came back whole, 3 groups sent nothing back
+    keys = ["a_0_0", "a_1_0", "a_2_0", "b_0_0", "b_1_0"] + [f"u{g}_{i}_0" for g in range(5) for i in range(4)]
     tags = [{}] * len(keys)
-    assert step_failures(keys + ["u0_0"], tags + [{"is_padding": True}], 10, 4) == (15, 5)
+    assert step_failures(keys + ["u0_0_0"], tags + [{"is_padding": True}], 10, 4) == (15, 5)
+    # a session of several trajectories (a multi-turn agent loop) is one response
+    assert step_failures([f"u_{i}_{t}" for i in range(4) for t in range(3)], [{}] * 12, 1, 4) == (0, 0)
     assert check_step_failures(_train_config(max_failed_group_ratio=0.5), keys, tags, 10) == {
         FAILED_RESPONSES_METRIC: 15.0, FAILED_GROUPS_METRIC: 5.0}
     with pytest.raises(RuntimeError) as info:  # the default 0.1 (also without an algorithm.setgrpo block)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -33,7 +35,12 @@ def declared_gpu_cluster(tmp_path_factory):
     import ray
     from ray.cluster_utils import Cluster
 
+    # Ray's Cluster writes its address to <temp dir>/ray/ray_current_cluster, where any ray.init() without an address
+    # on this machine would find and join it (another test's run under pytest-xdist): a temp dir of its own keeps it
+    # apart (short, for the raylets' socket paths); the runs reach it through RAY_ADDRESS
+    temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TMPDIR", temp_dir)
         for key, value in rehearsal_environ(GPU_NODE).items():  # the raylets; each run sets its own
             mp.setenv(key, value)
         mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # Ray refuses declared GPUs that the variable hides
@@ -48,6 +55,7 @@ def declared_gpu_cluster(tmp_path_factory):
             if ray.is_initialized():
                 ray.shutdown()
             cluster.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class HostJudge:
