@@ -75,9 +75,12 @@ def test_run_directory_is_complete(smoke_run):
     assert all("actor/entropy" in m for m in grpo) and all("actor/entropy" in m for m in setgrpo)
     # the baseline's graded sync trainer logs the grading metrics and nothing else of SetGRPO's; it calls the grader
     # once per response (3 groups of K a step), SetGRPO twice
-    assert {k for m in grpo for k in m if k.startswith("setgrpo/")} == {"setgrpo/grading/calls_per_step",
-                                                                       "setgrpo/grading/unparsed_ratio",
-                                                                       "setgrpo/grading/no_answer_ratio"}
+    assert {k for m in grpo for k in m if k.startswith("setgrpo/")} == {
+        "setgrpo/grading/calls_per_step", "setgrpo/grading/unparsed_ratio", "setgrpo/grading/no_answer_ratio",
+        "setgrpo/grading/reasks_per_step", "setgrpo/grading/failed_responses", "setgrpo/grading/failed_groups"}
+    # every response of every group came back graded, with no re-ask
+    for key in ("setgrpo/grading/reasks_per_step", "setgrpo/grading/failed_responses", "setgrpo/grading/failed_groups"):
+        assert [m[key] for m in grpo + setgrpo] == [0.0] * 4, key
     # SmolLM2 does not think: every response has an answer to grade
     assert all(m["setgrpo/grading/no_answer_ratio"] == 0.0 for m in grpo + setgrpo)
     from omegaconf import OmegaConf
