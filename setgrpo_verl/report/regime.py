@@ -110,7 +110,7 @@ def regime_lines(regime, source: str = "") -> list[str]:
                  f"{source})")
     near = min(LAB_FLIPS, key=lambda f: abs(f - flip.value))
     lab = LAB[near]
-    noisy = near >= 0.2
+    noisy = near >= 0.1  # from flip 0.1 the lab puts the mean of two a whole band above plain GRPO
     lines += [f"  decision table (README), the outcome lab at the nearest flip rate {near}, K 4 (truth-reward gain, "
               "8 seeds):",
               ("    steps scarce: GRPO on the mean of two scorings, "
