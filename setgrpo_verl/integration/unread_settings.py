@@ -32,7 +32,7 @@ __all__ = ["DUAL_REWARD_KWARGS", "check_unread_settings", "check_mini_batch", "c
 DUAL_REWARD_KWARGS = ("grader", "point", "scorings")
 #: ``algorithm.setgrpo`` keys that verl's GRPO reads too: the reference score's name, which the reward manager
 #: writes under in every trainer mode (:func:`~.reward_config.reference_score_key`).
-_READ_BY_GRPO = ("reference_score_key",)
+_READ_BY_GRPO = ("reference_score_key", "max_failed_group_ratio")
 
 
 def _plain(node: Any) -> Any:
@@ -151,6 +151,10 @@ def check_ray_gpus(config: Any, environ: Optional[Mapping[str, str]] = None) -> 
     Raises:
         ValueError: naming the variable, its value, the GPUs asked for and the fix.
     """
+    from .gpu_env import in_ray_actor
+
+    if environ is None and in_ray_actor():  # Ray 2.41-2.55 set "" in actors without GPUs (the TaskRunner)
+        return
     environ = os.environ if environ is None else environ
     value = environ.get("CUDA_VISIBLE_DEVICES")
     wanted = config_value(config, "ray_kwargs.ray_init.num_gpus")

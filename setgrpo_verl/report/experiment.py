@@ -22,9 +22,10 @@ __all__ = ["ARM_KEYS", "RESUME_KEYS", "SEED_KEYS", "check_same_experiment", "com
            "experiment_settings"]
 
 #: The overrides a resume changes (validating before the first step is a fresh run's, or a resumed run's that owes
-#: the validation of its checkpoint's step), and which part of a sharded calibration a command made (the record is
-#: the whole shard set's).
-RESUME_KEYS = frozenset({"trainer.val_before_train", "algorithm.setgrpo.calibration.shard"})
+#: the validation of its checkpoint's step), which part of a sharded calibration a command made (the record is
+#: the whole shard set's), and where this package's pre-Ray check lives (a module path, not a setting: it moved).
+RESUME_KEYS = frozenset({"trainer.val_before_train", "algorithm.setgrpo.calibration.shard",
+                         "hydra.callbacks.setgrpo_check._target_"})
 #: The overrides in which the runs of one experiment differ by seed and name: where a run writes, its name, its seed.
 SEED_KEYS = frozenset({"trainer.default_local_dir", "trainer.experiment_name", "hydra.run.dir", "data.seed",
                        "actor_rollout_ref.rollout.seed", "algorithm.setgrpo.group_log"})

@@ -499,7 +499,7 @@ def analyse(args: argparse.Namespace, lifecycle) -> str:
         raise LaunchError(f"{where}: {exc}") from None
     out = lifecycle.prepare(_OUTCOME) if getattr(args, "out", None) is None else args.out
     try:
-        with writing(out, "the comparison's analysis", remove=[out]):
+        with writing(out, "the comparison's analysis", remove=[out] if getattr(args, "out", None) is None else []):
             out.mkdir(parents=True, exist_ok=True)
             write_outcome(out, curves, result, text)
             mark_complete(out)
