@@ -21,6 +21,18 @@ def _rows(n: int, words: int = 4) -> list[dict]:
              "rubrics": [{"criterion": "criterion", "points": 1.0}]} for i in range(n)]
 
 
+def _read_only(monkeypatch, run):
+    """Opening anything under ``run`` for writing fails as on a read-only mount (EROFS)."""
+    real_open = runlock.os.open
+
+    def read_only(path, flags, *args):
+        if str(path).startswith(str(run)) and flags & (runlock.os.O_RDWR | runlock.os.O_WRONLY | runlock.os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(runlock.os, "open", read_only)
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_a_data_file_with_a_byte_order_mark_is_read(tmp_path, suffix):
     rows = _rows(3)
@@ -76,14 +88,7 @@ def test_a_read_only_run_directory_is_named_and_report_writes_elsewhere(tmp_path
     cannot be taken, which the error says with the fix; report --out writes elsewhere without the lock."""
     run = tmp_path / "ro"
     run.mkdir()
-    real_open = runlock.os.open
-
-    def read_only(path, flags, *args):
-        if str(path).startswith(str(run)) and flags & (runlock.os.O_RDWR | runlock.os.O_WRONLY | runlock.os.O_CREAT):
-            raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(runlock.os, "open", read_only)
+    _read_only(monkeypatch, run)
     assert cli.main(["report", "--run-dir", str(run)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot write the run directory's lock (every command but a dry run takes it) to "
@@ -129,14 +134,7 @@ def test_a_full_disk_during_the_analysis_names_it_and_leaves_no_outcome(tmp_path
 def test_the_analysis_of_a_read_only_run_directory_goes_to_out(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     argv = _finished_comparison(run)
-    real_open = runlock.os.open
-
-    def read_only(path, flags, *args):
-        if str(path).startswith(str(run)) and flags & (runlock.os.O_RDWR | runlock.os.O_WRONLY | runlock.os.O_CREAT):
-            raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(runlock.os, "open", read_only)
+    _read_only(monkeypatch, run)
     assert cli.main(argv) == 2
     assert "compare --analysis-only --out DIR" in capsys.readouterr().err
     monkeypatch.setattr("setgrpo_verl.runner.writes.writable", lambda path: False)
